@@ -1,0 +1,1 @@
+"""asyncrl: fully-asynchronous off-policy RL for language models."""

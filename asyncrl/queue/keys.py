@@ -1,0 +1,54 @@
+"""Redis key layout of one run. Every component names keys through this module only.
+
+    asyncrl:runs                      set    names of runs this Redis holds
+    asyncrl:{run}:rollouts            stream rollout groups, field b"d" = msgpack record
+    asyncrl:{run}:deadletter          stream malformed records: b"reason", b"d" (raw bytes), b"source_id"
+    asyncrl:{run}:metrics             stream field b"d" = msgpack {"step", "time", "source", "metrics": {name: float}}
+    asyncrl:{run}:state               hash   policy_version, weights_version, weights_location,
+                                             max_staleness, groups_per_step, status, ...
+    asyncrl:{run}:counters            hash   groups_started, groups_produced, dropped_stale,
+                                             dead_lettered, groups_trained, ...
+    asyncrl:{run}:dropped             set    group ids dropped as too stale
+    asyncrl:{run}:generators          hash   generator id -> msgpack {"version", "heartbeat", ...}
+"""
+
+from __future__ import annotations
+
+PREFIX = "asyncrl"
+RUNS = f"{PREFIX}:runs"
+CONSUMER_GROUP = "learners"
+RECORD_FIELD = b"d"
+
+
+def _key(run: str, name: str) -> str:
+    if not run or ":" in run:
+        raise ValueError(f"run name {run!r}: must be non-empty and contain no ':'")
+    return f"{PREFIX}:{run}:{name}"
+
+
+def rollouts(run: str) -> str:
+    return _key(run, "rollouts")
+
+
+def deadletter(run: str) -> str:
+    return _key(run, "deadletter")
+
+
+def metrics(run: str) -> str:
+    return _key(run, "metrics")
+
+
+def state(run: str) -> str:
+    return _key(run, "state")
+
+
+def counters(run: str) -> str:
+    return _key(run, "counters")
+
+
+def dropped(run: str) -> str:
+    return _key(run, "dropped")
+
+
+def generators(run: str) -> str:
+    return _key(run, "generators")

@@ -1,0 +1,161 @@
+"""Records passed between components.
+
+A `RolloutGroup` is one queue entry: all n samples of one prompt, so group-relative
+advantages never see half a group. Arrays are numpy (the codec in `asyncrl.data.codec`
+writes them as raw little-endian bytes); nothing here imports torch.
+
+Versions: `behavior_version` of a sample is the policy version of the *oldest* token in
+it; `token_versions` (optional) gives the version that produced each response token when
+weights changed mid-request. The group's version is its oldest sample's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Sample:
+    """One sampled response (or one step of a multi-turn trajectory)."""
+
+    response_ids: np.ndarray
+    """int32 [T]: generated tokens (multi-turn: model and observation tokens interleaved)."""
+    rollout_logprobs: np.ndarray
+    """float32 [T]: log-prob of each response token under the behaviour policy (0 where loss_mask is 0)."""
+    loss_mask: np.ndarray
+    """uint8 [T]: 1 on tokens the policy generated and should be trained on."""
+    reward: float
+    """Scalar (outcome) reward; NaN if the reward function failed (see `error`)."""
+    behavior_version: int
+    stop_reason: str = "stop"
+    """'stop' | 'length' | 'abort' | 'error' ..."""
+    token_versions: np.ndarray | None = None
+    """int32 [T] or None: policy version that produced each token."""
+    token_rewards: np.ndarray | None = None
+    """float32 [T] or None: per-token rewards (for token-level estimators)."""
+    generator_id: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    """Why the reward is missing (the reward function raised or returned NaN/None)."""
+    prompt_ids: np.ndarray | None = None
+    """int32 [P] or None: this sample's own prompt (step-wise steps); None means the group's."""
+    trajectory_id: int = 0
+    """Step-wise: which trajectory of the group this step belongs to."""
+    step_index: int = 0
+
+    def __post_init__(self) -> None:
+        self.response_ids = np.asarray(self.response_ids, dtype=np.int32)
+        self.rollout_logprobs = np.asarray(self.rollout_logprobs, dtype=np.float32)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=np.uint8)
+        if self.token_versions is not None:
+            self.token_versions = np.asarray(self.token_versions, dtype=np.int32)
+        if self.token_rewards is not None:
+            self.token_rewards = np.asarray(self.token_rewards, dtype=np.float32)
+        if self.prompt_ids is not None:
+            self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_ids.shape[0])
+
+
+@dataclass
+class RolloutGroup:
+    """All samples of one prompt: the unit of the replay queue."""
+
+    group_id: str
+    prompt_id: str
+    prompt_ids: np.ndarray
+    """int32 [P]."""
+    samples: list[Sample]
+    env: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """msgpack-able env metadata (e.g. the target answer)."""
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+
+    @property
+    def behavior_version(self) -> int:
+        """The oldest sample's version: staleness is measured from it."""
+        return min(s.behavior_version for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([s.reward for s in self.samples], dtype=np.float32)
+
+
+@dataclass
+class TrainSequence:
+    """One sequence ready for the learner: prompt + response, every field aligned to `input_ids`.
+
+    Position t holds the quantities for predicting input_ids[t] from input_ids[:t]; prompt
+    positions (and observation tokens) have loss_mask 0. The driver computes advantages and
+    reduction weights over the whole mini-batch (all DP ranks), so ranks only ever compute
+    sum(reduction_weights * term) and the result cannot depend on how the batch is cut.
+    """
+
+    input_ids: np.ndarray
+    """int32 [L]."""
+    loss_mask: np.ndarray
+    """float32 [L]."""
+    rollout_logprobs: np.ndarray
+    """float32 [L] (0 on masked positions)."""
+    advantages: np.ndarray
+    """float32 [L]."""
+    reduction_weights: np.ndarray
+    """float32 [L]: this token's weight in the mini-batch loss (0 where loss_mask is 0)."""
+    token_versions: np.ndarray
+    """int32 [L]: behaviour version per position."""
+    behavior_version: int
+    group_id: str = ""
+    sample_index: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class MetricValue:
+    """A metric that carries its own reduction, so partial results merge without re-deriving it.
+
+    mean: total / count;  sum: total;  max / min: total is the extreme so far (count unused).
+    """
+
+    reduce: str
+    total: float
+    count: float = 1.0
+
+    def merge(self, other: MetricValue) -> MetricValue:
+        if self.reduce != other.reduce:
+            raise ValueError(f"cannot merge a {self.reduce!r} metric with a {other.reduce!r} one")
+        if self.reduce == "max":
+            return MetricValue("max", max(self.total, other.total), 1.0)
+        if self.reduce == "min":
+            return MetricValue("min", min(self.total, other.total), 1.0)
+        return MetricValue(self.reduce, self.total + other.total, self.count + other.count)
+
+    @property
+    def value(self) -> float:
+        if self.reduce == "mean":
+            return self.total / self.count if self.count else float("nan")
+        return self.total
+
+
+def merge_metrics(parts: list[dict[str, MetricValue]]) -> dict[str, MetricValue]:
+    out: dict[str, MetricValue] = {}
+    for part in parts:
+        for name, m in part.items():
+            out[name] = out[name].merge(m) if name in out else m
+    return out

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: set up .venv, then run the whole suite (CPU; GPU tests skip without CUDA).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_venv.sh || exit 1
+# The dashboard browser test needs Chromium; install Debian's package when we can (root, apt).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+        || echo "[test] chromium could not be installed; browser tests will skip"
+fi
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+.venv/bin/python -m pytest "${@:-tests}"
+rc=$?
+# pytest exits 5 when it collected no test: that is a broken suite here, not a pass.
+if [ "$rc" = 5 ]; then echo "[test] pytest collected no tests"; exit 1; fi
+exit "$rc"
