@@ -1,0 +1,138 @@
+"""`asyncrl` command line.
+
+    asyncrl train configs/demo.yaml control.max_staleness=2 learner.lr=3e-4
+    asyncrl train --resume runs/demo
+    asyncrl generate --redis redis://127.0.0.1:6379/0 --run demo      # join a running job
+    asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8265]
+    asyncrl bench e2e --quick
+    asyncrl tiny-model /tmp/tiny
+
+The config is parsed and validated before torch, Ray or vLLM are imported, so a bad flag
+is rejected in about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import sys
+from pathlib import Path
+
+BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="asyncrl", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="run a training job (async or sync mode)")
+    t.add_argument("config", nargs="?", help="YAML config (see configs/)")
+    t.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    t.add_argument("--resume", metavar="RUN_DIR", help="resume from RUN_DIR's last checkpoint")
+    t.add_argument("--check", action="store_true", help="validate the config, print it, and exit")
+
+    g = sub.add_parser("generate", help="join a running job as an elastic generator")
+    g.add_argument("--redis", required=True, help="the job's Redis URL")
+    g.add_argument("--run", required=True, help="the job's run name")
+    g.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+    g.add_argument("--id", dest="generator_id", default=None, help="generator id (default: host-pid)")
+    g.add_argument("--max-groups", type=int, default=None, help="leave after producing this many groups")
+
+    d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard")
+    d.add_argument("--redis", required=True)
+    d.add_argument("--run", default=None)
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8265)
+    d.add_argument("--token", default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"))
+    d.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+
+    b = sub.add_parser("bench", help=f"run a benchmark from bench/ ({', '.join(BENCHES)})")
+    b.add_argument("name", choices=BENCHES)
+    b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
+
+    m = sub.add_parser("tiny-model", help="write a tiny random Llama + char tokenizer")
+    m.add_argument("path")
+    m.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _cmd_train(args) -> int:
+    from asyncrl.config import ConfigError, load_config
+
+    try:
+        if args.resume:
+            # With --resume the positional CONFIG slot holds the first override, if any.
+            overrides = ([args.config] if args.config else []) + args.overrides
+            cfg = load_config(Path(args.resume) / "config.yaml", overrides)
+        else:
+            if not args.config:
+                print("asyncrl train: a CONFIG file (or --resume RUN_DIR) is required", file=sys.stderr)
+                return 2
+            cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    from asyncrl.control.train import train  # heavy imports only after the config is valid
+
+    train(cfg, resume_dir=args.resume)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from asyncrl.control.elastic import run_elastic_generator
+
+    run_elastic_generator(args.redis, args.run, password=args.password,
+                          generator_id=args.generator_id, max_groups=args.max_groups)
+    return 0
+
+
+def _cmd_dashboard(args) -> int:
+    from asyncrl.monitor.dashboard.app import serve
+
+    serve(args.redis, run=args.run, host=args.host, port=args.port, token=args.token, password=args.password)
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    script = Path(__file__).resolve().parent.parent / "bench" / f"{args.name}.py"
+    if not script.exists():
+        print(f"asyncrl bench: {script} not found (benchmarks run from a source checkout)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _cmd_tiny_model(args) -> int:
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    print(write_tiny_model(args.path, seed=args.seed))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may come before or after flags (`train cfg.yaml --check a.b=1`).
+    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    handlers = {"train": _cmd_train, "generate": _cmd_generate, "dashboard": _cmd_dashboard,
+                "bench": _cmd_bench, "tiny-model": _cmd_tiny_model}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The trainer loop: staleness-bounded batches in, weights out, metrics everywhere.
+
+Each step at policy version v:
+  1. wait for `groups_per_step` groups no older than min_behavior_version(v) (queue drops
+     and counts older ones, and dead-letters malformed ones; both give their admission
+     slot back so generators can replace them);
+  2. advantages + reduction weights (asyncrl.data.batch), one optimizer step per mini-batch;
+  3. every `sync_every` optimizer steps publish the weights, and only then raise the policy
+     version in Redis, so admission never lets a generator start work on weights it lacks;
+  4. log metrics; every `checkpoint_every` steps checkpoint, then ack the queue entries the
+     checkpoint covers (a crash before that redelivers them: trained exactly once).
+
+`mode=sync` is this same loop with the staleness bound forced to 0: admission lets the
+generators start exactly one step's groups per version, so they generate while the
+learner waits, sit idle (blocked by admission) while it trains, and resume only once the
+new weights are published -- generate, train, sync, with no code of its own to drift.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config
+from asyncrl.control.staleness import check_within_bound, min_behavior_version
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint must restore for the loop to go on exactly where it stopped."""
+
+    step: int = 0
+    version: int = 0
+    published_version: int = 0
+    trained_ids: list[str] = field(default_factory=list)
+    """Group ids trained into the current weights (the exactly-once ledger)."""
+    unacked: list[str] = field(default_factory=list)
+    """Queue entry ids consumed since the last checkpoint."""
+
+    def to_extra(self) -> dict[str, Any]:
+        return {"step": self.step, "version": self.version, "published_version": self.published_version,
+                "trained_ids": list(self.trained_ids)}
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> LoopState:
+        return cls(step=int(extra["step"]), version=int(extra["version"]),
+                   published_version=int(extra.get("published_version", extra["version"])),
+                   trained_ids=list(extra.get("trained_ids", [])))
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints and exits. A second
+    signal restores the default handler, so a third press kills at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("received %s: finishing this step, checkpointing and shutting down",
+                    signal.Signals(signum).name)
+        self.event.set()
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    @property
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+class TrainLoop:
+    """Drives one run. Holds handles only; every decision is a small method of its own."""
+
+    def __init__(self, cfg: Config, runtime, metrics_logger, *, state: LoopState | None = None,
+                 stop: StopFlag | None = None, progress=None):
+        self.cfg = cfg
+        self.rt = runtime
+        self.queue = runtime.queue
+        self.learner = runtime.learner
+        self.logger = metrics_logger
+        self.state = state or LoopState()
+        self.stop = stop or StopFlag()
+        self.progress = progress
+        self.on_step = None
+        """Optional callback(loop, metrics) after every step (tests, benchmarks)."""
+        self.ckpt_root = Path(runtime.run_dir) / "checkpoints"
+        self.staleness_log: list[tuple[str, int]] = []
+        """(group id, staleness) of every trained group: the e2e tests check each one."""
+        self._counters_seen: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def prepare(self) -> None:
+        """Align Redis with the loop's state (fresh start or resume) and publish weights."""
+        c = self.cfg.control
+        self.queue.set_state(
+            max_staleness=c.max_staleness, groups_per_step=c.groups_per_step, status="running",
+            started_at=time.time(), alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
+            alert_masked_frac=self.cfg.monitor.alert_masked_frac,
+            alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
+        )
+        self.queue.configure_admission(self.max_staleness, c.groups_per_step)
+        # After a resume the weights are the checkpoint's: generators must run them, and
+        # admission must count only what is still alive (queued or pending) on top of what
+        # the checkpoint trained, or staleness would climb past the bound.
+        self._publish(self.state.version)
+        trained = len(self.state.trained_ids)
+        self.queue.reset_admission(trained + self.queue.depth() + self.queue.pending())
+        self.queue.set_policy_version(self.state.version)
+        self._counters_seen = self.queue.counters()
+
+    # ------------------------------------------------------------------ one step
+
+    @property
+    def max_staleness(self) -> int:
+        return 0 if self.cfg.control.mode == "sync" else self.cfg.control.max_staleness
+
+    def _min_version(self) -> int:
+        return min_behavior_version(self.state.version, self.max_staleness, self.cfg.learner.mini_batches_per_step)
+
+    def _collect(self) -> list[tuple[str, Any]]:
+        """Block until a full step's groups are here (or stop was asked for)."""
+        want = self.cfg.control.groups_per_step
+        items: list = []
+        deadline = time.monotonic() + self.cfg.control.batch_timeout_s
+        while len(items) < want and not self.stop.is_set:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no full batch within control.batch_timeout_s={self.cfg.control.batch_timeout_s}s "
+                    f"({len(items)}/{want} groups): are the generators alive? counters={self.queue.counters()}"
+                )
+            items += self.queue.get_batch(want - len(items), self._min_version(), timeout=1.0)
+            self._release_lost_admissions()
+        return items
+
+    def _release_lost_admissions(self) -> None:
+        """Dropped-stale and dead-lettered groups will never be trained: free their slots."""
+        now = self.queue.counters()
+        lost = sum(now.get(k, 0) - self._counters_seen.get(k, 0) for k in ("dropped_stale", "dead_lettered"))
+        if lost > 0:
+            self.queue.release_admission(lost)
+        self._counters_seen = now
+
+    def _train(self, groups: list) -> dict[str, float]:
+        from asyncrl.data.batch import build_minibatches
+
+        m = self.cfg.learner.mini_batches_per_step
+        minibatches, batch_metrics = build_minibatches(
+            groups, self.cfg.algo, num_minibatches=m, pad_token_id=self.learner.pad_token_id
+        )
+        # Every record's staleness at the version its mini-batch trains at, checked one by one.
+        for j, mb in enumerate(minibatches):
+            at = self.state.version + j
+            check_within_bound([at - seq.behavior_version for seq in mb], self.max_staleness)
+        for g in groups:
+            j = self._minibatch_of(g.group_id, minibatches)
+            self.staleness_log.append((g.group_id, self.state.version + j - g.behavior_version))
+        metrics = self.learner.train_step(minibatches)
+        metrics.update(batch_metrics)
+        return metrics
+
+    @staticmethod
+    def _minibatch_of(group_id: str, minibatches) -> int:
+        for j, mb in enumerate(minibatches):
+            if any(seq.group_id == group_id for seq in mb):
+                return j
+        return 0
+
+    def _publish(self, version: int) -> float:
+        t0 = time.perf_counter()
+        path = self.rt.weight_sync.path_for(version)
+        self.learner.export_to_file(path)
+        self.rt.weight_sync.publish_file(path, version)
+        self.state.published_version = version
+        return time.perf_counter() - t0
+
+    def _due(self, every: int, before: int, after: int) -> bool:
+        return after // every > before // every
+
+    def step(self) -> dict[str, float] | None:
+        c = self.cfg.control
+        t0 = time.perf_counter()
+        items = self._collect()
+        if self.stop.is_set and len(items) < c.groups_per_step:
+            # Not trained: leave them un-acked so a resume redelivers them.
+            return None
+        t_wait = time.perf_counter() - t0
+        ids = [entry_id for entry_id, _ in items]
+        groups = [g for _, g in items]
+        staleness = [self.state.version - g.behavior_version for g in groups]
+
+        t1 = time.perf_counter()
+        metrics = self._train(groups)
+        t_train = time.perf_counter() - t1
+        before = self.state.version
+        self.state.version = int(metrics.get("learner/version", before + self.cfg.learner.mini_batches_per_step))
+        self.state.step += 1
+        self.state.trained_ids += [g.group_id for g in groups]
+        self.state.unacked += ids
+        self.queue.incr("groups_trained", len(groups))
+
+        t_sync = 0.0
+        if self._due(self.cfg.sync.sync_every, before, self.state.version):
+            t_sync = self._publish(self.state.version)
+        # Raised only after the publish, so admitted work runs the weights it is counted against.
+        self.queue.set_policy_version(self.state.version)
+
+        if self.state.step % c.checkpoint_every == 0 or self.state.step >= c.total_steps:
+            self.checkpoint()
+
+        metrics.update(self._step_metrics(groups, staleness, t_wait, t_train, t_sync, time.perf_counter() - t0))
+        self.logger.log(self.state.step, metrics)
+        return metrics
+
+    def _step_metrics(self, groups, staleness, t_wait, t_train, t_sync, t_step) -> dict[str, float]:
+        from asyncrl.monitor.metrics import staleness_summary
+
+        counters = self.queue.counters()
+        gen_tokens = sum(g.num_tokens for g in groups)
+        out = {
+            "time/wait_data": t_wait, "time/train": t_train, "time/sync": t_sync, "time/step": t_step,
+            "sync/seconds": t_sync,
+            "queue/depth": float(self.queue.depth()), "queue/pending": float(self.queue.pending()),
+            "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
+            "queue/dead_lettered": float(counters.get("dead_lettered", 0)),
+            "learner/version": float(self.state.version),
+            "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(t_step, 1e-9),
+            "throughput/step_tokens_per_s": gen_tokens / max(t_step, 1e-9),
+        }
+        out.update(staleness_summary(staleness, self.cfg.control.max_staleness))
+        gens = self.queue.generators()
+        for gid, info in gens.items():
+            out[f"generator/{gid}/lag"] = float(self.state.version - int(info.get("version", 0)))
+        tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]
+        if tps:
+            out["throughput/gen_tokens_per_s"] = sum(tps)
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def checkpoint(self) -> Path:
+        """Durable checkpoint first, ack second: a crash in between only redelivers."""
+        path = self.ckpt_root / f"step_{self.state.step:06d}"
+        self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
+        if self.state.unacked:
+            self.queue.ack(self.state.unacked)
+            self.state.unacked = []
+        return path
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> LoopState:
+        self.stop.install()
+        try:
+            self.prepare()
+            while self.state.step < self.cfg.control.total_steps and not self.stop.is_set:
+                metrics = self.step()
+                if metrics is None:
+                    continue
+                if self.progress is not None:
+                    self.progress.update(self.state.step, metrics)
+                if self.on_step is not None:
+                    self.on_step(self, metrics)
+            if self.stop.is_set and self.state.unacked:
+                self.checkpoint()
+            self.queue.set_state(status="stopped" if self.stop.is_set else "finished")
+        except BaseException:
+            self.queue.set_state(status="failed")
+            raise
+        finally:
+            self.stop.restore()
+        return self.state
+

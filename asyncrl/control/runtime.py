@@ -1,0 +1,159 @@
+"""Bring-up and tear-down of everything a run needs, in one ExitStack.
+
+    with Runtime(cfg, run_dir) as rt:
+        rt.queue, rt.learner, rt.weight_sync, rt.generators ...
+
+Order matters: Redis first (everything reports there), then Ray, the learner group (its
+weights are version 0 or the resumed checkpoint), then the generators, which start
+sampling as soon as the first weights are published. Tear-down runs in reverse and only
+stops what this runtime started (an external Redis is left alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from asyncrl.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(cfg: Config, run_dir: Path) -> str:
+    """'tiny' writes a tiny random Llama for the environment's alphabet into the run dir."""
+    if cfg.rollout.model != "tiny":
+        return cfg.rollout.model
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    path = run_dir / "tiny-model"
+    if not (path / "config.json").exists():
+        write_tiny_model(path, seed=cfg.control.seed)
+    return str(path)
+
+
+class Runtime(contextlib.ExitStack):
+    """Owns the processes and actors of one run; closing it stops exactly those."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, start_generators: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.start_generators = start_generators
+        self.redis_url: str | None = None
+        self.embedded_redis = None
+        self.queue = None
+        self.learner = None
+        self.weight_sync = None
+        self.generators: list = []
+        self.model_path: str | None = None
+
+    # ------------------------------------------------------------------ bring-up
+
+    def __enter__(self) -> Runtime:
+        super().__enter__()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._start_redis()
+            self._start_ray()
+            self.model_path = resolve_model(self.cfg, self.run_dir)
+            self._start_learner()
+            self._start_weight_sync()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_redis(self) -> None:
+        from asyncrl.queue import RolloutQueue
+
+        q = self.cfg.queue
+        if q.redis_url is None:
+            from asyncrl.queue.server import EmbeddedRedis
+
+            server = EmbeddedRedis(self.run_dir / "redis", password=q.password, aof=q.aof, bind=q.bind)
+            server.start()
+            self.callback(server.stop)
+            self.embedded_redis = server
+            self.redis_url = server.url
+        else:
+            self.redis_url = q.redis_url
+        self.queue = RolloutQueue.connect(
+            self.redis_url, self.cfg.control.run_name, password=q.password, consumer="learner-0",
+            maxlen=q.maxlen, max_record_bytes=q.max_record_bytes,
+        )
+        self.callback(self.queue.close)
+
+    def _start_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return  # a caller (tests, notebooks) owns Ray; leave it running
+        c = self.cfg.control
+        env_vars = {"VLLM_CPU_KVCACHE_SPACE": str(self.cfg.rollout.kvcache_gib), "TOKENIZERS_PARALLELISM": "false"}
+        # Logical CPUs beyond the physical ones let learner ranks and generators co-exist on a
+        # small machine; real placement is by affinity where benchmarks need it.
+        ray.init(
+            address=c.ray_address,
+            num_cpus=None if c.ray_address else max(os.cpu_count() or 2, 8),
+            include_dashboard=False,
+            object_store_memory=None if c.ray_address else c.ray_object_store_mb * 1024 * 1024,
+            runtime_env={"env_vars": env_vars},
+            log_to_driver=True,
+        )
+        self.callback(ray.shutdown)
+
+    def _start_learner(self) -> None:
+        from asyncrl.learner import LearnerGroup
+
+        self.learner = LearnerGroup(self.cfg, self.model_path)
+        self.callback(self.learner.shutdown)
+
+    def _start_weight_sync(self) -> None:
+        from asyncrl.sync import build_weight_sync
+
+        self.weight_sync = build_weight_sync(
+            self.cfg.sync, queue=self.queue, run=self.cfg.control.run_name
+        )
+        self.callback(self.weight_sync.close)
+
+    def launch_generators(self) -> list:
+        """Start cfg.rollout.num_generators Ray actors; each restarts on a crash."""
+        from asyncrl.rollout.generator import GeneratorActor
+
+        for i in range(self.cfg.rollout.num_generators):
+            handle = GeneratorActor.remote_actor(
+                self.cfg,
+                model_path=self.model_path,
+                generator_id=f"gen-{i}",
+                redis_url=self.redis_url,
+                run=self.cfg.control.run_name,
+                password=self.cfg.queue.password,
+            )
+            self.generators.append(handle)
+            self.weight_sync.register(handle)
+        self.callback(self._stop_generators)
+        return self.generators
+
+    def _stop_generators(self) -> None:
+        import ray
+
+        refs = [g.shutdown.remote() for g in self.generators]
+        with contextlib.suppress(Exception):
+            ray.get(refs, timeout=60)
+        for g in self.generators:
+            with contextlib.suppress(Exception):
+                ray.kill(g, no_restart=True)
+        self.generators.clear()
+
+    # ------------------------------------------------------------------ helpers
+
+    def write_config(self) -> Path:
+        import yaml
+
+        path = self.run_dir / "config.yaml"
+        path.write_text(yaml.safe_dump(json.loads(json.dumps(asdict(self.cfg))), sort_keys=False))
+        return path
