@@ -1,0 +1,97 @@
+"""The environment contract and the registry that finds one by name or import path.
+
+    env = make_env("copy", {"min_len": 3})            # a built-in (asyncrl.config.ENVIRONMENTS)
+    env = make_env("my_pkg.tasks:MyEnv", {"k": 1})    # or any class on the Python path
+    prompt, metadata = env.make_prompt(random.Random(0))
+    reward = env.reward(prompt, response, metadata)
+
+Single-turn environments score one response. Multi-turn ones (``MultiTurnEnvironment`` in
+``multiturn.py``) are stepped: ``reset`` gives the first observation, ``step(response)``
+returns ``(observation, reward, done)``. Import paths (not pickled objects) name user
+environments so that every Ray worker can build its own copy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+from typing import Any
+
+BUILTIN = {
+    "copy": "asyncrl.rollout.envs.synthetic:CopyEnv",
+    "reverse": "asyncrl.rollout.envs.synthetic:ReverseEnv",
+    "arithmetic": "asyncrl.rollout.envs.synthetic:ArithmeticEnv",
+    "gsm8k": "asyncrl.rollout.envs.gsm8k:GSM8KEnv",
+    "countdown_chat": "asyncrl.rollout.envs.multiturn:CountdownChatEnv",
+}
+
+
+class Environment:
+    """A single-turn task: makes prompts (optional) and scores responses.
+
+    Subclasses override ``reward`` and, when the task makes its own prompts, ``make_prompt``.
+    ``metadata`` must be msgpack-able: it travels with the rollout group through Redis.
+    """
+
+    multi_turn = False
+
+    def make_prompt(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not make prompts; set rollout.prompts to a prompt file"
+        )
+
+    def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+        raise NotImplementedError(f"{type(self).__name__}.reward is not implemented")
+
+
+class RewardError(RuntimeError):
+    """The environment's reward function raised or returned something that is not a finite number."""
+
+
+def score(env: Environment, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+    """Call ``env.reward`` and insist on a finite float; anything else becomes a RewardError.
+
+    The generator catches RewardError and marks the sample (reward NaN, ``error`` set)
+    instead of dying: a buggy reward must not stop generation.
+    """
+    try:
+        value = env.reward(prompt, response, metadata)
+    except Exception as e:  # user code: any exception is the reward's failure, not ours
+        raise RewardError(f"{type(env).__name__}.reward raised {type(e).__name__}: {e}") from e
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RewardError(f"{type(env).__name__}.reward returned {value!r}, expected a float")
+    if not math.isfinite(value):
+        raise RewardError(f"{type(env).__name__}.reward returned {value!r}, expected a finite float")
+    return float(value)
+
+
+def resolve_env_class(name: str) -> type:
+    """A built-in name or 'package.module:Class' -> the class (ValueError with what is allowed)."""
+    path = BUILTIN.get(name, name)
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"environment {name!r}: not a built-in ({', '.join(BUILTIN)}) nor an import path "
+            f"'package.module:Class'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"environment {name!r}: cannot import module {module_name!r}: {e}") from e
+    try:
+        cls = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"environment {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(cls, type):
+        raise ValueError(f"environment {name!r}: {path} is a {type(cls).__name__}, expected a class")
+    return cls
+
+
+def make_env(name: str, kwargs: dict[str, Any] | None = None) -> Environment:
+    """Build an environment from its registry name (or import path) and rollout.env_kwargs."""
+    cls = resolve_env_class(name)
+    try:
+        return cls(**(kwargs or {}))
+    except TypeError as e:
+        raise ValueError(f"environment {name!r}: bad rollout.env_kwargs {kwargs!r}: {e}") from e

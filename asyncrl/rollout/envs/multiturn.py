@@ -1,0 +1,181 @@
+"""Multi-turn environments and the step-wise trajectories they produce.
+
+    env = make_env("countdown_chat")                  # one instance per trajectory (it holds state)
+    prompt, meta = env.make_prompt(rng)               # "5>"
+    first_obs = env.reset(prompt, meta)               # "5>"
+    obs, reward, done = env.step("4")                 # (";4>", 0.333.., False)
+
+``run_trajectory`` drives one episode with any async policy ``(context_ids) -> Turn``
+(the generator passes its vLLM engine) and returns a ``Trajectory``; it becomes either
+one Sample per step (``to_step_samples``: each step's prompt is the whole context so
+far, every step carries the trajectory's return, as step-wise GRPO wants) or one
+interleaved Sample (``to_interleaved_sample``: observation tokens with loss_mask 0).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncrl.rollout.envs.base import Environment
+from asyncrl.types import Sample
+
+
+class MultiTurnEnvironment(Environment):
+    """A stepped task. Instances hold one episode's state: build one per trajectory."""
+
+    multi_turn = True
+    max_turns = 4
+
+    def reset(self, prompt: str, metadata: dict[str, Any]) -> str:
+        """Start an episode; return the first observation (usually the prompt itself)."""
+        raise NotImplementedError
+
+    def step(self, response: str) -> tuple[str, float, bool]:
+        """Consume the model's reply; return (next observation, this step's reward, done)."""
+        raise NotImplementedError
+
+    def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+        raise TypeError(f"{type(self).__name__} is multi-turn: use reset/step, not reward")
+
+
+@dataclass
+class Turn:
+    """What the policy produced for one step."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Trajectory:
+    """One episode: the initial prompt ids, then per step the policy turn, its reward and the
+    observation that followed (token ids, empty after the last step)."""
+
+    prompt_ids: list[int]
+    turns: list[Turn] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    observation_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(self.rewards))
+
+
+Policy = Callable[[list[int]], Awaitable[Turn]]
+
+
+async def run_trajectory(env: MultiTurnEnvironment, prompt: str, metadata: dict[str, Any],
+                         policy: Policy, encode: Callable[[str], list[int]],
+                         decode: Callable[[list[int]], str], max_context_tokens: int) -> Trajectory:
+    """Alternate policy turns and env steps until done, max_turns, or the context is full."""
+    traj = Trajectory(prompt_ids=encode(env.reset(prompt, metadata)))
+    context = list(traj.prompt_ids)
+    for _ in range(env.max_turns):
+        turn = await policy(context)
+        traj.turns.append(turn)
+        observation, reward, done = env.step(decode(turn.token_ids))
+        traj.rewards.append(float(reward))
+        obs_ids = [] if done else encode(observation)
+        traj.observation_ids.append(obs_ids)
+        context = context + list(turn.token_ids) + obs_ids
+        if done or len(context) >= max_context_tokens:
+            break
+    return traj
+
+
+def to_step_samples(traj: Trajectory, trajectory_id: int, generator_id: str = "") -> list[Sample]:
+    """One Sample per step; step k's prompt is prompt + (turn_j + obs_j for j < k)."""
+    samples, context = [], list(traj.prompt_ids)
+    for k, turn in enumerate(traj.turns):
+        n = len(turn.token_ids)
+        samples.append(Sample(
+            response_ids=np.asarray(turn.token_ids, np.int32),
+            rollout_logprobs=np.asarray(turn.logprobs, np.float32),
+            loss_mask=np.ones(n, np.uint8),
+            reward=traj.total_reward,
+            behavior_version=min(turn.versions) if turn.versions else 0,
+            stop_reason=turn.finish_reason,
+            token_versions=np.asarray(turn.versions, np.int32),
+            generator_id=generator_id,
+            prompt_ids=np.asarray(context, np.int32),
+            trajectory_id=trajectory_id,
+            step_index=k,
+        ))
+        context = context + list(turn.token_ids) + traj.observation_ids[k]
+    return samples
+
+
+def to_interleaved_sample(traj: Trajectory, generator_id: str = "") -> Sample:
+    """One Sample whose response interleaves turns (loss_mask 1) and observations (loss_mask 0)."""
+    ids, logps, mask, versions = [], [], [], []
+    for turn, obs in zip(traj.turns, traj.observation_ids):
+        ids += turn.token_ids
+        logps += turn.logprobs
+        mask += [1] * len(turn.token_ids)
+        versions += turn.versions
+        ids += obs
+        logps += [0.0] * len(obs)
+        mask += [0] * len(obs)
+        versions += [versions[-1] if versions else 0] * len(obs)
+    policy_versions = [v for t in traj.turns for v in t.versions]
+    return Sample(
+        response_ids=np.asarray(ids, np.int32),
+        rollout_logprobs=np.asarray(logps, np.float32),
+        loss_mask=np.asarray(mask, np.uint8),
+        reward=traj.total_reward,
+        behavior_version=min(policy_versions) if policy_versions else 0,
+        stop_reason=traj.turns[-1].finish_reason if traj.turns else "stop",
+        token_versions=np.asarray(versions, np.int32),
+        generator_id=generator_id,
+    )
+
+
+class CountdownChatEnv(MultiTurnEnvironment):
+    """Count down one step per turn: observation '5>' expects the reply '4', then ';4>' expects '3'...
+
+    Each correct reply earns 1/turns (digit-wise partial credit otherwise), so the return
+    lies in [0, 1]. The env always states the true count, so one wrong turn does not doom
+    the rest. Episodes end at 0 or after ``max_turns`` turns.
+    """
+
+    def __init__(self, start_min: int = 3, start_max: int = 9, max_turns: int = 3):
+        if not 1 <= start_min <= start_max <= 9:
+            raise ValueError(f"need 1 <= start_min <= start_max <= 9, got {start_min}, {start_max}")
+        if max_turns < 1:
+            raise ValueError(f"max_turns={max_turns}: must be >= 1")
+        self.start_min, self.start_max, self.max_turns = start_min, start_max, max_turns
+        self.count = 0
+        self.turn = 0
+        self.turns_total = 0
+
+    def make_prompt(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
+        start = rng.randint(self.start_min, self.start_max)
+        return f"{start}>", {"start": start}
+
+    def reset(self, prompt: str, metadata: dict[str, Any]) -> str:
+        start = metadata.get("start")
+        if start is None:
+            if not (prompt.endswith(">") and prompt[:-1].isdigit()):
+                raise ValueError(f"countdown_chat: prompt {prompt!r} is not of the form '<digit>>'")
+            start = int(prompt[:-1])
+        self.count, self.turn = int(start), 0
+        self.turns_total = min(self.max_turns, self.count)
+        return prompt
+
+    def step(self, response: str) -> tuple[str, float, bool]:
+        if self.turn >= self.turns_total:
+            raise RuntimeError("countdown_chat: step() after the episode ended; call reset() first")
+        target = str(self.count - 1)
+        hits = sum(1 for r, t in zip(response, target) if r == t)
+        credit = hits / len(target) - 0.05 * abs(len(response) - len(target))
+        self.count -= 1
+        self.turn += 1
+        done = self.turn >= self.turns_total
+        return f";{self.count}>", credit / self.turns_total, done
