@@ -1,0 +1,285 @@
+"""Discrete-event simulator of the async pipeline: predict throughput and staleness.
+
+    python bench/simulate.py --quick                      # demo-like and 7B-like scenarios
+    python bench/simulate.py --generators 64 --slots 32 --gen-mean 40 --gen-cv 0.8 \\
+        --train-step 30 --sync 4 --groups-per-step 512 --max-staleness 2
+
+Model (the same rules as asyncrl.control):
+  * G generators, each running up to `slots` groups at once (continuous batching) and
+    sharing its compute among them: up to `parallel` groups run at full speed, beyond that
+    each slows by parallel/k (processor sharing), so more concurrency is not free. A
+    group's generation time alone is drawn from a length distribution (lognormal with
+    mean and coefficient of variation, or samples measured on a real run).
+  * Admission: a group may start only while started <= (v + max_staleness + 1) * B, where
+    v is the policy version generators have been told about (raised after each publish).
+  * The learner takes B groups no older than v - max_staleness (older ones are dropped,
+    their admission slot given back), trains for `train_step` seconds, and every
+    `sync_every` steps publishes weights, which costs `sync` seconds of learner time and
+    pauses the generators for `sync_pause` seconds.
+  * max_staleness = 0 is the synchronous trainer.
+
+Last line printed: JSON with the key figures. `--validate FILE` compares the prediction
+with a real run's measurements (bench/e2e.py writes them) and reports the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Scenario:
+    generators: int = 1
+    slots: int = 16
+    parallel: float = 8.0
+    """Groups a generator runs at full speed; more share its compute."""
+    gen_mean: float = 1.0
+    """Mean seconds to generate one group."""
+    gen_cv: float = 0.3
+    """Coefficient of variation of group generation time (long tails: > 1)."""
+    gen_samples: list[float] = field(default_factory=list)
+    """Measured group times; when given they replace the lognormal."""
+    train_step: float = 1.0
+    sync: float = 0.05
+    sync_pause: float = 0.05
+    sync_every: int = 1
+    groups_per_step: int = 8
+    max_staleness: int = 1
+    steps: int = 200
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    steps_per_s: float
+    groups_per_s: float
+    staleness_mean: float
+    staleness_max: int
+    staleness_hist: dict[int, float]
+    dropped_stale: int
+    learner_busy_frac: float
+    generator_busy_frac: float
+    wall_s: float
+
+
+def _sampler(s: Scenario, rng: random.Random):
+    if s.gen_samples:
+        samples = list(s.gen_samples)
+        return lambda: rng.choice(samples)
+    sigma2 = math.log(1 + s.gen_cv ** 2)
+    mu = math.log(s.gen_mean) - sigma2 / 2
+    return lambda: rng.lognormvariate(mu, math.sqrt(sigma2))
+
+
+def simulate(s: Scenario) -> Result:
+    """Event-driven run of `s.steps` learner steps; returns throughput and staleness."""
+    rng = random.Random(s.seed)
+    draw = _sampler(s, rng)
+    now = 0.0
+    events: list[tuple[float, int, str, tuple]] = []
+    seq = 0
+
+    def push(t: float, kind: str, *payload) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, payload))
+        seq += 1
+
+    version = 0            # learner's policy version
+    announced = 0          # version admission sees (raised after a publish)
+    published = 0          # weights the generators run
+    started = 0
+    paused_until = 0.0
+    queue: list[int] = []  # behavior versions, FIFO
+    learner_busy = False
+    learner_busy_time = 0.0
+    gen_busy_time = 0.0
+    dropped = 0
+    staleness: list[int] = []
+    steps_done = 0
+
+    # Processor sharing per generator: active[g] = list of [remaining_work, behavior_version].
+    active: list[list[list[float]]] = [[] for _ in range(s.generators)]
+    last_update = [0.0] * s.generators
+    epoch = [0] * s.generators
+
+    def rate(g: int) -> float:
+        k = len(active[g])
+        return 1.0 if k <= s.parallel else s.parallel / k
+
+    def advance(g: int, t: float) -> None:
+        """Progress generator g's groups up to time t (nothing moves during a sync pause)."""
+        nonlocal gen_busy_time
+        dt = t - last_update[g]
+        if dt <= 0:
+            return
+        if active[g]:
+            r = rate(g)
+            for item in active[g]:
+                item[0] -= dt * r
+            gen_busy_time += dt * min(len(active[g]), s.parallel) / s.parallel
+        last_update[g] = t
+
+    def reschedule(g: int, t: float) -> None:
+        epoch[g] += 1
+        if active[g]:
+            start = max(t, paused_until)
+            push(start + max(0.0, min(i[0] for i in active[g])) / rate(g), "gen_check", g, epoch[g])
+
+    def try_start(t: float) -> None:
+        nonlocal started
+        budget = (announced + s.max_staleness + 1) * s.groups_per_step
+        for g in range(s.generators):
+            changed = False
+            advance(g, t)
+            while len(active[g]) < s.slots and started < budget:
+                active[g].append([draw(), published])
+                started += 1
+                changed = True
+            if changed:
+                reschedule(g, t)
+
+    def try_train(t: float) -> None:
+        nonlocal learner_busy, dropped, started
+        if learner_busy:
+            return
+        oldest_ok = version - s.max_staleness
+        while queue and queue[0] < oldest_ok:
+            queue.pop(0)
+            dropped += 1
+            started -= 1  # the slot is given back, as the real loop does
+        if len(queue) < s.groups_per_step:
+            try_start(t)
+            return
+        batch = [queue.pop(0) for _ in range(s.groups_per_step)]
+        staleness.extend(version - b for b in batch)
+        learner_busy = True
+        duration = s.train_step
+        if (version + 1) % s.sync_every == 0:
+            duration += s.sync
+        push(t + duration, "train_done")
+
+    try_start(now)
+    while events and steps_done < s.steps:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "gen_check":
+            g, ep = payload
+            if ep != epoch[g]:
+                continue  # superseded by a later change on this generator
+            advance(g, now)
+            done = [i for i in active[g] if i[0] <= 1e-9]
+            active[g] = [i for i in active[g] if i[0] > 1e-9]
+            queue.extend(int(b) for _, b in done)
+            reschedule(g, now)
+            try_start(now)
+            try_train(now)
+        elif kind == "train_done":
+            learner_busy = False
+            steps_done += 1
+            version += 1
+            learner_busy_time += s.train_step
+            if version % s.sync_every == 0:
+                for g in range(s.generators):
+                    advance(g, now)
+                published = version
+                paused_until = now + s.sync_pause  # in-flight groups pause, they are not dropped
+                for g in range(s.generators):
+                    last_update[g] = paused_until
+                    reschedule(g, now)
+            announced = version
+            try_start(now)
+            try_train(now)
+
+    wall = max(now, 1e-9)
+    hist: dict[int, float] = {}
+    for v in staleness:
+        hist[v] = hist.get(v, 0) + 1 / len(staleness)
+    return Result(
+        steps_per_s=steps_done / wall,
+        groups_per_s=steps_done * s.groups_per_step / wall,
+        staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
+        staleness_max=max(staleness, default=0),
+        staleness_hist=dict(sorted(hist.items())),
+        dropped_stale=dropped,
+        learner_busy_frac=learner_busy_time / wall,
+        generator_busy_frac=gen_busy_time / (wall * s.generators),
+        wall_s=wall,
+    )
+
+
+def speedup_table(base: Scenario, bounds=(1, 2, 4)) -> dict[str, dict]:
+    sync = simulate(Scenario(**{**asdict(base), "max_staleness": 0}))
+    out = {"sync": asdict(sync)}
+    for k in bounds:
+        r = simulate(Scenario(**{**asdict(base), "max_staleness": k}))
+        out[f"async_s{k}"] = {**asdict(r), "speedup": r.steps_per_s / sync.steps_per_s}
+    return out
+
+
+def validate(measured_file: str) -> dict:
+    """Compare predictions with a real run (bench/e2e.py's JSON): per mode, |pred-meas|/meas."""
+    with open(measured_file) as f:
+        real = json.load(f)
+    sc = real["scenario"]
+    errors = {}
+    for mode, meas in real["modes"].items():
+        scen = Scenario(**{**sc, "max_staleness": meas["max_staleness"], "steps": meas["steps"]})
+        pred = simulate(scen)
+        errors[mode] = {
+            "predicted_steps_per_s": pred.steps_per_s,
+            "measured_steps_per_s": meas["steps_per_s"],
+            "rel_error": abs(pred.steps_per_s - meas["steps_per_s"]) / meas["steps_per_s"],
+        }
+    worst = max(e["rel_error"] for e in errors.values())
+    return {"modes": errors, "max_rel_error": worst, "within_15pct": worst <= 0.15}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the built-in scenarios, a few seconds")
+    p.add_argument("--validate", metavar="FILE", help="bench/e2e.py JSON to validate against")
+    for f in Scenario.__dataclass_fields__.values():
+        if f.name in ("gen_samples",):
+            continue
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--gen-samples", metavar="FILE", help="JSON list of measured group times (s)")
+    args = p.parse_args(argv)
+
+    if args.validate:
+        print(json.dumps(validate(args.validate)))
+        return
+    if args.quick:
+        scenarios = {
+            # Shaped like the CPU demo: generation and training of similar cost.
+            "demo_like": Scenario(generators=1, slots=16, gen_mean=1.2, gen_cv=0.3, train_step=0.6,
+                                  groups_per_step=8, steps=300),
+            # Long-tailed responses: a few groups take many times the mean.
+            "long_tail": Scenario(generators=1, slots=16, gen_mean=1.2, gen_cv=1.5, train_step=0.6,
+                                  groups_per_step=8, steps=300),
+            # 7B-like cluster we cannot run here: 64 generators, slow long generations.
+            "cluster_7b": Scenario(generators=64, slots=8, gen_mean=60.0, gen_cv=0.8, train_step=40.0,
+                                   sync=5.0, sync_pause=2.0, groups_per_step=512, steps=100),
+        }
+        report = {name: speedup_table(sc) for name, sc in scenarios.items()}
+        for name, table in report.items():
+            line = ", ".join(f"{k}: {v.get('speedup', 1.0):.2f}x (stale {v['staleness_mean']:.2f})"
+                             for k, v in table.items())
+            print(f"{name:>11}: {line}", file=sys.stderr)
+        summary = {name: {k: round(v.get("speedup", 1.0), 3) for k, v in t.items()} for name, t in report.items()}
+        print(json.dumps({"speedups": summary}))
+        return
+    if args.gen_samples:
+        with open(args.gen_samples) as f:
+            args.gen_samples = json.load(f)
+    sc = Scenario(**{k: getattr(args, k) for k in Scenario.__dataclass_fields__ if getattr(args, k) is not None})
+    print(json.dumps(asdict(simulate(sc))))
+
+
+if __name__ == "__main__":
+    main()
