@@ -347,13 +347,19 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{path}: unsupported field type {tp!r}")
 
 
+def _where(prefix: str, key: Any) -> str:
+    """'algo.kl_coef' for a normal key; 'algo[3]' or "config root['']" for odd ones."""
+    if isinstance(key, str) and key.isidentifier():
+        return f"{prefix}.{key}" if prefix else key
+    return f"{prefix or 'config root'}[{key!r}]"
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            where = f"{prefix}.{key}" if prefix else str(key)
-            raise ConfigError(f"{where}: unknown field; {cls.__name__} has: {', '.join(sorted(names))}")
+            raise ConfigError(f"{_where(prefix, key)}: unknown field; {cls.__name__} has: {', '.join(sorted(names))}")
     kwargs = {}
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else key
