@@ -1,0 +1,262 @@
+"""Redis reads behind every dashboard panel. Plain functions over a redis-py client; msgpack only.
+
+    client = redis.Redis.from_url("redis://127.0.0.1:6379")
+    list_runs(client)                                  # ['demo', ...]
+    run_summary(client, "demo", now=time.time())       # state + counters + latest metrics
+    read_series(client, "demo", ["reward/mean"], since="0-0")  # points newer than a stream id
+
+Every value returned is JSON-ready: NaN/inf become None (JSON has no NaN), bytes become str.
+The key layout is asyncrl/queue/keys.py; the metrics stream entry is
+``{"step", "time", "source", "metrics": {name: float}}`` under field b"d".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+
+from asyncrl.monitor.metrics import HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts
+from asyncrl.queue import keys
+
+STATE_INT_FIELDS = ("policy_version", "weights_version", "max_staleness", "groups_per_step")
+STATE_FLOAT_FIELDS = ("started_at", "alert_rollout_kl", "alert_masked_frac", "alert_staleness_frac")
+COUNTER_FIELDS = ("groups_started", "groups_produced", "groups_trained", "dropped_stale", "dead_lettered")
+LATEST_WINDOW = 500
+"""Stream entries scanned (newest first) to find each metric's latest value."""
+SERIES_LIMIT = 20_000
+"""Most stream entries one series request returns; the client pages on with `since`."""
+
+
+class UnknownRun(LookupError):
+    """The run is neither in keys.RUNS nor has any state or metrics in this Redis."""
+
+
+def _json_float(value: Any) -> float | None:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _json_safe(value: Any) -> Any:
+    """Replace NaN/inf anywhere in a decoded JSON tree by None (a browser's JSON.parse rejects them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _decode_entry(fields: dict[bytes, bytes]) -> dict[str, Any] | None:
+    """One metrics-stream entry, or None if it is not a valid record (skipped, never raised)."""
+    raw = fields.get(keys.RECORD_FIELD)
+    if raw is None:
+        return None
+    try:
+        entry = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, TypeError):
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("metrics"), dict):
+        return None
+    return entry
+
+
+def list_runs(client: Any) -> list[str]:
+    return sorted(_text(r) for r in client.smembers(keys.RUNS))
+
+
+def run_exists(client: Any, run: str) -> bool:
+    try:
+        state_key = keys.state(run)
+    except ValueError:
+        return False
+    if client.sismember(keys.RUNS, run):
+        return True
+    return bool(client.exists(state_key, keys.metrics(run)))
+
+
+def require_run(client: Any, run: str) -> None:
+    if not run_exists(client, run):
+        raise UnknownRun(f"run {run!r} not found in this Redis (known runs: {', '.join(list_runs(client)) or 'none'})")
+
+
+def read_state(client: Any, run: str) -> dict[str, Any]:
+    """The run state hash with ints/floats parsed and `config` decoded from JSON."""
+    raw = {_text(k): _text(v) for k, v in client.hgetall(keys.state(run)).items()}
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in STATE_INT_FIELDS:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                out[name] = None
+        elif name in STATE_FLOAT_FIELDS:
+            out[name] = _json_float(value)
+        elif name == "config":
+            try:
+                out[name] = _json_safe(json.loads(value))
+            except json.JSONDecodeError:
+                out[name] = None
+        else:
+            out[name] = value
+    return out
+
+
+def read_counters(client: Any, run: str) -> dict[str, int]:
+    raw = {_text(k): _text(v) for k, v in client.hgetall(keys.counters(run)).items()}
+    out = {name: 0 for name in COUNTER_FIELDS}
+    for name, value in raw.items():
+        try:
+            out[name] = int(float(value))
+        except ValueError:
+            continue
+    return out
+
+
+def read_generators(client: Any, run: str, *, now: float, policy_version: int | None,
+                    max_staleness: int | None) -> list[dict[str, Any]]:
+    """Each generator: id, version, lag (policy_version - version), heartbeat age, groups, tok/s, status.
+
+    status: 'ok', 'lagging' (lag > max_staleness: everything it makes would be dropped) or 'gone'
+    (no heartbeat for HEARTBEAT_TIMEOUT_S: crashed, hung or scaled down).
+    """
+    out = []
+    for gid, raw in client.hgetall(keys.generators(run)).items():
+        try:
+            rec = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, TypeError):
+            continue
+        if not isinstance(rec, dict):
+            continue
+        version = rec.get("version")
+        version = int(version) if isinstance(version, (int, float)) else None
+        heartbeat = _json_float(rec.get("heartbeat"))
+        lag = policy_version - version if policy_version is not None and version is not None else None
+        age = now - heartbeat if heartbeat is not None else None
+        if age is None or age > HEARTBEAT_TIMEOUT_S:
+            status = "gone"
+        elif lag is not None and max_staleness is not None and lag > max_staleness:
+            status = "lagging"
+        else:
+            status = "ok"
+        out.append({
+            "id": _text(gid), "version": version, "lag": lag, "heartbeat": heartbeat,
+            "heartbeat_age_s": age, "groups": rec.get("groups"),
+            "tokens_per_s": _json_float(rec.get("tokens_per_s")), "status": status,
+        })
+    return sorted(out, key=lambda g: g["id"])
+
+
+def latest_metrics(client: Any, run: str, window: int = LATEST_WINDOW) -> tuple[dict[str, float | None], int | None]:
+    """Latest value of each metric from the trainer (other sources fill names it never logs), and its step."""
+    latest: dict[str, float | None] = {}
+    from_trainer: set[str] = set()
+    step = None
+    for _, fields in client.xrevrange(keys.metrics(run), count=window):
+        entry = _decode_entry(fields)
+        if entry is None:
+            continue
+        is_trainer = entry.get("source", "trainer") == "trainer"
+        if is_trainer and step is None:
+            step = entry.get("step")
+        for name, value in entry["metrics"].items():
+            name = _text(name)
+            if name in from_trainer or (name in latest and not is_trainer):
+                continue
+            latest[name] = _json_float(value)
+            if is_trainer:
+                from_trainer.add(name)
+    return latest, step
+
+
+def _matches(name: str, wanted: list[str] | None) -> bool:
+    if wanted is None:
+        return True
+    return any(name.startswith(w[:-1]) if w.endswith("*") else name == w for w in wanted)
+
+
+def read_series(client: Any, run: str, names: Iterable[str] | None, *, since: str | None = None,
+                limit: int = SERIES_LIMIT) -> dict[str, Any]:
+    """Points of the named metrics in stream entries after stream id `since` (exclusive).
+
+    `names`: exact names or prefixes ending in '*' ('staleness/*'); None = all.
+    Returns {"last_id", "series": {name: {"step": [], "time": [], "value": [], "source": []}}}.
+    Pass last_id back as `since` to get only what is new.
+    """
+    wanted = list(names) if names is not None else None
+    start = f"({since}" if since and since not in ("0", "0-0") else "-"
+    series: dict[str, dict[str, list]] = {}
+    last_id = since or "0-0"
+    for entry_id, fields in client.xrange(keys.metrics(run), min=start, max="+", count=limit):
+        last_id = _text(entry_id)
+        entry = _decode_entry(fields)
+        if entry is None:
+            continue
+        for name, value in entry["metrics"].items():
+            name = _text(name)
+            if not _matches(name, wanted):
+                continue
+            s = series.setdefault(name, {"step": [], "time": [], "value": [], "source": []})
+            s["step"].append(entry.get("step"))
+            s["time"].append(_json_float(entry.get("time")))
+            s["value"].append(_json_float(value))
+            s["source"].append(_text(entry.get("source", "trainer")))
+    return {"last_id": last_id, "series": series}
+
+
+def thresholds_of(state: dict[str, Any]) -> Thresholds:
+    """Alert thresholds from the run state, MonitorConfig's defaults where the trainer wrote none."""
+    d = Thresholds()
+    return Thresholds(
+        rollout_kl=state.get("alert_rollout_kl") if state.get("alert_rollout_kl") is not None else d.rollout_kl,
+        masked_frac=state.get("alert_masked_frac") if state.get("alert_masked_frac") is not None else d.masked_frac,
+        staleness_frac=(state.get("alert_staleness_frac") if state.get("alert_staleness_frac") is not None
+                        else d.staleness_frac),
+    )
+
+
+def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, Any]:
+    """Everything but the series: summary, generators and alerts of one run, read together."""
+    require_run(client, run)
+    now = time.time() if now is None else now
+    state = read_state(client, run)
+    latest, step = latest_metrics(client, run)
+    policy_version = state.get("policy_version")
+    max_staleness = state.get("max_staleness")
+    generators = read_generators(client, run, now=now, policy_version=policy_version, max_staleness=max_staleness)
+    thresholds = thresholds_of(state)
+    alerts = evaluate_alerts(
+        {k: v for k, v in latest.items() if v is not None},
+        thresholds=thresholds, max_staleness=max_staleness, policy_version=policy_version,
+        generators={g["id"]: g for g in generators}, now=now,
+    )
+    started = state.get("started_at")
+    summary = {
+        "run": run,
+        "status": state.get("status", "unknown"),
+        "policy_version": policy_version,
+        "weights_version": state.get("weights_version"),
+        "max_staleness": max_staleness,
+        "groups_per_step": state.get("groups_per_step"),
+        "started_at": started,
+        "uptime_s": (now - started) if started is not None else None,
+        "step": step,
+        "counters": read_counters(client, run),
+        "thresholds": {"rollout_kl": thresholds.rollout_kl, "masked_frac": thresholds.masked_frac,
+                       "staleness_frac": thresholds.staleness_frac},
+        "latest": latest,
+        "config": state.get("config"),
+    }
+    return {"summary": summary, "generators": generators, "alerts": alerts, "time": now}

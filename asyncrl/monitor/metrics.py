@@ -1,0 +1,279 @@
+"""The metric catalogue: every name the trainer emits, its reduction, kind and meaning.
+
+    from asyncrl.monitor import metrics as M
+
+    M.spec("drift/rollout_kl").reduce            # 'mean'
+    M.staleness_summary([0, 1, 1, 2], max_staleness=2)
+    # {'staleness/mean': 1.0, 'staleness/max': 2.0, 'staleness/p50': 1.0, 'staleness/p90': 1.7,
+    #  'staleness/frac_0': 0.25, 'staleness/frac_1': 0.5, 'staleness/frac_2': 0.25}
+    M.as_metric_values({"drift/rollout_kl": 0.01}, count=128)   # -> {name: MetricValue}, mergeable
+
+One flat namespace, written once here so no component re-derives how a metric combines:
+
+* ``reduce`` says how partial values of the *same step* merge (micro-batches, DP ranks,
+  generators): ``mean`` (count-weighted), ``sum``, ``max`` or ``min``; it is the ``reduce`` of
+  :class:`asyncrl.types.MetricValue`.
+* ``kind`` is ``gauge`` (a value at this step) or ``counter`` (cumulative since the run
+  started); the dashboard's Prometheus endpoint exports it as the metric TYPE.
+
+The alert rules the dashboard shows (:func:`evaluate_alerts`) live here too: they are a
+statement about these metrics, and keeping them pure makes them unit-testable.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.types import MetricValue
+
+REDUCTIONS = ("mean", "sum", "max", "min")
+KINDS = ("gauge", "counter")
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A generator whose last heartbeat is older than this is shown as gone."""
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    reduce: str
+    kind: str
+    unit: str
+    doc: str
+
+
+def _m(name: str, reduce: str, doc: str, unit: str = "", kind: str = "gauge") -> MetricSpec:
+    assert reduce in REDUCTIONS and kind in KINDS, name
+    return MetricSpec(name, reduce, kind, unit, doc)
+
+
+_CATALOGUE: tuple[MetricSpec, ...] = (
+    # Staleness of the groups trained this step: policy_version - behavior_version.
+    _m("staleness/mean", "mean", "mean staleness of trained groups", "versions"),
+    _m("staleness/max", "max", "max staleness of trained groups", "versions"),
+    _m("staleness/p50", "max", "median staleness (linear interpolation); max across parts is an upper bound", "versions"),
+    _m("staleness/p90", "max", "90th percentile staleness (linear interpolation)", "versions"),
+    # staleness/frac_{k} is matched by pattern below (k = 0 .. max_staleness).
+    # Replay queue, as seen by the trainer at the end of the step.
+    _m("queue/depth", "max", "rollout groups waiting in the queue (stream length)", "groups"),
+    _m("queue/pending", "max", "groups delivered to the learner but not yet acked", "groups"),
+    _m("queue/dropped_stale", "max", "groups dropped as older than max_staleness", "groups", "counter"),
+    _m("queue/dead_lettered", "max", "malformed records moved to the dead-letter stream", "groups", "counter"),
+    # Train/rollout drift: train-side logprob (old) vs the engine's rollout logprob.
+    _m("drift/rollout_kl", "mean", "k3 estimate of KL(rollout || train): mean of exp(d) - 1 - d, d = old - rollout"),
+    _m("drift/abs_logp_diff", "mean", "mean |old_logprob - rollout_logprob| over response tokens", "nats"),
+    _m("drift/tis_ratio_mean", "mean", "mean TIS ratio exp(old - rollout) before the cap"),
+    _m("drift/tis_ratio_max", "max", "max TIS ratio before the cap"),
+    _m("drift/tis_capped_frac", "mean", "fraction of TIS weights clipped at tis_cap"),
+    _m("drift/masked_frac", "mean", "fraction of tokens masked by any correction mask"),
+    _m("drift/geo_masked_frac", "mean", "fraction of sequences masked by the geometric-mean mask"),
+    _m("drift/product_masked_frac", "mean", "fraction of sequences masked by the product mask"),
+    _m("drift/outlier_masked_frac", "mean", "fraction of sequences masked by the outlier-token mask"),
+    _m("policy/clip_frac", "mean", "fraction of tokens whose ratio was clipped by the policy loss"),
+    _m("policy/entropy", "mean", "mean token entropy of the trained policy", "nats"),
+    # Throughput (sum over generators / ranks: each part reports its own rate).
+    _m("throughput/gen_tokens_per_s", "sum", "generated tokens per second, all generators", "tokens/s"),
+    _m("throughput/train_tokens_per_s", "sum", "trained tokens per second, all ranks", "tokens/s"),
+    _m("throughput/samples_per_s", "sum", "trained samples per second", "samples/s"),
+    # Where a trainer step's wall time goes (max over ranks: the slowest rank sets the pace).
+    _m("time/wait_data", "max", "seconds waiting for enough fresh rollouts", "s"),
+    _m("time/train", "max", "seconds in forward/backward/optimizer", "s"),
+    _m("time/sync", "max", "seconds publishing weights to the generators", "s"),
+    _m("time/step", "max", "wall seconds of the whole trainer step", "s"),
+    _m("sync/seconds", "max", "seconds of the last weight sync (publish to engines updated)", "s"),
+    # Task.
+    _m("reward/mean", "mean", "mean reward of trained samples"),
+    _m("reward/std", "mean", "std of rewards of trained samples (mean across parts)"),
+    _m("response/length_mean", "mean", "mean response length of trained samples", "tokens"),
+    # Loss terms (already weighted by the per-token reduction weights: parts add up).
+    _m("loss/policy", "sum", "policy-gradient loss"),
+    _m("loss/kl_ref", "sum", "KL-to-reference term (before kl_coef)"),
+    _m("loss/rollout_kl", "sum", "rollout-KL penalty term (before rollout_kl_coef)"),
+    _m("loss/entropy", "sum", "entropy term (before entropy_coef)"),
+    _m("loss/total", "sum", "the optimised loss"),
+    # Learner.
+    _m("learner/version", "max", "policy version after the step (optimizer steps taken)", "versions"),
+    _m("learner/grad_norm", "max", "gradient norm before clipping"),
+    _m("learner/lr", "max", "learning rate"),
+)
+
+CATALOGUE: dict[str, MetricSpec] = {s.name: s for s in _CATALOGUE}
+_FRAC = re.compile(r"^staleness/frac_(\d+)$")
+
+
+def spec(name: str) -> MetricSpec:
+    """The catalogue entry of `name`; `staleness/frac_{k}` is matched for any k >= 0."""
+    found = CATALOGUE.get(name)
+    if found is not None:
+        return found
+    match = _FRAC.match(name)
+    if match:
+        k = int(match.group(1))
+        return MetricSpec(name, "mean", "gauge", "", f"fraction of trained groups with staleness {k}")
+    raise KeyError(f"unknown metric {name!r}; see asyncrl.monitor.metrics.CATALOGUE")
+
+
+def is_known(name: str) -> bool:
+    return name in CATALOGUE or _FRAC.match(name) is not None
+
+
+def frac_name(k: int) -> str:
+    return f"staleness/frac_{k}"
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default, Hyndman & Fan type 7).
+
+    pos = q * (n - 1);  value = x[floor(pos)] + (pos - floor(pos)) * (x[ceil(pos)] - x[floor(pos)])
+    """
+    if not sorted_values:
+        raise ValueError("percentile of an empty list")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"percentile q={q!r}: must be in [0, 1]")
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return float(sorted_values[lo] + (pos - lo) * (sorted_values[hi] - sorted_values[lo]))
+
+
+def staleness_summary(staleness: Iterable[int], max_staleness: int) -> dict[str, float]:
+    """Staleness metrics of the groups trained in one step.
+
+    staleness_i = policy_version - behavior_version_i (one value per trained group).
+    Returns mean, max, p50, p90 and frac_k = #{i : staleness_i = k} / n for k = 0..max_staleness,
+    so the fractions sum to 1. A value outside [0, max_staleness] means the staleness filter
+    let a record through that it should have dropped: that raises, it is never clipped.
+    """
+    values = sorted(int(s) for s in staleness)
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+    if not values:
+        raise ValueError("staleness_summary: no trained groups (empty staleness list)")
+    if values[0] < 0:
+        raise ValueError(f"staleness {values[0]} < 0: a rollout cannot come from a future policy version")
+    if values[-1] > max_staleness:
+        raise ValueError(
+            f"staleness {values[-1]} exceeds max_staleness={max_staleness}: the staleness filter should have dropped it"
+        )
+    n = len(values)
+    out = {
+        "staleness/mean": sum(values) / n,
+        "staleness/max": float(values[-1]),
+        "staleness/p50": percentile(values, 0.5),
+        "staleness/p90": percentile(values, 0.9),
+    }
+    for k in range(max_staleness + 1):
+        out[frac_name(k)] = values.count(k) / n
+    return out
+
+
+def as_metric_values(metrics: Mapping[str, float], count: float = 1.0) -> dict[str, MetricValue]:
+    """Wrap one part's plain values (e.g. one micro-batch of `count` tokens) as mergeable values.
+
+    A `mean` metric keeps total = value * count so that merged parts give the count-weighted mean.
+    """
+    out: dict[str, MetricValue] = {}
+    for name, value in metrics.items():
+        reduce = spec(name).reduce
+        v = float(value)
+        out[name] = MetricValue(reduce, v * count, count) if reduce == "mean" else MetricValue(reduce, v, 1.0)
+    return out
+
+
+def finish(merged: Mapping[str, MetricValue]) -> dict[str, float]:
+    """Merged MetricValues -> the plain floats a sink logs."""
+    return {name: float(m.value) for name, m in merged.items()}
+
+
+def clean(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Keep the entries a sink can log: str names with real-number values (bool/None/str dropped)."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if isinstance(name, str) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+        elif hasattr(value, "item") and callable(value.item):  # 0-d numpy / torch scalars
+            try:
+                out[str(name)] = float(value.item())
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+# ----------------------------------------------------------------------------- alerts
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Mirrors MonitorConfig.alert_*; the trainer copies them into the run's state hash."""
+
+    rollout_kl: float = 0.05
+    masked_frac: float = 0.2
+    staleness_frac: float = 1.0
+
+
+def evaluate_alerts(
+    latest: Mapping[str, float],
+    *,
+    thresholds: Thresholds,
+    max_staleness: int | None,
+    policy_version: int | None,
+    generators: Mapping[str, Mapping[str, Any]],
+    now: float,
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+) -> list[dict[str, Any]]:
+    """The alert badges of a run. Each alert: {"kind", "message", "value", "threshold", "subject"}.
+
+    rollout_kl:   drift/rollout_kl > thresholds.rollout_kl
+    masked_frac:  drift/masked_frac > thresholds.masked_frac
+    staleness:    staleness/max >= thresholds.staleness_frac * max_staleness (only if max_staleness > 0:
+                  with 0 every sample is on-policy and staleness/max = 0 is the normal state)
+    generator_lag: policy_version - generator version > max_staleness (its groups would all be dropped)
+    generator_heartbeat: now - heartbeat > heartbeat_timeout_s (crashed, hung, or removed)
+    """
+    alerts: list[dict[str, Any]] = []
+
+    def add(kind: str, value: float, threshold: float, message: str, subject: str = "") -> None:
+        alerts.append({"kind": kind, "value": value, "threshold": threshold, "message": message, "subject": subject})
+
+    kl = latest.get("drift/rollout_kl")
+    if kl is not None and kl > thresholds.rollout_kl:
+        add("rollout_kl", kl, thresholds.rollout_kl,
+            f"rollout KL {kl:.4g} > {thresholds.rollout_kl:.4g}: train and rollout policies disagree")
+    masked = latest.get("drift/masked_frac")
+    if masked is not None and masked > thresholds.masked_frac:
+        add("masked_frac", masked, thresholds.masked_frac,
+            f"{masked:.1%} of tokens masked > {thresholds.masked_frac:.1%}: correction is discarding data")
+    smax = latest.get("staleness/max")
+    if smax is not None and max_staleness:
+        bound = thresholds.staleness_frac * max_staleness
+        if smax >= bound:
+            add("staleness", smax, bound,
+                f"max staleness {smax:g} reached {bound:g} (max_staleness={max_staleness})")
+    for gid, gen in sorted(generators.items()):
+        version = gen.get("version")
+        if policy_version is not None and max_staleness is not None and version is not None:
+            lag = policy_version - int(version)
+            if lag > max_staleness:
+                add("generator_lag", float(lag), float(max_staleness),
+                    f"generator {gid} is {lag} versions behind (v{version} < v{policy_version}); "
+                    f"its rollouts exceed max_staleness={max_staleness}", gid)
+        heartbeat = gen.get("heartbeat")
+        if heartbeat is not None and now - float(heartbeat) > heartbeat_timeout_s:
+            age = now - float(heartbeat)
+            add("generator_heartbeat", age, heartbeat_timeout_s,
+                f"generator {gid}: no heartbeat for {age:.0f} s", gid)
+    return alerts
+
+
+# ----------------------------------------------------------------------------- prometheus
+
+
+_PROM_BAD = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def prometheus_name(name: str, prefix: str = "asyncrl_") -> str:
+    """'staleness/frac_0' -> 'asyncrl_staleness_frac_0' (Prometheus allows [a-zA-Z0-9_:])."""
+    return prefix + _PROM_BAD.sub("_", name)

@@ -1,0 +1,187 @@
+"""Metrics sinks: the Redis metrics stream (the dashboard reads it), wandb and the console.
+
+    logger = MetricsLogger([RedisSink("redis://127.0.0.1:6379", run="demo"), ConsoleSink(every=10)])
+    logger.log(step, {"reward/mean": 0.5, "staleness/mean": 0.25})
+    logger.close()
+
+or, from the config tree: ``build_metrics_logger(cfg.monitor, redis_client, run, run_dir, cfg.to_dict())``.
+
+A sink that fails (Redis gone, wandb crashed, a closed terminal) must never stop training:
+`MetricsLogger` catches the error, warns once per sink with the reason, and carries on; the
+other sinks keep logging. Nothing is pickled: the stream entry is msgpack
+``{"step", "time", "source", "metrics"}`` under field b"d" (see asyncrl/queue/keys.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgpack
+
+from asyncrl.monitor.metrics import clean
+from asyncrl.queue import keys
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RedisSink:
+    """XADD one msgpack entry per step to ``keys.metrics(run)``, trimmed to ~`maxlen` entries.
+
+    The approximate MAXLEN (``~``) lets Redis trim whole macro-nodes, which is O(1) amortised;
+    100k entries of ~60 metrics is ~150 MB at worst, ~10^5 steps of history.
+    """
+
+    def __init__(self, redis: Any, run: str, *, source: str = "trainer", maxlen: int = 100_000,
+                 password: str | None = None):
+        if maxlen < 1:
+            raise ValueError(f"RedisSink maxlen={maxlen}: must be >= 1")
+        self._key = keys.metrics(run)  # validates the run name
+        self._run = run
+        self._source = source
+        self._maxlen = maxlen
+        if isinstance(redis, str):
+            import redis as redis_lib
+
+            self._client = redis_lib.Redis.from_url(redis, password=password, socket_timeout=5,
+                                                    socket_connect_timeout=5)
+            self._owns_client = True
+        else:
+            self._client = redis
+            self._owns_client = False
+        self._registered = False
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        entry = {"step": int(step), "time": time.time(), "source": self._source, "metrics": clean(metrics)}
+        payload = msgpack.packb(entry, use_bin_type=True)
+        pipe = self._client.pipeline(transaction=False)
+        if not self._registered:
+            pipe.sadd(keys.RUNS, self._run)  # so the dashboard's runs page finds it
+        pipe.xadd(self._key, {keys.RECORD_FIELD: payload}, maxlen=self._maxlen, approximate=True)
+        pipe.execute()
+        self._registered = True
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+
+class WandbSink:
+    """Weights & Biases: ``offline`` writes a run directory under `dir` and needs no network.
+
+    Metric names are already wandb-style sections ("drift/rollout_kl" shows under "drift").
+    """
+
+    def __init__(self, mode: str, project: str, run_name: str, config: Mapping[str, Any], dir: str | Path):
+        if mode not in ("disabled", "offline", "online"):
+            raise ValueError(f"WandbSink mode={mode!r}: must be 'disabled', 'offline' or 'online'")
+        import wandb
+
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(mode=mode, project=project, name=run_name, config=dict(config), dir=str(dir),
+                              reinit="create_new")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(clean(metrics), step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _fmt(value: float | None, spec: str = ".3g") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def console_line(step: int, m: Mapping[str, float]) -> str:
+    """The compact one-line summary (rich markup) ConsoleSink prints."""
+    stale = f"{_fmt(m.get('staleness/mean'), '.2f')}/{_fmt(m.get('staleness/max'), '.0f')}"
+    return (
+        f"[bold]step {step}[/bold]  reward [green]{_fmt(m.get('reward/mean'))}[/green]"
+        f"  staleness {stale}"
+        f"  rollout_kl {_fmt(m.get('drift/rollout_kl'))}"
+        f"  gen {_fmt(m.get('throughput/gen_tokens_per_s'), '.0f')} tok/s"
+        f"  train {_fmt(m.get('throughput/train_tokens_per_s'), '.0f')} tok/s"
+        f"  step {_fmt(m.get('time/step'), '.2f')}s"
+    )
+
+
+class ConsoleSink:
+    """Print `console_line` every `every` steps with rich (plain text when not a terminal)."""
+
+    def __init__(self, every: int = 1, console: Any = None):
+        if every < 1:
+            raise ValueError(f"ConsoleSink every={every}: must be >= 1")
+        from rich.console import Console
+
+        self._every = every
+        self._console = console or Console(highlight=False)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if step % self._every == 0:
+            self._console.print(console_line(step, metrics))
+
+    def close(self) -> None:
+        return None
+
+
+class MetricsLogger:
+    """Fan one step's metrics out to every sink; a failing sink is warned about once, never raised."""
+
+    def __init__(self, sinks: Sequence[Sink]):
+        self.sinks = list(sinks)
+        self._warned: set[int] = set()
+        self.failures: dict[str, int] = {}
+        """Failed calls per sink class name, for tests and the final run summary."""
+
+    def _guard(self, sink: Sink, what: str, *args: Any) -> None:
+        try:
+            getattr(sink, what)(*args)
+        except Exception as e:  # a monitoring failure must never take the training loop down
+            name = type(sink).__name__
+            self.failures[name] = self.failures.get(name, 0) + 1
+            if id(sink) not in self._warned:
+                self._warned.add(id(sink))
+                log.warning("metrics sink %s failed in %s(): %s: %s (further failures are counted, not logged)",
+                            name, what, type(e).__name__, e)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for sink in self.sinks:
+            self._guard(sink, "log", step, metrics)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            self._guard(sink, "close")
+
+
+def build_metrics_logger(monitor_cfg: Any, redis_client: Any, run: str, run_dir: str | Path,
+                         config_dict: Mapping[str, Any]) -> MetricsLogger:
+    """The sinks a MonitorConfig asks for. Redis is always on (the dashboard reads it) if a client is given.
+
+    A sink that cannot even start (e.g. wandb online without a login) is warned about and left
+    out, for the same reason sinks never raise: monitoring must not stop a run.
+    """
+    sinks: list[Sink] = []
+    if redis_client is not None:
+        sinks.append(RedisSink(redis_client, run))
+    if monitor_cfg.wandb != "disabled":
+        try:
+            sinks.append(WandbSink(monitor_cfg.wandb, monitor_cfg.wandb_project, run, config_dict,
+                                   Path(run_dir) / "wandb"))
+        except Exception as e:
+            log.warning("wandb sink (mode=%s) could not start, continuing without it: %s: %s",
+                        monitor_cfg.wandb, type(e).__name__, e)
+    if monitor_cfg.console:
+        sinks.append(ConsoleSink(every=1))
+    return MetricsLogger(sinks)
