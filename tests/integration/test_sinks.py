@@ -1,0 +1,116 @@
+"""Metrics sinks against the real things: a redis-server, wandb offline, a rich console."""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+
+import msgpack
+import pytest
+import redis
+from rich.console import Console
+
+from asyncrl.config import MonitorConfig
+from asyncrl.monitor.dashboard import data
+from asyncrl.monitor.sinks import ConsoleSink, MetricsLogger, RedisSink, WandbSink, build_metrics_logger
+from asyncrl.queue import keys
+
+
+def test_redis_sink_writes_entries_the_dashboard_reads(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    sink = RedisSink(redis_url, "exp1")
+    sink.log(0, {"reward/mean": 0.25, "staleness/mean": 0.0})
+    sink.log(1, {"reward/mean": 0.5, "staleness/mean": 1.0, "note": "dropped: not a number"})
+    sink.close()
+
+    assert data.list_runs(client) == ["exp1"]
+    entries = client.xrange(keys.metrics("exp1"))
+    raw = msgpack.unpackb(entries[1][1][keys.RECORD_FIELD], raw=False)
+    assert raw["step"] == 1 and raw["source"] == "trainer" and raw["time"] > 1.7e9
+    assert raw["metrics"] == {"reward/mean": 0.5, "staleness/mean": 1.0}
+    series = data.read_series(client, "exp1", ["reward/mean"])["series"]
+    assert series["reward/mean"]["value"] == [0.25, 0.5] and series["reward/mean"]["step"] == [0, 1]
+    latest, step = data.latest_metrics(client, "exp1")
+    assert step == 1 and latest == {"reward/mean": 0.5, "staleness/mean": 1.0}
+    client.close()
+
+
+def test_redis_sink_trims_to_approximate_maxlen(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    sink = RedisSink(client, "trim", maxlen=50)
+    for step in range(1000):
+        sink.log(step, {"reward/mean": float(step)})
+    # '~' trims whole stream nodes (100 entries each by default): at least 50 kept, far fewer than 1000.
+    assert 50 <= client.xlen(keys.metrics("trim")) <= 200
+    latest, step = data.latest_metrics(client, "trim")
+    assert step == 999 and latest["reward/mean"] == 999.0
+    with pytest.raises(ValueError, match="run name 'a:b'"):
+        RedisSink(client, "a:b")
+    client.close()
+
+
+def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = WandbSink("offline", "asyncrl-test", "unit", {"control": {"max_staleness": 2}}, tmp_path)
+    sink.log(0, {"reward/mean": 0.5, "drift/rollout_kl": 0.01})
+    sink.log(1, {"reward/mean": 0.75})
+    sink.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    logs = list(runs[0].glob("run-*.wandb"))
+    assert len(logs) == 1, f"no .wandb log in {runs[0]}"
+    # The offline log is wandb's binary record format (synced later with `wandb sync`): the
+    # config and every metric name must be in it.
+    blob = logs[0].read_bytes()
+    for text in (b"max_staleness", b"reward/mean", b"drift/rollout_kl", b"asyncrl-test"):
+        assert text in blob, text
+    with pytest.raises(ValueError, match="mode='offlin'"):
+        WandbSink("offlin", "p", "r", {}, tmp_path)
+
+
+def test_console_line():
+    out = io.StringIO()
+    sink = ConsoleSink(every=2, console=Console(file=out, width=200, color_system=None))
+    m = {"reward/mean": 0.5, "staleness/mean": 0.25, "staleness/max": 1.0, "drift/rollout_kl": 0.0123,
+         "throughput/gen_tokens_per_s": 1234.4, "throughput/train_tokens_per_s": 800.0, "time/step": 1.5}
+    sink.log(1, m)  # skipped: every=2
+    sink.log(2, m)
+    assert out.getvalue().strip() == (
+        "step 2  reward 0.5  staleness 0.25/1  rollout_kl 0.0123  gen 1234 tok/s  train 800 tok/s  step 1.50s"
+    )
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+
+
+def test_a_failing_sink_never_raises_and_others_keep_logging(caplog):
+    out = io.StringIO()
+    console = ConsoleSink(console=Console(file=out, width=200, color_system=None))
+    dead = RedisSink(_dead_url(), "demo")
+    logger = MetricsLogger([dead, console])
+    with caplog.at_level(logging.WARNING, logger="asyncrl.monitor.sinks"):
+        for step in range(3):
+            logger.log(step, {"reward/mean": 1.0})
+        logger.close()
+    assert logger.failures == {"RedisSink": 3}
+    warnings = [r for r in caplog.records if "RedisSink failed" in r.getMessage()]
+    assert len(warnings) == 1 and "ConnectionError" in warnings[0].getMessage()  # warned once, with the reason
+    assert out.getvalue().count("reward 1") == 3
+
+
+def test_build_metrics_logger_from_config(redis_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    client = redis.Redis.from_url(redis_url)
+    logger = build_metrics_logger(MonitorConfig(wandb="disabled", console=True), client, "cfgrun", tmp_path, {})
+    assert [type(s) for s in logger.sinks] == [RedisSink, ConsoleSink]
+    logger.log(0, {"reward/mean": 0.5})
+    assert data.latest_metrics(client, "cfgrun") == ({"reward/mean": 0.5}, 0)
+    logger = build_metrics_logger(MonitorConfig(wandb="offline", console=False), None, "cfgrun", tmp_path, {})
+    assert [type(s) for s in logger.sinks] == [WandbSink]
+    logger.close()
+    assert list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    client.close()

@@ -1,0 +1,136 @@
+"""The metric catalogue, staleness summary, mergeable reductions and alert rules (pure, no servers)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asyncrl.monitor import metrics as M
+from asyncrl.types import merge_metrics
+
+
+def test_staleness_summary_hand_computed():
+    # n = 4, sorted [0, 1, 1, 2]: p50 at pos 1.5 -> 1 + .5*(1-1) = 1; p90 at pos 2.7 -> 1 + .7*(2-1) = 1.7
+    out = M.staleness_summary([1, 0, 2, 1], max_staleness=2)
+    assert out == pytest.approx({
+        "staleness/mean": 1.0, "staleness/max": 2.0, "staleness/p50": 1.0, "staleness/p90": 1.7,
+        "staleness/frac_0": 0.25, "staleness/frac_1": 0.5, "staleness/frac_2": 0.25,
+    })
+
+
+def test_staleness_summary_reports_empty_bins_and_sums_to_one():
+    # [0, 0, 0, 3]: p50 at pos 1.5 -> 0; p90 at pos 2.7 -> 0 + .7*(3-0) = 2.1; bins 1 and 2 present but 0
+    out = M.staleness_summary([0, 3, 0, 0], max_staleness=3)
+    assert out["staleness/mean"] == pytest.approx(0.75)
+    assert out["staleness/p50"] == 0.0
+    assert out["staleness/p90"] == pytest.approx(2.1)
+    assert [out[M.frac_name(k)] for k in range(4)] == [0.75, 0.0, 0.0, 0.25]
+    assert sum(out[M.frac_name(k)] for k in range(4)) == pytest.approx(1.0)
+
+
+def test_staleness_summary_on_policy():
+    assert M.staleness_summary([0, 0], max_staleness=0) == {
+        "staleness/mean": 0.0, "staleness/max": 0.0, "staleness/p50": 0.0, "staleness/p90": 0.0,
+        "staleness/frac_0": 1.0,
+    }
+
+
+@pytest.mark.parametrize("values, bound, message", [
+    ([], 1, "empty"),
+    ([0, -1], 1, "future policy version"),
+    ([0, 3], 2, "exceeds max_staleness=2"),
+    ([0], -1, "max_staleness=-1"),
+])
+def test_staleness_summary_rejects_bad_input(values, bound, message):
+    with pytest.raises(ValueError, match=message):
+        M.staleness_summary(values, max_staleness=bound)
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert M.percentile(xs, 0.0) == 1.0
+    assert M.percentile(xs, 1.0) == 16.0
+    assert M.percentile(xs, 0.5) == 4.0
+    assert M.percentile(xs, 0.9) == pytest.approx(8.0 + 0.6 * 8.0)  # pos 3.6
+    with pytest.raises(ValueError, match="q=1.5"):
+        M.percentile(xs, 1.5)
+
+
+def test_catalogue_covers_the_data_contract():
+    contract = """staleness/mean staleness/max staleness/p50 staleness/p90 queue/depth queue/pending
+    queue/dropped_stale queue/dead_lettered drift/rollout_kl drift/abs_logp_diff drift/tis_ratio_mean
+    drift/tis_ratio_max drift/tis_capped_frac drift/masked_frac drift/geo_masked_frac drift/product_masked_frac
+    drift/outlier_masked_frac policy/clip_frac policy/entropy throughput/gen_tokens_per_s
+    throughput/train_tokens_per_s throughput/samples_per_s time/wait_data time/train time/sync time/step
+    sync/seconds reward/mean reward/std response/length_mean loss/policy loss/kl_ref loss/rollout_kl
+    loss/entropy loss/total learner/version learner/grad_norm learner/lr""".split()
+    assert set(contract) == set(M.CATALOGUE)
+    assert M.spec("drift/rollout_kl").reduce == "mean"
+    assert M.spec("staleness/max").reduce == "max"
+    assert M.spec("throughput/gen_tokens_per_s").reduce == "sum"
+    assert M.spec("queue/dropped_stale").kind == "counter"
+    assert M.spec("staleness/frac_12").reduce == "mean"
+    assert M.is_known("staleness/frac_3") and not M.is_known("staleness/frac_x")
+    with pytest.raises(KeyError, match="unknown metric 'reward/meen'"):
+        M.spec("reward/meen")
+
+
+def test_parts_merge_by_their_catalogue_reduction():
+    # Two micro-batches of 100 and 300 tokens: mean is token-weighted, max is max, sum adds up.
+    a = M.as_metric_values({"drift/rollout_kl": 0.02, "drift/tis_ratio_max": 1.5,
+                            "throughput/train_tokens_per_s": 100.0}, count=100)
+    b = M.as_metric_values({"drift/rollout_kl": 0.05, "drift/tis_ratio_max": 3.0,
+                            "throughput/train_tokens_per_s": 250.0}, count=300)
+    out = M.finish(merge_metrics([a, b]))
+    assert out["drift/rollout_kl"] == pytest.approx((0.02 * 100 + 0.05 * 300) / 400)  # 0.0425
+    assert out["drift/tis_ratio_max"] == 3.0
+    assert out["throughput/train_tokens_per_s"] == 350.0
+
+
+def test_clean_keeps_numbers_only():
+    import numpy as np
+
+    out = M.clean({"a": 1, "b": 2.5, "c": True, "d": None, "e": "x", "f": np.int64(7), "g": float("nan")})
+    assert out["a"] == 1.0 and out["b"] == 2.5 and out["f"] == 7.0 and math.isnan(out["g"])
+    assert set(out) == {"a", "b", "f", "g"}
+
+
+def _alerts(latest, **kw):
+    args = dict(thresholds=M.Thresholds(rollout_kl=0.05, masked_frac=0.2, staleness_frac=1.0),
+                max_staleness=2, policy_version=10, generators={}, now=1000.0)
+    args.update(kw)
+    return {a["kind"]: a for a in M.evaluate_alerts(latest, **args)}
+
+
+def test_alerts_fire_only_past_their_thresholds():
+    quiet = {"drift/rollout_kl": 0.05, "drift/masked_frac": 0.2, "staleness/max": 1.0}
+    assert _alerts(quiet) == {}  # equal to a strict threshold is not an alert
+    loud = {"drift/rollout_kl": 0.07, "drift/masked_frac": 0.25, "staleness/max": 2.0}
+    got = _alerts(loud)
+    assert set(got) == {"rollout_kl", "masked_frac", "staleness"}
+    assert got["rollout_kl"]["value"] == 0.07 and got["rollout_kl"]["threshold"] == 0.05
+    assert got["staleness"]["threshold"] == 2.0
+    # staleness_frac 0.5 of max_staleness 2 -> alert from staleness 1 on
+    assert "staleness" in _alerts({"staleness/max": 1.0}, thresholds=M.Thresholds(staleness_frac=0.5))
+    # On-policy (max_staleness 0): staleness 0 is the normal state, never an alert.
+    assert _alerts({"staleness/max": 0.0}, max_staleness=0) == {}
+
+
+def test_generator_alerts_lag_and_heartbeat():
+    gens = {
+        "g-ok": {"version": 8, "heartbeat": 995.0},      # lag 2 = max_staleness: fine
+        "g-old": {"version": 7, "heartbeat": 999.0},     # lag 3 > 2
+        "g-dead": {"version": 10, "heartbeat": 980.0},   # 20 s without heartbeat
+    }
+    alerts = M.evaluate_alerts({}, thresholds=M.Thresholds(), max_staleness=2, policy_version=10,
+                               generators=gens, now=1000.0)
+    by = {(a["kind"], a["subject"]): a for a in alerts}
+    assert set(by) == {("generator_lag", "g-old"), ("generator_heartbeat", "g-dead")}
+    assert by[("generator_lag", "g-old")]["value"] == 3.0
+    assert by[("generator_heartbeat", "g-dead")]["value"] == pytest.approx(20.0)
+
+
+def test_prometheus_name():
+    assert M.prometheus_name("staleness/frac_0") == "asyncrl_staleness_frac_0"
+    assert M.prometheus_name("drift/tis-ratio.max") == "asyncrl_drift_tis_ratio_max"
