@@ -1,0 +1,54 @@
+"""The RL math: plain functions over tensors. No config objects, no I/O, no Ray, no vLLM.
+
+    from asyncrl.algo import get_policy_loss, get_advantage_estimator, kl_penalty
+    adv = get_advantage_estimator("grpo")(rewards, group_ids, mask, params=AdvantageParams())
+    loss, metrics = get_policy_loss("ppo")(logp, old_logp, adv, mask, params=PolicyLossParams())
+    kl = kl_penalty(logp, ref_logp, "k3")
+
+Registries (users extend both by import path, "package.module:function", so that every Ray
+worker can import the same function):
+    get_policy_loss(name_or_path)          ppo, dual_clip, gspo, sapo, cispo, gmpo, clip_cov, kl_cov, cross_entropy
+    get_advantage_estimator(name_or_path)  grpo, dr_grpo, rloo, reinforce_pp, gae, maxrl
+Other entry points:
+    kl_penalty(logp, other_logp, estimator)                      k1, abs, k2, k3       (kl.py)
+    off_policy_correction(old, rollout, mask, params=...)        TIS + sequence masks  (correction.py)
+    corrected_policy_loss(loss_fn, ...)                          the path every loss takes (losses.py)
+    reduction_weights(loss_mask, reduction, constant=...)        per-token weights     (reduction.py)
+    logprobs_from_logits / entropy_from_logits                   at a temperature      (logprobs.py)
+    broadcast_trajectory_advantages / merge_prefix_steps         step-wise             (stepwise.py)
+Formulas and sources: docs/algorithms.md.
+"""
+
+from asyncrl.algo.advantages import ADVANTAGE_REGISTRY, AdvantageParams, get_advantage_estimator
+from asyncrl.algo.correction import CorrectionParams, off_policy_correction
+from asyncrl.algo.kl import KL_ESTIMATORS, kl_penalty
+from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from asyncrl.algo.losses import (
+    POLICY_LOSS_REGISTRY,
+    PolicyLossParams,
+    corrected_policy_loss,
+    get_policy_loss,
+)
+from asyncrl.algo.reduction import LOSS_REDUCTIONS, per_microbatch_token_mean_weights, reduction_weights
+from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
+
+__all__ = [
+    "ADVANTAGE_REGISTRY",
+    "AdvantageParams",
+    "CorrectionParams",
+    "KL_ESTIMATORS",
+    "LOSS_REDUCTIONS",
+    "POLICY_LOSS_REGISTRY",
+    "PolicyLossParams",
+    "broadcast_trajectory_advantages",
+    "corrected_policy_loss",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "merge_prefix_steps",
+    "off_policy_correction",
+    "per_microbatch_token_mean_weights",
+    "reduction_weights",
+]

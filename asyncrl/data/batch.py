@@ -1,0 +1,271 @@
+"""Driver-side batch assembly: rollout groups in, mini-batches of TrainSequence out.
+
+    minibatches, metrics = build_minibatches(groups, cfg.algo, num_minibatches=2)
+    for mb in minibatches:            # one optimizer step each
+        learner.train(mb)             # cut into micro-batches / ranks however it likes
+
+Steps, all on the driver so that every number that spans the mini-batch is computed once:
+1. Samples whose reward failed (NaN/inf reward, or ``error`` set) are excluded: they take
+   no part in the group statistics, and their loss mask is zeroed (the record stays, so
+   counts and versions stay honest, but it carries no gradient and no reduction weight).
+2. Advantages from the configured estimator, with the group id per sample. Step-wise
+   (``algo.stepwise``): one scalar per trajectory (its last step's reward), broadcast to
+   every step on the step's own mask; then consecutive steps sharing a prefix are merged.
+3. The groups are split into ``num_minibatches`` contiguous mini-batches of whole groups.
+4. Reduction weights per mini-batch over all its sequences (``asyncrl.algo.reduction``).
+5. ``TrainSequence``: input_ids = prompt + response; rollout_logprobs, advantages and
+   loss_mask at the response positions (position t predicts input_ids[t]); token_versions
+   from the sample's token_versions, else its behavior_version.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.algo.advantages import AdvantageParams, get_advantage_estimator
+from asyncrl.algo.reduction import reduction_weights
+from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
+from asyncrl.config import AlgoConfig
+from asyncrl.types import RolloutGroup, Sample, TrainSequence
+
+
+@dataclass
+class _Row:
+    """One sample (or step) on its way to a TrainSequence."""
+
+    group_index: int
+    sample_index: int
+    sample: Sample
+    prompt: np.ndarray
+    valid: bool
+
+
+def _check_sample(g: RolloutGroup, i: int, s: Sample) -> None:
+    n = s.response_ids.shape[0]
+    for name in ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards"):
+        arr = getattr(s, name)
+        if arr is not None and arr.shape != (n,):
+            raise ValueError(f"group {g.group_id!r} sample {i}: {name} has shape {arr.shape}, response has {n} tokens")
+
+
+def _is_valid(s: Sample) -> bool:
+    return s.error is None and math.isfinite(s.reward)
+
+
+def _rows(groups: list[RolloutGroup]) -> list[_Row]:
+    rows = []
+    for gi, g in enumerate(groups):
+        if not g.samples:
+            raise ValueError(f"group {g.group_id!r} has no samples")
+        for si, s in enumerate(g.samples):
+            _check_sample(g, si, s)
+            prompt = s.prompt_ids if s.prompt_ids is not None else g.prompt_ids
+            rows.append(_Row(gi, si, s, prompt, _is_valid(s)))
+    return rows
+
+
+def _padded(arrays: list[np.ndarray], dtype=torch.float64) -> torch.Tensor:
+    width = max((a.shape[0] for a in arrays), default=0)
+    out = torch.zeros(len(arrays), max(width, 1), dtype=dtype)
+    for i, a in enumerate(arrays):
+        out[i, : a.shape[0]] = torch.as_tensor(a.astype(np.float64))
+    return out
+
+
+def _response_mask(r: _Row) -> np.ndarray:
+    return r.sample.loss_mask.astype(np.float64) * (1.0 if r.valid else 0.0)
+
+
+def _advantage_params(algo: AlgoConfig) -> AdvantageParams:
+    return AdvantageParams(norm_std=algo.grpo_norm_std, gamma=algo.gamma, lam=algo.lam)
+
+
+def _outcome_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]:
+    """Per-row response-aligned advantages (0 on excluded rows), non-step-wise."""
+    if algo.advantage_estimator == "gae":
+        raise ValueError("algo.advantage_estimator='gae' needs a value model; asyncrl has no critic yet")
+    estimator = get_advantage_estimator(algo.advantage_estimator)
+    valid = [r for r in rows if r.valid]
+    out = [np.zeros(r.sample.num_tokens, dtype=np.float32) for r in rows]
+    if not valid:
+        return out
+    mask = _padded([_response_mask(r) for r in valid])
+    token_rewards = None
+    if any(r.sample.token_rewards is not None for r in valid):
+        token_rewards = _padded([r.sample.token_rewards if r.sample.token_rewards is not None
+                                 else np.zeros(r.sample.num_tokens) for r in valid])
+    adv = estimator(
+        torch.tensor([r.sample.reward for r in valid], dtype=torch.float64),
+        torch.tensor([r.group_index for r in valid], dtype=torch.long),
+        mask, params=_advantage_params(algo), token_rewards=token_rewards,
+    )
+    it = iter(adv)
+    for k, r in enumerate(rows):
+        if r.valid:
+            out[k] = next(it)[: r.sample.num_tokens].numpy().astype(np.float32)
+    return out
+
+
+def _stepwise_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]:
+    """One scalar per trajectory (its last step's reward), broadcast on each step's own mask."""
+    estimator = get_advantage_estimator(algo.advantage_estimator)
+    trajs: dict[tuple[int, int], list[int]] = {}
+    for k, r in enumerate(rows):
+        trajs.setdefault((r.group_index, r.sample.trajectory_id), []).append(k)
+    keys = list(trajs)
+    last = [max(trajs[key], key=lambda k: rows[k].sample.step_index) for key in keys]
+    # A trajectory whose final reward failed is excluded as a whole.
+    valid_t = [i for i, k in enumerate(last) if rows[k].valid]
+    traj_adv = torch.zeros(len(keys), dtype=torch.float64)
+    if valid_t:
+        rewards = torch.tensor([rows[last[i]].sample.reward for i in valid_t], dtype=torch.float64)
+        gids = torch.tensor([keys[i][0] for i in valid_t], dtype=torch.long)
+        ones = torch.ones(len(valid_t), 1, dtype=torch.float64)
+        traj_adv[valid_t] = estimator(rewards, gids, ones, params=_advantage_params(algo))[:, 0]
+    traj_of_row = torch.zeros(len(rows), dtype=torch.long)
+    for t, key in enumerate(keys):
+        for k in trajs[key]:
+            traj_of_row[k] = t
+            rows[k].valid = rows[k].valid and t in valid_t
+    masks = _padded([_response_mask(r) for r in rows])
+    adv = broadcast_trajectory_advantages(traj_adv, traj_of_row, masks)
+    return [adv[k, : r.sample.num_tokens].numpy().astype(np.float32) for k, r in enumerate(rows)]
+
+
+def _sequence_fields(r: _Row, adv: np.ndarray) -> dict[str, torch.Tensor]:
+    """Full-length (prompt + response) fields of one row, aligned to input_ids."""
+    s, p = r.sample, r.prompt.shape[0]
+    versions = s.token_versions if s.token_versions is not None else np.full(s.num_tokens, s.behavior_version)
+    pad = np.zeros(p)
+    return {
+        "input_ids": torch.as_tensor(np.concatenate([r.prompt, s.response_ids]).astype(np.int64)),
+        "loss_mask": torch.as_tensor(np.concatenate([pad, _response_mask(r)])),
+        "rollout_logprobs": torch.as_tensor(np.concatenate([pad, s.rollout_logprobs.astype(np.float64)])),
+        "advantages": torch.as_tensor(np.concatenate([pad, adv.astype(np.float64)])),
+        "token_versions": torch.as_tensor(np.concatenate([np.full(p, s.behavior_version), versions]).astype(np.int64)),
+    }
+
+
+def _merge_steps(rows: list[_Row], fields: list[dict]) -> tuple[list[dict], list[list[int]]]:
+    """Merge prefix-sharing consecutive steps within each trajectory (in step order)."""
+    by_traj: dict[tuple[int, int], list[int]] = {}
+    for k, r in enumerate(rows):
+        by_traj.setdefault((r.group_index, r.sample.trajectory_id), []).append(k)
+    out_fields, out_rows = [], []
+    for ks in by_traj.values():
+        ks = sorted(ks, key=lambda k: rows[k].sample.step_index)
+        merged, sources = merge_prefix_steps([fields[k] for k in ks])
+        out_fields += merged
+        out_rows += [[ks[i] for i in src] for src in sources]
+    return out_fields, out_rows
+
+
+def build_minibatches(
+    groups: list[RolloutGroup],
+    algo: AlgoConfig,
+    *,
+    num_minibatches: int,
+    pad_token_id: int = 0,
+) -> tuple[list[list[TrainSequence]], dict[str, float]]:
+    """Advantages, step-wise merge, whole-group mini-batches and their reduction weights.
+
+    Args:
+        groups: the rollout groups of one trainer step.
+        algo: the algo branch of the config.
+        num_minibatches: optimizer steps this data is split into (whole groups each).
+        pad_token_id: not needed here (TrainSequences are unpadded; ``collate`` and the
+            micro-batcher pad); accepted so callers can pass one tokenizer setting through.
+
+    Returns:
+        (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std``,
+        ``reward/num_failed``, ``response/length_mean``, ``response/length_max``,
+        ``advantages/mean``, ``advantages/abs_mean``, ``batch/num_sequences``,
+        ``batch/num_loss_tokens`` and, step-wise, ``stepwise/num_seq_before_merge`` /
+        ``stepwise/num_seq_after_merge``.
+    """
+    if num_minibatches < 1:
+        raise ValueError(f"num_minibatches={num_minibatches!r}: must be >= 1")
+    if len(groups) < num_minibatches:
+        raise ValueError(f"{len(groups)} groups cannot fill num_minibatches={num_minibatches} (groups are never split)")
+    rows = _rows(groups)
+    advs = _stepwise_advantages(rows, algo) if algo.stepwise else _outcome_advantages(rows, algo)
+    fields = [_sequence_fields(r, a) for r, a in zip(rows, advs)]
+    metrics = _metrics(rows, advs)
+    if algo.stepwise and algo.merge_stepwise:
+        fields, sources = _merge_steps(rows, fields)
+        metrics["stepwise/num_seq_before_merge"] = float(len(rows))
+        metrics["stepwise/num_seq_after_merge"] = float(len(fields))
+    else:
+        sources = [[k] for k in range(len(rows))]
+        if algo.stepwise:
+            metrics["stepwise/num_seq_before_merge"] = metrics["stepwise/num_seq_after_merge"] = float(len(rows))
+
+    # Whole groups, contiguous, as even in group count as possible.
+    bounds = np.linspace(0, len(groups), num_minibatches + 1).round().astype(int)
+    minibatches: list[list[TrainSequence]] = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        members = [i for i, src in enumerate(sources) if lo <= rows[src[0]].group_index < hi]
+        masks = _padded([fields[i]["loss_mask"].numpy() for i in members])
+        weights = reduction_weights(masks, algo.loss_reduction, constant=algo.reduction_constant)
+        minibatches.append([
+            _train_sequence(fields[i], weights[j], [rows[k] for k in sources[i]], groups)
+            for j, i in enumerate(members)
+        ])
+    metrics["batch/num_loss_tokens"] = float(sum(f["loss_mask"].sum() for f in fields))
+    metrics["batch/num_sequences"] = float(len(fields))
+    return minibatches, metrics
+
+
+def _train_sequence(f: dict, w: torch.Tensor, src: list[_Row], groups: list[RolloutGroup]) -> TrainSequence:
+    n = f["input_ids"].shape[0]
+    return TrainSequence(
+        input_ids=f["input_ids"].numpy().astype(np.int32),
+        loss_mask=f["loss_mask"].numpy().astype(np.float32),
+        rollout_logprobs=(f["rollout_logprobs"] * f["loss_mask"]).numpy().astype(np.float32),
+        advantages=f["advantages"].numpy().astype(np.float32),
+        reduction_weights=w[:n].numpy().astype(np.float32),
+        token_versions=f["token_versions"].numpy().astype(np.int32),
+        behavior_version=min(r.sample.behavior_version for r in src),
+        group_id=groups[src[0].group_index].group_id,
+        sample_index=src[0].sample_index,
+    )
+
+
+def _metrics(rows: list[_Row], advs: list[np.ndarray]) -> dict[str, float]:
+    rewards = np.array([r.sample.reward for r in rows if r.valid], dtype=np.float64)
+    lengths = np.array([r.sample.num_tokens for r in rows], dtype=np.float64)
+    masked_adv = np.concatenate([a[r.sample.loss_mask > 0] for r, a in zip(rows, advs) if r.valid] or [np.zeros(0)])
+    return {
+        "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
+        "reward/std": float(rewards.std()) if rewards.size else float("nan"),
+        "reward/num_failed": float(sum(not r.valid for r in rows)),
+        "response/length_mean": float(lengths.mean()) if lengths.size else 0.0,
+        "response/length_max": float(lengths.max()) if lengths.size else 0.0,
+        "advantages/mean": float(masked_adv.mean()) if masked_adv.size else 0.0,
+        "advantages/abs_mean": float(np.abs(masked_adv).mean()) if masked_adv.size else 0.0,
+    }
+
+
+def collate(seqs: list[TrainSequence], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad sequences into the [B, L] micro-batch dict ``microbatch_loss`` reads.
+
+    old_logprobs starts as a copy of rollout_logprobs; the learner overwrites it with its
+    own recomputation before the update.
+    """
+    if not seqs:
+        raise ValueError("collate needs at least one sequence")
+    width = max(s.num_tokens for s in seqs)
+    out = {"input_ids": torch.full((len(seqs), width), pad_token_id, dtype=torch.long)}
+    for name in ("loss_mask", "rollout_logprobs", "advantages", "reduction_weights"):
+        out[name] = torch.zeros(len(seqs), width, dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        n = s.num_tokens
+        out["input_ids"][i, :n] = torch.as_tensor(s.input_ids.astype(np.int64))
+        for name in ("loss_mask", "rollout_logprobs", "advantages", "reduction_weights"):
+            out[name][i, :n] = torch.as_tensor(getattr(s, name))
+    out["old_logprobs"] = out["rollout_logprobs"].clone()
+    return out

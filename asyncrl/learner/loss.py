@@ -1,0 +1,195 @@
+"""The per-micro-batch loss the learner calls: policy + KL to reference + rollout KL - entropy.
+
+    logits = model(mb["input_ids"]).logits                        # [B, L, V]
+    loss, metrics = microbatch_loss(logits, mb, cfg.algo, temperature=cfg.rollout.temperature)
+    (loss * world_size).backward()                                # FSDP averages gradients over ranks
+
+The return value is this micro-batch's contribution
+
+    sum_t w_t * (policy_t + kl_coef * kl_t + rollout_kl_coef * rkl_t - entropy_coef * H_t)
+
+with w = ``mb["reduction_weights"]`` computed by the driver over the whole mini-batch
+(``asyncrl.data.batch``). Summed over all micro-batches and ranks it is exactly the
+mini-batch loss, so the gradient does not depend on the micro-batching (the learner
+multiplies by world_size to undo FSDP's mean all-reduce). Every term uses the same w: a
+term normalised inside the micro-batch would be amplified by the number of micro-batches
+(SkyRL PR #1296's review finding for KL and entropy).
+
+``token_mean_per_microbatch`` (legacy) ignores ``reduction_weights`` and uses
+w = m / (sum m in this micro-batch * num_microbatches); pass ``num_microbatches`` =
+micro-batches per rank * world size. Its gradient depends on the micro-batching by design.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from asyncrl.algo.correction import CorrectionParams
+from asyncrl.algo.kl import kl_penalty
+from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from asyncrl.algo.losses import SEQUENCE_LEVEL_LOSSES, PolicyLossParams, corrected_policy_loss, get_policy_loss
+from asyncrl.algo.reduction import per_microbatch_token_mean_weights
+from asyncrl.config import AlgoConfig
+from asyncrl.types import MetricValue
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
+    """[B, L]: position t holds log p(input_ids[t] | input_ids[:t]) from logits[:, t-1]; position 0 is 0.
+
+    logp = log_softmax(logits / T) at the target token, the engine's ``processed_logprobs``.
+    """
+    if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be [B, L, V] and input_ids [B, L]; got {tuple(logits.shape)}, {tuple(input_ids.shape)}")
+    shifted = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+    return torch.nn.functional.pad(shifted, (1, 0), value=0.0)
+
+
+def token_entropy(logits: Tensor, temperature: float) -> Tensor:
+    """[B, L]: entropy of the distribution that predicted input_ids[t] (from logits[:, t-1]); 0 at t = 0."""
+    return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1], temperature), (1, 0), value=0.0)
+
+
+def policy_loss_params(algo: AlgoConfig) -> PolicyLossParams:
+    return PolicyLossParams(
+        eps_clip_low=algo.eps_clip_low,
+        eps_clip_high=algo.eps_clip_high,
+        dual_clip_c=algo.dual_clip_c,
+        sapo_tau_pos=algo.sapo_tau_pos,
+        sapo_tau_neg=algo.sapo_tau_neg,
+        cispo_eps_high=algo.cispo_eps_high,
+        clip_cov_ratio=algo.clip_cov_ratio,
+        clip_cov_lb=algo.clip_cov_lb,
+        clip_cov_ub=algo.clip_cov_ub,
+        kl_cov_ratio=algo.kl_cov_ratio,
+        kl_cov_coef=algo.kl_cov_coef,
+    )
+
+
+def correction_params(algo: AlgoConfig) -> CorrectionParams:
+    c = algo.correction
+    return CorrectionParams(
+        tis=c.tis, tis_cap=c.tis_cap,
+        geo_mask=c.geo_mask, geo_mask_low=c.geo_mask_low, geo_mask_high=c.geo_mask_high,
+        product_mask=c.product_mask, product_mask_low=c.product_mask_low, product_mask_high=c.product_mask_high,
+        outlier_mask=c.outlier_mask, outlier_low=c.outlier_low, outlier_high=c.outlier_high,
+    )
+
+
+def required_fields(algo: AlgoConfig) -> tuple[str, ...]:
+    """The micro-batch fields the configured loss reads."""
+    fields = ["input_ids", "loss_mask", "reduction_weights"]
+    if algo.policy_loss != "cross_entropy":
+        fields += ["old_logprobs", "advantages"]
+    if algo.needs_rollout_logprobs:
+        fields.append("rollout_logprobs")
+    if algo.kl_coef > 0:
+        fields.append("ref_logprobs")
+    return tuple(fields)
+
+
+def _check_fields(mb: dict[str, Tensor], algo: AlgoConfig, shape: torch.Size) -> None:
+    for name in required_fields(algo):
+        if name not in mb or mb[name] is None:
+            raise ValueError(f"micro-batch is missing field {name!r}, needed by algo={algo.policy_loss!r} "
+                             f"(kl_coef={algo.kl_coef}, rollout_kl_coef={algo.rollout_kl_coef}, "
+                             f"correction={'on' if algo.correction.enabled else 'off'})")
+        if mb[name].shape != shape:
+            raise ValueError(f"micro-batch field {name!r} has shape {tuple(mb[name].shape)}, expected {tuple(shape)}")
+
+
+# Metric names the algo functions return -> the namespace they are reported under.
+_DRIFT = {"tis_ratio_mean", "tis_ratio_min", "tis_ratio_max", "tis_capped_frac", "masked_frac",
+          "geo_masked_frac", "product_masked_frac", "outlier_masked_frac", "extra_masked_frac"}
+
+
+def _metric(name: str, value: Tensor, count: Tensor) -> tuple[str, MetricValue]:
+    full = f"drift/{name}" if name in _DRIFT else f"policy/{name}"
+    if name.endswith("_max"):
+        return full, MetricValue("max", value.detach(), 1.0)
+    if name.endswith("_min"):
+        return full, MetricValue("min", value.detach(), 1.0)
+    return full, MetricValue("mean", value.detach() * count, count)
+
+
+def microbatch_loss(
+    logits: Tensor,
+    mb: dict[str, Tensor],
+    algo: AlgoConfig,
+    *,
+    temperature: float,
+    num_microbatches: int = 1,
+) -> tuple[Tensor, dict[str, MetricValue]]:
+    """This micro-batch's share of the mini-batch loss, and its metrics.
+
+    Args:
+        logits: [B, L, V] model output for ``mb["input_ids"]``.
+        mb: [B, L] tensors ``input_ids, loss_mask, rollout_logprobs, old_logprobs, advantages,
+            reduction_weights`` and ``ref_logprobs`` when ``algo.kl_coef > 0``.
+        algo: the algo branch of the config (read here, never passed into the math).
+        temperature: sampling temperature of the engine (logprobs are of logits / T).
+        num_microbatches: only for ``token_mean_per_microbatch``: micro-batches in the
+            mini-batch over all ranks.
+
+    Returns:
+        (scalar loss, metrics). Loss terms are ``loss/*`` sums; ratios and fractions are
+        means over loss tokens (``count`` = tokens) so they merge exactly across micro-batches.
+    """
+    shape = mb["input_ids"].shape if "input_ids" in mb else None
+    if shape is None:
+        raise ValueError("micro-batch is missing field 'input_ids'")
+    _check_fields(mb, algo, shape)
+    mask = mb["loss_mask"].to(logits.dtype)
+    if algo.loss_reduction == "token_mean_per_microbatch":
+        weights = per_microbatch_token_mean_weights(mask, num_microbatches)
+    else:
+        weights = mb["reduction_weights"].to(logits.dtype) * (mask > 0)
+    n_tokens = mask.sum().detach()
+    logp = token_logprobs(logits, mb["input_ids"], temperature)
+    rollout = mb.get("rollout_logprobs")
+    rollout = rollout.to(logits.dtype) if rollout is not None else None
+
+    if algo.policy_loss == "cross_entropy":
+        old, adv = logp.detach(), torch.zeros_like(logp)
+    else:
+        old, adv = mb["old_logprobs"].to(logits.dtype), mb["advantages"].to(logits.dtype)
+    per_token, algo_metrics = corrected_policy_loss(
+        get_policy_loss(algo.policy_loss), logp, old, rollout, adv, mask,
+        params=policy_loss_params(algo), correction=correction_params(algo),
+        sequence_level=algo.policy_loss in SEQUENCE_LEVEL_LOSSES,
+    )
+    policy = (weights * per_token).sum()
+    total = policy
+    metrics: dict[str, MetricValue] = dict(_metric(k, v, n_tokens) for k, v in algo_metrics.items())
+    metrics["loss/policy"] = MetricValue("sum", policy.detach())
+
+    if algo.kl_coef > 0:
+        kl = kl_penalty(logp, mb["ref_logprobs"].to(logits.dtype), algo.kl_estimator)
+        kl_term = (weights * torch.where(mask > 0, kl, torch.zeros_like(kl))).sum()
+        total = total + algo.kl_coef * kl_term
+        metrics["loss/kl_ref"] = MetricValue("sum", kl_term.detach())
+    if rollout is not None:
+        live = mask > 0
+        if algo.rollout_kl_coef > 0:
+            rkl = kl_penalty(logp, rollout, algo.rollout_kl_estimator)
+            rkl_term = (weights * torch.where(live, rkl, torch.zeros_like(rkl))).sum()
+            total = total + algo.rollout_kl_coef * rkl_term
+            metrics["loss/rollout_kl"] = MetricValue("sum", rkl_term.detach())
+        with torch.no_grad():
+            k3 = torch.where(live, kl_penalty(logp, rollout, "k3"), torch.zeros_like(logp))
+            diff = torch.where(live, (logp - rollout).abs(), torch.zeros_like(logp))
+            metrics["drift/rollout_kl"] = MetricValue("mean", k3.sum(), n_tokens)
+            metrics["drift/abs_logp_diff"] = MetricValue("mean", diff.sum(), n_tokens)
+
+    if algo.entropy_coef > 0:
+        ent = token_entropy(logits, temperature)
+        ent_term = (weights * torch.where(mask > 0, ent, torch.zeros_like(ent))).sum()
+        total = total - algo.entropy_coef * ent_term
+        metrics["loss/entropy"] = MetricValue("sum", ent_term.detach())
+        ent_sum = torch.where(mask > 0, ent, torch.zeros_like(ent)).sum().detach()
+    else:
+        with torch.no_grad():
+            ent_sum = torch.where(mask > 0, token_entropy(logits.detach(), temperature), torch.zeros_like(logp)).sum()
+    metrics["policy/entropy"] = MetricValue("mean", ent_sum, n_tokens)
+    metrics["loss/total"] = MetricValue("sum", total.detach())
+    return total, metrics

@@ -1,0 +1,170 @@
+"""The gradient-invariance contract: however a mini-batch is cut (micro-batches, DP ranks),
+the gradient of the loss built by microbatch_loss is the same, for every term and reduction.
+
+    .venv/bin/python -m pytest tests/unit/test_grad_invariance.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import AlgoConfig, CorrectionConfig
+from asyncrl.data.batch import build_minibatches, collate
+from asyncrl.learner.loss import microbatch_loss
+from asyncrl.types import RolloutGroup, Sample
+
+VOCAB, DIM, TEMP = 13, 6, 0.8
+REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+TERMS = ("policy", "kl_ref", "rollout_kl", "entropy")
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding + a mixing layer + output head: logits at t depend on tokens <= t."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(VOCAB, DIM, generator=g, dtype=torch.float64))
+        self.head = torch.nn.Parameter(torch.randn(DIM, VOCAB, generator=g, dtype=torch.float64))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb[ids]
+        h = torch.tanh(h.cumsum(dim=1) / torch.arange(1, ids.shape[1] + 1, dtype=h.dtype).view(1, -1, 1))
+        return h @ self.head
+
+
+def make_groups(rng: np.random.Generator) -> list[RolloutGroup]:
+    groups = []
+    for g, (n, plen) in enumerate([(3, 2), (2, 4), (4, 3), (2, 1)]):
+        samples = []
+        for i in range(n):
+            t = int(rng.integers(1, 7))
+            mask = np.ones(t, dtype=np.uint8)
+            if t > 3:
+                mask[1] = 0  # an observation token inside the response
+            samples.append(Sample(
+                response_ids=rng.integers(1, VOCAB, t), rollout_logprobs=-rng.uniform(0.5, 3.0, t) * mask,
+                loss_mask=mask, reward=float(rng.integers(0, 2) + 0.5 * i), behavior_version=3,
+            ))
+        groups.append(RolloutGroup(f"g{g}", f"p{g}", rng.integers(1, VOCAB, plen), samples))
+    return groups
+
+
+def algo_for(term: str, reduction: str, policy_loss: str = "ppo") -> AlgoConfig:
+    coefs = {"kl_ref": ("kl_coef", 0.3), "rollout_kl": ("rollout_kl_coef", 0.7), "entropy": ("entropy_coef", 0.05)}
+    kwargs = dict(loss_reduction=reduction, policy_loss=policy_loss, eps_clip_low=0.1, eps_clip_high=0.15,
+                  correction=CorrectionConfig(tis="sequence" if policy_loss == "gmpo" else "token", tis_cap=1.5),
+                  reduction_constant=8.0 if reduction == "seq_mean_token_sum_norm" else None)
+    if term in coefs:
+        name, value = coefs[term]
+        kwargs[name] = value
+    return AlgoConfig(**kwargs)
+
+
+def full_batch(groups, algo, term: str) -> dict[str, torch.Tensor]:
+    (seqs,), _ = build_minibatches(groups, algo, num_minibatches=1)
+    mb = collate(seqs)
+    g = torch.Generator().manual_seed(1)
+    mask = mb["loss_mask"] > 0
+    mb["old_logprobs"] = torch.where(mask, mb["rollout_logprobs"] + 0.3 * torch.randn(mask.shape, generator=g), 1e4)
+    mb["ref_logprobs"] = torch.where(mask, -torch.rand(mask.shape, generator=g) * 3, -1e4)
+    mb["rollout_logprobs"] = torch.where(mask, mb["rollout_logprobs"], 7e3)  # garbage where unmasked
+    mb["advantages"] = torch.where(mask, mb["advantages"], -5e3)
+    if term != "policy":
+        mb["advantages"] = torch.zeros_like(mb["advantages"])  # the policy term then has no gradient
+    return {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in mb.items()}
+
+
+def rows(mb: dict, idx: list[int]) -> dict:
+    """A micro-batch of these rows, trimmed to its own longest sequence (so widths differ)."""
+    width = int(max((mb["input_ids"][i] != 0).nonzero().max() for i in idx)) + 1
+    return {k: v[idx, :width].clone() for k, v in mb.items()}
+
+
+def grad_of(model, algo, micro: list[dict], world_size: int = 1, scale_per_mb: bool = False) -> torch.Tensor:
+    model.zero_grad()
+    for mb in micro:
+        loss, _ = microbatch_loss(model(mb["input_ids"]), mb, algo, temperature=TEMP, num_microbatches=len(micro))
+        if scale_per_mb:
+            loss = loss / len(micro)
+        (loss * world_size).backward()
+    return torch.cat([p.grad.flatten().clone() for p in model.parameters()])
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def splits(n: int) -> dict[str, list[list[int]]]:
+    return {
+        "ones": [[i] for i in range(n)],
+        "twos": [list(range(i, min(i + 2, n))) for i in range(0, n, 2)],
+        "uneven": [[0], list(range(1, n - 3)), list(range(n - 3, n))],
+        "shuffled": [[n - 1, 0, 3], [i for i in range(1, n - 1) if i != 3]],
+    }
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return make_groups(np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("term", TERMS)
+def test_every_term_is_invariant_to_microbatching_and_dp(groups, term, reduction):
+    algo = algo_for(term, reduction)
+    mb = full_batch(groups, algo, term)
+    n = mb["input_ids"].shape[0]
+    model = TinyLM()
+    whole = grad_of(model, algo, [mb])
+    assert whole.abs().max() > 1e-3, "the term must produce a gradient for the test to mean anything"
+    for name, parts in splits(n).items():
+        got = grad_of(model, algo, [rows(mb, p) for p in parts])
+        assert rel_diff(got, whole) <= 1e-6, f"{term}/{reduction}: split {name} changed the gradient"
+    # Two simulated DP ranks, uneven micro-batches each; FSDP averages, the learner scales by 2.
+    rank0 = grad_of(model, algo, [rows(mb, [0, 1]), rows(mb, [2])], world_size=2)
+    rank1 = grad_of(model, algo, [rows(mb, list(range(3, n)))], world_size=2)
+    assert rel_diff((rank0 + rank1) / 2, whole) <= 1e-6
+
+
+@pytest.mark.parametrize("policy_loss", ["dual_clip", "gspo", "sapo", "cispo", "gmpo"])
+def test_other_policy_losses_are_invariant(groups, policy_loss):
+    reduction = "sequence_mean" if policy_loss == "gmpo" else "token_mean"
+    algo = algo_for("policy", reduction, policy_loss)
+    mb = full_batch(groups, algo, "policy")
+    model = TinyLM()
+    whole = grad_of(model, algo, [mb])
+    assert whole.abs().max() > 1e-3
+    got = grad_of(model, algo, [rows(mb, p) for p in splits(mb["input_ids"].shape[0])["uneven"]])
+    assert rel_diff(got, whole) <= 1e-6
+
+
+@pytest.mark.parametrize("term", TERMS)
+def test_negative_control_per_microbatch_scaling_is_caught(groups, term):
+    """A term divided by the number of micro-batches (the classic bug) fails the comparison."""
+    algo = algo_for(term, "token_mean")
+    mb = full_batch(groups, algo, term)
+    model = TinyLM()
+    whole = grad_of(model, algo, [mb])
+    parts = splits(mb["input_ids"].shape[0])["twos"]
+    bad = grad_of(model, algo, [rows(mb, p) for p in parts], scale_per_mb=True)
+    assert rel_diff(bad, whole) > 0.5  # off by the factor 1/len(parts)
+
+
+def test_legacy_per_microbatch_token_mean_depends_on_the_split(groups):
+    """token_mean_per_microbatch reproduces old runs: whole batch = token_mean; singletons = sequence_mean."""
+    legacy = algo_for("policy", "token_mean_per_microbatch")
+    mb = full_batch(groups, legacy, "policy")
+    model = TinyLM()
+    n = mb["input_ids"].shape[0]
+    singles = grad_of(model, legacy, [rows(mb, [i]) for i in range(n)])
+    whole_legacy = grad_of(model, legacy, [mb])
+    token_mean = dataclasses.replace(legacy, loss_reduction="token_mean")
+    seq_mean = dataclasses.replace(legacy, loss_reduction="sequence_mean")
+    assert rel_diff(whole_legacy, grad_of(model, token_mean, [full_batch(groups, token_mean, "policy")])) <= 1e-6
+    assert rel_diff(singles, grad_of(model, seq_mean, [full_batch(groups, seq_mean, "policy")])) <= 1e-6
+    assert rel_diff(singles, whole_legacy) > 1e-3
