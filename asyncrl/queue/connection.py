@@ -1,0 +1,103 @@
+"""Connecting to Redis and retrying its calls: one small wrapper every queue call goes through.
+
+    client = open_client("redis://127.0.0.1:6379/0", password=None)
+    retry = Retrier(redact_url(url), deadline_s=30.0)
+    retry(client.xlen, "asyncrl:demo:rollouts")
+
+Connection errors (server restarting, loading its AOF, network blip) are retried with
+exponential backoff (50 ms, doubling, at most 2 s a wait) until `deadline_s`, each retry
+logged; then `QueueUnavailable`. A rejected password is never retried: `QueueAuthError`
+names the URL with the password removed. Retrying a write whose reply was lost can apply
+it twice; the queue's callers are written for that (the consumer drops duplicate group ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+log = logging.getLogger("asyncrl.queue")
+
+
+class QueueAuthError(ConnectionError):
+    """Redis refused our credentials (wrong or missing password)."""
+
+
+class QueueUnavailable(ConnectionError):
+    """Redis could not be reached within the retry deadline."""
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password removed: safe for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{parts.username}@" if parts.username else ""
+    netloc += host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _is_auth_error(e: Exception) -> bool:
+    if isinstance(e, (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError)):
+        return True
+    msg = str(e)
+    return isinstance(e, redis.ResponseError) and msg.startswith(("NOAUTH", "WRONGPASS", "AUTH"))
+
+
+def open_client(url: str, *, password: str | None = None, socket_timeout: float = 30.0) -> redis.Redis:
+    """A redis-py client for redis://, rediss:// (TLS, handled by redis-py) or unix:// URLs.
+
+    Responses stay bytes (records are binary). A password in the URL wins over `password`.
+    """
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"Redis URL {redact_url(url)!r}: must start with redis://, rediss:// or unix://")
+    kwargs: dict[str, Any] = dict(socket_connect_timeout=5.0, socket_timeout=socket_timeout,
+                                  socket_keepalive=True, health_check_interval=30)
+    if password is not None:
+        kwargs["password"] = password
+    return redis.Redis.from_url(url, **kwargs)
+
+
+class Retrier:
+    """Call `fn(*args)`; on a connection error back off and retry until `deadline_s`."""
+
+    def __init__(self, safe_url: str, *, deadline_s: float = 30.0, first_wait: float = 0.05, max_wait: float = 2.0):
+        self.safe_url = safe_url
+        self.deadline_s = deadline_s
+        self.first_wait = first_wait
+        self.max_wait = max_wait
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, on_retry: Callable[[], None] | None = None,
+                 **kwargs: Any) -> Any:
+        give_up = time.monotonic() + self.deadline_s
+        wait = self.first_wait
+        attempt = 0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as e:
+                if _is_auth_error(e):
+                    raise QueueAuthError(
+                        f"Redis at {self.safe_url} rejected the credentials ({type(e).__name__}: {e}); "
+                        "check queue.password or the password in queue.redis_url"
+                    ) from None
+                if isinstance(e, redis.ResponseError):
+                    raise
+                attempt += 1
+                if time.monotonic() + wait > give_up:
+                    raise QueueUnavailable(
+                        f"Redis at {self.safe_url} unreachable after {attempt} attempts over "
+                        f"{self.deadline_s:.0f}s: {type(e).__name__}: {e}"
+                    ) from e
+                log.warning("Redis at %s: %s: %s; retry %d in %.2fs", self.safe_url, type(e).__name__, e, attempt, wait)
+                time.sleep(wait)
+                wait = min(wait * 2, self.max_wait)
+                if on_retry is not None:
+                    on_retry()

@@ -1,0 +1,225 @@
+"""Run-level state kept in Redis next to the rollout stream: versions, counters, admission,
+generator heartbeats and the metrics stream. `RolloutQueue` builds on it; see replay.py.
+
+    rs = queue                                   # a RolloutQueue is a RunState
+    rs.configure_admission(max_staleness=1, groups_per_step=8)   # trainer, once
+    if rs.try_admit():                           # generator, before starting a group
+        ...
+    rs.set_policy_version(3); rs.policy_version()            # -> 3
+    rs.heartbeat("gen-0", {"version": 3, "tokens_per_s": 812.0}); rs.generators()
+    rs.publish_metrics(step=3, metrics={"loss/policy": 0.12}); rs.read_metrics()
+
+State hash values are stored as text (so the admission Lua script can read them) and parsed
+back by `state()`: text that reads as an int becomes an int, then float, else it stays str.
+Heartbeats and metrics records are msgpack (decoded with ext types refused, never pickle).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import msgpack
+import redis
+
+from asyncrl.queue import keys
+from asyncrl.queue.connection import Retrier
+from asyncrl.queue.scripts import RELEASE_ADMISSION, TRY_ADMIT
+
+log = logging.getLogger("asyncrl.queue")
+
+MAX_SMALL_RECORD = 1 << 20
+"""Bound on a heartbeat or metrics record (bytes): they are small by design."""
+
+
+def unpack_small(data: bytes) -> Any:
+    """msgpack -> plain Python for small trusted-shape records; ext types refused."""
+
+    def no_ext(code: int, _data: bytes) -> Any:
+        raise ValueError(f"msgpack ext type {code} is not allowed")
+
+    if len(data) > MAX_SMALL_RECORD:
+        raise ValueError(f"record of {len(data)} bytes > {MAX_SMALL_RECORD}")
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext,
+                           max_bin_len=MAX_SMALL_RECORD, max_str_len=MAX_SMALL_RECORD,
+                           max_array_len=65536, max_map_len=65536, max_ext_len=0)
+
+
+def _to_text(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, (int, str)):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # round-trips exactly
+    raise TypeError(f"state field {name!r}: {type(value).__name__} is not int, float, str or bool")
+
+
+def _from_text(text: str) -> int | float | str:
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return text
+
+
+class RunState:
+    """State of one run in Redis; built by `RolloutQueue.connect`, not directly."""
+
+    def __init__(self, client: redis.Redis, run: str, retry: Retrier, *, metrics_maxlen: int = 100_000):
+        self._r = client
+        self.run = run
+        self._retry = retry
+        self.metrics_maxlen = metrics_maxlen
+        self._k_state = keys.state(run)
+        self._k_counters = keys.counters(run)
+        self._k_generators = keys.generators(run)
+        self._k_metrics = keys.metrics(run)
+        self._try_admit = client.register_script(TRY_ADMIT)
+        self._release = client.register_script(RELEASE_ADMISSION)
+
+    def _transaction(self, build: Callable[[redis.client.Pipeline], None]) -> list:
+        """Run the commands `build` queues as one MULTI/EXEC, retried as a whole.
+
+        The pipeline is rebuilt on each attempt: redis-py empties it when execute() fails.
+        """
+
+        def attempt() -> list:
+            pipe = self._r.pipeline(transaction=True)
+            build(pipe)
+            return pipe.execute() if len(pipe) else []
+
+        return self._retry(attempt)
+
+    # ------------------------------------------------------------------ state hash
+
+    def set_state(self, **fields: Any) -> None:
+        """Set fields of the run's state hash; a None value deletes the field."""
+        drop = [k for k, v in fields.items() if v is None]
+        put = {k: _to_text(k, v) for k, v in fields.items() if v is not None}
+
+        def build(pipe: redis.client.Pipeline) -> None:
+            if put:
+                pipe.hset(self._k_state, mapping=put)
+            if drop:
+                pipe.hdel(self._k_state, *drop)
+
+        self._transaction(build)
+
+    def state(self) -> dict[str, int | float | str]:
+        raw = self._retry(self._r.hgetall, self._k_state)
+        return {k.decode(): _from_text(v.decode()) for k, v in raw.items()}
+
+    def set_policy_version(self, version: int) -> None:
+        """The learner's current version v (optimizer steps taken); admission reads it."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"policy version must be an int >= 0, got {version!r}")
+        self._retry(self._r.hset, self._k_state, "policy_version", version)
+
+    def policy_version(self) -> int:
+        v = self._retry(self._r.hget, self._k_state, "policy_version")
+        return int(v) if v is not None else 0
+
+    def set_weights(self, location: str, version: int) -> None:
+        """Where the weights of `version` were published (a path or object ref), in one write."""
+        self._retry(self._r.hset, self._k_state,
+                    mapping={"weights_location": str(location), "weights_version": int(version)})
+
+    def weights(self) -> tuple[str | None, int]:
+        """(location, version) of the last published weights; (None, -1) before the first."""
+        loc, ver = self._retry(self._r.hmget, self._k_state, ["weights_location", "weights_version"])
+        return (loc.decode() if loc is not None else None, int(ver) if ver is not None else -1)
+
+    # ------------------------------------------------------------------ counters
+
+    def incr(self, name: str, n: int = 1) -> int:
+        return int(self._retry(self._r.hincrby, self._k_counters, name, n))
+
+    def counters(self) -> dict[str, int]:
+        raw = self._retry(self._r.hgetall, self._k_counters)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    # ------------------------------------------------------------------ admission
+
+    def configure_admission(self, max_staleness: int, groups_per_step: int) -> None:
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+        if not isinstance(groups_per_step, int) or groups_per_step < 1:
+            raise ValueError(f"groups_per_step must be an int >= 1, got {groups_per_step!r}")
+        self.set_state(max_staleness=max_staleness, groups_per_step=groups_per_step)
+
+    def try_admit(self, n: int = 1) -> bool:
+        """Start n more groups iff groups_started + n <= (v + max_staleness + 1) * groups_per_step.
+
+        Atomic (one Lua script), so racing generators never overshoot. False until the
+        trainer has called configure_admission.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"try_admit(n): n must be an int >= 1, got {n!r}")
+        return self._retry(self._try_admit, keys=[self._k_state, self._k_counters], args=[n]) == 1
+
+    def release_admission(self, n: int) -> int:
+        """Give back n admitted groups that will never be trained (abandoned, dropped, dead-lettered)."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"release_admission(n): n must be an int >= 0, got {n!r}")
+        return int(self._retry(self._release, keys=[self._k_counters], args=[n]))
+
+    def reset_admission(self, groups_started: int) -> None:
+        """Set groups_started outright (resume: trained + still queued or pending)."""
+        if not isinstance(groups_started, int) or groups_started < 0:
+            raise ValueError(f"groups_started must be an int >= 0, got {groups_started!r}")
+        self._retry(self._r.hset, self._k_counters, "groups_started", groups_started)
+
+    # ------------------------------------------------------------------ generators
+
+    def heartbeat(self, generator_id: str, info: dict[str, Any]) -> None:
+        """Record that a generator is alive; `info` is plain msgpack data (version, tokens_per_s, ...)."""
+        record = {**info, "heartbeat": time.time()}
+        self._retry(self._r.hset, self._k_generators, generator_id, msgpack.packb(record, use_bin_type=True))
+
+    def generators(self) -> dict[str, dict[str, Any]]:
+        raw = self._retry(self._r.hgetall, self._k_generators)
+        out: dict[str, dict[str, Any]] = {}
+        for k, v in raw.items():
+            try:
+                info = unpack_small(v)
+            except Exception as e:  # a bad heartbeat must not take the trainer down
+                log.warning("generator %r: unreadable heartbeat (%s); skipped", k, e)
+                continue
+            if isinstance(info, dict):
+                out[k.decode()] = info
+        return out
+
+    def remove_generator(self, generator_id: str) -> None:
+        self._retry(self._r.hdel, self._k_generators, generator_id)
+
+    # ------------------------------------------------------------------ metrics
+
+    def publish_metrics(self, step: int, metrics: dict[str, float], source: str = "trainer") -> str:
+        """XADD {"step", "time", "source", "metrics"} to the run's metrics stream (approx. capped)."""
+        clean: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"metric {name!r}={value!r}: names must be str and values numbers")
+            clean[name] = float(value)
+        record = {"step": int(step), "time": time.time(), "source": str(source), "metrics": clean}
+        entry = self._retry(self._r.xadd, self._k_metrics, {keys.RECORD_FIELD: msgpack.packb(record, use_bin_type=True)},
+                            maxlen=self.metrics_maxlen, approximate=True)
+        return entry.decode()
+
+    def read_metrics(self, since_id: str = "0", count: int = 1000) -> list[tuple[str, dict[str, Any]]]:
+        """Metrics records after `since_id` (exclusive), oldest first, at most `count`."""
+        start = "-" if since_id in ("0", "-", "0-0") else f"({since_id}"
+        entries = self._retry(self._r.xrange, self._k_metrics, min=start, max="+", count=count)
+        out = []
+        for entry_id, fields in entries:
+            try:
+                record = unpack_small(fields[keys.RECORD_FIELD])
+            except Exception as e:
+                log.warning("metrics entry %s unreadable (%s); skipped", entry_id, e)
+                continue
+            if isinstance(record, dict):
+                out.append((entry_id.decode(), record))
+        return out

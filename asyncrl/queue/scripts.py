@@ -1,0 +1,51 @@
+"""Lua scripts the queue runs inside Redis, where check-then-write must be one atomic step.
+
+    from asyncrl.queue.scripts import PUT_BOUNDED
+    ids = client.register_script(PUT_BOUNDED)(keys=[stream, counters], args=[maxlen, rec1, rec2])
+
+Redis runs a script without interleaving other commands, so concurrent producers cannot
+overshoot `maxlen` and concurrent generators cannot overshoot the admission budget.
+"""
+
+PUT_BOUNDED = """
+-- KEYS[1] rollouts stream, KEYS[2] counters hash; ARGV[1] maxlen, ARGV[2..] records.
+-- Adds records while the stream holds fewer than maxlen entries (undelivered + un-acked:
+-- acked entries are deleted); returns the ids added, possibly fewer than given.
+local room = tonumber(ARGV[1]) - redis.call('XLEN', KEYS[1])
+local ids = {}
+for i = 2, #ARGV do
+  if room <= 0 then break end
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
+  room = room - 1
+end
+if #ids > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', #ids) end
+return ids
+"""
+
+TRY_ADMIT = """
+-- KEYS[1] state hash, KEYS[2] counters hash; ARGV[1] n.
+-- Admitted iff groups_started + n <= (policy_version + max_staleness + 1) * groups_per_step
+-- (AReaL-style throttle, DESIGN.md "Staleness"). Returns 1 admitted, 0 refused,
+-- -1 when the trainer has not called configure_admission yet (refused too).
+local n = tonumber(ARGV[1])
+local ms = tonumber(redis.call('HGET', KEYS[1], 'max_staleness') or '')
+local gps = tonumber(redis.call('HGET', KEYS[1], 'groups_per_step') or '')
+if ms == nil or gps == nil then return -1 end
+local v = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
+local started = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0')
+if started + n <= (v + ms + 1) * gps then
+  redis.call('HINCRBY', KEYS[2], 'groups_started', n)
+  return 1
+end
+return 0
+"""
+
+RELEASE_ADMISSION = """
+-- KEYS[1] counters hash; ARGV[1] n. groups_started -= n, never below 0; returns the new value.
+local left = redis.call('HINCRBY', KEYS[1], 'groups_started', -tonumber(ARGV[1]))
+if left < 0 then
+  redis.call('HSET', KEYS[1], 'groups_started', 0)
+  left = 0
+end
+return left
+"""

