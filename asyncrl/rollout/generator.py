@@ -1,0 +1,392 @@
+"""GeneratorActor: keeps a vLLM engine busy sampling rollout groups into the Redis queue.
+
+    gen = GeneratorActor.remote_actor(cfg, model_path=d, generator_id="gen-0",
+                                      redis_url=url, run="demo")          # Ray actor, restarts on crash
+    gen.start.remote()
+    ray.get(gen.update_weights.remote("/dev/shm/asyncrl-demo-v1.safetensors", 1))
+    ray.get(gen.stats.remote());  ray.get(gen.shutdown.remote())
+
+    # in-process (the elastic `asyncrl generate` CLI): the same class, called directly
+    gen = GeneratorActor(cfg, d, "host-123", url, "demo"); gen.start(); ...; gen.shutdown()
+
+The engine and the generation loop live on an asyncio loop in a thread of their own, so
+every public method is a plain blocking call, safe from any thread (Ray runs the actor
+with max_concurrency > 1, so stats() answers while update_weights() runs).
+
+Loop: draw a prompt (skip and count those over rollout.max_prompt_tokens), wait for
+admission (queue.try_admit), note the prompt in the generator's in-flight hash in Redis,
+sample n completions, score them with the environment, put one RolloutGroup, delete the
+in-flight note. Up to rollout.max_inflight_groups groups run at once. A restarted actor
+(Ray max_restarts) first reaps its predecessor's orphaned engine processes, then
+re-issues the predecessor's in-flight prompts without a second admission. Every second it
+heartbeats {version, groups, tokens_per_s} and loads newer published weights by itself if
+nobody pushed them (elastic generators).
+
+Redis keys owned here (see ``inflight_key``, ``engine_pids_key``):
+    asyncrl:{run}:inflight:{generator_id}   hash  prompt_id -> msgpack {"text", "metadata"}
+    asyncrl:{run}:engine_pids               hash  generator_id -> msgpack {"host", "pids": [[pid, t0]]}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from asyncrl.config import Config
+from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes
+from asyncrl.rollout.envs import RewardError, make_env, score
+from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
+from asyncrl.rollout.prompts import open_prompts
+from asyncrl.types import RolloutGroup, Sample
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+ADMISSION_POLL_S = 0.05
+
+
+def inflight_key(run: str, generator_id: str) -> str:
+    return f"asyncrl:{run}:inflight:{generator_id}"
+
+
+def engine_pids_key(run: str) -> str:
+    return f"asyncrl:{run}:engine_pids"
+
+
+def _was_restarted() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # not inside a Ray actor
+        return False
+
+
+class GeneratorActor:
+    """One engine, one environment, one prompt stream; produces RolloutGroups until stopped."""
+
+    def __init__(self, cfg: Config, model_path: str, generator_id: str, redis_url: str, run: str,
+                 password: str | None = None, autostart: bool | None = None):
+        from transformers import AutoTokenizer
+
+        from asyncrl.queue.connection import open_client
+        from asyncrl.queue.replay import RolloutQueue
+
+        self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
+        self.queue = RolloutQueue.connect(redis_url, run, password=password, consumer=generator_id,
+                                          maxlen=cfg.queue.maxlen)
+        self.redis = open_client(redis_url, password=password)
+        self._reap_predecessor()
+        self.env = make_env(self.rollout.env, self.rollout.env_kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        incarnation = uuid.uuid4().hex[:8]
+        self.prompts = open_prompts(self.rollout.prompts, self.env, id_prefix=f"{generator_id}.{incarnation}",
+                                    seed=self.rollout.seed + int(incarnation, 16))
+        self.counts = {"groups": 0, "samples": 0, "tokens": 0, "prompts_skipped": 0, "reward_errors": 0,
+                       "group_errors": 0, "reissued": 0, "weight_updates": 0, "weight_update_errors": 0}
+        self._started_at = time.time()
+        self._retry: deque = deque()  # admitted prompts to run again (predecessor's, or failed here)
+        self._tasks: set[asyncio.Task] = set()
+        self._main: asyncio.Task | None = None
+        self._stopping = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{generator_id}-loop", daemon=True)
+        self._thread.start()
+        self.engine: RolloutEngine = self._call(RolloutEngine.start(self.rollout, model_path))
+        self.redis.hset(engine_pids_key(run), generator_id, msgpack.packb(
+            {"host": socket.gethostname(), "pids": self.engine.engine_pids}, use_bin_type=True))
+        location, version = self.queue.weights()
+        if location is not None and version > 0:
+            self.update_weights(location, version)  # joining (or restarting into) a running job
+        self._load_predecessor_inflight()
+        if autostart if autostart is not None else (_was_restarted() or bool(self._retry)):
+            self.start()
+
+    # ------------------------------------------------------------------ Ray
+
+    @classmethod
+    def remote_actor(cls, cfg: Config, **kwargs):
+        """Start as a Ray actor that Ray restarts after a crash (it then resumes on its own)."""
+        import ray
+
+        actor = ray.remote(cls).options(
+            num_cpus=cfg.rollout.cpus_per_generator, num_gpus=cfg.rollout.gpus_per_generator,
+            max_restarts=-1, max_task_retries=0, max_concurrency=8,
+        )
+        return actor.remote(cfg, **kwargs)
+
+    # ------------------------------------------------------------------ public, blocking
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def start(self) -> None:
+        """Begin generating in the background (idempotent)."""
+        async def begin():
+            if self._main is None or self._main.done():
+                self._stopping = False
+                self._main = asyncio.ensure_future(self._run())
+        self._call(begin())
+
+    def stop(self, drain_timeout_s: float = 30.0) -> dict:
+        """Stop admitting, let in-flight groups finish (up to the timeout), leave the job cleanly."""
+        self._call(self._stop(drain_timeout_s))
+        return self.stats()
+
+    def update_weights(self, location: str, version: int) -> dict:
+        """Apply weights in flight: pause (keep requests), load, label ``version``, resume."""
+        return self._call(self._update(location, version))
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def engine_pids(self) -> list[list]:
+        return list(self.engine.engine_pids)
+
+    def stats(self) -> dict:
+        elapsed = max(time.time() - self._started_at, 1e-9)
+        return {**self.counts, "version": self.engine.version, "inflight": len(self._tasks),
+                "tokens_per_s": self.counts["tokens"] / elapsed, "generator_id": self.generator_id}
+
+    def shutdown(self) -> None:
+        """Stop without draining, abort requests, shut the engine down (its /dev/shm segments go too)."""
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._call(self._stop(0.0))
+        self._call(self.engine.shutdown())
+        self.redis.hdel(engine_pids_key(self.run), self.generator_id)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+        self.queue.close()
+        self.redis.close()
+
+    # ------------------------------------------------------------------ NCCL weight transfer (GPU)
+
+    def transfer_world_size(self) -> int:
+        return self.engine.llm.vllm_config.parallel_config.world_size
+
+    def transfer_init(self, init_info: dict) -> None:
+        self._call(self.engine.llm.collective_rpc("init_weight_transfer_engine",
+                                                  kwargs={"init_info": init_info}))
+
+    def transfer_begin(self) -> None:
+        async def begin():
+            await self.engine.llm.pause_generation(mode="keep", clear_cache=self.cfg.sync.inflight == "recompute")
+            await self.engine.llm.start_weight_update()
+        self._call(begin())
+
+    def transfer_receive(self, update_info: dict) -> None:
+        self._call(self.engine.llm.collective_rpc("update_weights", kwargs={"update_info": update_info}))
+
+    def transfer_finish(self, version: int) -> None:
+        async def finish():
+            await self.engine.llm.finish_weight_update()
+            await self.engine.set_version(version)
+            if self.cfg.sync.inflight == "recompute":
+                await self.engine.llm.reset_prefix_cache(reset_running_requests=True)
+            await self.engine.llm.resume_generation()
+            self.counts["weight_updates"] += 1
+        self._call(finish())
+
+    # ------------------------------------------------------------------ crash recovery
+
+    def _reap_predecessor(self) -> None:
+        raw = self.redis.hget(engine_pids_key(self.run), self.generator_id)
+        if raw is None:
+            return
+        record = msgpack.unpackb(raw, raw=False)
+        if record.get("host") == socket.gethostname():
+            reaped = reap_processes(record.get("pids", []))
+            if reaped:
+                log.warning("%s: reaped %d orphaned engine processes %s", self.generator_id, len(reaped), reaped)
+
+    def _load_predecessor_inflight(self) -> None:
+        for prompt_id, raw in self.redis.hgetall(inflight_key(self.run, self.generator_id)).items():
+            note = msgpack.unpackb(raw, raw=False)
+            ids = self.tokenizer.encode(note["text"])
+            self._retry.append((prompt_id.decode(), note["text"], note["metadata"], ids))
+            self.counts["reissued"] += 1
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        beat = asyncio.ensure_future(self._heartbeat_loop())
+        try:
+            while not self._stopping:
+                while len(self._tasks) >= self.rollout.max_inflight_groups and not self._stopping:
+                    await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                if self._stopping:
+                    break
+                if self._retry:  # already admitted (and noted in Redis) once
+                    self._spawn(self._retry.popleft())
+                    continue
+                item = self._next_prompt()
+                if item is None:
+                    continue
+                while not self._stopping and not await asyncio.to_thread(self.queue.try_admit, 1):
+                    await asyncio.sleep(ADMISSION_POLL_S)
+                if self._stopping:
+                    break
+                note = msgpack.packb({"text": item[1], "metadata": item[2]}, use_bin_type=True)
+                await asyncio.to_thread(self.redis.hset, inflight_key(self.run, self.generator_id), item[0], note)
+                self._spawn(item)
+        finally:
+            beat.cancel()
+
+    def _next_prompt(self):
+        prompt_id, text, metadata = next(self.prompts)
+        ids = self.tokenizer.encode(text)
+        if len(ids) > self.rollout.max_prompt_tokens:
+            self.counts["prompts_skipped"] += 1
+            self.queue.incr("prompts_skipped")
+            return None
+        return prompt_id, text, metadata, ids
+
+    def _spawn(self, item) -> None:
+        task = asyncio.ensure_future(self._produce(item))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _produce(self, item) -> None:
+        prompt_id = item[0]
+        try:
+            group = await self._rollout_group(*item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
+            self.counts["group_errors"] += 1
+            log.warning("%s: prompt %s failed (%s: %s); re-issuing it", self.generator_id, prompt_id,
+                        type(e).__name__, e)
+            if not self._stopping:
+                self._retry.append(item)
+            return
+        await asyncio.to_thread(self._put, group)
+
+    def _put(self, group: RolloutGroup) -> None:
+        self.queue.put(group, timeout=self.cfg.queue.put_timeout_s)
+        self.redis.hdel(inflight_key(self.run, self.generator_id), group.prompt_id)
+        self.counts["groups"] += 1
+        self.counts["samples"] += len(group.samples)
+        self.counts["tokens"] += group.num_tokens
+
+    async def _rollout_group(self, prompt_id: str, text: str, metadata: dict, ids: list[int]) -> RolloutGroup:
+        t0 = time.time()
+        if self.env.multi_turn:
+            samples = await self._multi_turn_samples(text, metadata, ids)
+        else:
+            completions = await self.engine.generate(ids, self.rollout.n_samples, f"{self.generator_id}-{uuid.uuid4().hex}")
+            samples = [self._sample(text, metadata, c, t0) for c in completions]
+        meta = dict(metadata)
+        if self.cfg.sync.inflight == "keep" and any(
+                s.token_versions is not None and len(set(s.token_versions.tolist())) > 1 for s in samples):
+            meta["stale_kv"] = True  # tokens after a mid-request update attended to older weights' KV
+        return RolloutGroup(group_id=uuid.uuid4().hex, prompt_id=prompt_id, prompt_ids=np.asarray(ids, np.int32),
+                            samples=samples, env=self.rollout.env, metadata=meta)
+
+    def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
+        response = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        error = None
+        try:
+            reward = score(self.env, prompt, response, metadata)
+        except RewardError as e:
+            reward, error = math.nan, str(e)
+            self.counts["reward_errors"] += 1
+        n = len(c.token_ids)
+        return Sample(
+            response_ids=np.asarray(c.token_ids, np.int32),
+            rollout_logprobs=np.asarray(c.logprobs, np.float32),
+            loss_mask=np.ones(n, np.uint8),
+            reward=reward,
+            behavior_version=min(c.versions) if c.versions else self.engine.version,
+            stop_reason=c.finish_reason,
+            token_versions=np.asarray(c.versions, np.int32),
+            generator_id=self.generator_id,
+            timings={"generate_s": time.time() - t0, "finished_at": time.time()},
+            error=error,
+        )
+
+    async def _multi_turn_samples(self, text: str, metadata: dict, ids: list[int]) -> list[Sample]:
+        async def policy(context: list[int]) -> Turn:
+            c = (await self.engine.generate(context, 1, f"{self.generator_id}-{uuid.uuid4().hex}"))[0]
+            return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
+
+        budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
+
+        async def one(k: int):
+            env = make_env(self.rollout.env, self.rollout.env_kwargs)  # episode state is per trajectory
+            return await run_trajectory(env, text, metadata, policy, self.tokenizer.encode,
+                                        lambda t: self.tokenizer.decode(t, skip_special_tokens=True), budget)
+
+        trajectories = await asyncio.gather(*(one(k) for k in range(self.rollout.n_samples)))
+        if self.cfg.algo.stepwise:
+            return [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
+        return [to_interleaved_sample(t, self.generator_id) for t in trajectories]
+
+    async def _update(self, location: str, version: int) -> dict:
+        if version <= self.engine.version:
+            return {"version": self.engine.version, "skipped": True}
+        try:
+            info = await self.engine.load_weights(location, version, inflight=self.cfg.sync.inflight)
+        except WeightLoadError:
+            self.counts["weight_update_errors"] += 1
+            raise
+        self.counts["weight_updates"] += 1
+        return info
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                s = self.stats()
+                await asyncio.to_thread(self.queue.heartbeat, self.generator_id,
+                                        {"version": s["version"], "groups": s["groups"],
+                                         "tokens_per_s": s["tokens_per_s"], "inflight": s["inflight"]})
+                location, version = await asyncio.to_thread(self.queue.weights)
+                if location is not None and version > self.engine.version:
+                    await self._update(location, version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a missed beat or a failed self-update is retried next second
+                log.warning("%s: heartbeat/weights poll failed: %s", self.generator_id, e)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _stop(self, drain_timeout_s: float) -> None:
+        self._stopping = True
+        if self._main is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(self._main), timeout=2.0)
+            if not self._main.done():
+                self._main.cancel()
+        if self._tasks and drain_timeout_s > 0:
+            await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
+        unfinished = list(self._tasks)
+        for t in unfinished:
+            t.cancel()
+        await self.engine.abort_all()
+        if unfinished:
+            await asyncio.gather(*unfinished, return_exceptions=True)
+        # A clean stop hands back what it admitted but never produced; a crash leaves the
+        # in-flight hash for the successor instead.
+        pending = await asyncio.to_thread(self.redis.hlen, inflight_key(self.run, self.generator_id))
+        if pending:
+            await asyncio.to_thread(self.queue.release_admission, int(pending))
+            await asyncio.to_thread(self.redis.delete, inflight_key(self.run, self.generator_id))
+        self._retry.clear()
+        await asyncio.to_thread(self.queue.remove_generator, self.generator_id)

@@ -1,0 +1,5 @@
+"""Weight sync from the learner back to the generators' engines. See ``weight_sync.py``."""
+
+from asyncrl.sync.weight_sync import build_weight_sync, resolve_backend
+
+__all__ = ["build_weight_sync", "resolve_backend"]

@@ -1,0 +1,128 @@
+"""CPU weight sync through shared memory: a safetensors file in /dev/shm, loaded in place.
+
+    sync = ShmWeightSync(cfg.sync, queue=queue, run="demo")
+    sync.register(generator_handle)                 # Ray actor handle or in-process GeneratorActor
+    info = sync.publish(model.state_dict(), version=3)
+    # or, when the learner writes the file itself:  sync.publish_file(sync.path_for(3), 3)
+
+publish: write /dev/shm/asyncrl-{run}-v{version}.safetensors (temp name + rename, so a
+reader never sees half a file), record (location, version) in Redis for generators that
+poll (elastic ones), then ask every registered generator to apply it in flight
+(``update_weights``: pause keep, load, label version, drop stale KV, resume) and wait.
+Files of older versions are deleted once every registered generator runs the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import time
+
+from asyncrl.config import SyncConfig
+
+log = logging.getLogger(__name__)
+
+
+def call_engines(handles: list, method: str, *args) -> list:
+    """Call ``method`` on every generator at once (Ray handles in parallel) and return the results
+    in order; an exception is returned in place of the result of the generator that raised."""
+    import ray
+
+    results: list = [None] * len(handles)
+    pending = {}
+    for i, h in enumerate(handles):
+        fn = getattr(h, method)
+        if hasattr(fn, "remote"):
+            pending[i] = fn.remote(*args)
+        else:
+            try:
+                results[i] = fn(*args)
+            except Exception as e:
+                results[i] = e
+    for i, ref in pending.items():
+        try:
+            results[i] = ray.get(ref)
+        except Exception as e:
+            results[i] = e
+    return results
+
+
+def save_state_dict(state_dict: dict, path: str) -> int:
+    """Write tensors to ``path`` atomically as safetensors (CPU, contiguous); return the bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, expected a torch.Tensor")
+        tensors[name] = t.detach().to("cpu").contiguous()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file(tensors, tmp)
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+class ShmWeightSync:
+    """Publishes weight files to /dev/shm and has the registered generators load them."""
+
+    def __init__(self, cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None):
+        if not os.path.isdir(cfg.shm_dir):
+            raise ValueError(f"sync.shm_dir={cfg.shm_dir!r}: not a directory")
+        self.cfg, self.queue, self.run = cfg, queue, run
+        self.engines: list = list(engines or [])
+        self.version: int | None = None
+
+    def register(self, handle) -> None:
+        self.engines.append(handle)
+
+    def unregister(self, handle) -> None:
+        self.engines = [h for h in self.engines if h is not handle]
+
+    def path_for(self, version: int) -> str:
+        return os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v{version}.safetensors")
+
+    def publish(self, state_dict: dict, version: int) -> dict:
+        """Write ``state_dict`` as ``version`` and apply it on every generator; return timings."""
+        t0 = time.perf_counter()
+        path = self.path_for(version)
+        nbytes = save_state_dict(state_dict, path)
+        info = self.publish_file(path, version)
+        info.update(write_s=info["start"] - t0, bytes=nbytes, seconds=time.perf_counter() - t0)
+        return info
+
+    def publish_file(self, path: str, version: int) -> dict:
+        """Announce an already written file as ``version`` and wait until the generators run it."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weights file {path} does not exist")
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version {version} is not newer than the published version {self.version}")
+        start = time.perf_counter()
+        if self.queue is not None:
+            self.queue.set_weights(path, version)
+        results = call_engines(self.engines, "update_weights", path, version)
+        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
+        if errors:
+            log.warning("weights v%d: %d generator(s) failed to load: %s", version, len(errors), errors)
+        self.version = version
+        if not errors:
+            self._delete_older(version)
+        applied = [r for r in results if isinstance(r, dict)]
+        return {"version": version, "start": start, "apply_s": time.perf_counter() - start,
+                "engines": len(self.engines), "errors": errors,
+                "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0)}
+
+    def _delete_older(self, version: int) -> None:
+        for old in glob.glob(os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v*.safetensors")):
+            tail = old.rsplit("-v", 1)[1].split(".", 1)[0]
+            if tail.isdigit() and int(tail) < version:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(old)
+
+    def close(self) -> None:
+        """Delete this run's weight files (the generators have loaded them into memory)."""
+        for path in glob.glob(os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v*.safetensors*")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
