@@ -15,6 +15,7 @@ const CHARTS = [
     metrics: [["staleness/mean", "mean"], ["staleness/p50", "p50"], ["staleness/p90", "p90"], ["staleness/max", "max"]],
     refLine: s => s.max_staleness == null ? null : { y: s.max_staleness, label: "max_staleness" } },
   { id: "staleness-hist", title: "Staleness distribution (fraction of groups)", yTitle: "fraction", stacked: true,
+    palette: ["#1e40af", "#60a5fa", "#fbbf24", "#f97316", "#dc2626", "#7f1d1d"],
     metricsFrom: names => names.filter(n => /^staleness\/frac_\d+$/.test(n))
       .sort((a, b) => +a.split("_").pop() - +b.split("_").pop())
       .map(n => [n, "staleness " + n.split("_").pop()]) },
@@ -34,6 +35,7 @@ const CHARTS = [
   { id: "throughput", title: "Throughput", yTitle: "tokens/s",
     metrics: [["throughput/gen_tokens_per_s", "generation"], ["throughput/train_tokens_per_s", "training"]] },
   { id: "time", title: "Step time split", yTitle: "seconds", stacked: true,
+    palette: ["#f59e0b", "#2563eb", "#16a34a"],
     metrics: [["time/wait_data", "wait for data"], ["time/train", "train"], ["time/sync", "weight sync"]] },
   { id: "reward", title: "Reward and response length", yTitle: "reward", y2Title: "tokens",
     metrics: [["reward/mean", "reward mean"], ["reward/std", "reward std"], ["response/length_mean", "length", "y2"]] },
@@ -144,8 +146,8 @@ function generatorVersionTraces() {
 // ------------------------------------------------------------------ run page: drawing
 
 const LAYOUT = {
-  margin: { l: 48, r: 16, t: 8, b: 36 }, height: 250, showlegend: true,
-  legend: { orientation: "h", y: -0.22, font: { size: 11 } },
+  margin: { l: 52, r: 16, t: 30, b: 40 }, height: 260, showlegend: true,
+  legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom", traceorder: "normal", font: { size: 11 } },
   xaxis: { title: { text: "step", font: { size: 11 } }, gridcolor: "#eef0f3", zeroline: false },
   yaxis: { gridcolor: "#eef0f3", zeroline: false, rangemode: "tozero" },
   paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { family: "system-ui, sans-serif", size: 11 },
@@ -161,8 +163,9 @@ function buildCharts() {
 function drawChart(c) {
   const metrics = c.metricsFrom ? c.metricsFrom(Object.keys(view.series)) : c.metrics;
   let traces = [];
+  const palette = c.palette || PALETTE;
   metrics.forEach(([name, label, axis], i) => {
-    traces.push(...tracesOf(name, label, PALETTE[i % PALETTE.length], axis));
+    traces.push(...tracesOf(name, label, palette[i % palette.length], axis));
   });
   if (c.stacked) traces = traces.map(t => ({ ...t, type: "bar", mode: undefined, line: undefined,
                                              marker: { color: t.line.color } }));
@@ -171,6 +174,7 @@ function drawChart(c) {
   const layout = JSON.parse(JSON.stringify(LAYOUT));
   if (c.stacked) layout.barmode = "stack";
   if (c.yTitle) layout.yaxis.title = { text: c.yTitle, font: { size: 11 } };
+  if (c.y2Title) layout.margin.r = 52;
   if (c.y2Title) layout.yaxis2 = { overlaying: "y", side: "right", title: { text: c.y2Title, font: { size: 11 } },
                                    showgrid: false, rangemode: "tozero" };
   const ref = c.refLine && view.snapshot ? c.refLine(view.snapshot.summary) : null;
