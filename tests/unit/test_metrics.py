@@ -134,3 +134,17 @@ def test_generator_alerts_lag_and_heartbeat():
 def test_prometheus_name():
     assert M.prometheus_name("staleness/frac_0") == "asyncrl_staleness_frac_0"
     assert M.prometheus_name("drift/tis-ratio.max") == "asyncrl_drift_tis_ratio_max"
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(bound=st.integers(0, 6), data=st.data())
+def test_staleness_summary_invariants(bound, data):
+    values = data.draw(st.lists(st.integers(0, bound), min_size=1, max_size=64))
+    out = M.staleness_summary(values, max_staleness=bound)
+    fracs = [out[M.frac_name(k)] for k in range(bound + 1)]
+    assert sum(fracs) == pytest.approx(1.0)
+    assert out["staleness/mean"] == pytest.approx(sum(k * f for k, f in enumerate(fracs)))
+    assert min(values) <= out["staleness/p50"] <= out["staleness/p90"] <= out["staleness/max"] == max(values)

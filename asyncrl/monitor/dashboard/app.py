@@ -229,6 +229,7 @@ async def api_stream(request: Request) -> Response:
         while True:
             try:
                 update = await run_in_threadpool(data.run_snapshot, client, run)
+                update["summary"].pop("config", None)  # static for a run: /summary has it, no need every second
                 series = await run_in_threadpool(data.read_series, client, run, names, since=last_id)
                 last_id = series["last_id"]
                 update.update(series)
