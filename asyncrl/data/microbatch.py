@@ -1,0 +1,162 @@
+"""Deal a mini-batch to DP ranks, cut each rank's share into micro-batches, pad and collate.
+
+    shares = deal_to_ranks([s.num_tokens for s in minibatch], num_ranks=2)       # rank -> indices
+    plans = [split_by_token_budget([lengths[i] for i in share], budget=4096) for share in shares]
+    count = max(len(p) for p in plans)                                            # same on all ranks
+    mb = collate([seq_fields(s) for s in seqs], pad_token_id=0)                   # dict of [B, L]
+    pad = padding_microbatch(field_dtypes(mb), pad_token_id=0)                    # zero loss mask
+
+Pad, not pack: every micro-batch is padded on the right to its longest sequence. Packing
+(concatenating sequences into one row with per-document attention) saves the padding FLOPs
+but needs varlen attention kernels; on CPU the tiny models this runs are matmul-bound and
+we sort by length first, so the padding we pay is small (reported as `learner/padding_frac`).
+Right padding plus causal attention means real positions never attend to a pad, so no
+attention mask is needed and logits at real positions do not depend on the padding.
+
+All ranks run the same number of micro-batches, because every FSDP forward/backward is a
+collective. A rank with less data runs *padding micro-batches*: one pad-token row that
+carries every per-token field of the real ones (rollout logprobs, versions, advantages ...)
+with loss_mask = reduction_weights = 0. Dropping an optional field there is what made the
+loss raise inside the collective in SkyRL (PR #1811, seeds/001); `padding_microbatch`
+builds it from the real micro-batches' field list, so it cannot drift from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.types import TrainSequence
+
+# Per-token fields a TrainSequence carries into the learner (all aligned to input_ids).
+SEQUENCE_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights",
+                   "token_versions")
+INTEGER_FIELDS = ("input_ids", "token_versions")
+PADDING_KEY = "is_padding"
+
+
+def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
+    """The per-token arrays of one TrainSequence, as int64 / float32 numpy (msgpack/Ray friendly)."""
+    out = {}
+    for name in SEQUENCE_FIELDS:
+        value = np.asarray(getattr(seq, name))
+        out[name] = value.astype(np.int64 if name in INTEGER_FIELDS else np.float32, copy=False)
+    return out
+
+
+def deal_to_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
+    """Assign sequence indices to ranks so token counts are balanced (longest first, greedy).
+
+    LPT scheduling: take sequences from longest to shortest and give each to the rank with
+    the fewest tokens so far (ties: lowest rank). Deterministic, so the driver and any
+    re-run produce the same dealing. Each rank's indices come back in ascending order.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks}: must be >= 1")
+    loads = [0] * num_ranks
+    shares: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
+        shares[rank].append(i)
+        loads[rank] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def split_by_token_budget(lengths: list[int], budget: int) -> list[list[int]]:
+    """Cut sequences into micro-batches whose padded size (rows x longest) fits `budget` tokens.
+
+    Sequences are sorted longest first (so padding within a micro-batch is small) and added
+    to the current micro-batch while (rows + 1) * longest <= budget. A sequence longer than
+    the budget is never split: it gets a micro-batch of its own. Returns lists of indices
+    into `lengths`.
+    """
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget={budget}: must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    longest = 0
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * max(longest, lengths[i]) <= budget:
+            batches[-1].append(i)
+            longest = max(longest, lengths[i])
+        else:
+            batches.append([i])
+            longest = lengths[i]
+    return batches
+
+
+def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad per-token arrays to the longest sequence and stack them into [B, L] tensors.
+
+    input_ids pad with `pad_token_id`, every other field with 0 (so loss_mask and
+    reduction_weights are 0 on padding). All sequences must carry the same fields.
+    """
+    if not seqs:
+        raise ValueError("collate: a micro-batch needs at least one sequence (use padding_microbatch)")
+    names = list(seqs[0])
+    for k, s in enumerate(seqs):
+        if list(s) != names:
+            raise ValueError(f"collate: sequence {k} has fields {sorted(s)}, sequence 0 has {sorted(names)}")
+    width = max(len(s["input_ids"]) for s in seqs)
+    out = {}
+    for name in names:
+        first = np.asarray(seqs[0][name])
+        fill = pad_token_id if name == "input_ids" else 0
+        rows = np.full((len(seqs), width), fill, dtype=first.dtype)
+        for k, s in enumerate(seqs):
+            arr = np.asarray(s[name])
+            if arr.shape != (len(s["input_ids"]),):
+                raise ValueError(f"collate: field {name!r} of sequence {k} has shape {arr.shape}, "
+                                 f"input_ids has ({len(s['input_ids'])},)")
+            rows[k, : len(arr)] = arr
+        out[name] = torch.from_numpy(rows)
+    return out
+
+
+def field_dtypes(mb: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
+    """The field list of a collated micro-batch, which a padding micro-batch must reproduce."""
+    return {name: t.dtype for name, t in mb.items() if isinstance(t, torch.Tensor)}
+
+
+def padding_microbatch(fields: dict[str, torch.dtype], *, pad_token_id: int,
+                       length: int = 1) -> dict[str, Any]:
+    """A [1, length] micro-batch that carries every field in `fields` and trains on nothing.
+
+    input_ids are pad tokens; every other field is 0, so loss_mask and reduction_weights are
+    0 and each loss term contributes exactly 0 while the forward/backward collectives still
+    run. Flagged with PADDING_KEY so its metrics are not counted.
+    """
+    for required in ("input_ids", "loss_mask", "reduction_weights"):
+        if required not in fields:
+            raise ValueError(f"padding_microbatch: the field list lacks {required!r}; got {sorted(fields)}")
+    out: dict[str, Any] = {}
+    for name, dtype in fields.items():
+        fill = pad_token_id if name == "input_ids" else 0
+        out[name] = torch.full((1, length), fill, dtype=dtype)
+    out[PADDING_KEY] = True
+    return out
+
+
+def plan_microbatches(lengths_per_rank: list[list[int]], budget: int) -> tuple[list[list[list[int]]], int]:
+    """Split every rank's share by the budget; return the plans and the common micro-batch count."""
+    plans = [split_by_token_budget(lengths, budget) for lengths in lengths_per_rank]
+    return plans, max(1, max((len(p) for p in plans), default=0))
+
+
+def build_rank_microbatches(seqs: list[dict[str, np.ndarray]], plan: list[list[int]], count: int,
+                            fields: dict[str, torch.dtype], *, pad_token_id: int) -> list[dict[str, Any]]:
+    """Collate one rank's micro-batches per `plan`, then add padding ones up to `count`."""
+    if len(plan) > count:
+        raise ValueError(f"plan has {len(plan)} micro-batches, more than the common count {count}")
+    mbs: list[dict[str, Any]] = []
+    for idx in plan:
+        mb = collate([seqs[i] for i in idx], pad_token_id=pad_token_id)
+        if set(mb) != set(fields):
+            raise ValueError(f"micro-batch fields {sorted(mb)} differ from the mini-batch's {sorted(fields)}")
+        mb[PADDING_KEY] = False
+        mbs.append(mb)
+    while len(mbs) < count:
+        mbs.append(padding_microbatch(fields, pad_token_id=pad_token_id))
+    return mbs

@@ -1,0 +1,149 @@
+"""LearnerActor: one FSDP2 rank. Holds the sharded model(s), optimizer and schedule; hands the
+work to the plain functions in step.py / checkpoint.py. Made a Ray actor by LearnerGroup:
+
+    actor = ray.remote(LearnerActor).options(num_cpus=1).remote(cfg, path, rank=0, world_size=2, master_port=p)
+    ray.get([a.setup.remote() for a in actors])       # all ranks at once: it is a rendezvous
+
+Every method that touches the model is a collective, so the driver calls it on all ranks
+together with the same number of micro-batches; micro-batches arrive as lists of per-sequence
+numpy dicts (cheap to ship through Ray) and are collated here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.config import Config
+from asyncrl.data import microbatch as mbatch
+from asyncrl.learner import checkpoint, fsdp, optim, step
+
+LOSS_MODULE = "asyncrl.learner.loss"
+
+
+class LearnerActor:
+    """One data-parallel rank. Construct cheaply; `setup()` joins the group and loads the model."""
+
+    def __init__(self, cfg: Config, model_path: str, *, rank: int, world_size: int, master_port: int,
+                 collective_timeout_s: float = 300.0, loss_module: str = LOSS_MODULE) -> None:
+        self.cfg, self.model_path = cfg, model_path
+        self.rank, self.world_size, self.master_port = rank, world_size, master_port
+        self.collective_timeout_s = collective_timeout_s
+        self.loss_module = loss_module
+        self.version = 0
+        self.step_count = 0
+
+    def setup(self) -> dict[str, Any]:
+        import importlib
+
+        lc = self.cfg.learner
+        # Ray sets OMP_NUM_THREADS from num_cpus; torch reads it only at start-up, so set it.
+        torch.set_num_threads(max(1, int(round(lc.cpus_per_rank))))
+        torch.manual_seed(lc.seed + self.rank)
+        np.random.seed(lc.seed + self.rank)
+        self.device = fsdp.pick_device(lc.gpus_per_rank)
+        backend = fsdp.pick_backend(lc.backend, self.device)
+        fsdp.init_distributed(rank=self.rank, world_size=self.world_size, master_port=self.master_port,
+                              backend=backend, timeout_s=self.collective_timeout_s)
+        mesh = fsdp.build_mesh(self.device, self.world_size)
+        self.model = fsdp.load_sharded_model(self.model_path, mesh, device=self.device, dtype=lc.dtype)
+        self.reference = None
+        if self.cfg.algo.kl_coef > 0:
+            self.reference = fsdp.load_sharded_model(self.model_path, mesh, device=self.device, dtype=lc.dtype,
+                                                     trainable=False)
+        self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
+        total = self.cfg.control.total_steps * lc.mini_batches_per_step
+        self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
+        loss = importlib.import_module(self.loss_module)
+        self.logprob_fn = loss.token_logprobs
+        self.microbatch_loss = loss.microbatch_loss
+        self.pad_token_id = int(self.model.config.pad_token_id or 0)
+        return {"rank": self.rank, "device": str(self.device), "backend": backend, "pid": os.getpid(),
+                "threads": torch.get_num_threads()}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _microbatches(self, plan: list[list[dict[str, np.ndarray]]], count: int,
+                      fields: dict[str, str]) -> list[dict[str, Any]]:
+        flat = [seq for mb in plan for seq in mb]
+        index, k = [], 0
+        for mb in plan:
+            index.append(list(range(k, k + len(mb))))
+            k += len(mb)
+        dtypes = {name: getattr(torch, dt) for name, dt in fields.items()}
+        return mbatch.build_rank_microbatches(flat, index, count, dtypes, pad_token_id=self.pad_token_id)
+
+    # ------------------------------------------------------------------ endpoints
+
+    def train_minibatch(self, plan: list[list[dict[str, np.ndarray]]], count: int,
+                        fields: dict[str, str]) -> dict[str, Any]:
+        """Pre-pass (old / reference logprobs), then one optimizer step over `count` micro-batches."""
+        temperature = self.cfg.rollout.temperature
+        t0 = time.perf_counter()
+        mbs = self._microbatches(plan, count, fields)
+        step.add_prepass_logprobs(self.model, self.reference, mbs, temperature=temperature,
+                                  logprob_fn=self.logprob_fn, device=self.device)
+        t1 = time.perf_counter()
+        loss_fn = functools.partial(self.microbatch_loss, algo=self.cfg.algo, temperature=temperature,
+                                    num_microbatches=count * self.world_size)
+        stats = step.train_step(self.model, self.optimizer, self.scheduler, mbs, loss_fn,
+                                world_size=self.world_size, grad_clip=self.cfg.learner.grad_clip,
+                                device=self.device)
+        self.version += 1
+        self.step_count += 1
+        real = sum(int(mb["loss_mask"].numel()) for mb in mbs if not mb[mbatch.PADDING_KEY])
+        tokens = sum(len(s["input_ids"]) for p in plan for s in p)
+        return {
+            "metrics": {k: (m.reduce, m.total, m.count) for k, m in stats.metrics.items()},
+            "grad_norm": stats.grad_norm, "lr": stats.lr, "version": self.version,
+            "tokens": tokens, "padded_tokens": real, "microbatches": count,
+            "seconds_prepass": t1 - t0, "seconds_forward_backward": stats.seconds_forward_backward,
+            "seconds_optimizer": stats.seconds_optimizer,
+        }
+
+    def logprobs(self, plan: list[list[dict[str, np.ndarray]]], count: int, temperature: float) -> list[list[np.ndarray]]:
+        mbs = self._microbatches(plan, count, {"input_ids": "int64"})
+        lengths = [[len(s["input_ids"]) for s in mb] for mb in plan] + [[]] * (count - len(plan))
+        return step.sequence_logprobs(self.model, mbs, lengths, temperature=temperature,
+                                      logprob_fn=self.logprob_fn, device=self.device)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Collective; the full HF-named state dict on rank 0, {} on the others."""
+        return fsdp.full_state_dict(self.model)
+
+    def write_weights(self, path: str) -> int:
+        """Collective; rank 0 writes safetensors to `path` (atomically). Returns the version."""
+        from safetensors.torch import save_file
+
+        state = fsdp.full_state_dict(self.model)
+        if self.rank == 0:
+            tmp = f"{path}.tmp-{os.getpid()}"
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"version": str(self.version)})
+            os.replace(tmp, path)
+        return self.version
+
+    def save(self, directory: str) -> int:
+        checkpoint.save_rank_state(directory, self.model, self.optimizer, self.scheduler, rank=self.rank,
+                                   step=self.step_count, version=self.version)
+        return self.version
+
+    def load(self, directory: str) -> int:
+        self.step_count, self.version = checkpoint.load_rank_state(directory, self.model, self.optimizer,
+                                                                   self.scheduler, rank=self.rank)
+        return self.version
+
+    def get_version(self) -> int:
+        return self.version
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

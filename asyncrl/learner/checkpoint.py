@@ -1,0 +1,160 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP) for the sharded model and optimizer, msgpack
+for everything else, published atomically.
+
+    root/
+      step_000010/            a complete checkpoint (renamed into place only when finished)
+        dcp/                  DCP shards of {"model": ..., "optim": ...}, written by every rank
+        rank_00000.msgpack    per rank: step, policy version, lr-scheduler state, RNG states
+        extra.msgpack         the caller's dict (e.g. the queue ids the checkpoint covers)
+        .complete             marker; readers ignore directories without it
+      latest                  text file naming the newest complete checkpoint directory
+
+Ranks write into a staging directory (`.step_000010.tmp-<id>`); the driver, once every rank
+returned, writes extra + marker and renames staging -> final, then rewrites `latest` via
+os.replace. A crash at any point leaves either the previous checkpoint or the new one,
+never a half-written directory under the final name. DCP reshards on load, so the model
+and optimizer can be restored at another world size; RNG states are per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+COMPLETE_MARKER = ".complete"
+LATEST = "latest"
+EXTRA_FILE = "extra.msgpack"
+
+
+def rank_file(directory: str | Path, rank: int) -> Path:
+    return Path(directory) / f"rank_{rank:05d}.msgpack"
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """torch (CPU and CUDA), numpy and Python RNG states as msgpack-able values."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "numpy": [np_state[0], np_state[1].astype(np.uint32).tobytes(), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def save_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, *, rank: int, step: int, version: int) -> None:
+    """Collective: every rank writes its model/optimizer shards via DCP plus its own msgpack file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / "dcp"))
+    record = {"step": step, "version": version, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+    rank_file(directory, rank).write_bytes(msgpack.packb(record, use_bin_type=True))
+
+
+def load_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, *, rank: int) -> tuple[int, int]:
+    """Collective: restore shards (resharding if the world size changed), scheduler and RNG;
+    return (step, version)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(Path(directory) / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # Rank 0's file always exists; a rank beyond the saved world size takes rank 0's
+    # step/version/scheduler (identical on all ranks) and keeps its own fresh RNG.
+    own = rank_file(directory, rank)
+    record = msgpack.unpackb((own if own.exists() else rank_file(directory, 0)).read_bytes(), raw=False)
+    scheduler.load_state_dict(record["scheduler"])
+    if own.exists():
+        set_rng_state(record["rng"])
+    return int(record["step"]), int(record["version"])
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+def staging_dir(final: str | Path) -> Path:
+    """A fresh sibling directory the ranks write into before it is renamed to `final`."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    path = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    return path
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(staging: Path, final: str | Path, extra: dict[str, Any]) -> Path:
+    """Write `extra` and the marker into `staging`, rename it to `final`, point `latest` at it."""
+    final = Path(final)
+    try:
+        payload = msgpack.packb(extra, use_bin_type=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint extra must be msgpack-able (dicts, lists, str, numbers, bytes): {e}") from None
+    (staging / EXTRA_FILE).write_bytes(payload)
+    (staging / COMPLETE_MARKER).write_text("ok\n")
+    _fsync_dir(staging)
+    if final.exists():
+        # Replace an older checkpoint of the same name: move it aside first, then drop it.
+        trash = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, trash)
+        os.replace(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    pointer = final.parent / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, final.parent / LATEST)
+    _fsync_dir(final.parent)
+    return final
+
+
+def resolve(path: str | Path) -> Path:
+    """A complete checkpoint directory: `path` itself, or the one its `latest` pointer names."""
+    path = Path(path)
+    if (path / LATEST).is_file() and not (path / COMPLETE_MARKER).exists():
+        path = path / (path / LATEST).read_text().strip()
+    if not (path / COMPLETE_MARKER).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    return path
+
+
+def read_extra(path: str | Path) -> dict[str, Any]:
+    return msgpack.unpackb((Path(path) / EXTRA_FILE).read_bytes(), raw=False)

@@ -1,0 +1,123 @@
+"""All FSDP2 code: process group, device mesh, sharding a Hugging Face causal LM, full state dict.
+
+    init_distributed(rank=r, world_size=n, master_port=port, backend="gloo", timeout_s=300)
+    mesh = build_mesh(torch.device("cpu"), world_size=n)
+    model = load_sharded_model(model_path, mesh, device=torch.device("cpu"), dtype="float32")
+    state = full_state_dict(model)      # collective; the full HF-named state on rank 0, {} elsewhere
+
+FSDP2 (`fully_shard`) runs on CPU with gloo; FSDP1 does not (it needs a device_id and
+segfaults gathering a full state dict with cpu_offload, see STACK.md), so only FSDP2 is
+used. As in torchtitan, each decoder block is sharded as its own unit (its parameters are
+all-gathered just before it runs and freed after), then the root picks up the rest
+(embeddings, final norm, lm_head). Parameter names stay Hugging Face's, so the gathered
+state dict loads into a plain HF model and into vLLM's reload_weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def pick_device(gpus_per_rank: float) -> torch.device:
+    """cuda:0 (Ray already narrowed CUDA_VISIBLE_DEVICES to this rank's GPU) or cpu."""
+    if gpus_per_rank > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError("learner.gpus_per_rank > 0 but this rank sees no CUDA device")
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("learner.backend='nccl' needs GPUs (learner.gpus_per_rank > 0)")
+    return backend
+
+
+def init_distributed(*, rank: int, world_size: int, master_port: int, backend: str, timeout_s: float,
+                     master_addr: str = "127.0.0.1") -> None:
+    """Join the rank's process group over TCP. `timeout_s` bounds every collective, so a dead
+    peer turns into an error on the survivors instead of a hang."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    """A 1-D data-parallel mesh named 'dp' over all ranks."""
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+
+
+def mixed_precision(dtype: str, device: torch.device) -> MixedPrecisionPolicy | None:
+    """bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; none on CPU
+    (CPU bf16 matmuls are slower than fp32 on AVX2 and the point there is exactness)."""
+    if dtype == "bfloat16" and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: modules whose class HF lists as never-split (_no_split_modules)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: found no decoder blocks (_no_split_modules={sorted(names)})")
+    return blocks
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
+    """fully_shard each decoder block, then the root (in place); return the model."""
+    kwargs = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in decoder_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def load_sharded_model(model_path: str, mesh: DeviceMesh, *, device: torch.device, dtype: str,
+                       trainable: bool = True) -> nn.Module:
+    """Load the HF causal LM in float32 (master weights), shard it with FSDP2 over `mesh`.
+
+    A frozen model (the KL reference) gets requires_grad=False, so it holds no gradients and
+    no optimizer state, and is only ever run under no_grad.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.config.use_cache = False
+    model.requires_grad_(trainable)
+    model.train(trainable)
+    return shard_model(model, mesh, mixed_precision(dtype, device))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full (unsharded) state dict on rank 0, on CPU, HF names; {} on other ranks.
+
+    Tied weights (e.g. lm_head = embed_tokens) come back as separate tensors sharing storage;
+    they are cloned apart so safetensors can write them.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    return out

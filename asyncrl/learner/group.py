@@ -1,0 +1,261 @@
+"""LearnerGroup: the driver's handle on N FSDP2 ranks running as Ray actors.
+
+    group = LearnerGroup(cfg, model_path)                 # cfg.learner.num_ranks actors, gloo/NCCL
+    metrics = group.train_step(minibatches)               # list[list[TrainSequence]] -> dict[str, float]
+    path, version = group.export_to_file("/dev/shm/asyncrl/weights.safetensors")
+    group.save_checkpoint("runs/x/checkpoints/step_000010", extra={"acked": [...]})
+    group.shutdown()
+
+Per mini-batch the driver validates the data (validate.py: a bad batch fails here, before
+any collective), deals sequences to ranks balancing tokens, and plans each rank's
+micro-batches with the same deterministic splitter, so it knows the common micro-batch
+count and every rank pads up to it. Results are gathered with ray.wait: the first rank to
+fail ends the call. A rank that died raises LearnerError at once; a rank that raised
+re-raises its exception with its traceback (Ray's RayTaskError). Either way the group is
+then marked broken, since the surviving ranks may be stuck in a collective (they give up
+after `collective_timeout_s`); shutdown() kills them by actor handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.config import Config
+from asyncrl.data import microbatch as mbatch
+from asyncrl.learner import checkpoint
+from asyncrl.learner.actor import LOSS_MODULE, LearnerActor
+from asyncrl.learner.validate import validate_minibatches
+from asyncrl.types import MetricValue, TrainSequence, merge_metrics
+
+log = logging.getLogger(__name__)
+
+FIELD_DTYPES = {name: ("int64" if name in mbatch.INTEGER_FIELDS else "float32") for name in mbatch.SEQUENCE_FIELDS}
+
+
+class LearnerError(RuntimeError):
+    """The learner group cannot go on (a rank died or timed out); restart it from a checkpoint."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def combine_minibatch_metrics(per_minibatch: list[dict[str, MetricValue]]) -> dict[str, float]:
+    """One value per metric over a step's mini-batches.
+
+    Within a mini-batch, parts were merged by their reduction (a sum metric is the mini-batch
+    total, e.g. its loss). Across mini-batches: sum metrics are averaged (the mean mini-batch
+    loss, comparable for any mini_batches_per_step), mean metrics pooled, max/min merged.
+    """
+    out: dict[str, float] = {}
+    names = {k for part in per_minibatch for k in part}
+    for name in sorted(names):
+        present = [part[name] for part in per_minibatch if name in part]
+        if present[0].reduce == "sum":
+            out[name] = float(np.mean([m.value for m in present]))
+        else:
+            out[name] = merge_metrics([{name: m} for m in present])[name].value
+    return out
+
+
+class LearnerGroup:
+    """N LearnerActor ranks forming one torch.distributed group; see the module docstring."""
+
+    def __init__(self, cfg: Config, model_path: str, *, num_ranks: int | None = None,
+                 collective_timeout_s: float = 300.0, loss_module: str = LOSS_MODULE) -> None:
+        import ray
+        from transformers import AutoConfig
+
+        self.cfg = cfg
+        self.model_path = model_path
+        self.num_ranks = num_ranks or cfg.learner.num_ranks
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks={self.num_ranks}: must be >= 1")
+        self.micro_batch_tokens = cfg.learner.micro_batch_tokens
+        self.collective_timeout_s = collective_timeout_s
+        hf = AutoConfig.from_pretrained(model_path)
+        self.pad_token_id = int(hf.pad_token_id if hf.pad_token_id is not None else 0)
+        self.max_positions = int(hf.max_position_embeddings)
+        self.vocab_size = int(hf.vocab_size)
+        self._version = 0
+        self._broken: str | None = None
+        port = free_port()
+        lc = cfg.learner
+        remote = ray.remote(LearnerActor).options(num_cpus=lc.cpus_per_rank, num_gpus=lc.gpus_per_rank,
+                                                  max_restarts=0)
+        self.actors = [
+            remote.remote(cfg, model_path, rank=r, world_size=self.num_ranks, master_port=port,
+                          collective_timeout_s=collective_timeout_s, loss_module=loss_module)
+            for r in range(self.num_ranks)
+        ]
+        try:
+            self.rank_info = self._gather([a.setup.remote() for a in self.actors], "setup")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _gather(self, refs: list, what: str, timeout_s: float | None = None) -> list:
+        """ray.get over all ranks that fails on the first failure instead of waiting for all."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if self._broken:
+            raise LearnerError(f"learner group is broken ({self._broken}); restart it from a checkpoint")
+        deadline = time.monotonic() + (timeout_s or self.collective_timeout_s + 60.0)
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._broken = f"{what} timed out"
+                raise LearnerError(f"learner {what} timed out: ranks {sorted(rank_of[r] for r in pending)} "
+                                   f"did not answer")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError as e:
+                    self._broken = f"rank {rank_of[ref]} died"
+                    raise LearnerError(f"learner rank {rank_of[ref]} died during {what}: {e}") from e
+                except GetTimeoutError:  # pragma: no cover - ready refs do not time out
+                    pending.append(ref)
+                except Exception:
+                    self._broken = f"rank {rank_of[ref]} raised during {what}"
+                    raise
+        return ray.get(refs)
+
+    def _call(self, method: str, per_rank_args: list[tuple] | None = None, *, what: str | None = None,
+              **kwargs: Any) -> list:
+        args = per_rank_args or [()] * self.num_ranks
+        refs = [getattr(a, method).remote(*args[r], **kwargs) for r, a in enumerate(self.actors)]
+        return self._gather(refs, what or method)
+
+    def _plan(self, sequences: list[dict[str, np.ndarray]]) -> tuple[list[list[list[dict]]], int, list]:
+        """Deal to ranks, split each share by the budget; return per-rank micro-batch lists of
+        sequences, the common count, and where each (rank, micro-batch, row) came from."""
+        lengths = [len(s["input_ids"]) for s in sequences]
+        shares = mbatch.deal_to_ranks(lengths, self.num_ranks)
+        plans, count = mbatch.plan_microbatches([[lengths[i] for i in share] for share in shares],
+                                                self.micro_batch_tokens)
+        per_rank, origin = [], []
+        for share, plan in zip(shares, plans):
+            per_rank.append([[sequences[share[i]] for i in mb] for mb in plan])
+            origin.append([[share[i] for i in mb] for mb in plan])
+        return per_rank, count, origin
+
+    # ------------------------------------------------------------------ training
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps taken (restored by load_checkpoint)."""
+        return self._version
+
+    def get_version(self) -> int:
+        return self._version
+
+    def train_step(self, minibatches: list[list[TrainSequence]]) -> dict[str, float]:
+        """One optimizer step (one policy version) per mini-batch; merged metrics as floats."""
+        validate_minibatches(minibatches, self.cfg.algo, max_positions=self.max_positions,
+                             vocab_size=self.vocab_size)
+        t0 = time.perf_counter()
+        per_mb, results = [], []
+        for mb in minibatches:
+            per_rank, count, _ = self._plan([mbatch.seq_fields(s) for s in mb])
+            out = self._call("train_minibatch", [(p, count, FIELD_DTYPES) for p in per_rank], what="train_step")
+            per_mb.append(merge_metrics([{k: MetricValue(*v) for k, v in r["metrics"].items()} for r in out]))
+            results.append(out)
+            self._version = out[0]["version"]
+        seconds = time.perf_counter() - t0
+        return self._step_metrics(per_mb, results, seconds)
+
+    def _step_metrics(self, per_mb: list[dict[str, MetricValue]], results: list[list[dict]],
+                      seconds: float) -> dict[str, float]:
+        metrics = combine_minibatch_metrics(per_mb)
+        flat = [r for out in results for r in out]
+        tokens = sum(r["tokens"] for r in flat)
+        padded = sum(r["padded_tokens"] for r in flat)
+        metrics.update({
+            "learner/grad_norm": float(np.mean([out[0]["grad_norm"] for out in results])),
+            "learner/lr": float(results[-1][0]["lr"]),
+            "learner/version": float(self._version),
+            "learner/train_tokens": float(tokens),
+            "learner/microbatches": float(np.mean([out[0]["microbatches"] for out in results])),
+            "learner/padding_frac": 1.0 - tokens / padded if padded else 0.0,
+            "throughput/train_tokens_per_s": tokens / max(seconds, 1e-9),
+            "time/learner_step": seconds,
+            # Slowest rank per phase: the others wait for it at the next collective.
+            "time/learner_prepass": sum(max(r["seconds_prepass"] for r in out) for out in results),
+            "time/learner_forward_backward": sum(max(r["seconds_forward_backward"] for r in out) for out in results),
+            "time/learner_optimizer": sum(max(r["seconds_optimizer"] for r in out) for out in results),
+        })
+        return metrics
+
+    def compute_logprobs(self, sequences: list[TrainSequence], temperature: float) -> list[np.ndarray]:
+        """log p(input_ids[t] | input_ids[:t]) at `temperature` per sequence (position 0 is 0)."""
+        if not sequences:
+            return []
+        seqs = [{"input_ids": np.asarray(s.input_ids, dtype=np.int64)} for s in sequences]
+        per_rank, count, origin = self._plan(seqs)
+        out = self._call("logprobs", [(p, count, temperature) for p in per_rank])
+        result: list[np.ndarray | None] = [None] * len(sequences)
+        for rank_out, rank_origin in zip(out, origin):
+            for mb_out, mb_origin in zip(rank_out, rank_origin):
+                for arr, i in zip(mb_out, mb_origin):
+                    result[i] = arr
+        return result  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ weights & checkpoints
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full state dict (HF names, CPU) gathered on rank 0; its version is `self.version`.
+        Ships every tensor through Ray: for weight sync prefer export_to_file."""
+        return self._call("full_state")[0]
+
+    def export_to_file(self, path: str) -> tuple[str, int]:
+        """Rank 0 writes the full weights to `path` as safetensors (metadata: version)."""
+        versions = self._call("write_weights", [(str(path),)] * self.num_ranks)
+        return str(path), int(versions[0])
+
+    def save_checkpoint(self, dir: str, extra: dict[str, Any] | None = None) -> None:
+        """DCP model + optimizer shards, scheduler, RNG, step and version, plus `extra`; atomic."""
+        staging = checkpoint.staging_dir(dir)
+        try:
+            self._call("save", [(str(staging),)] * self.num_ranks, what="save_checkpoint")
+            checkpoint.publish(staging, dir, dict(extra or {}))
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def load_checkpoint(self, dir: str) -> dict[str, Any]:
+        """Restore from `dir` (or the checkpoint its `latest` pointer names); return its `extra`."""
+        path = checkpoint.resolve(dir)
+        versions = self._call("load", [(str(path),)] * self.num_ranks, what="load_checkpoint")
+        self._version = int(versions[0])
+        return checkpoint.read_extra(path)
+
+    def shutdown(self) -> None:
+        """Leave the process group where possible, then kill every rank by handle."""
+        import ray
+
+        actors, self.actors = getattr(self, "actors", []), []
+        if actors and not self._broken:
+            try:
+                ray.get([a.close.remote() for a in actors], timeout=10)
+            except Exception as e:  # noqa: BLE001 - the actors are killed next either way
+                log.warning("learner ranks did not leave the process group cleanly: %s", e)
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        if not self._broken:
+            self._broken = "shut down"

@@ -1,0 +1,116 @@
+"""One optimizer step over a rank's micro-batches, as plain functions over a model.
+
+    add_prepass_logprobs(model, reference, microbatches, temperature=1.0, logprob_fn=token_logprobs)
+    stats = train_step(model, optimizer, scheduler, microbatches, loss_fn, world_size=2, grad_clip=1.0)
+
+`loss_fn(logits, mb) -> (loss, metrics)` returns the micro-batch's share of the mini-batch
+loss, sum_t w_t * term_t, with the reduction weights w computed over the whole mini-batch
+(all ranks). Summed over micro-batches (gradient accumulation) and ranks, that is the
+mini-batch loss. FSDP2 *averages* gradients over the DP ranks in its reduce-scatter, so the
+loss is multiplied by world_size before backward to turn that mean back into a sum
+(SkyRL PR #1296, seeds/000). Hence the gradient does not depend on how the mini-batch is
+cut into ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncrl.data.microbatch import PADDING_KEY
+from asyncrl.types import MetricValue, merge_metrics
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, MetricValue]]]
+LogprobFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one rank reports for one optimizer step (metrics already floats)."""
+
+    metrics: dict[str, MetricValue]
+    grad_norm: float
+    lr: float
+    seconds_forward_backward: float
+    seconds_optimizer: float
+
+
+def tensors_on(mb: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensor fields of a micro-batch on `device` (flags such as is_padding dropped)."""
+    return {k: v.to(device, non_blocking=True) for k, v in mb.items() if isinstance(v, torch.Tensor)}
+
+
+def policy_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L, V] float32 logits. No attention mask: padding is on the right and attention is
+    causal, so real positions never see a pad (see asyncrl.data.microbatch)."""
+    return model(input_ids=input_ids, use_cache=False).logits.float()
+
+
+@torch.no_grad()
+def add_prepass_logprobs(model: nn.Module, reference: nn.Module | None, microbatches: list[dict[str, Any]], *,
+                         temperature: float, logprob_fn: LogprobFn, device: torch.device) -> None:
+    """Fill mb['old_logprobs'] (current weights: the proximal policy) and, with a reference
+    model, mb['ref_logprobs'], in place. Runs on padding micro-batches too: every forward is
+    an FSDP all-gather, so all ranks must run the same number."""
+    for mb in microbatches:
+        ids = mb["input_ids"].to(device)
+        mb["old_logprobs"] = logprob_fn(policy_logits(model, ids), ids, temperature).cpu()
+        if reference is not None:
+            mb["ref_logprobs"] = logprob_fn(policy_logits(reference, ids), ids, temperature).cpu()
+
+
+def _to_float(metrics: dict[str, MetricValue]) -> dict[str, MetricValue]:
+    """One host sync per metric per step, not per micro-batch."""
+    return {k: MetricValue(m.reduce, float(m.total), float(m.count)) for k, m in metrics.items()}
+
+
+def _grad_norm(model: nn.Module, max_norm: float) -> float:
+    """clip_grad_norm_ over FSDP2's DTensor grads; the norm is a replicated DTensor."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+               microbatches: list[dict[str, Any]], loss_fn: LossFn, *, world_size: int, grad_clip: float,
+               device: torch.device) -> StepStats:
+    """Accumulate gradients over `microbatches`, clip, take one AdamW step and one lr step.
+
+    Per micro-batch: loss_mb = loss_fn(logits, mb) = sum_t w_t * term_t; backward of
+    world_size * loss_mb (DP mean all-reduce compensation). Padding micro-batches run the
+    same forward/backward (collectives) and contribute exactly 0; their metrics are dropped.
+    """
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    parts = []
+    for mb in microbatches:
+        tensors = tensors_on(mb, device)
+        loss, metrics = loss_fn(policy_logits(model, tensors["input_ids"]), tensors)
+        (loss * world_size).backward()
+        if not mb.get(PADDING_KEY, False):
+            parts.append(metrics)
+    t1 = time.perf_counter()
+    grad_norm = _grad_norm(model, grad_clip)
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()
+    return StepStats(metrics=_to_float(merge_metrics(parts)), grad_norm=grad_norm, lr=lr,
+                     seconds_forward_backward=t1 - t0, seconds_optimizer=time.perf_counter() - t1)
+
+
+@torch.no_grad()
+def sequence_logprobs(model: nn.Module, microbatches: list[dict[str, Any]], lengths: list[list[int]], *,
+                      temperature: float, logprob_fn: LogprobFn, device: torch.device) -> list[list[Any]]:
+    """Per micro-batch, per real row: token logprobs trimmed to the row's length (numpy)."""
+    out = []
+    for mb, lens in zip(microbatches, lengths):
+        ids = mb["input_ids"].to(device)
+        logp = logprob_fn(policy_logits(model, ids), ids, temperature).cpu().numpy()
+        out.append([] if mb.get(PADDING_KEY, False) else [logp[k, :n].copy() for k, n in enumerate(lens)])
+    return out

@@ -1,0 +1,78 @@
+"""Driver-side checks of a batch before any rank sees it.
+
+    validate_minibatches(minibatches, cfg.algo, max_positions=512, vocab_size=64)
+
+An exception raised on one rank in the middle of a forward/backward leaves the other ranks
+waiting in a collective: on NCCL that is a traceback-less abort of every rank, on gloo a
+hang until the collective timeout (SkyRL PR #1811, seeds/001). Everything that can be
+checked from the data alone is therefore checked here, on the driver, and fails with a
+ValueError that names the field and the sequence (mini-batch j, sequence i, group id).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncrl.config import AlgoConfig
+from asyncrl.types import TrainSequence
+
+PER_TOKEN_FIELDS = ("loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
+
+
+def _where(j: int, i: int, seq: TrainSequence) -> str:
+    return f"mini-batch {j}, sequence {i} (group_id={seq.group_id!r}, sample_index={seq.sample_index})"
+
+
+def _check_sequence(j: int, i: int, seq: TrainSequence, algo: AlgoConfig, max_positions: int,
+                    vocab_size: int | None) -> None:
+    if not isinstance(seq, TrainSequence):
+        raise ValueError(f"mini-batch {j}, sequence {i}: expected a TrainSequence, got {type(seq).__name__}")
+    where = _where(j, i, seq)
+    ids = np.asarray(seq.input_ids) if seq.input_ids is not None else None
+    if ids is None or ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"{where}: input_ids must be a non-empty 1-D array")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{where}: input_ids must be integers, got dtype {ids.dtype}")
+    if ids.size > max_positions:
+        raise ValueError(f"{where}: {ids.size} tokens exceed the model's max_position_embeddings={max_positions}")
+    if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{where}: input_ids outside [0, {vocab_size}) (min {ids.min()}, max {ids.max()})")
+    for name in PER_TOKEN_FIELDS:
+        value = getattr(seq, name, None)
+        if value is None:
+            raise ValueError(f"{where}: field {name!r} is missing (None)")
+        arr = np.asarray(value)
+        if arr.shape != ids.shape:
+            raise ValueError(f"{where}: field {name!r} has shape {arr.shape}, input_ids has {ids.shape}")
+    mask = np.asarray(seq.loss_mask, dtype=np.float64)
+    for name in ("loss_mask", "advantages", "reduction_weights"):
+        arr = np.asarray(getattr(seq, name), dtype=np.float64)
+        if not np.isfinite(arr).all():
+            raise ValueError(f"{where}: field {name!r} has NaN/inf at positions {np.flatnonzero(~np.isfinite(arr))[:8].tolist()}")
+    if (np.asarray(seq.reduction_weights) < 0).any():
+        raise ValueError(f"{where}: field 'reduction_weights' has negative entries")
+    if algo.needs_rollout_logprobs:
+        # Needed on every trained token by the rollout-KL term and every off-policy correction.
+        rollout = np.asarray(seq.rollout_logprobs, dtype=np.float64)
+        bad = (mask > 0) & ~(np.isfinite(rollout) & (rollout <= 1e-4))
+        if bad.any():
+            raise ValueError(
+                f"{where}: field 'rollout_logprobs' is NaN/inf/positive on trained positions "
+                f"{np.flatnonzero(bad)[:8].tolist()}; the configured loss needs it "
+                f"(algo.rollout_kl_coef={algo.rollout_kl_coef}, algo.correction enabled={algo.correction.enabled}). "
+                f"Did the engine run with rollout.logprobs=true?"
+            )
+
+
+def validate_minibatches(minibatches: list[list[TrainSequence]], algo: AlgoConfig, *, max_positions: int,
+                         vocab_size: int | None = None) -> None:
+    """Raise ValueError naming the field and sequence of the first problem; return None if fine."""
+    if not isinstance(minibatches, (list, tuple)) or not minibatches:
+        raise ValueError("train_step needs a non-empty list of mini-batches (each a list of TrainSequence)")
+    for j, mb in enumerate(minibatches):
+        if not isinstance(mb, (list, tuple)):
+            raise ValueError(f"mini-batch {j}: expected a list of TrainSequence, got {type(mb).__name__}")
+        if not mb:
+            raise ValueError(f"mini-batch {j} is empty: every mini-batch needs at least one sequence")
+        for i, seq in enumerate(mb):
+            _check_sequence(j, i, seq, algo, max_positions, vocab_size)
