@@ -139,3 +139,17 @@ def test_runs_page_lists_every_run(chromium, serve_dashboard, live_run, redis_ur
     page.wait_for_function("document.getElementById('stat-step').textContent === '19'", timeout=15_000)
     assert page.url.endswith("/run/demo")
     page.close()
+
+
+def test_token_link_opens_the_page_and_its_live_requests(chromium, serve_dashboard, live_run, redis_url):
+    base = serve_dashboard(create_app(redis_url, run=RUN, token="t0k-123", stream_interval=0.25))
+    page = chromium.new_page()
+    denied = page.goto(base + "/")
+    assert denied.status == 401 and "Token required" in page.content()
+    page.goto(base + "/?token=t0k-123")  # the link a user is given: cookie set, then /run/demo
+    # plotly, the JSON fetches and the event stream all ride on the cookie: the live value arrives.
+    page.wait_for_function("document.getElementById('stat-step').textContent === '19'", timeout=15_000)
+    RedisSink(live_run, RUN).log(20, {"reward/mean": 0.5})
+    page.wait_for_function("document.getElementById('stat-reward').textContent === '0.5'", timeout=10_000)
+    assert page.url == f"{base}/run/{RUN}"
+    page.close()
