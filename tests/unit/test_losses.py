@@ -1,0 +1,263 @@
+"""Policy losses and microbatch_loss against hand-computed values.
+
+    .venv/bin/python -m pytest tests/unit/test_losses.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl import config
+from asyncrl.algo import POLICY_LOSS_REGISTRY, CorrectionParams, PolicyLossParams, corrected_policy_loss, get_policy_loss
+from asyncrl.config import AlgoConfig, CorrectionConfig
+from asyncrl.learner.loss import microbatch_loss, token_logprobs
+
+D = torch.float64
+LN = math.log
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=D)
+
+
+def grad_wrt_logp(fn, logp, old, adv, mask, params):
+    logp = logp.clone().requires_grad_(True)
+    loss, metrics = fn(logp, old, adv, mask, params=params)
+    (loss * mask).sum().backward()
+    return loss.detach(), logp.grad, metrics
+
+
+def test_ppo_asymmetric_clip_and_effective_clip_fraction():
+    # ratios 1.5 (A=1, clipped high), 0.5 (A=1, not clipped: the unclipped term is smaller),
+    # 1.25 (A=1, exactly on the bound 1 + 0.25: not clipped), 0.5 (A=-1, clipped low at 0.8),
+    # 1.5 (A=-1, not clipped), 1.0 (A=0).
+    r = [1.5, 0.5, 1.25, 0.5, 1.5, 1.0]
+    logp, old = t([[LN(x) for x in r]]), torch.zeros(1, 6, dtype=D)
+    adv, mask = t([[1, 1, 1, -1, -1, 0]]), torch.ones(1, 6, dtype=D)
+    params = PolicyLossParams(eps_clip_low=0.2, eps_clip_high=0.25)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["ppo"], logp, old, adv, mask, params)
+    assert torch.allclose(loss, t([[-1.25, -0.5, -1.25, 0.8, 1.5, 0.0]]))
+    # d/dlogp of -A r is -A r where unclipped; 0 where the clipped term won.
+    assert torch.allclose(grad, t([[0.0, -0.5, -1.25, 0.0, 1.5, 0.0]]))
+    assert math.isclose(m["clip_frac"].item(), 2 / 6)
+    assert math.isclose(m["clip_frac_high"].item(), 1 / 6)
+    assert math.isclose(m["clip_frac_low"].item(), 1 / 6)
+
+
+def test_dual_clip_caps_negative_advantage_tokens():
+    logp, old = t([[LN(5.0), LN(1.5)]]), torch.zeros(1, 2, dtype=D)
+    adv, mask = t([[-1.0, -1.0]]), torch.ones(1, 2, dtype=D)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["dual_clip"], logp, old, adv, mask, PolicyLossParams(dual_clip_c=3.0))
+    assert torch.allclose(loss, t([[3.0, 1.5]]))  # ppo would give 5.0 on the first
+    assert torch.allclose(grad, t([[0.0, 1.5]]))
+    assert math.isclose(m["dual_clip_frac"].item(), 0.5)
+
+
+def test_gspo_uses_the_sequence_ratio_with_token_gradients():
+    logp, old = t([[0.1, 0.3], [0.4, 0.0]]), torch.zeros(2, 2, dtype=D)
+    adv, mask = t([[1.0, 1.0], [1.0, 0.0]]), t([[1.0, 1.0], [1.0, 0.0]])
+    params = PolicyLossParams(eps_clip_low=0.2, eps_clip_high=0.25)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["gspo"], logp, old, adv, mask, params)
+    s = math.exp(0.2)  # exp(mean(0.1, 0.3)) = 1.2214 < 1.25
+    assert torch.allclose(loss[0], t([-s, -s]))
+    assert torch.allclose(grad[0], t([-s, -s]))
+    assert math.isclose(loss[1, 0].item(), -1.25)  # exp(0.4) = 1.49 clipped at 1.25
+    assert grad[1, 0].item() == 0.0
+    assert math.isclose(m["clip_frac"].item(), 1 / 3)
+
+
+def test_sapo_gate_value_and_unit_slope_at_ratio_one():
+    logp, old = torch.zeros(1, 2, dtype=D), torch.zeros(1, 2, dtype=D)
+    adv, mask = t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D)
+    loss, grad, _ = grad_wrt_logp(POLICY_LOSS_REGISTRY["sapo"], logp, old, adv, mask, PolicyLossParams(sapo_tau_pos=1.0, sapo_tau_neg=1.05))
+    assert torch.allclose(loss, t([[-2.0, 2.0 / 1.05]]))
+    assert torch.allclose(grad, t([[-1.0, 1.0]]))  # f'(1) = 1 for any tau
+
+
+def test_cispo_clips_the_weight_but_keeps_the_gradient():
+    logp, old = t([[LN(2.0), 0.0]]), torch.zeros(1, 2, dtype=D)
+    adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, PolicyLossParams(cispo_eps_high=0.5))
+    assert torch.allclose(loss, t([[-1.5, -1.0]]))
+    assert torch.allclose(grad, t([[-1.5, -1.0]]))  # ppo would give 0 gradient on the first
+    assert math.isclose(m["clip_frac"].item(), 0.5)
+
+
+def test_gmpo_geometric_mean_with_log_space_clip():
+    logp = t([[0.1, 0.5], [-0.5, 0.1]])
+    adv, mask = t([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2, dtype=D)
+    params = PolicyLossParams(eps_clip_low=0.2, eps_clip_high=0.2)
+    loss, m = POLICY_LOSS_REGISTRY["gmpo"](logp, torch.zeros(2, 2, dtype=D), adv, mask, params=params)
+    # Row 0: log r = [0.1, 0.5] -> [0.1, 0.2], R = exp(0.15), loss -R on each token.
+    # Row 1 (A < 0): sign * log r = [0.5, -0.1] -> [0.2, -0.1]; back: [-0.2, 0.1], R = exp(-0.05).
+    assert torch.allclose(loss, t([[-math.exp(0.15)] * 2, [math.exp(-0.05)] * 2]))
+    assert math.isclose(m["clip_frac"].item(), 2 / 4)
+    # With sequence_mean weights 1/(S len), the weighted sum is the GMPO objective (1/S) sum -A R.
+    w = mask / (2 * 2)
+    assert math.isclose((w * loss).sum().item(), (-math.exp(0.15) + math.exp(-0.05)) / 2)
+
+
+def test_clip_cov_and_kl_cov_pick_the_top_covariance_token():
+    logp = t([[-1.0, -2.0, -3.0, -4.0]])
+    adv, mask = t([[2.0, 0.0, 0.0, -1.0]]), torch.ones(1, 4, dtype=D)
+    # cov = (logp - mean)(A - mean) = [2.625, -0.125, 0.125, 1.875]
+    params = PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.25, kl_cov_coef=2.0)
+    loss, m = POLICY_LOSS_REGISTRY["clip_cov"](logp, logp.clone(), adv, mask, params=params)
+    assert torch.allclose(loss, t([[0.0, 0.0, 0.0, 1.0]]))
+    assert math.isclose(m["clip_cov_frac"].item(), 0.25)
+    old = logp - t([[0.1, 0.0, 0.0, 0.0]])
+    loss, m = POLICY_LOSS_REGISTRY["kl_cov"](logp, old, adv, mask, params=params)
+    assert torch.allclose(loss, t([[-2.0 * math.exp(0.1) + 2.0 * 0.1, 0.0, 0.0, 1.0]]))
+    assert math.isclose(m["kl_cov_frac"].item(), 0.25)
+
+
+def test_cross_entropy_is_negative_logprob():
+    logp = t([[-0.5, -2.0]])
+    loss, m = POLICY_LOSS_REGISTRY["cross_entropy"](logp, logp, torch.zeros(1, 2, dtype=D), t([[1.0, 0.0]]), params=PolicyLossParams())
+    assert torch.allclose(loss, t([[0.5, 0.0]]))
+    assert math.isclose(m["nll"].item(), 0.5)
+
+
+ALL = sorted(POLICY_LOSS_REGISTRY)
+
+
+# cross_entropy ignores advantages; kl_cov adds a KL term that does not depend on A.
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("cross_entropy", "kl_cov")])
+def test_zero_advantages_give_zero_policy_gradient(name):
+    logp, old = t([[-1.0, -0.5, -2.0]]), t([[-1.2, -0.4, -2.0]])
+    _, grad, _ = grad_wrt_logp(POLICY_LOSS_REGISTRY[name], logp, old, torch.zeros(1, 3, dtype=D), torch.ones(1, 3, dtype=D), PolicyLossParams())
+    assert torch.equal(grad, torch.zeros(1, 3, dtype=D))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_garbage_padding_one_token_rows_and_all_masked_rows(name):
+    """Row 0: two tokens + padding; row 1: one token; row 2: all masked. Garbage must not matter."""
+    mask = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    logp, old, adv = t([[-1.0, -0.5, 0.0], [-0.7, 0.0, 0.0], [0, 0, 0]]), t([[-1.1, -0.3, 0.0], [-0.9, 0.0, 0.0], [0, 0, 0]]), t([[1.0, 1.0, 0], [-0.5, 0, 0], [0, 0, 0]])
+    params = PolicyLossParams(clip_cov_lb=-10.0, clip_cov_ratio=0.3)
+    clean_loss, clean_grad, clean_m = grad_wrt_logp(POLICY_LOSS_REGISTRY[name], logp, old, adv, mask, params)
+    junk = mask == 0
+    g_logp, g_old, g_adv = logp.clone(), old.clone(), adv.clone()
+    g_logp[junk], g_old[junk], g_adv[junk] = 40.0, -1e4, 3e3
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY[name], g_logp, g_old, g_adv, mask, params)
+    assert torch.allclose((loss * mask), (clean_loss * mask))
+    assert torch.allclose(grad * mask, clean_grad * mask) and torch.isfinite(grad).all()
+    assert all(torch.isclose(m[k], clean_m[k]) for k in m)
+    assert (loss[2] * mask[2]).abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_huge_log_ratio_gives_no_inf_or_nan(name):
+    logp = t([[500.0, -500.0]]).requires_grad_(True)
+    loss, m = POLICY_LOSS_REGISTRY[name](logp, torch.zeros(1, 2, dtype=D), t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams())
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
+    assert all(torch.isfinite(v) for v in m.values())
+
+
+def test_registry_names_match_config_and_import_paths_resolve():
+    assert tuple(POLICY_LOSS_REGISTRY) == config.POLICY_LOSSES
+    assert get_policy_loss("asyncrl.algo.losses:ppo") is POLICY_LOSS_REGISTRY["ppo"]
+    with pytest.raises(ValueError, match="'nope'"):
+        get_policy_loss("nope")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'"):
+        get_policy_loss("no_such_pkg.mod:fn")
+    with pytest.raises(ValueError, match="no callable 'missing'"):
+        get_policy_loss("asyncrl.algo.losses:missing")
+
+
+def test_correction_goes_through_the_shared_helper():
+    logp, old, rollout = torch.zeros(2, 2, dtype=D), torch.zeros(2, 2, dtype=D), t([[-LN(3.0), 0.0], [0.0, 0.0]])
+    adv, mask = torch.ones(2, 2, dtype=D), torch.ones(2, 2, dtype=D)
+    fn, p = POLICY_LOSS_REGISTRY["ppo"], PolicyLossParams()
+    loss, m = corrected_policy_loss(fn, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token", tis_cap=2.0))
+    assert torch.allclose(loss, t([[-2.0, -1.0], [-1.0, -1.0]]))
+    assert math.isclose(m["tis_capped_frac"].item(), 0.25)
+    loss, m = corrected_policy_loss(fn, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(geo_mask=True))
+    assert torch.allclose(loss, t([[0.0, 0.0], [-1.0, -1.0]]))
+    assert math.isclose(m["masked_frac"].item(), 0.5)
+    # GMPO: sequence TIS scales the whole sequence objective; token TIS is refused.
+    gm = POLICY_LOSS_REGISTRY["gmpo"]
+    loss, _ = corrected_policy_loss(gm, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="sequence", tis_cap=5.0), sequence_level=True)
+    assert torch.allclose(loss, t([[-3.0, -3.0], [-1.0, -1.0]]))
+    with pytest.raises(ValueError, match="token TIS"):
+        corrected_policy_loss(gm, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token"), sequence_level=True)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        corrected_policy_loss(fn, logp, old, None, adv, mask, params=p, correction=CorrectionParams(tis="token"))
+
+
+# ----------------------------------------------------------------------------- microbatch_loss
+
+
+def small_mb():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 6, generator=g, dtype=D)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 0, 1, 0]])
+    mask = t([[0, 0, 1, 1], [0, 1, 1, 0]])
+    mb = {
+        "input_ids": ids, "loss_mask": mask, "reduction_weights": mask / 4,
+        "old_logprobs": t([[0, 0, -1.5, -2.0], [0, -1.0, -2.2, 0]]),
+        "rollout_logprobs": t([[0, 0, -1.4, -2.1], [0, -1.1, -2.0, 0]]),
+        "advantages": t([[0, 0, 1.0, 1.0], [0, -0.5, -0.5, 0]]),
+        "ref_logprobs": t([[0, 0, -1.0, -1.0], [0, -1.0, -1.0, 0]]),
+    }
+    return logits, mb
+
+
+def test_token_logprobs_alignment_and_temperature():
+    logits, mb = small_mb()
+    lp = token_logprobs(logits, mb["input_ids"], 0.5)
+    assert torch.equal(lp[:, 0], torch.zeros(2, dtype=D))
+    expected = torch.log_softmax(logits[1, 1] / 0.5, dim=-1)[1]  # position 2 predicted from logits at 1
+    assert math.isclose(lp[1, 2].item(), expected.item(), rel_tol=1e-12)
+
+
+def test_microbatch_loss_equals_the_hand_assembled_sum():
+    logits, mb = small_mb()
+    algo = AlgoConfig(kl_coef=0.1, kl_estimator="k2", rollout_kl_coef=0.2, rollout_kl_estimator="k1",
+                      entropy_coef=0.01, correction=CorrectionConfig(tis="token", tis_cap=2.0))
+    loss, m = microbatch_loss(logits, mb, algo, temperature=1.0)
+    lp = token_logprobs(logits, mb["input_ids"], 1.0)
+    mask, w = mb["loss_mask"], mb["reduction_weights"]
+    r = torch.exp(lp - mb["old_logprobs"])
+    ppo = torch.maximum(-mb["advantages"] * r, -mb["advantages"] * r.clamp(0.8, 1.2))
+    tis = torch.exp(mb["old_logprobs"] - mb["rollout_logprobs"]).clamp(max=2.0)
+    p = torch.softmax(logits, -1)
+    ent = torch.nn.functional.pad(-(p * torch.log(p)).sum(-1)[:, :-1], (1, 0))
+    kl = 0.5 * (lp - mb["ref_logprobs"]) ** 2
+    rkl = lp - mb["rollout_logprobs"]
+    expected = (w * mask * (ppo * tis + 0.1 * kl + 0.2 * rkl - 0.01 * ent)).sum()
+    assert math.isclose(loss.item(), expected.item(), rel_tol=1e-10)
+    assert math.isclose(m["loss/policy"].total.item(), (w * mask * ppo * tis).sum().item(), rel_tol=1e-10)
+    assert m["loss/policy"].reduce == "sum" and m["loss/kl_ref"].reduce == "sum"
+    assert m["drift/tis_ratio_max"].reduce == "max"
+    assert m["drift/tis_ratio_mean"].reduce == "mean" and m["drift/tis_ratio_mean"].count.item() == 4
+    mean_diff = ((lp - mb["rollout_logprobs"]).abs() * mask).sum() / 4
+    assert math.isclose(m["drift/abs_logp_diff"].value.item(), mean_diff.item(), rel_tol=1e-10)
+    assert math.isclose(m["policy/entropy"].value.item(), ((ent * mask).sum() / 4).item(), rel_tol=1e-10)
+    assert {"policy/clip_frac", "drift/rollout_kl", "drift/masked_frac", "loss/rollout_kl", "loss/entropy"} <= set(m)
+
+
+@pytest.mark.parametrize("field, algo", [
+    ("ref_logprobs", AlgoConfig(kl_coef=0.1)),
+    ("rollout_logprobs", AlgoConfig(correction=CorrectionConfig(tis="token"))),
+    ("rollout_logprobs", AlgoConfig(rollout_kl_coef=0.1)),
+    ("advantages", AlgoConfig()),
+    ("reduction_weights", AlgoConfig(policy_loss="cross_entropy")),
+])
+def test_missing_fields_are_named(field, algo):
+    logits, mb = small_mb()
+    del mb[field]
+    with pytest.raises(ValueError, match=f"missing field '{field}'"):
+        microbatch_loss(logits, mb, algo, temperature=1.0)
+
+
+def test_all_masked_microbatch_is_zero_and_finite():
+    logits, mb = small_mb()
+    mb["loss_mask"] = torch.zeros_like(mb["loss_mask"])
+    loss, m = microbatch_loss(logits, mb, AlgoConfig(correction=CorrectionConfig(tis="token")), temperature=1.0)
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(torch.as_tensor(v.total)) for v in m.values())
