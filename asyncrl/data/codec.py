@@ -240,7 +240,7 @@ def _unpack(data: bytes, max_bytes: int) -> Any:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext,
             max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=max_bytes,
-            max_map_len=max_bytes, max_ext_len=0,
+            max_map_len=max_bytes, max_ext_len=max_bytes,
         )
     except RecordError:
         raise

@@ -1,0 +1,331 @@
+"""RolloutQueue against a real redis-server (the session `redis_server` fixture).
+
+    .venv/bin/python -m pytest tests/integration/test_queue.py -q
+
+Round trips, two producer processes, the staleness filter, dead-lettering (named cases, a
+pickle trap and a 1,200-record fuzz), backpressure, admission under racing threads, and the
+run-level state. Crash/restart/password cases are in test_queue_faults.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import random
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from asyncrl.data.codec import RecordError, decode_group, encode_group
+from asyncrl.queue import QueueFull, RolloutQueue, keys
+from asyncrl.types import RolloutGroup, Sample
+
+
+def random_group(rng: np.random.Generator, group_id: str, version: int | None = None) -> RolloutGroup:
+    """A group exercising every field: optional arrays present or absent, odd lengths, metadata."""
+    samples = []
+    for i in range(int(rng.integers(1, 5))):
+        t = int(rng.integers(0, 40))
+        samples.append(Sample(
+            response_ids=rng.integers(0, 2**31 - 1, t), rollout_logprobs=-rng.random(t, dtype=np.float32) * 5,
+            loss_mask=rng.integers(0, 2, t), reward=float(rng.normal()),
+            behavior_version=int(rng.integers(0, 9)) if version is None else version,
+            stop_reason=str(rng.choice(["stop", "length", "abort"])),
+            token_versions=rng.integers(0, 9, t) if rng.random() < 0.5 else None,
+            token_rewards=rng.random(t).astype(np.float32) if rng.random() < 0.5 else None,
+            generator_id=f"gen-{i}", timings={"gen_s": float(rng.random())},
+            error="boom" if rng.random() < 0.1 else None,
+            prompt_ids=rng.integers(0, 64, 3) if rng.random() < 0.3 else None,
+            trajectory_id=int(rng.integers(0, 3)), step_index=int(rng.integers(0, 3)),
+        ))
+    return RolloutGroup(group_id=group_id, prompt_id=f"p{rng.integers(1000)}", prompt_ids=rng.integers(0, 64, int(rng.integers(1, 20))),
+                        samples=samples, env="arith", metadata={"answer": str(rng.integers(100)), "k": [1, None]})
+
+
+def assert_same_group(a: RolloutGroup, b: RolloutGroup) -> None:
+    assert (a.group_id, a.prompt_id, a.env, a.metadata, a.schema_version) == (b.group_id, b.prompt_id, b.env, b.metadata, b.schema_version)
+    assert a.prompt_ids.dtype == b.prompt_ids.dtype and np.array_equal(a.prompt_ids, b.prompt_ids)
+    assert len(a.samples) == len(b.samples)
+    for x, y in zip(a.samples, b.samples):
+        for name in ("response_ids", "rollout_logprobs", "loss_mask", "token_versions", "token_rewards", "prompt_ids"):
+            u, v = getattr(x, name), getattr(y, name)
+            assert (u is None) == (v is None), name
+            if u is not None:
+                assert u.dtype == v.dtype and u.tobytes() == v.tobytes(), name
+        for name in ("reward", "behavior_version", "stop_reason", "generator_id", "timings", "error", "trajectory_id", "step_index"):
+            assert getattr(x, name) == getattr(y, name), name
+
+
+def small_group(group_id: str, version: int = 0) -> RolloutGroup:
+    return RolloutGroup(group_id, "p", [1, 2], [Sample([3, 4], [-0.5, -0.25], [1, 1], 1.0, version)])
+
+
+def drain(q: RolloutQueue, n: int, min_version: int = 0, timeout: float = 10.0) -> list[tuple[str, RolloutGroup]]:
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += q.get_batch(n - len(out), min_version, timeout=0.5)
+    return out
+
+
+def test_1000_groups_round_trip_exactly(redis_url):
+    rng = np.random.default_rng(0)
+    groups = [random_group(rng, f"g{i}") for i in range(1000)]
+    q = RolloutQueue.connect(redis_url, "rt")
+    ids = [q.put(g) for g in groups]
+    assert q.depth() == 1000 and q.pending() == 0 and q.counters()["groups_produced"] == 1000
+    got = drain(q, 1000)
+    assert [entry_id for entry_id, _ in got] == ids  # stream order
+    for g, (_, back) in zip(groups, got):
+        assert_same_group(g, back)
+    assert q.depth() == 0 and q.pending() == 1000
+    assert q.get_batch(1, 0, timeout=0.05) == []  # nothing delivered twice
+    assert q.ack(ids) == 1000
+    assert q.pending() == 0 and redis.Redis.from_url(redis_url).xlen(keys.rollouts("rt")) == 0
+    assert "rt" in {m.decode() for m in redis.Redis.from_url(redis_url).smembers(keys.RUNS)}
+    q.close()
+
+
+def _produce(url: str, prefix: str, n: int) -> None:
+    q = RolloutQueue.connect(url, "mp", maxlen=40)
+    for i in range(n):
+        q.put(small_group(f"{prefix}-{i}"), timeout=60)
+    q.close()
+
+
+def test_two_producer_processes_one_consumer_no_loss_no_duplicate(redis_url):
+    n = 300
+    q = RolloutQueue.connect(redis_url, "mp", maxlen=40)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_produce, args=(redis_url, p, n)) for p in ("a", "b")]
+    for p in procs:
+        p.start()
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 60
+    while sum(seen.values()) < 2 * n and time.monotonic() < deadline:
+        batch = q.get_batch(16, 0, timeout=0.5)
+        for _, g in batch:
+            seen[g.group_id] = seen.get(g.group_id, 0) + 1
+        q.ack([entry_id for entry_id, _ in batch])  # acks make room: producers hit maxlen=40
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert set(seen) == {f"{p}-{i}" for p in "ab" for i in range(n)}
+    assert max(seen.values()) == 1
+    assert q.counters()["groups_produced"] == 2 * n and q.depth() == 0 and q.pending() == 0
+    q.close()
+
+
+def test_stale_groups_are_dropped_counted_and_never_returned(redis_url):
+    q = RolloutQueue.connect(redis_url, "stale")
+    for i, v in enumerate([0, 3, 1, 5, 2, 4]):
+        q.put(small_group(f"g{i}-v{v}", version=v))
+    # a group's version is its oldest sample's: 7 and 2 -> 2, stale at min_version 3
+    mixed = small_group("mixed")
+    mixed.samples.append(Sample([1], [-1.0], [1], 0.0, 7))
+    mixed.samples[0].behavior_version = 2
+    q.put(mixed)
+    got = drain(q, 3, min_version=3, timeout=2.0)
+    assert [g.group_id for _, g in got] == ["g1-v3", "g3-v5", "g5-v4"]
+    assert q.get_batch(5, 3, timeout=0.1) == []
+    assert q.dropped_ids() == {"g0-v0", "g2-v1", "g4-v2", "mixed"}
+    assert q.counters()["dropped_stale"] == 4
+    assert q.pending() == 3 and q.depth() == 0  # dropped ones are acked, only returned ones pend
+    q.close()
+
+
+class _Trap:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_malformed_records_are_dead_lettered_and_good_ones_still_served(redis_url, tmp_path):
+    q = RolloutQueue.connect(redis_url, "dl", max_record_bytes=4096)
+    raw = redis.Redis.from_url(redis_url)
+    stream = keys.rollouts("dl")
+    good = encode_group(small_group("x"))
+    rec = msgpack.unpackb(good, raw=False)
+    bad_len = {**rec, "samples": [{**rec["samples"][0], "loss_mask": {"dtype": "|u1", "shape": [1], "data": b"\1"}}]}
+    nan_lp = {**rec, "samples": [{**rec["samples"][0], "rollout_logprobs": {"dtype": "<f4", "shape": [2], "data": np.array([np.nan, 0], "<f4").tobytes()}}]}
+    marker = tmp_path / "unpickled"
+    cases = {
+        "truncated": (good[:-5], "bad_msgpack"),
+        "wrong lengths": (msgpack.packb(bad_len), "length_mismatch"),
+        "NaN logprob": (msgpack.packb(nan_lp), "nonfinite_logprob"),
+        "oversize": (encode_group(random_group(np.random.default_rng(1), "big")) + b"\0" * 5000, "oversize"),
+        "unknown schema": (msgpack.packb({**rec, "schema": 99}), "unknown_schema"),
+        "random bytes": (bytes(random.Random(3).randrange(256) for _ in range(200)), None),
+        "pickle": (pickle.dumps(_Trap(str(marker))), None),
+    }
+    raw.xadd(stream, {b"other": b"no d field"})
+    expected_good = []
+    for i, (name, (data, _)) in enumerate(cases.items()):
+        raw.xadd(stream, {keys.RECORD_FIELD: data})
+        q.put(small_group(f"good-{i}"))
+        expected_good.append(f"good-{i}")
+    got = drain(q, len(expected_good), timeout=3.0)
+    assert [g.group_id for _, g in got] == expected_good
+    dead = q.deadletter_entries()
+    assert len(dead) == len(cases) + 1 and q.counters()["dead_lettered"] == len(cases) + 1
+    assert dead[0]["reason"] == "missing_field" and dead[0]["d"] == b""
+    for entry, (name, (data, reason)) in zip(dead[1:], cases.items()):
+        assert entry["d"] == data, name
+        if reason is not None:
+            assert entry["reason"] == reason, name
+        else:
+            assert entry["reason"] in {"bad_msgpack", "bad_type"}, name
+    # the source ids point at the original entries, which are gone from the rollout stream
+    assert all(raw.xrange(stream, e["source_id"], e["source_id"]) == [] for e in dead)
+    assert not marker.exists()
+    q.close()
+
+
+def test_fuzz_1200_mutated_records_interleaved_with_good_ones(redis_url):
+    """Each mutated record is dead-lettered with the reason decode_group gives it locally, or
+    (a mutation that happens to stay valid) served; good records are all served, in order."""
+    q = RolloutQueue.connect(redis_url, "fuzz")
+    raw = redis.Redis.from_url(redis_url)
+    rng = random.Random(7)
+    base = encode_group(random_group(np.random.default_rng(5), "base"))
+    expected_reasons, expected_served = [], []
+    pipe = raw.pipeline(transaction=False)
+    for i in range(1200):
+        data = bytearray(base)
+        kind = i % 3
+        if kind == 0:
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif kind == 1:
+            data = data[: rng.randrange(len(data))]
+        else:
+            data = bytearray(rng.randbytes(rng.randint(0, 200)))
+        try:
+            served = decode_group(bytes(data))
+            expected_served.append(served.group_id)  # still valid (e.g. a flipped reward bit)
+        except RecordError as e:
+            expected_reasons.append(e.reason)
+        pipe.xadd(keys.rollouts("fuzz"), {keys.RECORD_FIELD: bytes(data)})
+        if i % 10 == 0:
+            pipe.xadd(keys.rollouts("fuzz"), {keys.RECORD_FIELD: encode_group(small_group(f"good-{i}"))})
+            expected_served.append(f"good-{i}")
+    pipe.execute()
+    # mutated-but-valid copies of "base" share one group id: the consumer serves it once
+    unique = list(dict.fromkeys(expected_served))
+    got = drain(q, len(unique), timeout=20.0)
+    assert q.get_batch(1, 0, timeout=0.2) == []
+    assert [g.group_id for _, g in got] == unique
+    assert len(expected_reasons) > 1000
+    assert [e["reason"] for e in q.deadletter_entries()] == expected_reasons
+    c = q.counters()
+    assert c["dead_lettered"] == len(expected_reasons)
+    assert c.get("duplicates", 0) == len(expected_served) - len(unique)
+    q.close()
+
+
+def test_put_blocks_when_full_and_resumes_after_get_and_ack(redis_url):
+    q = RolloutQueue.connect(redis_url, "bp", maxlen=4)
+    for i in range(4):
+        q.put(small_group(f"g{i}"))
+    with pytest.raises(QueueFull, match="maxlen=4"):
+        q.put(small_group("late"), timeout=0.2)
+    done = threading.Event()
+    producer = RolloutQueue.connect(redis_url, "bp", maxlen=4)
+    t = threading.Thread(target=lambda: (producer.put(small_group("g4"), timeout=20), done.set()))
+    t.start()
+    time.sleep(0.4)
+    assert not done.is_set()
+    batch = q.get_batch(2, 0, timeout=1.0)
+    time.sleep(0.3)
+    assert not done.is_set()  # delivered but un-acked entries still count against maxlen
+    q.ack([entry_id for entry_id, _ in batch])
+    assert done.wait(5.0)
+    t.join()
+    assert [g.group_id for _, g in drain(q, 3)] == ["g2", "g3", "g4"]
+    assert q.counters()["groups_produced"] == 5
+    q.close()
+    producer.close()
+
+
+def test_put_many_fills_up_to_maxlen_atomically(redis_url):
+    q = RolloutQueue.connect(redis_url, "pm", maxlen=5)
+    with pytest.raises(QueueFull) as info:
+        q.put_many([small_group(f"g{i}") for i in range(8)], timeout=0.1)
+    assert len(info.value.added_ids) == 5 and q.depth() == 5
+    with pytest.raises(RecordError, match="oversize"):
+        RolloutQueue.connect(redis_url, "pm", max_record_bytes=100).put(random_group(np.random.default_rng(0), "big"))
+    q.close()
+
+
+def test_racing_threads_never_exceed_the_admission_budget(redis_url):
+    q = RolloutQueue.connect(redis_url, "adm")
+    assert q.try_admit() is False  # not configured by the trainer yet
+    q.configure_admission(max_staleness=1, groups_per_step=4)  # budget (0 + 1 + 1) * 4 = 8
+    admitted = []
+    lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def generator():
+        mine = RolloutQueue.connect(redis_url, "adm")
+        start.wait()
+        n = sum(mine.try_admit() for _ in range(40))
+        with lock:
+            admitted.append(n)
+        mine.close()
+
+    threads = [threading.Thread(target=generator) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(admitted) == 8 and q.counters()["groups_started"] == 8
+    assert q.try_admit(1) is False
+    q.set_policy_version(2)  # budget (2 + 1 + 1) * 4 = 16
+    assert q.try_admit(8) is True and q.try_admit(1) is False
+    assert q.release_admission(3) == 13
+    assert [q.try_admit() for _ in range(4)] == [True, True, True, False]
+    assert q.release_admission(100) == 0  # never below zero
+    q.reset_admission(15)
+    assert q.try_admit() is True and q.try_admit() is False
+    with pytest.raises(ValueError):
+        q.try_admit(0)
+    q.close()
+
+
+def test_run_state_heartbeats_and_metrics(redis_url):
+    q = RolloutQueue.connect(redis_url, "st")
+    assert q.policy_version() == 0 and q.weights() == (None, -1)
+    q.set_policy_version(7)
+    q.set_weights("/dev/shm/asyncrl/st/v7.safetensors", 7)
+    q.set_state(status="running", lr=1.5e-5, flag=True, gone=None)
+    q.set_state(gone="x")
+    q.set_state(gone=None)
+    assert q.policy_version() == 7 and q.weights() == ("/dev/shm/asyncrl/st/v7.safetensors", 7)
+    state = q.state()
+    assert state["status"] == "running" and state["lr"] == 1.5e-5 and state["flag"] == 1 and "gone" not in state
+    with pytest.raises(TypeError):
+        q.set_state(bad=[1])
+    assert q.incr("groups_trained", 3) == 3 and q.incr("groups_trained") == 4
+    q.heartbeat("gen-0", {"version": 6, "tokens_per_s": 812.5})
+    q.heartbeat("gen-1", {"version": 7})
+    redis.Redis.from_url(redis_url).hset(keys.generators("st"), "gen-bad", pickle.dumps({"x": 1}))
+    gens = q.generators()
+    assert set(gens) == {"gen-0", "gen-1"} and gens["gen-0"]["tokens_per_s"] == 812.5
+    assert time.time() - gens["gen-1"]["heartbeat"] < 60
+    q.remove_generator("gen-1")
+    assert set(q.generators()) == {"gen-0"}
+    first = q.publish_metrics(1, {"loss/policy": 0.5, "queue/depth": 3})
+    q.publish_metrics(2, {"loss/policy": 0.25}, source="gen-0")
+    records = q.read_metrics()
+    assert [(r["step"], r["source"], r["metrics"]) for _, r in records] == [
+        (1, "trainer", {"loss/policy": 0.5, "queue/depth": 3.0}), (2, "gen-0", {"loss/policy": 0.25})]
+    assert [r["step"] for _, r in q.read_metrics(since_id=first)] == [2]
+    with pytest.raises(TypeError):
+        q.publish_metrics(3, {"loss": "high"})
+    q.close()
