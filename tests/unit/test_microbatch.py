@@ -1,0 +1,117 @@
+"""Dealing to ranks, token-budget splitting, collation and padding micro-batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import AlgoConfig
+from asyncrl.data import microbatch as mbatch
+from asyncrl.types import TrainSequence
+
+
+def _seq(ids, *, rollout=-1.0, adv=0.5, version=3) -> TrainSequence:
+    ids = np.asarray(ids, dtype=np.int32)
+    mask = np.ones(len(ids), dtype=np.float32)
+    mask[0] = 0
+    return TrainSequence(input_ids=ids, loss_mask=mask, rollout_logprobs=mask * rollout,
+                         advantages=mask * adv, reduction_weights=mask * 0.25,
+                         token_versions=np.full(len(ids), version, dtype=np.int32), behavior_version=version)
+
+
+def test_deal_balances_tokens_longest_first():
+    # 10 -> r0; 9 -> r1; 3 -> r1 (9 < 10); 2 -> r0 (10 < 12); 1 -> tie 12/12 -> r0.
+    assert mbatch.deal_to_ranks([10, 9, 3, 2, 1], 2) == [[0, 3, 4], [1, 2]]
+    assert mbatch.deal_to_ranks([4, 4, 4], 1) == [[0, 1, 2]]
+    # More ranks than sequences: the extra ranks get nothing (they will run padding micro-batches).
+    assert mbatch.deal_to_ranks([7], 3) == [[0], [], []]
+    with pytest.raises(ValueError, match="num_ranks=0"):
+        mbatch.deal_to_ranks([1], 0)
+
+
+def test_split_by_token_budget_counts_padded_tokens():
+    # Sorted 8, 5, 3, 2. 8 alone (2*8 > 10); 5+3 -> 2*5 = 10 fits; +2 -> 3*5 = 15 does not.
+    assert mbatch.split_by_token_budget([5, 3, 8, 2], 10) == [[2], [0, 1], [3]]
+    # A budget of one token: every sequence alone (never split, even when longer than the budget).
+    assert mbatch.split_by_token_budget([5, 3, 8], 1) == [[2], [0], [1]]
+    # A big budget: everything in one micro-batch.
+    assert mbatch.split_by_token_budget([5, 3, 8], 1000) == [[2, 0, 1]]
+    assert mbatch.split_by_token_budget([], 10) == []
+    with pytest.raises(ValueError, match="budget=0"):
+        mbatch.split_by_token_budget([1], 0)
+
+
+def test_plan_gives_a_common_count():
+    plans, count = mbatch.plan_microbatches([[8, 8, 8], [4]], budget=8)
+    assert plans == [[[0], [1], [2]], [[0]]]
+    assert count == 3
+    # No data at all still runs one (padding) micro-batch, so ranks stay in step.
+    assert mbatch.plan_microbatches([[], []], budget=8)[1] == 1
+
+
+def test_collate_right_pads_every_field():
+    a, b = mbatch.seq_fields(_seq([5, 6, 7])), mbatch.seq_fields(_seq([9, 8], rollout=-2.0))
+    mb = mbatch.collate([a, b], pad_token_id=0)
+    assert set(mb) == set(mbatch.SEQUENCE_FIELDS)
+    assert mb["input_ids"].tolist() == [[5, 6, 7], [9, 8, 0]]
+    assert mb["input_ids"].dtype == torch.int64
+    assert mb["loss_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert mb["rollout_logprobs"].tolist() == [[0, -1, -1], [0, -2, 0]]
+    assert mb["reduction_weights"].tolist() == [[0, 0.25, 0.25], [0, 0.25, 0]]
+    assert mb["token_versions"].tolist() == [[3, 3, 3], [3, 3, 0]]
+    bad = dict(b, advantages=np.zeros(5, dtype=np.float32))
+    with pytest.raises(ValueError, match="field 'advantages' of sequence 1"):
+        mbatch.collate([a, bad], pad_token_id=0)
+    with pytest.raises(ValueError, match="fields"):
+        mbatch.collate([a, {"input_ids": b["input_ids"]}], pad_token_id=0)
+
+
+def test_padding_microbatches_carry_every_field_with_zero_mask():
+    seqs = [mbatch.seq_fields(_seq([5, 6, 7, 8])), mbatch.seq_fields(_seq([9, 8]))]
+    real = mbatch.collate(seqs, pad_token_id=0)
+    real["old_logprobs"] = torch.full((2, 4), -1.5)       # added by the pre-pass on ranks
+    fields = mbatch.field_dtypes(real)
+    pad = mbatch.padding_microbatch(fields, pad_token_id=2)
+    assert set(pad) - {mbatch.PADDING_KEY} == set(real)
+    assert pad[mbatch.PADDING_KEY] is True
+    for name, t in real.items():
+        assert pad[name].dtype == t.dtype, name
+        assert pad[name].shape == (1, 1)
+    assert pad["input_ids"].tolist() == [[2]]
+    assert pad["loss_mask"].sum() == 0 and pad["reduction_weights"].sum() == 0
+    with pytest.raises(ValueError, match="lacks 'loss_mask'"):
+        mbatch.padding_microbatch({"input_ids": torch.int64, "reduction_weights": torch.float32}, pad_token_id=0)
+
+
+def test_rank_microbatches_padded_up_to_the_common_count():
+    seqs = [mbatch.seq_fields(_seq([5, 6, 7])), mbatch.seq_fields(_seq([9, 8]))]
+    fields = {n: (torch.int64 if n in mbatch.INTEGER_FIELDS else torch.float32) for n in mbatch.SEQUENCE_FIELDS}
+    mbs = mbatch.build_rank_microbatches(seqs, [[0], [1]], 4, fields, pad_token_id=0)
+    assert [mb[mbatch.PADDING_KEY] for mb in mbs] == [False, False, True, True]
+    assert all(set(mb) - {mbatch.PADDING_KEY} == set(fields) for mb in mbs)
+    assert mbs[1]["input_ids"].tolist() == [[9, 8]]
+    # A rank with no sequences at all: only padding micro-batches, still with every field.
+    empty = mbatch.build_rank_microbatches([], [], 2, fields, pad_token_id=0)
+    assert len(empty) == 2 and all(set(mb) - {mbatch.PADDING_KEY} == set(fields) for mb in empty)
+    with pytest.raises(ValueError, match="more than the common count"):
+        mbatch.build_rank_microbatches(seqs, [[0], [1]], 1, fields, pad_token_id=0)
+
+
+def test_padding_microbatch_feeds_the_real_loss_and_contributes_zero():
+    """With rollout-KL, KL-to-reference and a TIS correction on, the loss needs rollout/ref
+    logprobs: a padding micro-batch built from the real field list has them, and adds 0."""
+    from asyncrl.learner.loss import microbatch_loss
+
+    algo = AlgoConfig(kl_coef=0.1, rollout_kl_coef=0.2, entropy_coef=0.01)
+    algo.correction.tis = "token"
+    real = mbatch.collate([mbatch.seq_fields(_seq([5, 6, 7]))], pad_token_id=0)
+    real["old_logprobs"] = torch.full((1, 3), -1.0)
+    real["ref_logprobs"] = torch.full((1, 3), -1.2)
+    pad = mbatch.padding_microbatch(mbatch.field_dtypes(real), pad_token_id=0)
+    logits = torch.randn(1, 1, 11, requires_grad=True)
+    tensors = {k: v for k, v in pad.items() if isinstance(v, torch.Tensor)}
+    loss, _ = microbatch_loss(logits, tensors, algo, temperature=1.0)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(logits.grad) == 0
