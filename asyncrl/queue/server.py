@@ -122,7 +122,7 @@ class EmbeddedRedis:
         return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
     def start(self) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers (after a first start: on the same port)."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"redis-server already running (pid {self._proc.pid})")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +136,7 @@ class EmbeddedRedis:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             if self._wait_ready():
+                self._fixed_port = True  # later starts keep the port: clients hold this URL
                 return self
             tail = self._log_tail()
             self._reap()
@@ -152,7 +153,9 @@ class EmbeddedRedis:
                 if self._proc.poll() is not None:
                     return False
                 try:
-                    if client.ping():
+                    # Our PID, not just any answer: another server may own the port, and
+                    # ours is then about to exit with "Address already in use".
+                    if client.info("server").get("process_id") == self._proc.pid:
                         return True
                 except redis.BusyLoadingError:
                     pass  # replaying the AOF: wait for it
@@ -194,7 +197,6 @@ class EmbeddedRedis:
     def restart(self) -> EmbeddedRedis:
         """Stop (if running) and start again on the same port with the same dir."""
         self.stop()
-        self._fixed_port = self.port is not None
         return self.start()
 
     def __enter__(self) -> EmbeddedRedis:

