@@ -36,11 +36,17 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1
 
 
 def _entropy_rows(z: Tensor) -> tuple[Tensor, Tensor]:
-    """Entropy and log-sum-exp of each row of z [R, V] (no grad)."""
+    """Entropy and log-sum-exp of each row of z [R, V] (no grad; z is overwritten).
+
+    Shifting by the row max first keeps lse - E[z] from cancelling catastrophically when
+    the logits are large (float32 at |z| ~ 5e3 has a step of ~5e-4).
+    """
+    top = z.max(dim=-1, keepdim=True).values
+    z.sub_(top)
     lse = torch.logsumexp(z, dim=-1)
     p = torch.exp(z - lse.unsqueeze(-1))
     expected_z = torch.bmm(p.unsqueeze(1), z.unsqueeze(-1)).reshape(-1)  # sum_v p z without a p*z tensor
-    return lse - expected_z, lse
+    return lse - expected_z, lse + top.squeeze(-1)
 
 
 class _Entropy(torch.autograd.Function):

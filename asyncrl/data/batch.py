@@ -11,6 +11,8 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
 2. Advantages from the configured estimator, with the group id per sample. Step-wise
    (``algo.stepwise``): one scalar per trajectory (its last step's reward), broadcast to
    every step on the step's own mask; then consecutive steps sharing a prefix are merged.
+   Only the last step's reward counts: earlier steps' rewards are ignored (may be NaN), and
+   a trajectory whose last reward failed is excluded as a whole.
 3. The groups are split into ``num_minibatches`` contiguous mini-batches of whole groups.
 4. Reduction weights per mini-batch over all its sequences (``asyncrl.algo.reduction``).
 5. ``TrainSequence``: input_ids = prompt + response; rollout_logprobs, advantages and
@@ -130,7 +132,8 @@ def _stepwise_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]
     for t, key in enumerate(keys):
         for k in trajs[key]:
             traj_of_row[k] = t
-            rows[k].valid = rows[k].valid and t in valid_t
+            # Earlier steps' own rewards are ignored (they may be NaN placeholders).
+            rows[k].valid = t in valid_t
     masks = _padded([_response_mask(r) for r in rows])
     adv = broadcast_trajectory_advantages(traj_adv, traj_of_row, masks)
     return [adv[k, : r.sample.num_tokens].numpy().astype(np.float32) for k, r in enumerate(rows)]

@@ -1,0 +1,71 @@
+"""Token log-probs and entropy from logits at a temperature.
+
+    .venv/bin/python -m pytest tests/unit/test_logprobs.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.algo import entropy_from_logits, logprobs_from_logits
+from asyncrl.learner.loss import token_entropy, token_logprobs
+
+D = torch.float64
+# softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6]; at T = 0.5 the logits double: [1, 4, 9] / 14.
+LOGITS = torch.tensor([[0.0, math.log(2.0), math.log(3.0)]], dtype=D)
+
+
+def test_logprob_at_temperature_by_hand():
+    target = torch.tensor([2])
+    assert math.isclose(logprobs_from_logits(LOGITS, target, 1.0).item(), math.log(0.5), rel_tol=1e-12)
+    assert math.isclose(logprobs_from_logits(LOGITS, target, 0.5).item(), math.log(9 / 14), rel_tol=1e-12)
+
+
+def test_entropy_by_hand():
+    p = [1 / 6, 1 / 3, 1 / 2]
+    expected = -sum(x * math.log(x) for x in p)
+    assert math.isclose(entropy_from_logits(LOGITS, 1.0).item(), expected, rel_tol=1e-12)
+    q = [1 / 14, 4 / 14, 9 / 14]
+    assert math.isclose(entropy_from_logits(LOGITS, 0.5).item(), -sum(x * math.log(x) for x in q), rel_tol=1e-12)
+
+
+def test_entropy_matches_naive_and_its_gradient_passes_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 3, 5, generator=g, dtype=D) * 3).requires_grad_(True)
+    naive = -(torch.softmax(logits / 0.7, -1) * torch.log_softmax(logits / 0.7, -1)).sum(-1)
+    assert torch.allclose(entropy_from_logits(logits, 0.7, chunk_rows=4), naive, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, 0.7, chunk_rows=4), (logits,))
+
+
+def test_huge_logits_stay_finite():
+    logits = torch.tensor([[1e4, -1e4, 0.0], [5e3, 5e3, 5e3]], dtype=torch.float32, requires_grad=True)
+    ent = entropy_from_logits(logits, 1.0)
+    assert torch.allclose(ent, torch.tensor([0.0, math.log(3.0)]), atol=1e-5)
+    ent.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    assert torch.isfinite(logprobs_from_logits(logits, torch.tensor([1, 0]), 0.3)).all()
+
+
+def test_sequence_alignment_position_t_comes_from_logits_t_minus_1():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 3, 4, generator=g, dtype=D)
+    ids = torch.tensor([[3, 1, 2]])
+    lp = token_logprobs(logits, ids, 1.0)
+    assert lp[0, 0].item() == 0.0
+    assert math.isclose(lp[0, 1].item(), torch.log_softmax(logits[0, 0], -1)[1].item(), rel_tol=1e-12)
+    assert math.isclose(lp[0, 2].item(), torch.log_softmax(logits[0, 1], -1)[2].item(), rel_tol=1e-12)
+    ent = token_entropy(logits, 1.0)
+    assert ent[0, 0].item() == 0.0
+    assert math.isclose(ent[0, 2].item(), entropy_from_logits(logits[0, 1], 1.0).item(), rel_tol=1e-12)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_from_logits(LOGITS, torch.tensor([0]), 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        entropy_from_logits(LOGITS, -1.0)
+    with pytest.raises(ValueError, match="line up"):
+        logprobs_from_logits(LOGITS, torch.tensor([0, 1]), 1.0)
