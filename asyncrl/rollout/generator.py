@@ -108,7 +108,10 @@ class GeneratorActor:
             {"host": socket.gethostname(), "pids": self.engine.engine_pids}, use_bin_type=True))
         location, version = self.queue.weights()
         if location is not None and version > 0:
-            self.update_weights(location, version)  # joining (or restarting into) a running job
+            try:  # joining (or restarting into) a running job
+                self.update_weights(location, version)
+            except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again with newer weights
+                log.warning("%s: could not load published weights v%d: %s", generator_id, version, e)
         self._load_predecessor_inflight()
         if autostart if autostart is not None else (_was_restarted() or bool(self._retry)):
             self.start()
@@ -150,6 +153,13 @@ class GeneratorActor:
 
     def version(self) -> int:
         return self.engine.version
+
+    def sample(self, prompt_ids: list[int], n: int = 1, max_tokens: int | None = None,
+               temperature: float | None = None) -> list[dict]:
+        """Sample outside the loop (tests, benchmarks): [{"token_ids", "logprobs", "versions", "finish_reason"}]."""
+        outs = self._call(self.engine.generate(list(prompt_ids), n, f"{self.generator_id}-s-{uuid.uuid4().hex}",
+                                               max_tokens=max_tokens, temperature=temperature))
+        return [vars(c) for c in outs]
 
     def pid(self) -> int:
         import os
