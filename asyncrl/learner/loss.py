@@ -15,6 +15,9 @@ multiplies by world_size to undo FSDP's mean all-reduce). Every term uses the sa
 term normalised inside the micro-batch would be amplified by the number of micro-batches
 (SkyRL PR #1296's review finding for KL and entropy).
 
+Pass ``rollout_logprobs`` only when the engine recorded them: the ``drift/*`` metrics are
+computed whenever the field is present.
+
 ``token_mean_per_microbatch`` (legacy) ignores ``reduction_weights`` and uses
 w = m / (sum m in this micro-batch * num_microbatches); pass ``num_microbatches`` =
 micro-batches per rank * world size. Its gradient depends on the micro-batching by design.
@@ -160,7 +163,11 @@ def microbatch_loss(
     )
     policy = (weights * per_token).sum()
     total = policy
-    metrics: dict[str, MetricValue] = dict(_metric(k, v, n_tokens) for k, v in algo_metrics.items())
+    # Correction metrics are means over loss tokens; the loss's own over the tokens it kept.
+    kept = n_tokens * (1.0 - algo_metrics["masked_frac"].detach()) if "masked_frac" in algo_metrics else n_tokens
+    metrics: dict[str, MetricValue] = dict(
+        _metric(k, v, n_tokens if k in _DRIFT else kept) for k, v in algo_metrics.items()
+    )
     metrics["loss/policy"] = MetricValue("sum", policy.detach())
 
     if algo.kl_coef > 0:
