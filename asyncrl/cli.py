@@ -3,7 +3,7 @@
     asyncrl train configs/demo.yaml control.max_staleness=2 learner.lr=3e-4
     asyncrl train --resume runs/demo
     asyncrl generate --redis redis://127.0.0.1:6379/0 --run demo      # join a running job
-    asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8265]
+    asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8470]
     asyncrl bench e2e --quick
     asyncrl tiny-model /tmp/tiny
 
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--redis", required=True)
     d.add_argument("--run", default=None)
     d.add_argument("--host", default="127.0.0.1")
-    d.add_argument("--port", type=int, default=8265)
+    d.add_argument("--port", type=int, default=8470)
     d.add_argument("--token", default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"))
     d.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
 

@@ -260,7 +260,11 @@ class MonitorConfig:
     wandb: Literal["disabled", "offline", "online"] = "disabled"
     wandb_project: str = "asyncrl"
     console: bool = True
-    dashboard_port: int = 8265
+    console_every: int = 10
+    """Print a metrics line every this many steps (the progress bar updates every step)."""
+    dashboard: bool = True
+    """`asyncrl train` serves the dashboard itself on dashboard_host:dashboard_port."""
+    dashboard_port: int = 8470
     dashboard_host: str = "127.0.0.1"
     dashboard_token: str | None = None
     alert_rollout_kl: float = 0.05
@@ -565,6 +569,7 @@ def validate(cfg: Config) -> None:
         )
     if c.mode == "async" and cfg.rollout.num_generators < 1:
         raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")
+    _at_least("monitor.console_every", cfg.monitor.console_every, 1)
     if cfg.monitor.dashboard_host not in ("127.0.0.1", "localhost", "::1") and not cfg.monitor.dashboard_token:
         raise ConfigError(
             f"monitor.dashboard_host={cfg.monitor.dashboard_host!r}: binding beyond loopback requires "

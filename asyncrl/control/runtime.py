@@ -136,6 +136,9 @@ class Runtime(contextlib.ExitStack):
             self.generators.append(handle)
             self.weight_sync.register(handle)
         self.callback(self._stop_generators)
+        import ray
+
+        ray.get([g.start.remote() for g in self.generators])
         return self.generators
 
     def _stop_generators(self) -> None:

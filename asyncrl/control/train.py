@@ -47,9 +47,11 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
                     log.info("resumed from %s at step %d, policy version %d", ckpt, state.step, state.version)
             else:
                 rt.write_config()
-            logger = build_metrics_logger(cfg.monitor, rt.queue.client, cfg.control.run_name, run_dir, cfg.to_dict())
+            logger = build_metrics_logger(cfg.monitor, rt.redis_url, cfg.control.run_name, run_dir,
+                                          cfg.to_dict(), password=cfg.queue.password)
             rt.callback(logger.close)
-            _announce(cfg, rt)
+            dashboard_url = _start_dashboard(cfg, rt)
+            _announce(cfg, rt, dashboard_url)
             loop = TrainLoop(cfg, rt, logger, state=state, stop=stop)
             rt.launch_generators()
             with StepProgress(cfg.control.total_steps, start=state.step) as progress:
@@ -61,13 +63,32 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
         stop.restore()
 
 
-def _announce(cfg: Config, rt) -> None:
+def _start_dashboard(cfg: Config, rt) -> str | None:
+    """Serve the dashboard from the trainer process; a busy port falls back to a free one."""
+    if not cfg.monitor.dashboard:
+        return None
+    from asyncrl.monitor.dashboard.app import serve_in_thread
+
+    m = cfg.monitor
+    kwargs = dict(run=cfg.control.run_name, host=m.dashboard_host, token=m.dashboard_token,
+                  password=cfg.queue.password)
+    try:
+        server = serve_in_thread(rt.redis_url, port=m.dashboard_port, **kwargs)
+    except OSError:
+        server = serve_in_thread(rt.redis_url, port=0, **kwargs)
+    rt.callback(setattr, server, "should_exit", True)
+    return f"http://{m.dashboard_host}:{server.bound_port}/"
+
+
+def _announce(cfg: Config, rt, dashboard_url: str | None) -> None:
     run = cfg.control.run_name
     log.info("run %r in %s; Redis at %s", run, rt.run_dir, _redact(rt.redis_url))
     log.info("metrics: Redis stream asyncrl:%s:metrics%s", run,
              f", wandb ({cfg.monitor.wandb}) in {rt.run_dir / 'wandb'}" if cfg.monitor.wandb != "disabled" else "")
-    log.info("dashboard: asyncrl dashboard --redis %s --run %s  (then open http://127.0.0.1:%d)",
-             _redact(rt.redis_url), run, cfg.monitor.dashboard_port)
+    if dashboard_url:
+        log.info("dashboard: %s  (token required)" if cfg.monitor.dashboard_token else "dashboard: %s", dashboard_url)
+    else:
+        log.info("dashboard: asyncrl dashboard --redis %s --run %s", _redact(rt.redis_url), run)
 
 
 def _redact(url: str | None) -> str:

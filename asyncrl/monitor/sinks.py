@@ -166,7 +166,7 @@ class MetricsLogger:
 
 
 def build_metrics_logger(monitor_cfg: Any, redis_client: Any, run: str, run_dir: str | Path,
-                         config_dict: Mapping[str, Any]) -> MetricsLogger:
+                         config_dict: Mapping[str, Any], *, password: str | None = None) -> MetricsLogger:
     """The sinks a MonitorConfig asks for. Redis is always on (the dashboard reads it) if a client is given.
 
     A sink that cannot even start (e.g. wandb online without a login) is warned about and left
@@ -174,7 +174,7 @@ def build_metrics_logger(monitor_cfg: Any, redis_client: Any, run: str, run_dir:
     """
     sinks: list[Sink] = []
     if redis_client is not None:
-        sinks.append(RedisSink(redis_client, run))
+        sinks.append(RedisSink(redis_client, run, password=password))
     if monitor_cfg.wandb != "disabled":
         try:
             sinks.append(WandbSink(monitor_cfg.wandb, monitor_cfg.wandb_project, run, config_dict,
@@ -183,5 +183,5 @@ def build_metrics_logger(monitor_cfg: Any, redis_client: Any, run: str, run_dir:
             log.warning("wandb sink (mode=%s) could not start, continuing without it: %s: %s",
                         monitor_cfg.wandb, type(e).__name__, e)
     if monitor_cfg.console:
-        sinks.append(ConsoleSink(every=1))
+        sinks.append(ConsoleSink(every=monitor_cfg.console_every))
     return MetricsLogger(sinks)

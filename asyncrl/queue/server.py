@@ -134,6 +134,9 @@ class EmbeddedRedis:
             self._proc = subprocess.Popen(
                 [self.binary, str(conf)], cwd=self.dir,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                # Its own session: a Ctrl-C to the trainer's process group must not kill Redis
+                # before the trainer has checkpointed; we stop it by PID.
+                start_new_session=True,
             )
             if self._wait_ready():
                 self._fixed_port = True  # later starts keep the port: clients hold this URL

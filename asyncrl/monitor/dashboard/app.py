@@ -1,8 +1,8 @@
 """The live staleness/drift dashboard: a Starlette app over the run's Redis keys.
 
-    python -m asyncrl.monitor.dashboard --redis redis://127.0.0.1:6379 [--run demo] [--port 8265]
+    python -m asyncrl.monitor.dashboard --redis redis://127.0.0.1:6379 [--run demo] [--port 8470]
     # or: asyncrl dashboard --redis URL;  or in code: serve(redis_url, run="demo")
-    # then open http://127.0.0.1:8265/  (add ?token=... once when a token is configured)
+    # then open http://127.0.0.1:8470/  (add ?token=... once when a token is configured)
 
 Pages: ``/`` lists the runs in this Redis, ``/run/{run}`` is one run's live page (plotly charts,
 updated once a second over server-sent events). JSON per panel: ``/api/runs``,
@@ -347,13 +347,39 @@ def create_app(redis_url: str, *, run: str | None, password: str | None = None, 
     return app
 
 
-def serve(redis_url: str, run: str | None = None, host: str = "127.0.0.1", port: int = 8265,
-          token: str | None = None, password: str | None = None) -> None:
-    """Run the dashboard with uvicorn until interrupted. Refuses a non-loopback host without a token."""
+def _check_host(host: str, token: str | None) -> None:
     if host not in LOOPBACK_HOSTS and not token:
         raise ValueError(f"host={host!r} is reachable from other machines: set a token (--token) to bind it")
+
+
+def serve(redis_url: str, run: str | None = None, host: str = "127.0.0.1", port: int = 8470,
+          token: str | None = None, password: str | None = None) -> None:
+    """Run the dashboard with uvicorn until interrupted. Refuses a non-loopback host without a token."""
+    _check_host(host, token)
     import uvicorn
 
     app = create_app(redis_url, run=run, password=password, token=token)
     print(f"asyncrl dashboard: http://{host}:{port}/" + (" (token required)" if token else ""), flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def serve_in_thread(redis_url: str, run: str | None = None, host: str = "127.0.0.1", port: int = 8470,
+                    token: str | None = None, password: str | None = None):
+    """Start the dashboard on a daemon thread (the trainer's own copy); returns the uvicorn
+    Server, whose `should_exit = True` stops it. Port 0 picks a free port. Off the main
+    thread uvicorn leaves signal handling to the caller (the trainer owns SIGINT/SIGTERM)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    _check_host(host, token)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    app = create_app(redis_url, run=run, password=password, token=token)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="dashboard")
+    thread.start()
+    server.bound_port = sock.getsockname()[1]
+    return server
