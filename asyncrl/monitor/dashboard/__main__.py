@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis", required=True, help="redis:// URL of the run's Redis")
     p.add_argument("--run", default=None, help="open this run directly (default: the runs page)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8265)
+    p.add_argument("--port", type=int, default=8470)
     p.add_argument("--token", default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"))
     p.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
     args = p.parse_args(argv)
