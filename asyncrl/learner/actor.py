@@ -103,6 +103,7 @@ class LearnerActor:
             "metrics": {k: (m.reduce, m.total, m.count) for k, m in stats.metrics.items()},
             "grad_norm": stats.grad_norm, "lr": stats.lr, "version": self.version,
             "tokens": tokens, "padded_tokens": real, "microbatches": count,
+            "padding_microbatches": count - len(plan),
             "seconds_prepass": t1 - t0, "seconds_forward_backward": stats.seconds_forward_backward,
             "seconds_optimizer": stats.seconds_optimizer,
         }

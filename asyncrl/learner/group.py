@@ -190,6 +190,7 @@ class LearnerGroup:
             "learner/version": float(self._version),
             "learner/train_tokens": float(tokens),
             "learner/microbatches": float(np.mean([out[0]["microbatches"] for out in results])),
+            "learner/padding_microbatches": float(sum(r["padding_microbatches"] for r in flat)),
             "learner/padding_frac": 1.0 - tokens / padded if padded else 0.0,
             "throughput/train_tokens_per_s": tokens / max(seconds, 1e-9),
             "time/learner_step": seconds,
