@@ -30,9 +30,15 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1
         raise ValueError(f"temperature={temperature!r}: must be > 0")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not line up")
-    z = logits / temperature if temperature != 1.0 else logits
+    z = _at_least_float32(logits)
+    z = z / temperature if temperature != 1.0 else z
     picked = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(z, dim=-1)
+
+
+def _at_least_float32(x: Tensor) -> Tensor:
+    """bf16/fp16 logits are upcast: a log-sum-exp over the vocab in bf16 is off by ~1e-2."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _entropy_rows(z: Tensor) -> tuple[Tensor, Tensor]:
@@ -58,10 +64,11 @@ class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, temperature: float, chunk: int) -> Tensor:
         flat = logits.reshape(-1, logits.shape[-1])
-        ent = torch.empty(flat.shape[0], dtype=logits.dtype, device=logits.device)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        ent = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
         lse = torch.empty_like(ent)
         for s in range(0, flat.shape[0], chunk):
-            ent[s:s + chunk], lse[s:s + chunk] = _entropy_rows(flat[s:s + chunk] / temperature)
+            ent[s:s + chunk], lse[s:s + chunk] = _entropy_rows(flat[s:s + chunk].to(dtype) / temperature)
         ctx.save_for_backward(logits, ent, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return ent.reshape(logits.shape[:-1])
@@ -74,14 +81,16 @@ class _Entropy(torch.autograd.Function):
         g = grad_out.reshape(-1)
         grad = torch.empty_like(flat)
         for s in range(0, flat.shape[0], chunk):
-            log_p = flat[s:s + chunk] / t - lse[s:s + chunk].unsqueeze(-1)
-            grad[s:s + chunk] = -torch.exp(log_p) * (log_p + ent[s:s + chunk].unsqueeze(-1))
-            grad[s:s + chunk] *= (g[s:s + chunk] / t).unsqueeze(-1)
+            log_p = flat[s:s + chunk].to(lse.dtype) / t - lse[s:s + chunk].unsqueeze(-1)
+            grad[s:s + chunk] = -torch.exp(log_p) * (log_p + ent[s:s + chunk].unsqueeze(-1)) * (g[s:s + chunk] / t).unsqueeze(-1)
         return grad.reshape(logits.shape), None, None
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, *, chunk_rows: int = ENTROPY_CHUNK_ROWS) -> Tensor:
-    """Entropy of softmax(logits / T) over the last dim: [..., V] -> [...], differentiable."""
+    """Entropy of softmax(logits / T) over the last dim: [..., V] -> [...], differentiable.
+
+    The result is float32 (or float64 for float64 logits) whatever the logits' dtype.
+    """
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r}: must be > 0")
     if chunk_rows < 1:

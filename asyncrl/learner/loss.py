@@ -142,20 +142,22 @@ def microbatch_loss(
     if shape is None:
         raise ValueError("micro-batch is missing field 'input_ids'")
     _check_fields(mb, algo, shape)
-    mask = mb["loss_mask"].to(logits.dtype)
+    # All loss math runs in float32 at least (logp is upcast from bf16 logits).
+    logp = token_logprobs(logits, mb["input_ids"], temperature)
+    dtype = logp.dtype
+    mask = mb["loss_mask"].to(dtype)
     if algo.loss_reduction == "token_mean_per_microbatch":
         weights = per_microbatch_token_mean_weights(mask, num_microbatches)
     else:
-        weights = mb["reduction_weights"].to(logits.dtype) * (mask > 0)
+        weights = mb["reduction_weights"].to(dtype) * (mask > 0)
     n_tokens = mask.sum().detach()
-    logp = token_logprobs(logits, mb["input_ids"], temperature)
     rollout = mb.get("rollout_logprobs")
-    rollout = rollout.to(logits.dtype) if rollout is not None else None
+    rollout = rollout.to(dtype) if rollout is not None else None
 
     if algo.policy_loss == "cross_entropy":
         old, adv = logp.detach(), torch.zeros_like(logp)
     else:
-        old, adv = mb["old_logprobs"].to(logits.dtype), mb["advantages"].to(logits.dtype)
+        old, adv = mb["old_logprobs"].to(dtype), mb["advantages"].to(dtype)
     per_token, algo_metrics = corrected_policy_loss(
         get_policy_loss(algo.policy_loss), logp, old, rollout, adv, mask,
         params=policy_loss_params(algo), correction=correction_params(algo),
@@ -171,7 +173,7 @@ def microbatch_loss(
     metrics["loss/policy"] = MetricValue("sum", policy.detach())
 
     if algo.kl_coef > 0:
-        kl = kl_penalty(logp, mb["ref_logprobs"].to(logits.dtype), algo.kl_estimator)
+        kl = kl_penalty(logp, mb["ref_logprobs"].to(dtype), algo.kl_estimator)
         kl_term = (weights * torch.where(mask > 0, kl, torch.zeros_like(kl))).sum()
         total = total + algo.kl_coef * kl_term
         metrics["loss/kl_ref"] = MetricValue("sum", kl_term.detach())

@@ -69,3 +69,25 @@ def test_bad_input():
         entropy_from_logits(LOGITS, -1.0)
     with pytest.raises(ValueError, match="line up"):
         logprobs_from_logits(LOGITS, torch.tensor([0, 1]), 1.0)
+
+
+def test_bf16_logits_are_upcast_and_gradients_flow_back_in_bf16():
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(3, 50, generator=g) * 4).to(torch.bfloat16).requires_grad_(True)
+    exact = logits.detach().float()
+    ent = entropy_from_logits(logits, 0.9)
+    lp = logprobs_from_logits(logits, torch.tensor([0, 7, 49]), 0.9)
+    assert ent.dtype == torch.float32 and lp.dtype == torch.float32
+    assert torch.allclose(ent, entropy_from_logits(exact, 0.9), atol=1e-6)
+    assert torch.allclose(lp, logprobs_from_logits(exact, torch.tensor([0, 7, 49]), 0.9), atol=1e-6)
+    (ent.sum() + lp.sum()).backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def test_importing_the_math_pulls_in_neither_vllm_nor_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, asyncrl.algo; print(sorted(m for m in ('vllm', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
