@@ -184,7 +184,8 @@ def build_minibatches(
             micro-batcher pad); accepted so callers can pass one tokenizer setting through.
 
     Returns:
-        (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std``,
+        (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std`` (left out when
+        no reward succeeded, rather than NaN),
         ``reward/num_failed``, ``response/length_mean``, ``response/length_max``,
         ``advantages/mean``, ``advantages/abs_mean``, ``batch/num_sequences``,
         ``batch/num_loss_tokens`` and, step-wise, ``stepwise/num_seq_before_merge`` /
@@ -242,9 +243,8 @@ def _metrics(rows: list[_Row], advs: list[np.ndarray]) -> dict[str, float]:
     rewards = np.array([r.sample.reward for r in rows if r.valid], dtype=np.float64)
     lengths = np.array([r.sample.num_tokens for r in rows], dtype=np.float64)
     masked_adv = np.concatenate([a[r.sample.loss_mask > 0] for r, a in zip(rows, advs) if r.valid] or [np.zeros(0)])
-    return {
-        "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "reward/std": float(rewards.std()) if rewards.size else float("nan"),
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std())} if rewards.size else {}
+    return out | {
         "reward/num_failed": float(sum(not r.valid for r in rows)),
         "response/length_mean": float(lengths.mean()) if lengths.size else 0.0,
         "response/length_max": float(lengths.max()) if lengths.size else 0.0,

@@ -107,3 +107,13 @@ def test_registry_names_match_config_and_import_paths_resolve():
         get_advantage_estimator("bogus")
     with pytest.raises(ValueError, match="no callable"):
         get_advantage_estimator("asyncrl.algo.advantages:nothing_here")
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "maxrl", "reinforce_pp"])
+def test_all_masked_and_one_token_rows(name):
+    rewards = torch.tensor([1.0, 0.0, 3.0], dtype=D)
+    mask = torch.tensor([[0, 0], [1, 0], [1, 1]], dtype=D)  # all-masked, one token, two tokens
+    adv = ADVANTAGE_REGISTRY[name](rewards, torch.tensor([0, 0, 0]), mask, params=AdvantageParams())
+    assert torch.isfinite(adv).all()
+    assert torch.equal(adv[0], torch.zeros(2, dtype=adv.dtype))
+    assert adv[1, 0] != 0 and adv[1, 1] == 0

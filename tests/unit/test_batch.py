@@ -100,3 +100,11 @@ def test_collate_pads_right_with_every_field():
     assert out["loss_mask"].tolist() == [[0, 1, 1, 0], [0, 1, 0, 1]]
     assert torch.equal(out["old_logprobs"], out["rollout_logprobs"])
     assert set(out) == {"input_ids", "loss_mask", "rollout_logprobs", "old_logprobs", "advantages", "reduction_weights"}
+
+
+def test_a_batch_where_every_reward_failed_trains_on_nothing_and_says_so():
+    groups = [RolloutGroup("g", "p", np.array([1]), [sample([2, 3], float("nan")), sample([4], float("inf"))])]
+    (mb,), metrics = build_minibatches(groups, AlgoConfig(loss_reduction="sequence_mean"), num_minibatches=1)
+    assert all(s.loss_mask.sum() == 0 and s.reduction_weights.sum() == 0 and s.advantages.sum() == 0 for s in mb)
+    assert metrics["reward/num_failed"] == 2.0 and "reward/mean" not in metrics
+    assert metrics["batch/num_loss_tokens"] == 0.0
