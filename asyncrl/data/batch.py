@@ -86,6 +86,17 @@ def _advantage_params(algo: AlgoConfig) -> AdvantageParams:
     return AdvantageParams(norm_std=algo.grpo_norm_std, gamma=algo.gamma, lam=algo.lam)
 
 
+def _token_rewards(r: _Row) -> np.ndarray:
+    """The sample's per-token rewards, or its outcome reward on its last loss token."""
+    if r.sample.token_rewards is not None:
+        return r.sample.token_rewards
+    out = np.zeros(r.sample.num_tokens)
+    live = np.flatnonzero(r.sample.loss_mask)
+    if live.size:
+        out[live[-1]] = r.sample.reward
+    return out
+
+
 def _outcome_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]:
     """Per-row response-aligned advantages (0 on excluded rows), non-step-wise."""
     if algo.advantage_estimator == "gae":
@@ -98,8 +109,7 @@ def _outcome_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]:
     mask = _padded([_response_mask(r) for r in valid])
     token_rewards = None
     if any(r.sample.token_rewards is not None for r in valid):
-        token_rewards = _padded([r.sample.token_rewards if r.sample.token_rewards is not None
-                                 else np.zeros(r.sample.num_tokens) for r in valid])
+        token_rewards = _padded([_token_rewards(r) for r in valid])
     adv = estimator(
         torch.tensor([r.sample.reward for r in valid], dtype=torch.float64),
         torch.tensor([r.group_index for r in valid], dtype=torch.long),
@@ -122,6 +132,7 @@ def _stepwise_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]
     last = [max(trajs[key], key=lambda k: rows[k].sample.step_index) for key in keys]
     # A trajectory whose final reward failed is excluded as a whole.
     valid_t = [i for i, k in enumerate(last) if rows[k].valid]
+    valid_set = set(valid_t)
     traj_adv = torch.zeros(len(keys), dtype=torch.float64)
     if valid_t:
         rewards = torch.tensor([rows[last[i]].sample.reward for i in valid_t], dtype=torch.float64)
@@ -133,7 +144,7 @@ def _stepwise_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]
         for k in trajs[key]:
             traj_of_row[k] = t
             # Earlier steps' own rewards are ignored (they may be NaN placeholders).
-            rows[k].valid = t in valid_t
+            rows[k].valid = t in valid_set
     masks = _padded([_response_mask(r) for r in rows])
     adv = broadcast_trajectory_advantages(traj_adv, traj_of_row, masks)
     return [adv[k, : r.sample.num_tokens].numpy().astype(np.float32) for k, r in enumerate(rows)]

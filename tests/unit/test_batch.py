@@ -108,3 +108,14 @@ def test_a_batch_where_every_reward_failed_trains_on_nothing_and_says_so():
     assert all(s.loss_mask.sum() == 0 and s.reduction_weights.sum() == 0 and s.advantages.sum() == 0 for s in mb)
     assert metrics["reward/num_failed"] == 2.0 and "reward/mean" not in metrics
     assert metrics["batch/num_loss_tokens"] == 0.0
+
+
+def test_reinforce_pp_mixes_token_rewards_and_outcome_rewards():
+    g = RolloutGroup("g", "p", np.array([1]), [
+        sample([2, 3], 0.0, token_rewards=np.array([1.0, 0.0])),   # returns (gamma 1): [1, 0]
+        sample([4, 5], 2.0),                                        # outcome on the last token: [2, 2]
+    ])
+    (mb,), _ = build_minibatches([g], AlgoConfig(advantage_estimator="reinforce_pp"), num_minibatches=1)
+    returns = np.array([1.0, 0.0, 2.0, 2.0])
+    expected = (returns - returns.mean()) / returns.std(ddof=1)
+    np.testing.assert_allclose(np.concatenate([s.advantages[1:] for s in mb]), expected, rtol=1e-5)
