@@ -188,6 +188,9 @@ class QueueConfig:
     """Embedded server: append-only persistence so un-acked records survive a restart."""
     max_record_bytes: int = 64 * 1024 * 1024
     bind: str = "127.0.0.1"
+    claim_idle_s: float = 900.0
+    """Another consumer's un-acked entry idle this long is presumed orphaned and claimed;
+    keep it above the time between checkpoints (entries stay un-acked until then)."""
 
 
 # ----------------------------------------------------------------------------- learner
@@ -540,6 +543,15 @@ def validate(cfg: Config) -> None:
     _at_least("queue.maxlen", q.maxlen, 1)
     _positive("queue.put_timeout_s", q.put_timeout_s)
     _at_least("queue.max_record_bytes", q.max_record_bytes, 1024)
+    _positive("queue.claim_idle_s", q.claim_idle_s)
+    # Entries stay un-acked until the checkpoint that covers them and count against maxlen;
+    # a smaller bound would make generators and trainer wait on each other forever.
+    need = c.groups_per_step * (c.checkpoint_every + c.max_staleness + 2)
+    if q.maxlen < need:
+        raise ConfigError(
+            f"queue.maxlen={q.maxlen}: must be >= control.groups_per_step * (control.checkpoint_every + "
+            f"control.max_staleness + 2) = {need}, since entries stay queued until a checkpoint acks them"
+        )
     if q.redis_url is not None and not q.redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"queue.redis_url={q.redis_url!r}: must start with redis://, rediss:// or unix://")
     _at_least("learner.num_ranks", lr.num_ranks, 1)

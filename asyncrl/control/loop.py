@@ -18,6 +18,7 @@ new weights are published -- generate, train, sync, with no code of its own to d
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -115,6 +116,8 @@ class TrainLoop:
             started_at=time.time(), alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
             alert_masked_frac=self.cfg.monitor.alert_masked_frac,
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
+            # What `asyncrl generate` needs to join this job from another process.
+            config=json.dumps(self.cfg.to_dict()), model_path=self.rt.model_path,
         )
         self.queue.configure_admission(self.max_staleness, c.groups_per_step)
         # After a resume the weights are the checkpoint's: generators must run them, and

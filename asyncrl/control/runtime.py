@@ -83,7 +83,7 @@ class Runtime(contextlib.ExitStack):
             self.redis_url = q.redis_url
         self.queue = RolloutQueue.connect(
             self.redis_url, self.cfg.control.run_name, password=q.password, consumer="learner-0",
-            maxlen=q.maxlen, max_record_bytes=q.max_record_bytes,
+            maxlen=q.maxlen, max_record_bytes=q.max_record_bytes, claim_idle_s=q.claim_idle_s,
         )
         self.callback(self.queue.close)
 
