@@ -188,6 +188,9 @@ class QueueConfig:
     """Embedded server: append-only persistence so un-acked records survive a restart."""
     max_record_bytes: int = 64 * 1024 * 1024
     bind: str = "127.0.0.1"
+    ledger: bool = False
+    """Record every produced group id in Redis (asyncrl:{run}:produced) so a run can be
+    audited: produced = trained + dropped-stale + dead-lettered + still queued."""
     claim_idle_s: float = 900.0
     """Another consumer's un-acked entry idle this long is presumed orphaned and claimed;
     keep it above the time between checkpoints (entries stay un-acked until then)."""

@@ -7,8 +7,11 @@
     asyncrl:{run}:state               hash   policy_version, weights_version, weights_location,
                                              max_staleness, groups_per_step, status, ...
     asyncrl:{run}:counters            hash   groups_started, groups_produced, dropped_stale,
-                                             dead_lettered, groups_trained, ...
+                                             dead_lettered, duplicates, groups_trained, ...
     asyncrl:{run}:dropped             set    group ids dropped as too stale
+    asyncrl:{run}:produced            set    every group id put (only with queue.ledger on)
+    asyncrl:{run}:inflight:{gen}      hash   a generator's admitted, unfinished prompts (re-issued on restart)
+    asyncrl:{run}:engine_pids         hash   generator id -> msgpack {"host", "pids"} (reaped on restart)
     asyncrl:{run}:generators          hash   generator id -> msgpack {"version", "heartbeat", ...}
 """
 
@@ -48,6 +51,10 @@ def counters(run: str) -> str:
 
 def dropped(run: str) -> str:
     return _key(run, "dropped")
+
+
+def produced(run: str) -> str:
+    return _key(run, "produced")
 
 
 def generators(run: str) -> str:

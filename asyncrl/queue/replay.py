@@ -70,7 +70,8 @@ class RolloutQueue(RunState):
     """Producer and consumer side of one run's rollout stream (plus RunState's run-level state)."""
 
     def __init__(self, client: redis.Redis, run: str, retry: Retrier, *, consumer: str, maxlen: int,
-                 max_record_bytes: int, claim_idle_s: float, seen_capacity: int = 100_000):
+                 max_record_bytes: int, claim_idle_s: float, seen_capacity: int = 100_000,
+                 ledger: bool = False):
         super().__init__(client, run, retry)
         self.consumer = consumer
         self.maxlen = maxlen
@@ -79,6 +80,8 @@ class RolloutQueue(RunState):
         self._k_stream = keys.rollouts(run)
         self._k_deadletter = keys.deadletter(run)
         self._k_dropped = keys.dropped(run)
+        self._k_produced = keys.produced(run)
+        self.ledger = ledger
         self._put = client.register_script(PUT_BOUNDED)
         self._own_cursor: str | None = "0"  # own pending entries still to re-read; None when done
         self._next_claim = 0.0
@@ -89,7 +92,7 @@ class RolloutQueue(RunState):
     @classmethod
     def connect(cls, url: str, run: str, *, password: str | None = None, consumer: str = "learner-0",
                 maxlen: int = 4096, max_record_bytes: int = DEFAULT_MAX_BYTES, claim_idle_s: float = 300.0,
-                retry_deadline_s: float = 30.0) -> RolloutQueue:
+                retry_deadline_s: float = 30.0, ledger: bool = False) -> RolloutQueue:
         """Connect, create the consumer group (and stream) if missing, register the run.
 
         claim_idle_s: another consumer's pending entry idle this long is presumed orphaned
@@ -100,7 +103,7 @@ class RolloutQueue(RunState):
         client = open_client(url, password=password)
         retry = Retrier(redact_url(url), deadline_s=retry_deadline_s)
         q = cls(client, run, retry, consumer=consumer, maxlen=maxlen, max_record_bytes=max_record_bytes,
-                claim_idle_s=claim_idle_s)
+                claim_idle_s=claim_idle_s, ledger=ledger)
         retry(client.ping)
         try:
             retry(client.xgroup_create, q._k_stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
@@ -135,7 +138,9 @@ class RolloutQueue(RunState):
                     break
                 chunk.append(rec)
                 size += len(rec)
-            added = self._retry(self._put, keys=[self._k_stream, self._k_counters], args=[self.maxlen, *chunk])
+            gids = [g.group_id for g in groups[len(ids):len(ids) + len(chunk)]]
+            added = self._retry(self._put, keys=[self._k_stream, self._k_counters, self._k_produced],
+                                args=[self.maxlen, "1" if self.ledger else "0", len(chunk), *chunk, *gids])
             ids += [_text(i) for i in added]
             if added:
                 wait = 0.002
@@ -284,6 +289,20 @@ class RolloutQueue(RunState):
         length, pend = self._transaction(lambda pipe: (
             pipe.xlen(self._k_stream), pipe.xpending(self._k_stream, keys.CONSUMER_GROUP)))
         return int(length) - int(pend["pending"])
+
+    def produced_ids(self) -> set[str]:
+        """Every group id ever put (only recorded when connected with ledger=True)."""
+        return {_text(x) for x in self._retry(self._r.smembers, self._k_produced)}
+
+    def queued_groups(self) -> list[RolloutGroup]:
+        """Groups still in the stream (undelivered or un-acked), decoded; for ledgers and tests."""
+        out = []
+        for _, fields in self._retry(self._r.xrange, self._k_stream):
+            try:
+                out.append(decode_group(fields[keys.RECORD_FIELD], max_bytes=self.max_record_bytes))
+            except RecordError:
+                continue  # malformed entries are accounted for by the dead-letter stream once read
+        return out
 
     def dropped_ids(self) -> set[str]:
         return {m.decode() for m in self._retry(self._r.smembers, self._k_dropped)}

@@ -1,21 +1,26 @@
 """Lua scripts the queue runs inside Redis, where check-then-write must be one atomic step.
 
     from asyncrl.queue.scripts import PUT_BOUNDED
-    ids = client.register_script(PUT_BOUNDED)(keys=[stream, counters], args=[maxlen, rec1, rec2])
+    ids = client.register_script(PUT_BOUNDED)(keys=[stream, counters, produced],
+                                               args=[maxlen, '0', 2, rec1, rec2, gid1, gid2])
 
 Redis runs a script without interleaving other commands, so concurrent producers cannot
 overshoot `maxlen` and concurrent generators cannot overshoot the admission budget.
 """
 
 PUT_BOUNDED = """
--- KEYS[1] rollouts stream, KEYS[2] counters hash; ARGV[1] maxlen, ARGV[2..] records.
--- Adds records while the stream holds fewer than maxlen entries (undelivered + un-acked:
--- acked entries are deleted); returns the ids added, possibly fewer than given.
+-- KEYS[1] rollouts stream, KEYS[2] counters hash, KEYS[3] produced-ids set (the ledger);
+-- ARGV[1] maxlen, ARGV[2] '1' to record group ids in the ledger, ARGV[3] n, then n records,
+-- then their n group ids. Adds records while the stream holds fewer than maxlen entries
+-- (undelivered + un-acked: acked entries are deleted); returns the ids added, possibly
+-- fewer than given. Recording in the same script keeps the ledger exact across crashes.
 local room = tonumber(ARGV[1]) - redis.call('XLEN', KEYS[1])
+local n = tonumber(ARGV[3])
 local ids = {}
-for i = 2, #ARGV do
+for i = 1, n do
   if room <= 0 then break end
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i])
+  if ARGV[2] == '1' then redis.call('SADD', KEYS[3], ARGV[3 + n + i]) end
   room = room - 1
 end
 if #ids > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', #ids) end

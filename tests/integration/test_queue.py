@@ -329,3 +329,34 @@ def test_run_state_heartbeats_and_metrics(redis_url):
     with pytest.raises(TypeError):
         q.publish_metrics(3, {"loss": "high"})
     q.close()
+
+
+def test_ledger_records_every_produced_group_atomically(redis_url):
+    """With ledger=True each put records its group id in the same script as the XADD, so
+    produced = delivered + still queued holds exactly (the fault suite's ledger rests on it)."""
+    from asyncrl.queue import RolloutQueue
+
+    q = RolloutQueue.connect(redis_url, "ledger", ledger=True)
+    groups = [_ledger_group(f"g{i}") for i in range(12)]
+    q.put_many(groups[:7])
+    for g in groups[7:]:
+        q.put(g)
+    got = q.get_batch(5, min_version=0, timeout=2.0)
+    assert q.produced_ids() == {g.group_id for g in groups}
+    queued = {g.group_id for g in q.queued_groups()}
+    assert queued == {g.group_id for g in groups}  # the 5 taken are un-acked, so still in the stream
+    q.ack([entry_id for entry_id, _ in got])
+    assert {g.group_id for g in q.queued_groups()} == {g.group_id for g in groups} - {g.group_id for _, g in got}
+    plain = RolloutQueue.connect(redis_url, "no-ledger")
+    plain.put(_ledger_group("x"))
+    assert plain.produced_ids() == set()
+
+
+def _ledger_group(gid: str):
+    import numpy as np
+
+    from asyncrl.types import RolloutGroup, Sample
+
+    s = Sample(response_ids=np.array([5, 6], np.int32), rollout_logprobs=np.array([-1.0, -2.0], np.float32),
+               loss_mask=np.ones(2, np.uint8), reward=1.0, behavior_version=0)
+    return RolloutGroup(group_id=gid, prompt_id=gid, prompt_ids=np.array([1, 2], np.int32), samples=[s])
