@@ -191,8 +191,8 @@ def build_minibatches(
         groups: the rollout groups of one trainer step.
         algo: the algo branch of the config.
         num_minibatches: optimizer steps this data is split into (whole groups each).
-        pad_token_id: not needed here (TrainSequences are unpadded; ``collate`` and the
-            micro-batcher pad); accepted so callers can pass one tokenizer setting through.
+        pad_token_id: not needed here (TrainSequences are unpadded; ``asyncrl.data.microbatch``
+            pads); accepted so callers can pass one tokenizer setting through.
 
     Returns:
         (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std`` (left out when
@@ -263,23 +263,3 @@ def _metrics(rows: list[_Row], advs: list[np.ndarray]) -> dict[str, float]:
         "advantages/abs_mean": float(np.abs(masked_adv).mean()) if masked_adv.size else 0.0,
     }
 
-
-def collate(seqs: list[TrainSequence], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad sequences into the [B, L] micro-batch dict ``microbatch_loss`` reads.
-
-    old_logprobs starts as a copy of rollout_logprobs; the learner overwrites it with its
-    own recomputation before the update.
-    """
-    if not seqs:
-        raise ValueError("collate needs at least one sequence")
-    width = max(s.num_tokens for s in seqs)
-    out = {"input_ids": torch.full((len(seqs), width), pad_token_id, dtype=torch.long)}
-    for name in ("loss_mask", "rollout_logprobs", "advantages", "reduction_weights"):
-        out[name] = torch.zeros(len(seqs), width, dtype=torch.float32)
-    for i, s in enumerate(seqs):
-        n = s.num_tokens
-        out["input_ids"][i, :n] = torch.as_tensor(s.input_ids.astype(np.int64))
-        for name in ("loss_mask", "rollout_logprobs", "advantages", "reduction_weights"):
-            out[name][i, :n] = torch.as_tensor(getattr(s, name))
-    out["old_logprobs"] = out["rollout_logprobs"].clone()
-    return out

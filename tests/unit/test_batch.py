@@ -9,10 +9,9 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from asyncrl.config import AlgoConfig
-from asyncrl.data.batch import build_minibatches, collate
+from asyncrl.data.batch import build_minibatches
 from asyncrl.types import RolloutGroup, Sample
 
 A = 0.5 / math.sqrt(0.5)  # grpo: rewards {1, 0} -> mean 0.5, sample std sqrt(0.5)
@@ -91,15 +90,6 @@ def test_bad_input_is_rejected_with_a_clear_message():
         build_minibatches(bad, AlgoConfig(), num_minibatches=1)
     with pytest.raises(ValueError, match="gae"):
         build_minibatches(make_groups(), AlgoConfig(advantage_estimator="gae"), num_minibatches=1)
-
-
-def test_collate_pads_right_with_every_field():
-    (mb,), _ = build_minibatches(make_groups()[1:2], AlgoConfig(), num_minibatches=1)
-    out = collate(mb, pad_token_id=0)
-    assert out["input_ids"].tolist() == [[4, 3, 3, 0], [4, 2, 2, 2]]
-    assert out["loss_mask"].tolist() == [[0, 1, 1, 0], [0, 1, 0, 1]]
-    assert torch.equal(out["old_logprobs"], out["rollout_logprobs"])
-    assert set(out) == {"input_ids", "loss_mask", "rollout_logprobs", "old_logprobs", "advantages", "reduction_weights"}
 
 
 def test_a_batch_where_every_reward_failed_trains_on_nothing_and_says_so():

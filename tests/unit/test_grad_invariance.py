@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from asyncrl.config import AlgoConfig, CorrectionConfig
-from asyncrl.data.batch import build_minibatches, collate
+from asyncrl.data.batch import build_minibatches
+from asyncrl.data.microbatch import collate, field_dtypes, padding_microbatch, seq_fields
 from asyncrl.learner.loss import microbatch_loss
 from asyncrl.types import RolloutGroup, Sample
 
@@ -67,7 +68,7 @@ def algo_for(term: str, reduction: str, policy_loss: str = "ppo") -> AlgoConfig:
 
 def full_batch(groups, algo, term: str) -> dict[str, torch.Tensor]:
     (seqs,), _ = build_minibatches(groups, algo, num_minibatches=1)
-    mb = collate(seqs)
+    mb = collate([seq_fields(s) for s in seqs], pad_token_id=0)
     g = torch.Generator().manual_seed(1)
     mask = mb["loss_mask"] > 0
     mb["old_logprobs"] = torch.where(mask, mb["rollout_logprobs"] + 0.3 * torch.randn(mask.shape, generator=g), 1e4)
@@ -127,7 +128,9 @@ def test_every_term_is_invariant_to_microbatching_and_dp(groups, term, reduction
         assert rel_diff(got, whole) <= 1e-6, f"{term}/{reduction}: split {name} changed the gradient"
     # Two simulated DP ranks, uneven micro-batches each; FSDP averages, the learner scales by 2.
     rank0 = grad_of(model, algo, [rows(mb, [0, 1]), rows(mb, [2])], world_size=2)
-    rank1 = grad_of(model, algo, [rows(mb, list(range(3, n)))], world_size=2)
+    # Rank 1 has less data: it runs a padding micro-batch so both ranks do 2 collectives.
+    pad = padding_microbatch(field_dtypes(mb), pad_token_id=0)
+    rank1 = grad_of(model, algo, [rows(mb, list(range(3, n))), pad], world_size=2)
     assert rel_diff((rank0 + rank1) / 2, whole) <= 1e-6
 
 
