@@ -167,8 +167,12 @@ def microbatch_loss(
     total = policy
     # Correction metrics are means over loss tokens; the loss's own over the tokens it kept.
     kept = n_tokens * (1.0 - algo_metrics["masked_frac"].detach()) if "masked_frac" in algo_metrics else n_tokens
+    # An extreme over no tokens has no value; a stand-in 0 would corrupt the merged min/max.
+    # (One host sync per micro-batch: cheap next to its forward/backward.)
+    has_tokens = bool(n_tokens > 0)
     metrics: dict[str, MetricValue] = dict(
         _metric(k, v, n_tokens if k in _DRIFT else kept) for k, v in algo_metrics.items()
+        if has_tokens or not k.endswith(("_max", "_min"))
     )
     metrics["loss/policy"] = MetricValue("sum", policy.detach())
 

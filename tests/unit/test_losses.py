@@ -261,3 +261,6 @@ def test_all_masked_microbatch_is_zero_and_finite():
     loss, m = microbatch_loss(logits, mb, AlgoConfig(correction=CorrectionConfig(tis="token")), temperature=1.0)
     assert loss.item() == 0.0
     assert all(torch.isfinite(torch.as_tensor(v.total)) for v in m.values())
+    # No extremes from an empty micro-batch: a 0 would win every merged min.
+    assert "drift/tis_ratio_min" not in m and "drift/tis_ratio_max" not in m
+    assert m["drift/tis_ratio_mean"].count == 0
