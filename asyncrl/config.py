@@ -340,6 +340,12 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads `1e-5` (no dot) as a string; users mean a number.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{path}={value!r}: expected a number")
     if tp is str:
         if isinstance(value, str):
@@ -456,7 +462,7 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...], import_path_ok: boo
 
 
 def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
-    _one_of("algo.advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS)
+    _one_of("algo.advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS, import_path_ok=True)
     _one_of("algo.policy_loss", a.policy_loss, POLICY_LOSSES, import_path_ok=True)
     _one_of("algo.loss_reduction", a.loss_reduction, LOSS_REDUCTIONS)
     _one_of("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
@@ -511,6 +517,11 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
             f"algo.advantage_estimator={a.advantage_estimator!r} cannot be used with algo.stepwise=true: "
             f"step-wise trajectories broadcast one scalar advantage per trajectory, so only outcome "
             f"estimators work ({', '.join(OUTCOME_ESTIMATORS)})"
+        )
+    if a.advantage_estimator == "gae":
+        raise ConfigError(
+            "algo.advantage_estimator='gae' needs a value model (critic), which asyncrl does not train yet; "
+            f"use one of {', '.join(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')}"
         )
     if a.needs_rollout_logprobs and not rollout.logprobs:
         log.warning(

@@ -172,10 +172,16 @@ def test_yaml_file_errors(tmp_path):
         load_config(listy)
 
 
-@pytest.mark.xfail(strict=True, reason="config.py bug: PyYAML reads '1e-5' (no dot) as a string, so "
-                   "learner.lr=1e-5 (the module docstring's own example) is rejected")
 def test_exponent_floats_without_a_dot_are_numbers():
+    # PyYAML reads '1e-5' (no dot) as a string; float fields accept it, int fields do not.
     assert load_config(None, ["learner.lr=1e-5"]).learner.lr == 1e-5
+    with pytest.raises(ConfigError, match="control.total_steps"):
+        load_config(None, ["control.total_steps=1e3"])
+
+
+def test_gae_is_rejected_until_there_is_a_critic():
+    with pytest.raises(ConfigError, match="algo.advantage_estimator='gae'.*critic"):
+        load_config(None, ["algo.advantage_estimator=gae"])
 
 
 def test_registry_keys_equal_the_config_name_tuples():
