@@ -1,0 +1,35 @@
+"""NCCL weight sync (vLLM weight-transfer API) from this process to a GeneratorActor's engine on GPU.
+
+    .venv/bin/python -m pytest tests/gpu/test_nccl_sync.py -q     # skipped without CUDA
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_nccl_publish_switches_engine_weights_and_version(tiny_model_dir, redis_server):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config import Config, SyncConfig
+    from asyncrl.rollout.generator import GeneratorActor
+    from asyncrl.sync import build_weight_sync
+
+    cfg = Config()
+    cfg.rollout.engine_kwargs = {"weight_transfer_config": {"backend": "nccl"}, "dtype": "float32"}
+    gen = GeneratorActor(cfg, tiny_model_dir, "gpu-0", redis_server.url, "gpu", autostart=False)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        state = {k: v + 0.01 for k, v in model.state_dict().items()}
+        sync = build_weight_sync(SyncConfig(backend="nccl"), run="gpu", engines=[gen])
+        info = sync.publish(state, version=1)
+        assert info["errors"] == [] and gen.version() == 1
+        expected = sum(v.double().sum().item() for v in state.values())
+        assert gen._call(gen.engine.weights_sum()) == pytest.approx(expected, rel=1e-5)
+        sync.close()
+    finally:
+        gen.shutdown()
