@@ -79,12 +79,17 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
-    """fully_shard each decoder block, then the root (in place); return the model."""
+    """fully_shard each decoder block, then the root (in place); return the model.
+
+    The last block keeps its parameters gathered after forward (reshard_after_forward=False):
+    backward starts with it, so freeing and re-gathering them would only add a copy.
+    """
     kwargs = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for block in decoder_blocks(model):
-        fully_shard(block, **kwargs)
+    blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

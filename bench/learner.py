@@ -1,0 +1,168 @@
+"""Learner throughput: train tokens/s per rank of the FSDP2 LearnerGroup (on Ray) against a
+plain single-process torch loop doing the same work (no FSDP, no Ray), in the same run.
+
+    .venv/bin/python bench/learner.py --quick          # < 60 s
+    .venv/bin/python bench/learner.py --ranks 2 --steps 8 --hidden 384
+
+Both sides run, per optimizer step: the old-logprob pre-pass (no grad), forward + backward of
+`microbatch_loss` over micro-batches cut by the same token budget, clip_grad_norm_, AdamW.
+The model is a random Llama wide enough (hidden 256+) that per-step overheads (Ray calls,
+FSDP all-gathers, collation) do not hide the work. The last line printed is JSON with
+tokens_per_s (per rank), baseline_tokens_per_s and ratio (from median step times; steps of
+the two sides alternate so load spikes on a shared box hit both), plus the ratio of the
+fastest steps; the goal at 1 rank is >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+# bench/ holds scripts named like stdlib modules (bench/queue.py); drop this script's own
+# directory from the import path so `import queue` inside redis/ray finds the stdlib one.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+
+def make_batch(num_seqs: int, seq_len: int, vocab: int, seed: int):
+    from asyncrl.types import TrainSequence
+
+    rng = np.random.default_rng(seed)
+    prompt = 8
+    total = num_seqs * (seq_len - prompt)
+    out = []
+    for i in range(num_seqs):
+        m = np.zeros(seq_len, dtype=np.float32)
+        m[prompt:] = 1
+        out.append(TrainSequence(
+            input_ids=rng.integers(4, vocab, seq_len).astype(np.int32), loss_mask=m,
+            rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(seq_len))).astype(np.float32),
+            advantages=(m * rng.standard_normal()).astype(np.float32),
+            reduction_weights=(m / total).astype(np.float32), token_versions=np.zeros(seq_len, dtype=np.int32),
+            behavior_version=0, group_id=f"g{i}", sample_index=i))
+    return out
+
+
+def baseline_step(model, optimizer, minibatch, cfg, pad_token_id: int) -> None:
+    """The same step as asyncrl.learner without FSDP or Ray: pre-pass, accumulate, clip, AdamW."""
+    import torch
+
+    from asyncrl.data import microbatch as mbatch
+    from asyncrl.learner.loss import microbatch_loss, token_logprobs
+
+    seqs = [mbatch.seq_fields(s) for s in minibatch]
+    plan = mbatch.split_by_token_budget([len(s["input_ids"]) for s in seqs], cfg.learner.micro_batch_tokens)
+    mbs = [mbatch.collate([seqs[i] for i in idx], pad_token_id=pad_token_id) for idx in plan]
+    temperature = cfg.rollout.temperature
+    with torch.no_grad():
+        for mb in mbs:
+            mb["old_logprobs"] = token_logprobs(model(input_ids=mb["input_ids"]).logits, mb["input_ids"], temperature)
+    optimizer.zero_grad(set_to_none=True)
+    for mb in mbs:
+        loss, _ = microbatch_loss(model(input_ids=mb["input_ids"]).logits.float(), mb, cfg.algo,
+                                  temperature=temperature, num_microbatches=len(mbs))
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.grad_clip)
+    optimizer.step()
+
+
+def build_baseline(model_dir: str, cfg, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr)
+    return model, optimizer, int(model.config.pad_token_id or 0)
+
+
+def measure(model_dir: str, cfg, batch, *, steps: int, ranks: int, threads: int, progress) -> tuple[float, float, dict]:
+    """Alternate one baseline step and one learner step, so load changes on a shared machine
+    hit both sides alike; return (learner tokens/s per rank, baseline tokens/s, last metrics)."""
+    from asyncrl.learner import LearnerGroup
+
+    model, optimizer, pad = build_baseline(model_dir, cfg, threads)
+    group = LearnerGroup(cfg, model_dir, num_ranks=ranks)
+    tokens = sum(s.num_tokens for s in batch)
+    task = progress.add_task(f"baseline vs LearnerGroup ({ranks} rank)", total=steps)
+    t_base, t_learner = [], []
+    last: dict = {}
+    try:
+        baseline_step(model, optimizer, batch, cfg, pad)  # warm-up both sides
+        group.train_step([batch])
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            baseline_step(model, optimizer, batch, cfg, pad)
+            t1 = time.perf_counter()
+            last = group.train_step([batch])
+            t_base.append(t1 - t0)
+            t_learner.append(time.perf_counter() - t1)
+            progress.advance(task)
+    finally:
+        group.shutdown()
+    # Median step time: robust to the load spikes of a shared CI box; min is the noise floor.
+    timing = {"learner_step_s_median": float(np.median(t_learner)), "learner_step_s_min": min(t_learner),
+              "baseline_step_s_median": float(np.median(t_base)), "baseline_step_s_min": min(t_base)}
+    return tokens / np.median(t_learner) / ranks, tokens / np.median(t_base), {**last, **timing}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small run, under 60 s")
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads per rank / baseline")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.seqs, args.layers = 3, 8, 2
+
+    import ray
+    from rich.progress import Progress
+
+    from asyncrl.config import Config
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    cfg = Config()
+    cfg.algo.rollout_kl_coef = 0.1
+    cfg.learner.micro_batch_tokens = args.micro_batch_tokens
+    cfg.learner.cpus_per_rank = float(args.threads)
+    with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
+        model_dir = str(write_tiny_model(tmp, hidden_size=args.hidden, num_layers=args.layers,
+                                         num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 128),
+                                         intermediate_size=4 * args.hidden))
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+        batch = make_batch(args.seqs, args.seq_len, vocab, seed=0)
+        ray.init(num_cpus=max(args.ranks * args.threads, 2), include_dashboard=False, log_to_driver=False,
+                 object_store_memory=256 * 1024 * 1024)
+        try:
+            tps, baseline, last = measure(model_dir, cfg, batch, steps=args.steps, ranks=args.ranks,
+                                          threads=args.threads, progress=progress)
+        finally:
+            ray.shutdown()
+    result = {
+        "tokens_per_s": round(tps, 1), "baseline_tokens_per_s": round(baseline, 1),
+        "ratio": round(tps / baseline, 3), "ranks": args.ranks, "threads_per_rank": args.threads,
+        "hidden": args.hidden, "layers": args.layers, "tokens_per_step": args.seqs * args.seq_len,
+        "ratio_of_min_step_times": round(last["baseline_step_s_min"] / last["learner_step_s_min"] / args.ranks, 3),
+        "learner_seconds": {k.split("/")[-1]: round(v, 4) for k, v in last.items()
+                            if k.startswith("time/learner") or k.endswith(("_median", "_min"))},
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
