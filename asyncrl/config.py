@@ -169,6 +169,9 @@ class RolloutConfig:
     seed: int = 0
     cpus_per_generator: float = 1.0
     gpus_per_generator: float = 0.0
+    cpu_affinity: str = ""
+    """CPU cores for the generators' engines, e.g. "0" or "0-3" ("" = no pinning). Benchmarks give
+    generators and learners disjoint cores, as a cluster gives them disjoint GPUs."""
 
 
 # ----------------------------------------------------------------------------- queue
@@ -219,6 +222,8 @@ class LearnerConfig:
     gpus_per_rank: float = 0.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     seed: int = 0
+    cpu_affinity: str = ""
+    """CPU cores for the learner ranks, e.g. "1" ("" = no pinning); see rollout.cpu_affinity."""
 
 
 # ----------------------------------------------------------------------------- sync
@@ -437,6 +442,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 # ----------------------------------------------------------------------------- validation
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]; '' -> []. ValueError on anything else."""
+    cores: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{text!r}: expected core numbers and ranges like '0-2,5'")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"{text!r}: range {part!r} runs backwards")
+        cores += range(first, last + 1)
+    return sorted(set(cores))
+
+
 def _positive(name: str, value: float) -> None:
     if not value > 0:
         raise ConfigError(f"{name}={value!r}: must be > 0")
@@ -596,6 +615,12 @@ def validate(cfg: Config) -> None:
     if c.mode == "async" and cfg.rollout.num_generators < 1:
         raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")
     _at_least("monitor.console_every", cfg.monitor.console_every, 1)
+    for name, text in (("rollout.cpu_affinity", cfg.rollout.cpu_affinity),
+                       ("learner.cpu_affinity", cfg.learner.cpu_affinity)):
+        try:
+            parse_cpu_list(text)
+        except ValueError as e:
+            raise ConfigError(f"{name}={e}") from None
     if cfg.monitor.dashboard_host not in ("127.0.0.1", "localhost", "::1") and not cfg.monitor.dashboard_token:
         raise ConfigError(
             f"monitor.dashboard_host={cfg.monitor.dashboard_host!r}: binding beyond loopback requires "
