@@ -355,6 +355,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # `a.b=1` parses as YAML int; a str field means the text "1"
         raise ConfigError(f"{path}={value!r}: expected a string")
     if origin is dict:
         if isinstance(value, dict):
