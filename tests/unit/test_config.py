@@ -118,7 +118,7 @@ def test_unknown_keys_name_the_path_and_the_known_fields():
         ("algo.kl_coef=abc", "algo.kl_coef", "number"),
         ("algo.stepwise=maybe", "algo.stepwise", "true or false"),
         ("learner.num_ranks=1.5", "learner.num_ranks", "integer"),
-        ("algo.policy_loss=3", "algo.policy_loss", "string"),
+        ("algo.policy_loss=[1]", "algo.policy_loss", "string"),
         ("learner.betas=[0.9]", "learner.betas", "2 values"),
         ("algo=3", "algo", "mapping"),
         ("learner.dtype=float16", "learner.dtype", "bfloat16"),
