@@ -24,23 +24,19 @@ from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint, fsdp, optim, step
 
-LOSS_MODULE = "asyncrl.learner.loss"
-
-
 class LearnerActor:
     """One data-parallel rank. Construct cheaply; `setup()` joins the group and loads the model."""
 
     def __init__(self, cfg: Config, model_path: str, *, rank: int, world_size: int, master_port: int,
-                 collective_timeout_s: float = 300.0, loss_module: str = LOSS_MODULE) -> None:
+                 collective_timeout_s: float = 300.0) -> None:
         self.cfg, self.model_path = cfg, model_path
         self.rank, self.world_size, self.master_port = rank, world_size, master_port
         self.collective_timeout_s = collective_timeout_s
-        self.loss_module = loss_module
         self.version = 0
         self.step_count = 0
 
     def setup(self) -> dict[str, Any]:
-        import importlib
+        from asyncrl.learner import loss
 
         lc = self.cfg.learner
         # Ray sets OMP_NUM_THREADS from num_cpus; torch reads it only at start-up, so set it.
@@ -60,7 +56,6 @@ class LearnerActor:
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
-        loss = importlib.import_module(self.loss_module)
         self.logprob_fn = loss.token_logprobs
         self.microbatch_loss = loss.microbatch_loss
         self.pad_token_id = int(self.model.config.pad_token_id or 0)

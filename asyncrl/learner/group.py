@@ -29,7 +29,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint
-from asyncrl.learner.actor import LOSS_MODULE, LearnerActor
+from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.validate import validate_minibatches
 from asyncrl.types import MetricValue, TrainSequence, merge_metrics
 
@@ -70,7 +70,7 @@ class LearnerGroup:
     """N LearnerActor ranks forming one torch.distributed group; see the module docstring."""
 
     def __init__(self, cfg: Config, model_path: str, *, num_ranks: int | None = None,
-                 collective_timeout_s: float = 300.0, loss_module: str = LOSS_MODULE) -> None:
+                 collective_timeout_s: float = 300.0) -> None:
         import ray
         from transformers import AutoConfig
 
@@ -93,7 +93,7 @@ class LearnerGroup:
                                                   max_restarts=0)
         self.actors = [
             remote.remote(cfg, model_path, rank=r, world_size=self.num_ranks, master_port=port,
-                          collective_timeout_s=collective_timeout_s, loss_module=loss_module)
+                          collective_timeout_s=collective_timeout_s)
             for r in range(self.num_ranks)
         ]
         try:
