@@ -23,6 +23,7 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,8 @@ class TrainLoop:
         self.ckpt_root = Path(runtime.run_dir) / "checkpoints"
         self.staleness_log: list[tuple[str, int]] = []
         """(group id, staleness) of every trained group: the e2e tests check each one."""
+        self.trained_by: Counter[str] = Counter()
+        """Groups trained per generator id (elastic generators come and go)."""
         self._counters_seen: dict[str, int] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -175,6 +178,7 @@ class TrainLoop:
         for g in groups:
             j = self._minibatch_of(g.group_id, minibatches)
             self.staleness_log.append((g.group_id, self.state.version + j - g.behavior_version))
+            self.trained_by[g.samples[0].generator_id] += 1
         metrics = self.learner.train_step(minibatches)
         metrics.update(batch_metrics)
         return metrics

@@ -93,7 +93,14 @@ class Runtime(contextlib.ExitStack):
         if ray.is_initialized():
             return  # a caller (tests, notebooks) owns Ray; leave it running
         c = self.cfg.control
-        env_vars = {"VLLM_CPU_KVCACHE_SPACE": str(self.cfg.rollout.kvcache_gib), "TOKENIZERS_PARALLELISM": "false"}
+        env_vars = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.rollout.kvcache_gib),
+            "TOKENIZERS_PARALLELISM": "false",
+            # vLLM's per-engine INFO lines drown the trainer's progress; WARNING keeps problems.
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            # So user code named by import path (envs, losses) imports in every worker too.
+            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
+        }
         # Logical CPUs beyond the physical ones let learner ranks and generators co-exist on a
         # small machine; real placement is by affinity where benchmarks need it.
         ray.init(
