@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.config import Config
+from asyncrl.config import Config, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint, fsdp, optim, step
 
@@ -39,6 +39,9 @@ class LearnerActor:
         from asyncrl.learner import loss
 
         lc = self.cfg.learner
+        cores = parse_cpu_list(lc.cpu_affinity)
+        if cores:  # benchmarks keep learners and generators on disjoint cores
+            os.sched_setaffinity(0, cores)
         # Ray sets OMP_NUM_THREADS from num_cpus; torch reads it only at start-up, so set it.
         torch.set_num_threads(max(1, int(round(lc.cpus_per_rank))))
         torch.manual_seed(lc.seed + self.rank)
@@ -60,7 +63,8 @@ class LearnerActor:
         self.microbatch_loss = loss.microbatch_loss
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
         return {"rank": self.rank, "device": str(self.device), "backend": backend, "pid": os.getpid(),
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(),
+                "cores": sorted(os.sched_getaffinity(0))}
 
     # ------------------------------------------------------------------ helpers
 
