@@ -34,6 +34,7 @@ class LearnerActor:
         self.collective_timeout_s = collective_timeout_s
         self.version = 0
         self.step_count = 0
+        self._proximal: dict[int, list[torch.Tensor]] = {}
 
     def setup(self) -> dict[str, Any]:
         from asyncrl.learner import loss
@@ -80,17 +81,36 @@ class LearnerActor:
 
     # ------------------------------------------------------------------ endpoints
 
+    def store_proximal(self, key: int, plan: list[list[dict[str, np.ndarray]]], count: int,
+                       fields: dict[str, str]) -> float:
+        """Old (proximal) logprobs of a later mini-batch, taken now, before this step's first
+        update: with several mini-batches per step they all share the step's starting policy."""
+        t0 = time.perf_counter()
+        mbs = self._microbatches(plan, count, fields)
+        step.add_prepass_logprobs(self.model, None, mbs, temperature=self.cfg.rollout.temperature,
+                                  logprob_fn=self.logprob_fn, device=self.device)
+        self._proximal[key] = [mb["old_logprobs"] for mb in mbs]
+        return time.perf_counter() - t0
+
     def train_minibatch(self, plan: list[list[dict[str, np.ndarray]]], count: int,
-                        fields: dict[str, str]) -> dict[str, Any]:
-        """Pre-pass (old / reference logprobs), then one optimizer step over `count` micro-batches."""
+                        fields: dict[str, str], proximal_key: int | None = None) -> dict[str, Any]:
+        """Pre-pass (reference logprobs), then one optimizer step over `count` micro-batches.
+
+        Old logprobs come from `store_proximal(proximal_key, ...)`, or, with no key (one
+        mini-batch per step: the proximal policy is the current weights), from the training
+        forward itself, detached, which saves a whole forward pass."""
         temperature = self.cfg.rollout.temperature
         t0 = time.perf_counter()
         mbs = self._microbatches(plan, count, fields)
-        step.add_prepass_logprobs(self.model, self.reference, mbs, temperature=temperature,
+        step.add_prepass_logprobs(None, self.reference, mbs, temperature=temperature,
                                   logprob_fn=self.logprob_fn, device=self.device)
+        if proximal_key is not None:
+            for mb, old in zip(mbs, self._proximal.pop(proximal_key)):
+                mb["old_logprobs"] = old
         t1 = time.perf_counter()
         loss_fn = functools.partial(self.microbatch_loss, algo=self.cfg.algo, temperature=temperature,
-                                    num_microbatches=count * self.world_size)
+                                    num_microbatches=count * self.world_size,
+                                    old_from_current=proximal_key is None)
         stats = step.train_step(self.model, self.optimizer, self.scheduler, mbs, loss_fn,
                                 world_size=self.world_size, grad_clip=self.cfg.learner.grad_clip,
                                 device=self.device)

@@ -169,9 +169,16 @@ class LearnerGroup:
                              vocab_size=self.vocab_size)
         t0 = time.perf_counter()
         per_mb, results = [], []
-        for mb in minibatches:
-            per_rank, count, _ = self._plan([mbatch.seq_fields(s) for s in mb])
-            out = self._call("train_minibatch", [(p, count, FIELD_DTYPES) for p in per_rank], what="train_step")
+        plans = [self._plan([mbatch.seq_fields(s) for s in mb])[:2] for mb in minibatches]
+        several = len(minibatches) > 1
+        if several:  # every mini-batch's proximal policy is the weights before the first update
+            for j, (per_rank, count) in enumerate(plans):
+                self._call("store_proximal", [(j, p, count, FIELD_DTYPES) for p in per_rank],
+                           what="train_step")
+        for j, (per_rank, count) in enumerate(plans):
+            key = j if several else None
+            out = self._call("train_minibatch", [(p, count, FIELD_DTYPES, key) for p in per_rank],
+                             what="train_step")
             per_mb.append(merge_metrics([{k: MetricValue(*v) for k, v in r["metrics"].items()} for r in out]))
             results.append(out)
             self._version = out[0]["version"]

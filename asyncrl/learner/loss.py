@@ -79,11 +79,11 @@ def correction_params(algo: AlgoConfig) -> CorrectionParams:
     )
 
 
-def required_fields(algo: AlgoConfig) -> tuple[str, ...]:
+def required_fields(algo: AlgoConfig, *, old_from_current: bool = False) -> tuple[str, ...]:
     """The micro-batch fields the configured loss reads."""
     fields = ["input_ids", "loss_mask", "reduction_weights"]
     if algo.policy_loss != "cross_entropy":
-        fields += ["old_logprobs", "advantages"]
+        fields += ["advantages"] if old_from_current else ["old_logprobs", "advantages"]
     if algo.needs_rollout_logprobs:
         fields.append("rollout_logprobs")
     if algo.kl_coef > 0:
@@ -91,8 +91,9 @@ def required_fields(algo: AlgoConfig) -> tuple[str, ...]:
     return tuple(fields)
 
 
-def _check_fields(mb: dict[str, Tensor], algo: AlgoConfig, shape: torch.Size) -> None:
-    for name in required_fields(algo):
+def _check_fields(mb: dict[str, Tensor], algo: AlgoConfig, shape: torch.Size, *,
+                  old_from_current: bool = False) -> None:
+    for name in required_fields(algo, old_from_current=old_from_current):
         if name not in mb or mb[name] is None:
             raise ValueError(f"micro-batch is missing field {name!r}, needed by algo={algo.policy_loss!r} "
                              f"(kl_coef={algo.kl_coef}, rollout_kl_coef={algo.rollout_kl_coef}, "
@@ -122,6 +123,7 @@ def microbatch_loss(
     *,
     temperature: float,
     num_microbatches: int = 1,
+    old_from_current: bool = False,
 ) -> tuple[Tensor, dict[str, MetricValue]]:
     """This micro-batch's share of the mini-batch loss, and its metrics.
 
@@ -133,6 +135,10 @@ def microbatch_loss(
         temperature: sampling temperature of the engine (logprobs are of logits / T).
         num_microbatches: only for ``token_mean_per_microbatch``: micro-batches in the
             mini-batch over all ranks.
+        old_from_current: the proximal policy is the current weights (one mini-batch per
+            step), so ``old_logprobs`` is this forward's logprobs, detached: exactly what a
+            separate pre-pass would compute, without its cost. ``mb`` then needs no
+            ``old_logprobs``.
 
     Returns:
         (scalar loss, metrics). Loss terms are ``loss/*`` sums; ratios and fractions are
@@ -141,7 +147,7 @@ def microbatch_loss(
     shape = mb["input_ids"].shape if "input_ids" in mb else None
     if shape is None:
         raise ValueError("micro-batch is missing field 'input_ids'")
-    _check_fields(mb, algo, shape)
+    _check_fields(mb, algo, shape, old_from_current=old_from_current)
     # All loss math runs in float32 at least (logp is upcast from bf16 logits).
     logp = token_logprobs(logits, mb["input_ids"], temperature)
     dtype = logp.dtype
@@ -157,7 +163,8 @@ def microbatch_loss(
     if algo.policy_loss == "cross_entropy":
         old, adv = logp.detach(), torch.zeros_like(logp)
     else:
-        old, adv = mb["old_logprobs"].to(dtype), mb["advantages"].to(dtype)
+        old = logp.detach() if old_from_current else mb["old_logprobs"].to(dtype)
+        adv = mb["advantages"].to(dtype)
     per_token, algo_metrics = corrected_policy_loss(
         get_policy_loss(algo.policy_loss), logp, old, rollout, adv, mask,
         params=policy_loss_params(algo), correction=correction_params(algo),

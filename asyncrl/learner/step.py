@@ -52,14 +52,16 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def add_prepass_logprobs(model: nn.Module, reference: nn.Module | None, microbatches: list[dict[str, Any]], *,
-                         temperature: float, logprob_fn: LogprobFn, device: torch.device) -> None:
-    """Fill mb['old_logprobs'] (current weights: the proximal policy) and, with a reference
-    model, mb['ref_logprobs'], in place. Runs on padding micro-batches too: every forward is
-    an FSDP all-gather, so all ranks must run the same number."""
+def add_prepass_logprobs(model: nn.Module | None, reference: nn.Module | None, microbatches: list[dict[str, Any]],
+                         *, temperature: float, logprob_fn: LogprobFn, device: torch.device) -> None:
+    """Fill mb['old_logprobs'] (the proximal policy: `model`'s current weights; skipped when
+    `model` is None) and, with a reference model, mb['ref_logprobs'], in place. Runs on
+    padding micro-batches too: every forward is an FSDP all-gather, so all ranks must run
+    the same number."""
     for mb in microbatches:
         ids = mb["input_ids"].to(device)
-        mb["old_logprobs"] = logprob_fn(policy_logits(model, ids), ids, temperature).cpu()
+        if model is not None:
+            mb["old_logprobs"] = logprob_fn(policy_logits(model, ids), ids, temperature).cpu()
         if reference is not None:
             mb["ref_logprobs"] = logprob_fn(policy_logits(reference, ids), ids, temperature).cpu()
 
