@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# Run as a script, bench/ would come first on sys.path and bench/queue.py would shadow the
+# standard library's `queue` (Ray and redis-py import it): put the repo root there instead.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
 WORKLOADS = {
     "demo": [],
