@@ -54,10 +54,11 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             _announce(cfg, rt, dashboard_url)
             loop = TrainLoop(cfg, rt, logger, state=state, stop=stop)
             rt.launch_generators()
+            loop.on_step = on_step
+            if not cfg.monitor.console:
+                return loop.run()
             with StepProgress(cfg.control.total_steps, start=state.step) as progress:
                 loop.progress = progress
-                if on_step is not None:
-                    loop.on_step = on_step
                 return loop.run()
     finally:
         stop.restore()
