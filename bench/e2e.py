@@ -59,6 +59,7 @@ class ModeResult:
     reward_curve: list[float]
     wall_s: float
     step_times: list[float] = field(default_factory=list)
+    group_seconds: list[float] = field(default_factory=list)
 
 
 def _cores() -> tuple[str, str]:
@@ -124,6 +125,8 @@ def run_mode(workload: str, mode: str, max_staleness: int, steps: int, warmup: i
         staleness_hist=dict(sorted(hist.items())),
         reward_curve=[r.get("reward/mean", float("nan")) for r in rows],
         wall_s=wall, step_times=steady,
+        # Warm-up groups include the engine's first, cold steps: not the workload's distribution.
+        group_seconds=list(holder["loop"].group_seconds[(warmup + 1) * cfg.control.groups_per_step:]),
     )
 
 
@@ -144,6 +147,26 @@ def summarize(results: dict[str, ModeResult]) -> dict:
             "reward_first_quarter": statistics.fmean(r.reward_curve[:tail]),
             "steps": r.steps, "wall_s": r.wall_s,
         }
+    return out
+
+
+def validate_simulator(results: dict[str, ModeResult], summary: dict, cfg_slots: int, groups_per_step: int) -> dict:
+    """Predict every mode's steps/s with bench/simulate.py from the sync run's isolated phase
+    costs and measured group times; report the relative error against what was measured."""
+    from bench.simulate import Scenario, simulate
+
+    sync = results["sync"]
+    base = dict(generators=1, slots=cfg_slots, parallel=float(cfg_slots), gen_samples=sync.group_seconds,
+                train_step=summary["T_train"], sync=summary["T_sync"], sync_pause=0.03,
+                groups_per_step=groups_per_step, steps=200)
+    out = {}
+    for key, r in results.items():
+        pred = simulate(Scenario(**base, max_staleness=r.max_staleness))
+        measured = 1 / r.step_s
+        out[key] = {"predicted_steps_per_s": pred.steps_per_s, "measured_steps_per_s": measured,
+                    "rel_error": abs(pred.steps_per_s - measured) / measured,
+                    "predicted_staleness_mean": pred.staleness_mean}
+    out["max_rel_error"] = max(v["rel_error"] for v in out.values())
     return out
 
 
@@ -212,18 +235,26 @@ def main(argv: list[str] | None = None) -> None:
                 results[wl][key] = run_mode(wl, mode, bound, args.steps, args.warmup, Path(tmp), progress, task)
     finally:
         ray.shutdown()
+    from asyncrl.config import load_config
+
+    demo = load_config(ROOT / "configs" / "demo.yaml")
     for wl, res in results.items():
         report["workloads"][wl] = summarize(res)
         report["workloads"][wl]["reward_curves"] = {k: r.reward_curve for k, r in res.items()}
+        report["workloads"][wl]["simulator"] = validate_simulator(
+            res, report["workloads"][wl], demo.rollout.max_inflight_groups, demo.control.groups_per_step)
     (out / "e2e.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "e2e.png")
     for wl, s in report["workloads"].items():
         print(f"{wl}: T_gen {s['T_gen']:.2f}s T_train {s['T_train']:.2f}s T_sync {s['T_sync']:.2f}s "
               f"bound {s['overlap_bound']:.2f}x", file=sys.stderr)
         for k, m in s["modes"].items():
+            hist = {st: round(f, 2) for st, f in m["staleness_hist"].items()}
+            sim = s["simulator"][k]
             print(f"  {k:>9}: {m['steps_per_s']:.2f} steps/s  speedup {m['speedup']:.2f}x  overlap "
-                  f"{m['overlap_fraction']:.2f}  staleness {m['staleness_hist']}  "
-                  f"reward {m['reward_first_quarter']:.3f} -> {m['reward_last_quarter']:.3f}", file=sys.stderr)
+                  f"{m['overlap_fraction']:.2f}  staleness {hist}  reward {m['reward_first_quarter']:.3f} -> "
+                  f"{m['reward_last_quarter']:.3f}  simulator {sim['predicted_steps_per_s']:.2f} steps/s "
+                  f"({sim['rel_error']:.0%} off)", file=sys.stderr)
     head_wl = "demo" if "demo" in report["workloads"] else args.workloads[0]
     best = max(args.bounds)
     head = report["workloads"][head_wl]["modes"][f"async_s{best}"]
@@ -232,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         "workload": head_wl, "max_staleness": best,
         "by_workload": {wl: {k: {"speedup": round(m["speedup"], 3), "overlap_fraction": round(m["overlap_fraction"], 3)}
                              for k, m in s["modes"].items()} for wl, s in report["workloads"].items()},
+        "simulator_max_rel_error": round(max(s["simulator"]["max_rel_error"] for s in report["workloads"].values()), 3),
         "json": str(out / "e2e.json"), "plot": str(out / "e2e.png"),
     }
     print(json.dumps(summary))

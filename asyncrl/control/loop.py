@@ -107,6 +107,8 @@ class TrainLoop:
         """(group id, staleness) of every trained group: the e2e tests check each one."""
         self.trained_by: Counter[str] = Counter()
         """Groups trained per generator id (elastic generators come and go)."""
+        self.group_seconds: list[float] = []
+        """Generation time of each trained group (its slowest sample): bench/simulate.py's input."""
         self._counters_seen: dict[str, int] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -179,6 +181,7 @@ class TrainLoop:
             j = self._minibatch_of(g.group_id, minibatches)
             self.staleness_log.append((g.group_id, self.state.version + j - g.behavior_version))
             self.trained_by[g.samples[0].generator_id] += 1
+            self.group_seconds.append(max(s.timings.get("generate_s", 0.0) for s in g.samples))
         metrics = self.learner.train_step(minibatches)
         metrics.update(batch_metrics)
         return metrics
