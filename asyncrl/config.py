@@ -222,6 +222,8 @@ class LearnerConfig:
     gpus_per_rank: float = 0.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     seed: int = 0
+    collective_timeout_s: float = 300.0
+    """A rank that does not answer a collective in this long fails the step (LearnerError), not a hang."""
     cpu_affinity: str = ""
     """CPU cores for the learner ranks, e.g. "1" ("" = no pinning); see rollout.cpu_affinity."""
 
@@ -592,6 +594,7 @@ def validate(cfg: Config) -> None:
     _at_least("learner.num_ranks", lr.num_ranks, 1)
     _positive("learner.lr", lr.lr)
     _positive("learner.grad_clip", lr.grad_clip)
+    _positive("learner.collective_timeout_s", lr.collective_timeout_s)
     _at_least("learner.micro_batch_tokens", lr.micro_batch_tokens, 1)
     _at_least("learner.mini_batches_per_step", lr.mini_batches_per_step, 1)
     _at_least("learner.warmup_steps", lr.warmup_steps, 0)

@@ -116,7 +116,8 @@ class Runtime(contextlib.ExitStack):
     def _start_learner(self) -> None:
         from asyncrl.learner import LearnerGroup
 
-        self.learner = LearnerGroup(self.cfg, self.model_path)
+        self.learner = LearnerGroup(self.cfg, self.model_path,
+                                    collective_timeout_s=self.cfg.learner.collective_timeout_s)
         self.callback(self.learner.shutdown)
 
     def _start_weight_sync(self) -> None:
