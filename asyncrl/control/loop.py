@@ -254,7 +254,11 @@ class TrainLoop:
             "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(t_step, 1e-9),
             "throughput/step_tokens_per_s": gen_tokens / max(t_step, 1e-9),
         }
-        out.update(staleness_summary(staleness, self.cfg.control.max_staleness))
+        # After a resume, rollouts made by weights newer than the restored checkpoint come back
+        # (they were never trained into these weights): their staleness is negative. They are
+        # trained like any off-policy data and counted apart rather than hidden as 0.
+        out["staleness/ahead"] = float(sum(1 for s in staleness if s < 0))
+        out.update(staleness_summary([max(0, s) for s in staleness], self.cfg.control.max_staleness))
         gens = self.queue.generators()
         for gid, info in gens.items():
             out[f"generator/{gid}/lag"] = float(self.state.version - int(info.get("version", 0)))

@@ -56,6 +56,7 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("staleness/max", "max", "max staleness of trained groups", "versions"),
     _m("staleness/p50", "max", "median staleness (linear interpolation); max across parts is an upper bound", "versions"),
     _m("staleness/p90", "max", "90th percentile staleness (linear interpolation)", "versions"),
+    _m("staleness/ahead", "sum", "groups made by weights newer than the learner's (only after a resume)", "groups"),
     # staleness/frac_{k} is matched by pattern below (k = 0 .. max_staleness).
     # Replay queue, as seen by the trainer at the end of the step.
     _m("queue/depth", "max", "rollout groups waiting in the queue (stream length)", "groups"),
