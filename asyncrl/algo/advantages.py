@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from asyncrl.algo.losses import load_by_import_path
+from asyncrl.algo.losses import lookup
 
 AdvantageFn = Callable[..., Tensor]
 
@@ -194,11 +194,4 @@ ADVANTAGE_REGISTRY: dict[str, AdvantageFn] = {
 
 def get_advantage_estimator(name_or_path: str) -> AdvantageFn:
     """A built-in estimator by name, or a user's by import path 'package.module:function'."""
-    if name_or_path in ADVANTAGE_REGISTRY:
-        return ADVANTAGE_REGISTRY[name_or_path]
-    if ":" in name_or_path:
-        return load_by_import_path(name_or_path, "advantage estimator")
-    raise ValueError(
-        f"unknown advantage estimator {name_or_path!r}: must be one of {', '.join(ADVANTAGE_REGISTRY)} "
-        f"or an import path 'package.module:function'"
-    )
+    return lookup(ADVANTAGE_REGISTRY, name_or_path, "advantage estimator")

@@ -299,16 +299,21 @@ def load_by_import_path(path: str, what: str) -> Callable:
     return fn
 
 
-def get_policy_loss(name_or_path: str) -> PolicyLossFn:
-    """A built-in policy loss by name, or a user's by import path 'package.module:function'."""
-    if name_or_path in POLICY_LOSS_REGISTRY:
-        return POLICY_LOSS_REGISTRY[name_or_path]
+def lookup(registry: dict[str, Callable], name_or_path: str, what: str) -> Callable:
+    """A built-in by registry name, or a user's function by import path 'package.module:function'."""
+    if name_or_path in registry:
+        return registry[name_or_path]
     if ":" in name_or_path:
-        return load_by_import_path(name_or_path, "policy loss")
+        return load_by_import_path(name_or_path, what)
     raise ValueError(
-        f"unknown policy loss {name_or_path!r}: must be one of {', '.join(POLICY_LOSS_REGISTRY)} "
+        f"unknown {what} {name_or_path!r}: must be one of {', '.join(registry)} "
         f"or an import path 'package.module:function'"
     )
+
+
+def get_policy_loss(name_or_path: str) -> PolicyLossFn:
+    """A built-in policy loss by name, or a user's by import path 'package.module:function'."""
+    return lookup(POLICY_LOSS_REGISTRY, name_or_path, "policy loss")
 
 
 def corrected_policy_loss(
