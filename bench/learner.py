@@ -49,23 +49,21 @@ def make_batch(num_seqs: int, seq_len: int, vocab: int, seed: int):
 
 
 def baseline_step(model, optimizer, minibatch, cfg, pad_token_id: int) -> None:
-    """The same step as asyncrl.learner without FSDP or Ray: pre-pass, accumulate, clip, AdamW."""
+    """The same step as asyncrl.learner without FSDP or Ray: accumulate, clip, AdamW. One
+    mini-batch per step, so old logprobs come from the training forward (as in the learner)."""
     import torch
 
     from asyncrl.data import microbatch as mbatch
-    from asyncrl.learner.loss import microbatch_loss, token_logprobs
+    from asyncrl.learner.loss import microbatch_loss
 
     seqs = [mbatch.seq_fields(s) for s in minibatch]
     plan = mbatch.split_by_token_budget([len(s["input_ids"]) for s in seqs], cfg.learner.micro_batch_tokens)
     mbs = [mbatch.collate([seqs[i] for i in idx], pad_token_id=pad_token_id) for idx in plan]
     temperature = cfg.rollout.temperature
-    with torch.no_grad():
-        for mb in mbs:
-            mb["old_logprobs"] = token_logprobs(model(input_ids=mb["input_ids"]).logits, mb["input_ids"], temperature)
     optimizer.zero_grad(set_to_none=True)
     for mb in mbs:
         loss, _ = microbatch_loss(model(input_ids=mb["input_ids"]).logits.float(), mb, cfg.algo,
-                                  temperature=temperature, num_microbatches=len(mbs))
+                                  temperature=temperature, num_microbatches=len(mbs), old_from_current=True)
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.grad_clip)
     optimizer.step()
