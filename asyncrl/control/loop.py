@@ -114,24 +114,26 @@ class TrainLoop:
     # ------------------------------------------------------------------ set-up
 
     def prepare(self) -> None:
-        """Align Redis with the loop's state (fresh start or resume) and publish weights."""
+        """Align Redis with the loop's state (fresh start or resume) and publish weights.
+        Call before the generators start, then `run()`."""
         c = self.cfg.control
         self.queue.set_state(
-            max_staleness=c.max_staleness, groups_per_step=c.groups_per_step, status="running",
+            status="running",
             started_at=time.time(), alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
             alert_masked_frac=self.cfg.monitor.alert_masked_frac,
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
             # What `asyncrl generate` needs to join this job from another process.
             config=json.dumps(self.cfg.to_dict()), model_path=self.rt.model_path,
         )
-        self.queue.configure_admission(self.max_staleness, c.groups_per_step)
         # After a resume the weights are the checkpoint's: generators must run them, and
         # admission must count only what is still alive (queued or pending) on top of what
-        # the checkpoint trained, or staleness would climb past the bound.
+        # the checkpoint trained, or staleness would climb past the bound. The count is set
+        # before admission opens, so no generator can be admitted against a stale count.
         self._publish(self.state.version)
         trained = len(self.state.trained_ids)
-        self.queue.reset_admission(trained + self.queue.depth() + self.queue.pending())
         self.queue.set_policy_version(self.state.version)
+        self.queue.reset_admission(trained + self.queue.depth() + self.queue.pending())
+        self.queue.configure_admission(self.max_staleness, c.groups_per_step)
         self._counters_seen = self.queue.counters()
 
     # ------------------------------------------------------------------ one step
@@ -283,7 +285,6 @@ class TrainLoop:
     def run(self) -> LoopState:
         self.stop.install()
         try:
-            self.prepare()
             while self.state.step < self.cfg.control.total_steps and not self.stop.is_set:
                 metrics = self.step()
                 if metrics is None:

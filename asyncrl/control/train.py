@@ -53,6 +53,7 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             dashboard_url = _start_dashboard(cfg, rt)
             _announce(cfg, rt, dashboard_url)
             loop = TrainLoop(cfg, rt, logger, state=state, stop=stop)
+            loop.prepare()
             rt.launch_generators()
             loop.on_step = on_step
             if not cfg.monitor.console:

@@ -12,6 +12,7 @@
     asyncrl:{run}:produced            set    every group id put (only with queue.ledger on)
     asyncrl:{run}:inflight:{gen}      hash   a generator's admitted, unfinished prompts (re-issued on restart)
     asyncrl:{run}:engine_pids         hash   generator id -> msgpack {"host", "pids"} (reaped on restart)
+    asyncrl:{run}:incarnation:{gen}   int    how many times this generator id has started in the run
     asyncrl:{run}:generators          hash   generator id -> msgpack {"version", "heartbeat", ...}
 """
 
@@ -59,3 +60,7 @@ def produced(run: str) -> str:
 
 def generators(run: str) -> str:
     return _key(run, "generators")
+
+
+def incarnation(run: str, generator_id: str) -> str:
+    return _key(run, f"incarnation:{generator_id}")

@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
 from typing import Any
 
@@ -44,6 +45,7 @@ import msgpack
 import numpy as np
 
 from asyncrl.config import Config
+from asyncrl.queue import keys
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes
 from asyncrl.rollout.envs import RewardError, make_env, score
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
@@ -62,6 +64,20 @@ def inflight_key(run: str, generator_id: str) -> str:
 
 def engine_pids_key(run: str) -> str:
     return f"asyncrl:{run}:engine_pids"
+
+
+def pin_to_cores(cpu_affinity: str) -> None:
+    """Pin this process, and so the engine processes it spawns, to `cpu_affinity` ("0-1");
+    vLLM's CPU worker binds its OpenMP threads to VLLM_CPU_OMP_THREADS_BIND, so set that too."""
+    import os
+
+    from asyncrl.config import parse_cpu_list
+
+    cores = parse_cpu_list(cpu_affinity)
+    if not cores:
+        return
+    os.sched_setaffinity(0, cores)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
 
 
 def _was_restarted() -> bool:
@@ -85,14 +101,19 @@ class GeneratorActor:
 
         self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
         self.queue = RolloutQueue.connect(redis_url, run, password=password, consumer=generator_id,
-                                          maxlen=cfg.queue.maxlen)
+                                          maxlen=cfg.queue.maxlen, ledger=cfg.queue.ledger,
+                                          claim_idle_s=cfg.queue.claim_idle_s)
         self.redis = open_client(redis_url, password=password)
         self._reap_predecessor()
         self.env = make_env(self.rollout.env, self.rollout.env_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        incarnation = uuid.uuid4().hex[:8]
-        self.prompts = open_prompts(self.rollout.prompts, self.env, id_prefix=f"{generator_id}.{incarnation}",
-                                    seed=self.rollout.seed + int(incarnation, 16))
+        # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with
+        # the same seeds; a restart (actor crash, trainer resume) gets a new number, so prompt
+        # and group ids never repeat within a run.
+        incarnation = int(self.redis.incr(keys.incarnation(run, generator_id)))
+        prefix = f"{generator_id}.{incarnation}"
+        self.prompts = open_prompts(self.rollout.prompts, self.env, id_prefix=prefix,
+                                    seed=self.rollout.seed + zlib.crc32(prefix.encode()))
         self.counts = {"groups": 0, "samples": 0, "tokens": 0, "prompts_skipped": 0, "reward_errors": 0,
                        "group_errors": 0, "reissued": 0, "weight_updates": 0, "weight_update_errors": 0}
         self._started_at = time.time()
@@ -103,6 +124,7 @@ class GeneratorActor:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{generator_id}-loop", daemon=True)
         self._thread.start()
+        pin_to_cores(self.rollout.cpu_affinity)
         self.engine: RolloutEngine = self._call(RolloutEngine.start(self.rollout, model_path))
         self.redis.hset(engine_pids_key(run), generator_id, msgpack.packb(
             {"host": socket.gethostname(), "pids": self.engine.engine_pids}, use_bin_type=True))
@@ -302,13 +324,21 @@ class GeneratorActor:
         if self.env.multi_turn:
             samples = await self._multi_turn_samples(text, metadata, ids)
         else:
-            completions = await self.engine.generate(ids, self.rollout.n_samples, f"{self.generator_id}-{uuid.uuid4().hex}")
+            # The prompt id is the request id: unique in the run, and it fixes the sampling seed.
+            max_tokens = metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
+            if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+                max_tokens = max(1, min(max_tokens, self.rollout.engine_max_model_len - len(ids)))
+            else:
+                max_tokens = None
+            completions = await self.engine.generate(ids, self.rollout.n_samples, prompt_id, max_tokens=max_tokens)
             samples = [self._sample(text, metadata, c, t0) for c in completions]
         meta = dict(metadata)
         if self.cfg.sync.inflight == "keep" and any(
                 s.token_versions is not None and len(set(s.token_versions.tolist())) > 1 for s in samples):
             meta["stale_kv"] = True  # tokens after a mid-request update attended to older weights' KV
-        return RolloutGroup(group_id=uuid.uuid4().hex, prompt_id=prompt_id, prompt_ids=np.asarray(ids, np.int32),
+        # One group per prompt: a prompt re-issued after a crash that had in fact been put
+        # carries the same id, so the queue drops the duplicate instead of training it twice.
+        return RolloutGroup(group_id=prompt_id, prompt_id=prompt_id, prompt_ids=np.asarray(ids, np.int32),
                             samples=samples, env=self.rollout.env, metadata=meta)
 
     def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:

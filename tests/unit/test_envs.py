@@ -166,3 +166,18 @@ def test_countdown_ends_at_zero_and_rejects_extra_steps():
         env.step("0")
     with pytest.raises(ValueError, match="not of the form"):
         env.reset("abc", {})
+
+
+def test_long_tail_sets_per_prompt_token_budgets_without_changing_the_task():
+    import random
+
+    from asyncrl.rollout.envs import make_env
+
+    plain = make_env("copy", {"alphabet": "abc"})
+    tail = make_env("copy", {"alphabet": "abc", "long_tail": True})
+    budgets = [tail.make_prompt(random.Random(i))[1]["max_tokens"] for i in range(2000)]
+    assert set(budgets) == {8, 48}
+    assert 0.05 < budgets.count(48) / len(budgets) < 0.15
+    p1, m1 = plain.make_prompt(random.Random(7))
+    p2, m2 = tail.make_prompt(random.Random(7))
+    assert p1 == p2 and m1["target"] == m2["target"] and "max_tokens" not in m1

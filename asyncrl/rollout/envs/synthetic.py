@@ -35,8 +35,13 @@ class _StringTask(Environment):
 
     separator = "="
 
+    # long_tail: per-prompt token budgets (metadata "max_tokens", honoured by the generator):
+    # most prompts get the short one, a few a budget 6x longer, as in real workloads where
+    # some prompts make the model ramble; synchronous trainers wait for those every step.
+    LONG_TAIL_BUDGETS = ((0.9, 8), (0.1, 48))
+
     def __init__(self, min_len: int = 3, max_len: int = 5, alphabet: str = "abcde",
-                 length_penalty: float = 0.05):
+                 length_penalty: float = 0.05, long_tail: bool = False):
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
         if not alphabet or self.separator in alphabet:
@@ -46,6 +51,7 @@ class _StringTask(Environment):
         self.min_len, self.max_len = min_len, max_len
         self.alphabet = alphabet
         self.length_penalty = length_penalty
+        self.long_tail = long_tail
 
     def target_of(self, chars: str) -> str:
         raise NotImplementedError
@@ -53,7 +59,11 @@ class _StringTask(Environment):
     def make_prompt(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
         n = rng.randint(self.min_len, self.max_len)
         chars = "".join(rng.choice(self.alphabet) for _ in range(n))
-        return chars + self.separator, {"target": self.target_of(chars)}
+        metadata: dict[str, Any] = {"target": self.target_of(chars)}
+        if self.long_tail:
+            weights, budgets = zip(*self.LONG_TAIL_BUDGETS)
+            metadata["max_tokens"] = rng.choices(budgets, weights=weights)[0]
+        return chars + self.separator, metadata
 
     def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
         target = metadata.get("target")
