@@ -1,0 +1,275 @@
+"""Supervise one `asyncrl train` job in a subprocess: start, watch, hurt, resume, audit.
+
+    job = TrainJob("configs/demo.yaml", ["control.total_steps=12"], run_dir="/tmp/r", run_name="r")
+    job.start()                          # its own process group; output to run_dir/job.log
+    job.wait_for_step(3, timeout=300)    # polls the run's state hash in Redis
+    job.signal(signal.SIGKILL)           # the whole process group (trainer + Ray + engines)
+    job.wait(30); job.resume(); job.wait(600)
+    ledger = job.audit().check()         # produced = trained + dropped + dead-lettered + queued
+    job.cleanup()                        # SIGKILL, by PID, whatever it started that is still alive
+
+Used by tests/faults, bench/soak.py and the trainer's e2e tests. The job always runs with
+`queue.ledger=true`, so every produced group id is recorded and the audit can balance.
+
+Finding the job's Redis: the embedded server writes its config to run_dir/redis/redis.conf
+(mode 0600) and keeps its port across restarts and resumes (EmbeddedRedis takes over the
+port of a predecessor), so the `port` and `requirepass` lines there are the address. With
+an external server (queue.redis_url set) the URL comes from the job's run_dir/config.yaml.
+Nothing has to be printed and parsed from the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import msgpack
+import psutil
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class JobDied(RuntimeError):
+    """The job exited while we were waiting for it to make progress."""
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class TrainJob:
+    """One run directory, trained by one `asyncrl train` subprocess at a time."""
+
+    def __init__(self, config_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
+                 run_dir: str | Path, run_name: str, env: dict[str, str] | None = None):
+        self.config_path = Path(config_path)
+        self.overrides = list(overrides)
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = self.run_dir / "job.log"
+        self.proc: subprocess.Popen | None = None
+        self._seen: dict[int, float] = {}  # pid -> create_time of every process the job started
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _spawn(self, args: list[str]) -> TrainJob:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"job {self.run_name!r} is already running (pid {self.proc.pid})")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as log:
+            log.write(f"\n===== {' '.join(args)}\n")
+        # Its own session: signals go to the job's process group, never to the caller's.
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], cwd=ROOT,
+                                     env=self.env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                     stdout=self.log_path.open("a"), stderr=subprocess.STDOUT)
+        self._seen[self.proc.pid] = psutil.Process(self.proc.pid).create_time()
+        return self
+
+    def start(self) -> TrainJob:
+        """A fresh run (ledger on, dashboard off unless an override turns it on)."""
+        return self._spawn([str(self.config_path), f"control.run_dir={self.run_dir}",
+                            f"control.run_name={self.run_name}", "queue.ledger=true",
+                            "monitor.dashboard=false", "monitor.console=false", *self.overrides])
+
+    def resume(self, *overrides: str) -> TrainJob:
+        """`asyncrl train --resume run_dir` (the run's saved config, plus `overrides`)."""
+        return self._spawn(["--resume", str(self.run_dir), *overrides])
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("job not started")
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the job's whole process group (trainer, Ray, engine processes)."""
+        self.processes()  # remember who was there, for cleanup
+        os.killpg(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        """The job's exit status; subprocess.TimeoutExpired if it is still running after `timeout`."""
+        return self.proc.wait(timeout=timeout)
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n_chars:] if self.log_path.exists() else "(no log)"
+
+    # ------------------------------------------------------------------ Redis
+
+    def redis_url(self) -> str | None:
+        """The job's Redis URL, or None before its embedded server wrote its config."""
+        cfg_file = self.run_dir / "config.yaml"
+        if cfg_file.exists():
+            import yaml
+
+            queue = (yaml.safe_load(cfg_file.read_text()) or {}).get("queue", {})
+            if queue.get("redis_url"):
+                return queue["redis_url"]
+        conf = self.run_dir / "redis" / "redis.conf"
+        if not conf.exists():
+            return None
+        port, password = None, None
+        for line in conf.read_text().splitlines():
+            if line.startswith("port "):
+                port = int(line.split()[1])
+            elif line.startswith("requirepass "):
+                password = line.split(None, 1)[1].strip().strip('"')
+        auth = f":{quote(password, safe='')}@" if password else ""
+        return f"redis://{auth}127.0.0.1:{port}/0" if port else None
+
+    def client(self) -> redis.Redis:
+        url = self.redis_url()
+        if url is None:
+            raise RuntimeError(f"job {self.run_name!r} has no Redis yet")
+        return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+
+    def _hash(self, name: str) -> dict[str, str]:
+        try:
+            with contextlib.closing(self.client()) as r:
+                return {k.decode(): v.decode() for k, v in r.hgetall(f"asyncrl:{self.run_name}:{name}").items()}
+        except (redis.RedisError, RuntimeError):
+            return {}
+
+    def state(self) -> dict[str, str]:
+        """The run's state hash (policy_version, status, ...); {} while Redis is unreachable."""
+        return self._hash("state")
+
+    def counters(self) -> dict[str, int]:
+        """The run's counters (groups_trained, dead_lettered, prompts_skipped, ...); {} if unreachable."""
+        return {k: int(v) for k, v in self._hash("counters").items()}
+
+    def policy_version(self) -> int:
+        return int(self.state().get("policy_version", 0))
+
+    def wait_for_step(self, n: int, timeout: float) -> int:
+        """Block until the run's policy version is >= n (one optimizer step per step in the
+        fault configs); JobDied if the process exits first, TimeoutError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.processes()
+            version = self.policy_version()
+            if version >= n:
+                return version
+            if not self.running():
+                raise JobDied(f"job {self.run_name!r} exited ({self.proc.returncode}) at version {version} "
+                              f"before step {n}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.run_name!r} at version {version}, not {n}, after {timeout}s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.25)
+
+    def queue(self, **kwargs):
+        """A RolloutQueue on the job's run, ledger on (close it when done)."""
+        from asyncrl.queue import RolloutQueue
+
+        kwargs.setdefault("consumer", "job-observer")
+        return RolloutQueue.connect(self.redis_url(), self.run_name, ledger=True, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints and ledger
+
+    def final_extra(self) -> dict:
+        """The `extra` of the last complete checkpoint (step, version, trained_ids)."""
+        from asyncrl.control.train import latest_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.run_dir / 'checkpoints'}")
+        return msgpack.unpackb((ckpt / "extra.msgpack").read_bytes(), raw=False)
+
+    def final_trained_ids(self) -> list[str]:
+        return list(self.final_extra()["trained_ids"])
+
+    def audit(self):
+        """The run's ledger (not yet checked: call .check()). Works on a stopped job too: the
+        embedded server is then started on its data dir (AOF) for the audit and stopped again."""
+        from asyncrl.control.ledger import audit
+
+        trained = self.final_trained_ids()
+        if self.running():
+            q = self.queue()
+            try:
+                return audit(q, trained)
+            finally:
+                q.close()
+        from asyncrl.queue.server import EmbeddedRedis
+
+        password = None
+        url = self.redis_url()
+        if url and "@" in url:
+            from urllib.parse import unquote, urlsplit
+
+            password = unquote(urlsplit(url).password or "") or None
+        with EmbeddedRedis(self.run_dir / "redis", aof=True, password=password) as server:
+            from asyncrl.queue import RolloutQueue
+
+            q = RolloutQueue.connect(server.url, self.run_name, ledger=True, consumer="job-observer")
+            try:
+                return audit(q, trained)
+            finally:
+                q.close()
+
+    # ------------------------------------------------------------------ processes
+
+    def processes(self) -> dict[int, str]:
+        """PID -> command of every live process the job started: the trainer and its
+        descendants (Ray, learner ranks, generators, vLLM engine processes) and the embedded
+        redis-server (its own session, found by its pidfile). Also remembered for cleanup()."""
+        found: dict[int, str] = {}
+        roots = [self.proc.pid] if self.running() else []
+        pidfile = self.run_dir / "redis" / "redis.pid"
+        with contextlib.suppress(OSError, ValueError):
+            roots.append(int(pidfile.read_text().strip()))
+        for pid in roots:
+            try:
+                root = psutil.Process(pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    if p.status() == psutil.STATUS_ZOMBIE:
+                        continue
+                    found[p.pid] = " ".join(p.cmdline()[:3]) or p.name()
+                    self._seen.setdefault(p.pid, p.create_time())
+        return found
+
+    def pids_named(self, fragment: str) -> list[int]:
+        """Live job processes whose command contains `fragment` (Ray titles its actors
+        'ray::GeneratorActor...', 'ray::LearnerActor...')."""
+        return sorted(pid for pid, cmd in self.processes().items() if fragment in cmd)
+
+    def leftovers(self) -> dict[int, str]:
+        """Processes the job started (seen by processes()) that are still alive."""
+        out = {}
+        for pid, t0 in self._seen.items():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.create_time() == t0 and p.status() != psutil.STATUS_ZOMBIE:
+                    out[pid] = " ".join(p.cmdline()[:3]) or p.name()
+        return out
+
+    def cleanup(self) -> None:
+        """SIGKILL, by PID, every process this job started that is still alive."""
+        if self.running():
+            self.processes()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in self.leftovers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
