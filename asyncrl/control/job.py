@@ -3,6 +3,8 @@
     job = TrainJob("configs/demo.yaml", ["control.total_steps=12"], run_dir="/tmp/r", run_name="r")
     job.start()                          # its own process group; output to run_dir/job.log
     job.wait_for_step(3, timeout=300)    # polls the run's state hash in Redis
+    job.drop_connections(pause_s=3)      # CLIENT KILL TYPE normal + CLIENT PAUSE
+    job.restart_redis(down_s=2)          # SIGKILL redis-server, start it again on its AOF
     job.signal(signal.SIGKILL)           # the whole process group (trainer + Ray + engines)
     job.wait(30); job.resume(); job.wait(600)
     ledger = job.audit().check()         # produced = trained + dropped + dead-lettered + queued
@@ -59,6 +61,7 @@ class TrainJob:
         self.env = {**os.environ, **(env or {})}
         self.log_path = self.run_dir / "job.log"
         self.proc: subprocess.Popen | None = None
+        self._redis_procs: list[subprocess.Popen] = []  # servers restart_redis() started
         self._seen: dict[int, float] = {}  # pid -> create_time of every process the job started
 
     # ------------------------------------------------------------------ lifecycle
@@ -171,6 +174,51 @@ class TrainJob:
                                    f"{self.log_tail()}")
             time.sleep(0.25)
 
+    # ------------------------------------------------------------------ Redis faults
+
+    def drop_connections(self, pause_s: float = 3.0) -> int:
+        """Kill every normal client connection (the trainer's, the generators'), then pause
+        all clients for `pause_s` (CLIENT PAUSE ALL): they must back off and carry on.
+        Returns how many connections were killed."""
+        with self.client() as r:
+            killed = int(r.client_kill_filter(_type="normal"))
+            if pause_s > 0:
+                r.execute_command("CLIENT", "PAUSE", int(pause_s * 1000), "ALL")
+        return killed
+
+    def restart_redis(self, down_s: float = 1.0, timeout: float = 20.0) -> int:
+        """SIGKILL the job's redis-server (a crash: no shutdown, no final AOF flush beyond
+        `appendfsync always`) and start a new one on the same redis.conf: same port, same
+        AOF. Returns the new server's PID; a resume stops it like any orphaned server, and
+        cleanup() kills it if it is still running."""
+        from asyncrl.queue.server import find_redis_server
+
+        redis_dir = self.run_dir / "redis"
+        old = int((redis_dir / "redis.pid").read_text())
+        self.processes()
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _is_alive(old) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for proc in self._redis_procs:
+            proc.poll()  # reap an earlier restart's server if that was the one killed
+        time.sleep(down_s)
+        proc = subprocess.Popen([find_redis_server(), str(redis_dir / "redis.conf")], cwd=redis_dir,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        self._redis_procs.append(proc)
+        self._seen[proc.pid] = psutil.Process(proc.pid).create_time()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError, RuntimeError):
+                with self.client() as r:
+                    if r.info("server")["process_id"] == proc.pid and r.info("persistence")["loading"] == 0:
+                        return proc.pid
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"restarted redis-server (pid {proc.pid}) did not come up; see {redis_dir / 'redis.log'}")
+
     def queue(self, **kwargs):
         """A RolloutQueue on the job's run, ledger on (close it when done)."""
         from asyncrl.queue import RolloutQueue
@@ -270,6 +318,7 @@ class TrainJob:
         for pid in self.leftovers():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
+        for proc in [self.proc, *self._redis_procs]:
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)

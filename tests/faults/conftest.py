@@ -1,5 +1,5 @@
-"""Fault-suite fixtures: a supervised `asyncrl train` job (asyncrl.control.job.TrainJob) that
-is always cleaned up by PID, and helpers to hurt its Redis.
+"""Fault-suite fixtures: a supervised `asyncrl train` job (asyncrl.control.job.TrainJob), always
+cleaned up by PID (including a redis-server its restart_redis() started).
 
     def test_x(train_job):
         job = train_job("name", "control.total_steps=9")     # not started yet
@@ -8,9 +8,6 @@ is always cleaned up by PID, and helpers to hurt its Redis.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -36,54 +33,3 @@ def train_job(tmp_path):
     yield make
     for job in jobs:
         job.cleanup()
-
-
-@pytest.fixture
-def redis_restarter():
-    """restart(job, down_s): see _restart_redis; the servers it starts are killed at the end."""
-    started: list[subprocess.Popen] = []
-
-    def restart(job: TrainJob, down_s: float = 1.0) -> subprocess.Popen:
-        proc = _restart_redis(job, down_s)
-        started.append(proc)
-        return proc
-
-    yield restart
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
-def _restart_redis(job: TrainJob, down_s: float = 1.0) -> subprocess.Popen:
-    """SIGKILL the job's redis-server (a crash, no shutdown) and start a new one on the same
-    config: same port, same AOF. Returns the new server; the job's next resume (or the test)
-    stops it, by PID."""
-    from asyncrl.queue.server import find_redis_server
-
-    redis_dir = job.run_dir / "redis"
-    old = int((redis_dir / "redis.pid").read_text())
-    os.kill(old, 9)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(old, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        if not os.path.exists(f"/proc/{old}") or open(f"/proc/{old}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
-            break
-        time.sleep(0.05)
-    time.sleep(down_s)
-    proc = subprocess.Popen([find_redis_server(), str(redis_dir / "redis.conf")], cwd=redis_dir,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with job.client() as r:
-                if r.info("server")["process_id"] == proc.pid and r.info("persistence")["loading"] == 0:
-                    return proc
-        except Exception:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("restarted redis-server did not come up")
