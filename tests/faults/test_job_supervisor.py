@@ -1,0 +1,57 @@
+"""TrainJob's own contract, without a real training run: where it finds Redis, how it reads the
+last complete checkpoint, and that a job which dies is reported at once (JobDied with the
+log), not waited on until a timeout."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from asyncrl.control.job import JobDied, TrainJob
+from asyncrl.queue.server import EmbeddedRedis
+
+ROOT_CFG = "configs/demo.yaml"
+
+
+def test_redis_url_comes_from_the_embedded_servers_config_with_its_password(tmp_path):
+    job = TrainJob(ROOT_CFG, run_dir=tmp_path / "r", run_name="r")
+    assert job.redis_url() is None  # nothing started yet
+    with EmbeddedRedis(tmp_path / "r" / "redis", password="p@ss/word") as server:
+        assert job.redis_url() == f"redis://:p%40ss%2Fword@127.0.0.1:{server.port}/0"
+        with job.client() as r:
+            assert r.ping() is True
+            r.hset("asyncrl:r:state", mapping={"policy_version": 7})
+            r.hset("asyncrl:r:counters", mapping={"groups_trained": 28, "prompts_skipped": 3})
+        assert job.policy_version() == 7
+        assert job.counters() == {"groups_trained": 28, "prompts_skipped": 3}
+        assert job.processes() == {server.pid: job.processes()[server.pid]}
+        assert "redis-server" in job.processes()[server.pid]
+    assert job.state() == {}  # unreachable server: empty, not an exception
+
+
+def test_final_trained_ids_skip_an_incomplete_checkpoint(tmp_path):
+    job = TrainJob(ROOT_CFG, run_dir=tmp_path / "r", run_name="r")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        job.final_trained_ids()
+    for step, ids, complete in ((3, ["a", "b"], True), (6, ["a", "b", "c", "d"], False)):
+        d = tmp_path / "r" / "checkpoints" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / "extra.msgpack").write_bytes(msgpack.packb({"step": step, "version": step, "trained_ids": ids}))
+        if complete:
+            (d / ".complete").touch()
+    assert job.final_trained_ids() == ["a", "b"]  # step 6 never finished writing
+    assert job.final_extra()["step"] == 3
+
+
+def test_a_job_that_exits_is_reported_at_once_with_its_log(tmp_path):
+    job = TrainJob(ROOT_CFG, ["learner.lr=-1"], run_dir=tmp_path / "bad", run_name="bad")
+    job.start()
+    t0 = time.monotonic()
+    with pytest.raises(JobDied, match="learner.lr"):
+        job.wait_for_step(1, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert job.wait(10) == 2  # a config error
+    job.cleanup()
+    assert job.leftovers() == {}
