@@ -1,0 +1,150 @@
+"""One secured CPU demo job (queue.password set, learner.num_ranks=2) fed a hostile user
+environment, then hurt by killing a learner rank:
+
+- prompts longer than the engine's max length are skipped and counted (`prompts_skipped`);
+- a reward function that raises, returns None or returns NaN is recorded per sample (reward
+  NaN, the error text) and the run goes on training;
+- the embedded Redis binds 127.0.0.1 with protected mode on and refuses a client without
+  the password; the dashboard listens on 127.0.0.1 only;
+- a SIGKILLed learner rank fails the step cleanly (LearnerError, non-zero exit, no hang,
+  nothing left running), and `--resume` finishes the run with a balanced ledger.
+
+The environment is user code named by import path: a module written to the test's tmp dir
+and put on PYTHONPATH for the job (the trainer passes PYTHONPATH on to every Ray worker).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+import urllib.request
+
+import psutil
+import pytest
+import redis
+
+from asyncrl.data.codec import RecordError, decode_group
+from asyncrl.queue.server import free_port
+
+pytestmark = pytest.mark.timeout(900)
+GROUPS = 4
+PASSWORD = "fault-suite-pw"
+LONG_PROMPT = "abc" * 27 + "="  # 82 characters, one token each: > engine_max_model_len=64
+
+ENV_MODULE = f'''
+"""A copy task with hostile prompts and a reward that fails three ways (fault-suite env)."""
+import math
+
+from asyncrl.rollout.envs.synthetic import CopyEnv
+
+
+class FlakyCopy(CopyEnv):
+    def make_prompt(self, rng):
+        prompt, meta = super().make_prompt(rng)
+        if rng.random() < 0.25:
+            return {LONG_PROMPT!r}, {{"target": "abc"}}
+        return prompt, meta
+
+    def reward(self, prompt, response, metadata):
+        bucket = sum(map(ord, response)) % 4
+        if bucket == 0:
+            raise ValueError("flaky reward")
+        if bucket == 1:
+            return None
+        if bucket == 2:
+            return math.nan
+        return super().reward(prompt, response, metadata)
+'''
+
+
+def _queued_samples(job) -> list:
+    """Samples of the groups now in the stream (read with XRANGE: nothing is consumed)."""
+    out = []
+    with job.client() as r:
+        for _, fields in r.xrange(f"asyncrl:{job.run_name}:rollouts"):
+            try:
+                out += decode_group(fields[b"d"]).samples
+            except RecordError:
+                continue
+    return out
+
+
+def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
+    (tmp_path / "flaky_env.py").write_text(ENV_MODULE)
+    dashboard_port = free_port()
+    job = train_job("hostile", "control.total_steps=1000", "rollout.env=flaky_env:FlakyCopy",
+                    "learner.num_ranks=2", f"queue.password={PASSWORD}", "monitor.dashboard=true",
+                    f"monitor.dashboard_port={dashboard_port}", "learner.collective_timeout_s=60",
+                    env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
+    job.start()
+    job.wait_for_step(2, timeout=500)
+
+    # Long prompts: skipped and counted, never sent to the engine.
+    assert job.counters().get("prompts_skipped", 0) > 0
+
+    # Failed rewards: recorded per sample, NaN with the error text (poll: groups get acked).
+    seen: dict[str, int] = {"raised": 0, "none": 0, "nan": 0}
+    deadline = time.monotonic() + 120
+    while min(seen.values()) == 0 and time.monotonic() < deadline:
+        for s in _queued_samples(job):
+            if s.error is None:
+                assert math.isfinite(s.reward)
+                continue
+            assert math.isnan(s.reward), (s.reward, s.error)
+            if "raised ValueError: flaky reward" in s.error:
+                seen["raised"] += 1
+            elif "returned None" in s.error:
+                seen["none"] += 1
+            elif "returned nan" in s.error:
+                seen["nan"] += 1
+            else:
+                raise AssertionError(f"unexpected reward error text {s.error!r}")
+        time.sleep(0.5)
+    assert min(seen.values()) > 0, seen
+    job.wait_for_step(job.policy_version() + 1, timeout=120)  # still training
+
+    # Bindings and the password.
+    url = job.redis_url()
+    assert f":{PASSWORD}@127.0.0.1:" in url
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with redis.Redis(host="127.0.0.1", port=port, socket_timeout=5) as anon:
+        with pytest.raises(redis.AuthenticationError):
+            anon.ping()
+    with redis.Redis(host="127.0.0.1", port=port, password="wrong", socket_timeout=5) as wrong:
+        with pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+    with job.client() as r:
+        assert r.config_get("bind") == {"bind": "127.0.0.1"}
+        assert r.config_get("protected-mode") == {"protected-mode": "yes"}
+    listening = [c.laddr for c in psutil.Process(job.pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == dashboard_port]
+    assert [a.ip for a in listening] == ["127.0.0.1"], listening
+    with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/", timeout=10) as resp:
+        assert resp.status == 200
+
+    # A learner rank dies: the step fails with LearnerError and the job exits non-zero, quickly.
+    ranks = job.pids_named("ray::LearnerActor")
+    assert len(ranks) == 2, job.processes()
+    killed_at = job.policy_version()
+    os.kill(ranks[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    rc = job.wait(180)
+    assert rc != 0, job.log_tail()
+    assert "LearnerError" in job.log_tail(20_000)
+    print(f"learner rank killed: job exited {rc} after {time.monotonic() - t0:.1f}s")
+    deadline = time.monotonic() + 30
+    while job.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not job.leftovers(), job.leftovers()
+
+    steps = killed_at + 3  # finish a few steps past the kill
+    job.resume(f"control.total_steps={steps}")
+    assert job.wait(600) == 0, job.log_tail()
+    extra = job.final_extra()
+    assert extra["step"] == steps
+    summary = job.audit().check().summary
+    print("ledger:", summary)
+    assert summary["trained"] == steps * GROUPS
+    assert summary["lost"] == 0 and summary["double_trained"] == 0
