@@ -11,7 +11,7 @@
     asyncrl:{run}:dropped             set    group ids dropped as too stale
     asyncrl:{run}:produced            set    every group id put (only with queue.ledger on)
     asyncrl:{run}:inflight:{gen}      hash   a generator's admitted, unfinished prompts (re-issued on restart)
-    asyncrl:{run}:engine_pids         hash   generator id -> msgpack {"host", "pids"} (reaped on restart)
+    asyncrl:{run}:engine_pids         hash   generator id -> msgpack {"host", "pids", "segments", "started"} (reaped on restart)
     asyncrl:{run}:incarnation:{gen}   int    how many times this generator id has started in the run
     asyncrl:{run}:generators          hash   generator id -> msgpack {"version", "heartbeat", ...}
 """
@@ -64,3 +64,11 @@ def generators(run: str) -> str:
 
 def incarnation(run: str, generator_id: str) -> str:
     return _key(run, f"incarnation:{generator_id}")
+
+
+def inflight(run: str, generator_id: str) -> str:
+    return _key(run, f"inflight:{generator_id}")
+
+
+def engine_pids(run: str) -> str:
+    return _key(run, "engine_pids")

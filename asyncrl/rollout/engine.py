@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import time
 import zlib
@@ -100,6 +101,27 @@ def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
     return [p.pid for p in alive]
 
 
+SHM_SEGMENT = re.compile(r"/dev/shm/psm_[0-9a-f]{1,32}")
+"""The only paths ``unlink_segments`` will delete (names come back from Redis: never trust them)."""
+
+
+def unlink_segments(paths: list[str]) -> list[str]:
+    """Delete these /dev/shm/psm_* segments of a dead engine; return the ones that existed.
+
+    Its processes unlink them on a clean shutdown, but not when the process that owned the
+    engine was SIGKILLed: reaping the orphans with SIGTERM leaves them behind (~420 MB).
+    """
+    bad = [p for p in paths if not SHM_SEGMENT.fullmatch(p)]
+    if bad:
+        raise ValueError(f"refusing to unlink {bad}: not /dev/shm/psm_<hex> segments")
+    removed = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
 def shm_segments_of(pids: list[int]) -> set[str]:
     """The /dev/shm/psm_* segments mapped by these processes (from /proc/PID/maps)."""
     found = set()
@@ -142,7 +164,12 @@ class RolloutEngine:
         self.version = 0
         self.engine_pids = pids
         """[[pid, create_time]] of the engine's own processes (for reaping after a crash)."""
+        self.shm_segments: list[str] = []
+        """/dev/shm/psm_* segments the engine's processes map (for deleting after a crash)."""
         self.last_good_path: str | None = None
+        self.keep_path: str | None = None
+        """Where to hard-link each loaded file, so the last good weights survive the publisher
+        deleting older versions (same inode: no extra memory while the original exists)."""
         self._requests: set[str] = set()
         self._update_lock = asyncio.Lock()
 
@@ -156,6 +183,9 @@ class RolloutEngine:
         llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path))
         pids = [[p.pid, p.create_time()] for p in me.children(recursive=True) if p.pid not in before]
         engine = cls(llm, rollout, model_path, pids)
+        # The engine's shared-memory message queues exist once it is ready; a successor
+        # deletes them if we die without shutting down (see unlink_segments).
+        engine.shm_segments = sorted(shm_segments_of([pid for pid, _ in pids] + [os.getpid()]))
         await engine.set_version(version)
         return engine
 
@@ -165,7 +195,7 @@ class RolloutEngine:
         self.version = version
 
     def sampling_params(self, n: int, request_id: str, max_tokens: int | None = None,
-                        temperature: float | None = None):
+                        temperature: float | None = None, ignore_eos: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -178,15 +208,19 @@ class RolloutEngine:
             max_tokens=max_tokens or r.max_tokens,
             logprobs=0 if r.logprobs else None,  # 0 = exactly the sampled token's logprob
             seed=request_seed(r.seed, request_id),
+            ignore_eos=ignore_eos,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
     async def generate(self, prompt_ids: list[int], n: int, request_id: str, *,
-                       max_tokens: int | None = None, temperature: float | None = None) -> list[Completion]:
-        """Sample ``n`` completions of ``prompt_ids``; returns them in sample order."""
+                       max_tokens: int | None = None, temperature: float | None = None,
+                       ignore_eos: bool = False) -> list[Completion]:
+        """Sample ``n`` completions of ``prompt_ids``; returns them in sample order.
+
+        ``ignore_eos`` samples exactly ``max_tokens`` tokens (tests and benchmarks)."""
         from vllm.inputs import TokensPrompt
 
-        params = self.sampling_params(n, request_id, max_tokens, temperature)
+        params = self.sampling_params(n, request_id, max_tokens, temperature, ignore_eos)
         final = None
         self._requests.add(request_id)
         try:
@@ -224,6 +258,10 @@ class RolloutEngine:
         if inflight not in ("recompute", "keep"):
             raise ValueError(f"inflight={inflight!r}: must be 'recompute' or 'keep'")
         async with self._update_lock:
+            if version <= self.version:  # applied while we waited (publish and heartbeat poll race)
+                return {"version": self.version, "skipped": True}
+            if not os.path.isfile(path):  # e.g. deleted since it was announced: nothing to pause for
+                raise WeightLoadError(f"weights file {path} (version {version}) does not exist")
             t0 = time.perf_counter()
             recompute = inflight == "recompute"
             await self.llm.pause_generation(mode="keep", clear_cache=recompute)
@@ -240,19 +278,42 @@ class RolloutEngine:
                         log.warning("weight load %s (v%d) failed, attempt %d: %s", path, version, attempt + 1, e)
                 if error is not None:
                     await self._restore_last_good()
-                    raise WeightLoadError(f"loading {path} as version {version} failed: {error}") from error
+                    raise WeightLoadError(f"loading {path} as version {version} failed after {retries + 1} "
+                                          f"attempts; still running version {self.version}: {error}") from error
                 t_load = time.perf_counter()
                 await self.set_version(version)
                 if recompute:
                     # Prefix blocks of prompts computed with old weights must not be reused.
                     await self.llm.reset_prefix_cache(reset_running_requests=True)
-                self.last_good_path = path
+                self.last_good_path = self._keep(path)
             finally:
                 if not self.llm.errored:
                     await self.llm.resume_generation()
             t1 = time.perf_counter()
             return {"version": version, "pause_s": t_pause - t0, "load_s": t_load - t_pause,
                     "total_s": t1 - t0, "inflight": inflight, "requests_inflight": len(self._requests)}
+
+    def _keep(self, path: str) -> str:
+        """Hard-link ``path`` to ``keep_path`` and return the path that will stay loadable."""
+        if self.keep_path is None:
+            return path
+        tmp = f"{self.keep_path}.tmp"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            os.link(path, tmp)
+            os.replace(tmp, self.keep_path)
+            return self.keep_path
+        except OSError as e:  # another filesystem: fall back to the published file itself
+            log.warning("cannot keep %s as %s (%s); a failed update restores from the original", path,
+                        self.keep_path, e)
+            return path
+
+    def drop_kept(self) -> None:
+        """Delete the kept copy of the last good weights (on shutdown)."""
+        if self.keep_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.keep_path)
 
     async def _restore_last_good(self) -> None:
         """Make the model whole again after a failed load: last good file, else rebuild the engine."""
@@ -271,7 +332,7 @@ class RolloutEngine:
         await self.abort_all()
         self.llm.shutdown()
         fresh = await RolloutEngine.start(self.rollout, self.model_path, self.version)
-        self.llm, self.engine_pids = fresh.llm, fresh.engine_pids
+        self.llm, self.engine_pids, self.shm_segments = fresh.llm, fresh.engine_pids, fresh.shm_segments
         if self.last_good_path is not None and os.path.exists(self.last_good_path):
             await self._rpc_load(self.last_good_path)
 
@@ -292,6 +353,7 @@ class RolloutEngine:
         with contextlib.suppress(Exception):
             await self.abort_all()
         self.llm.shutdown()
+        self.drop_kept()
         procs = []
         for pid, created in self.engine_pids:
             with contextlib.suppress(psutil.Error):

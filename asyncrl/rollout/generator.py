@@ -22,9 +22,17 @@ re-issues the predecessor's in-flight prompts without a second admission. Every 
 heartbeats {version, groups, tokens_per_s} and loads newer published weights by itself if
 nobody pushed them (elastic generators).
 
-Redis keys owned here (see ``inflight_key``, ``engine_pids_key``):
-    asyncrl:{run}:inflight:{generator_id}   hash  prompt_id -> msgpack {"text", "metadata"}
-    asyncrl:{run}:engine_pids               hash  generator_id -> msgpack {"host", "pids": [[pid, t0]]}
+Reproducible, never repeating: each start takes an incarnation number from Redis (INCR, so
+1 on a fresh run). Prompt ids are "{generator_id}.{incarnation}:..." and double as group ids
+and request ids, and request ids fix the sampling seeds: two fresh runs of one config sample
+the same prompts with the same seeds, while a restarted actor or a resumed trainer never
+reuses an id. No uuid or clock goes into a seed.
+
+Redis keys written here (names from ``asyncrl.queue.keys``):
+    keys.inflight(run, generator_id)   hash  prompt_id -> msgpack {"text", "metadata"}
+    keys.engine_pids(run)              hash  generator_id -> msgpack {"host", "pids": [[pid, t0]], "segments",
+                                                                   "started"}
+    keys.incarnation(run, generator_id) int  INCR'd once per start
 """
 
 from __future__ import annotations
@@ -33,10 +41,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import socket
 import threading
 import time
-import uuid
 import zlib
 from collections import deque
 from typing import Any
@@ -46,7 +54,7 @@ import numpy as np
 
 from asyncrl.config import Config
 from asyncrl.queue import keys
-from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes
+from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes, unlink_segments
 from asyncrl.rollout.envs import RewardError, make_env, score
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
 from asyncrl.rollout.prompts import open_prompts
@@ -58,42 +66,41 @@ HEARTBEAT_S = 1.0
 ADMISSION_POLL_S = 0.05
 
 
-def inflight_key(run: str, generator_id: str) -> str:
-    return f"asyncrl:{run}:inflight:{generator_id}"
+WEIGHTS_RETRY_S = 30.0
+"""A published version that failed to load is tried again after this long (not every beat)."""
 
 
-def engine_pids_key(run: str) -> str:
-    return f"asyncrl:{run}:engine_pids"
+def pin_to_cores(cpu_affinity: str) -> list[int]:
+    """Pin every thread of this process to ``cpu_affinity`` ("0-1"); return the cores ([] = no pinning).
 
-
-def pin_to_cores(cpu_affinity: str) -> None:
-    """Pin this process, and so the engine processes it spawns, to `cpu_affinity` ("0-1");
-    vLLM's CPU worker binds its OpenMP threads to VLLM_CPU_OMP_THREADS_BIND, so set that too."""
-    import os
+    Call it before spawning the engine: child processes inherit the affinity of the thread
+    that starts them. vLLM's CPU worker then binds its OpenMP threads to
+    VLLM_CPU_OMP_THREADS_BIND (one "0,1"-style list per local rank, '|'-separated; see
+    vllm/utils/ompmultiprocessing.py), which would default to "auto" (cores of its own
+    choosing), so set it to the same cores.
+    """
 
     from asyncrl.config import parse_cpu_list
 
     cores = parse_cpu_list(cpu_affinity)
     if not cores:
-        return
-    os.sched_setaffinity(0, cores)
+        return []
+    absent = [c for c in cores if c >= (os.cpu_count() or 1)]
+    if absent:
+        raise ValueError(f"rollout.cpu_affinity={cpu_affinity!r}: this machine has no cores {absent} "
+                         f"(it has {os.cpu_count()})")
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that exited meanwhile
+            os.sched_setaffinity(int(tid), cores)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-
-
-def _was_restarted() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
-    except Exception:  # not inside a Ray actor
-        return False
+    return cores
 
 
 class GeneratorActor:
     """One engine, one environment, one prompt stream; produces RolloutGroups until stopped."""
 
     def __init__(self, cfg: Config, model_path: str, generator_id: str, redis_url: str, run: str,
-                 password: str | None = None, autostart: bool | None = None):
+                 password: str | None = None, autostart: bool = False):
         from transformers import AutoTokenizer
 
         from asyncrl.queue.connection import open_client
@@ -104,13 +111,13 @@ class GeneratorActor:
                                           maxlen=cfg.queue.maxlen, ledger=cfg.queue.ledger,
                                           claim_idle_s=cfg.queue.claim_idle_s)
         self.redis = open_client(redis_url, password=password)
-        self._reap_predecessor()
+        predecessor_was_generating = self._reap_predecessor()
         self.env = make_env(self.rollout.env, self.rollout.env_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with
         # the same seeds; a restart (actor crash, trainer resume) gets a new number, so prompt
         # and group ids never repeat within a run.
-        incarnation = int(self.redis.incr(keys.incarnation(run, generator_id)))
+        incarnation = self.incarnation = int(self.redis.incr(keys.incarnation(run, generator_id)))
         prefix = f"{generator_id}.{incarnation}"
         self.prompts = open_prompts(self.rollout.prompts, self.env, id_prefix=prefix,
                                     seed=self.rollout.seed + zlib.crc32(prefix.encode()))
@@ -118,24 +125,38 @@ class GeneratorActor:
                        "group_errors": 0, "reissued": 0, "weight_updates": 0, "weight_update_errors": 0}
         self._started_at = time.time()
         self._retry: deque = deque()  # admitted prompts to run again (predecessor's, or failed here)
+        self._samples_drawn = 0  # request ids of sample() calls
+        self._weights_failed: tuple[str, int, float] | None = None  # (location, version, when)
         self._tasks: set[asyncio.Task] = set()
         self._main: asyncio.Task | None = None
         self._stopping = False
+        # Pin before the loop thread exists: it spawns the engine, whose processes inherit its cores.
+        pin_to_cores(self.rollout.cpu_affinity)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{generator_id}-loop", daemon=True)
         self._thread.start()
-        pin_to_cores(self.rollout.cpu_affinity)
         self.engine: RolloutEngine = self._call(RolloutEngine.start(self.rollout, model_path))
-        self.redis.hset(engine_pids_key(run), generator_id, msgpack.packb(
-            {"host": socket.gethostname(), "pids": self.engine.engine_pids}, use_bin_type=True))
+        # One name per generator, so a crashed predecessor's kept weights are replaced, not leaked.
+        self.engine.keep_path = os.path.join(cfg.sync.shm_dir, f".asyncrl-{run}-{generator_id}-last-good.safetensors")
+        self.engine.drop_kept()
+        # Until start(), a successor should do what our predecessor did (its prompts are still admitted).
+        self._generating = predecessor_was_generating
+        self._record_engine()
         location, version = self.queue.weights()
         if location is not None and version > 0:
             try:  # joining (or restarting into) a running job
                 self.update_weights(location, version)
-            except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again with newer weights
+            except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again later
+                self._weights_failed = (location, version, time.monotonic())
                 log.warning("%s: could not load published weights v%d: %s", generator_id, version, e)
         self._load_predecessor_inflight()
-        if autostart if autostart is not None else (_was_restarted() or bool(self._retry)):
+        log.info("%s: incarnation %d, %d prompts re-issued from a predecessor", generator_id, incarnation,
+                 len(self._retry))
+        # A crashed generator's successor (Ray restart, or the same id started again) goes on
+        # where it stopped without waiting for start(): Ray re-runs __init__ with the original
+        # arguments, so an actor created with autostart=False would otherwise sit idle forever
+        # on its predecessor's admitted prompts.
+        if autostart or predecessor_was_generating or self._retry:
             self.start()
 
     # ------------------------------------------------------------------ Ray
@@ -163,6 +184,8 @@ class GeneratorActor:
                 self._stopping = False
                 self._main = asyncio.ensure_future(self._run())
         self._call(begin())
+        self._generating = True
+        self._record_engine()
 
     def stop(self, drain_timeout_s: float = 30.0) -> dict:
         """Stop admitting, let in-flight groups finish (up to the timeout), leave the job cleanly."""
@@ -177,15 +200,16 @@ class GeneratorActor:
         return self.engine.version
 
     def sample(self, prompt_ids: list[int], n: int = 1, max_tokens: int | None = None,
-               temperature: float | None = None) -> list[dict]:
+               temperature: float | None = None, ignore_eos: bool = False) -> list[dict]:
         """Sample outside the loop (tests, benchmarks): [{"token_ids", "logprobs", "versions", "finish_reason"}]."""
-        outs = self._call(self.engine.generate(list(prompt_ids), n, f"{self.generator_id}-s-{uuid.uuid4().hex}",
-                                               max_tokens=max_tokens, temperature=temperature))
+        self._samples_drawn += 1
+        request_id = f"{self.generator_id}.{self.incarnation}:sample:{self._samples_drawn}"
+        outs = self._call(self.engine.generate(list(prompt_ids), n, request_id,
+                                               max_tokens=max_tokens, temperature=temperature,
+                                               ignore_eos=ignore_eos))
         return [vars(c) for c in outs]
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def engine_pids(self) -> list[list]:
@@ -203,7 +227,7 @@ class GeneratorActor:
         with contextlib.suppress(Exception):
             self._call(self._stop(0.0))
         self._call(self.engine.shutdown())
-        self.redis.hdel(engine_pids_key(self.run), self.generator_id)
+        self.redis.hdel(keys.engine_pids(self.run), self.generator_id)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -240,18 +264,30 @@ class GeneratorActor:
 
     # ------------------------------------------------------------------ crash recovery
 
-    def _reap_predecessor(self) -> None:
-        raw = self.redis.hget(engine_pids_key(self.run), self.generator_id)
+    def _reap_predecessor(self) -> bool:
+        """Kill a crashed predecessor's orphaned engine processes; return whether it was generating."""
+        raw = self.redis.hget(keys.engine_pids(self.run), self.generator_id)
         if raw is None:
-            return
+            return False
         record = msgpack.unpackb(raw, raw=False)
         if record.get("host") == socket.gethostname():
             reaped = reap_processes(record.get("pids", []))
             if reaped:
                 log.warning("%s: reaped %d orphaned engine processes %s", self.generator_id, len(reaped), reaped)
+            removed = unlink_segments(record.get("segments", []))  # after the reap: nobody maps them
+            if removed:
+                log.warning("%s: deleted %d leaked shared-memory segments %s", self.generator_id, len(removed),
+                            removed)
+        return bool(record.get("started", False))
+
+    def _record_engine(self) -> None:
+        """What a successor needs after a crash: our engine's PIDs, and whether we were generating."""
+        self.redis.hset(keys.engine_pids(self.run), self.generator_id, msgpack.packb(
+            {"host": socket.gethostname(), "pids": self.engine.engine_pids, "segments": self.engine.shm_segments,
+             "started": self._generating}, use_bin_type=True))
 
     def _load_predecessor_inflight(self) -> None:
-        for prompt_id, raw in self.redis.hgetall(inflight_key(self.run, self.generator_id)).items():
+        for prompt_id, raw in self.redis.hgetall(keys.inflight(self.run, self.generator_id)).items():
             note = msgpack.unpackb(raw, raw=False)
             ids = self.tokenizer.encode(note["text"])
             self._retry.append((prompt_id.decode(), note["text"], note["metadata"], ids))
@@ -278,7 +314,7 @@ class GeneratorActor:
                 if self._stopping:
                     break
                 note = msgpack.packb({"text": item[1], "metadata": item[2]}, use_bin_type=True)
-                await asyncio.to_thread(self.redis.hset, inflight_key(self.run, self.generator_id), item[0], note)
+                await asyncio.to_thread(self.redis.hset, keys.inflight(self.run, self.generator_id), item[0], note)
                 self._spawn(item)
         finally:
             beat.cancel()
@@ -314,7 +350,7 @@ class GeneratorActor:
 
     def _put(self, group: RolloutGroup) -> None:
         self.queue.put(group, timeout=self.cfg.queue.put_timeout_s)
-        self.redis.hdel(inflight_key(self.run, self.generator_id), group.prompt_id)
+        self.redis.hdel(keys.inflight(self.run, self.generator_id), group.prompt_id)
         self.counts["groups"] += 1
         self.counts["samples"] += len(group.samples)
         self.counts["tokens"] += group.num_tokens
@@ -322,7 +358,7 @@ class GeneratorActor:
     async def _rollout_group(self, prompt_id: str, text: str, metadata: dict, ids: list[int]) -> RolloutGroup:
         t0 = time.time()
         if self.env.multi_turn:
-            samples = await self._multi_turn_samples(text, metadata, ids)
+            samples = await self._multi_turn_samples(prompt_id, text, metadata, ids)
         else:
             # The prompt id is the request id: unique in the run, and it fixes the sampling seed.
             max_tokens = metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
@@ -332,7 +368,9 @@ class GeneratorActor:
                 max_tokens = None
             completions = await self.engine.generate(ids, self.rollout.n_samples, prompt_id, max_tokens=max_tokens)
             samples = [self._sample(text, metadata, c, t0) for c in completions]
-        meta = dict(metadata)
+        # How in-flight requests met a weight update; "keep" means later tokens may have attended
+        # to KV computed by older weights (a correction the learner may want to know about).
+        meta = dict(metadata, inflight=self.cfg.sync.inflight)
         if self.cfg.sync.inflight == "keep" and any(
                 s.token_versions is not None and len(set(s.token_versions.tolist())) > 1 for s in samples):
             meta["stale_kv"] = True  # tokens after a mid-request update attended to older weights' KV
@@ -363,14 +401,19 @@ class GeneratorActor:
             error=error,
         )
 
-    async def _multi_turn_samples(self, text: str, metadata: dict, ids: list[int]) -> list[Sample]:
-        async def policy(context: list[int]) -> Turn:
-            c = (await self.engine.generate(context, 1, f"{self.generator_id}-{uuid.uuid4().hex}"))[0]
-            return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
-
+    async def _multi_turn_samples(self, prompt_id: str, text: str, metadata: dict,
+                                  ids: list[int]) -> list[Sample]:
         budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
 
         async def one(k: int):
+            turns = 0
+
+            async def policy(context: list[int]) -> Turn:
+                nonlocal turns
+                turns += 1  # request id (and so seed) per trajectory and turn: reproducible
+                c = (await self.engine.generate(context, 1, f"{prompt_id}/t{k}/{turns}"))[0]
+                return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
+
             env = make_env(self.rollout.env, self.rollout.env_kwargs)  # episode state is per trajectory
             return await run_trajectory(env, text, metadata, policy, self.tokenizer.encode,
                                         lambda t: self.tokenizer.decode(t, skip_special_tokens=True), budget)
@@ -383,12 +426,17 @@ class GeneratorActor:
     async def _update(self, location: str, version: int) -> dict:
         if version <= self.engine.version:
             return {"version": self.engine.version, "skipped": True}
+        pids = self.engine.engine_pids
         try:
             info = await self.engine.load_weights(location, version, inflight=self.cfg.sync.inflight)
         except WeightLoadError:
             self.counts["weight_update_errors"] += 1
             raise
-        self.counts["weight_updates"] += 1
+        finally:
+            if self.engine.engine_pids is not pids:  # the engine was rebuilt: new processes to reap
+                await asyncio.to_thread(self._record_engine)
+        if not info.get("skipped"):
+            self.counts["weight_updates"] += 1
         return info
 
     async def _heartbeat_loop(self) -> None:
@@ -399,13 +447,22 @@ class GeneratorActor:
                                         {"version": s["version"], "groups": s["groups"],
                                          "tokens_per_s": s["tokens_per_s"], "inflight": s["inflight"]})
                 location, version = await asyncio.to_thread(self.queue.weights)
-                if location is not None and version > self.engine.version:
-                    await self._update(location, version)
+                if location is not None and version > self.engine.version and self._may_try(location, version):
+                    try:
+                        await self._update(location, version)
+                    except (WeightLoadError, OSError):
+                        self._weights_failed = (location, version, time.monotonic())
+                        raise
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a missed beat or a failed self-update is retried next second
                 log.warning("%s: heartbeat/weights poll failed: %s", self.generator_id, e)
             await asyncio.sleep(HEARTBEAT_S)
+
+    def _may_try(self, location: str, version: int) -> bool:
+        """Not the weights that just failed to load: each failed attempt pauses the engine."""
+        failed = self._weights_failed
+        return failed is None or failed[:2] != (location, version) or time.monotonic() - failed[2] > WEIGHTS_RETRY_S
 
     async def _stop(self, drain_timeout_s: float) -> None:
         self._stopping = True
@@ -424,9 +481,11 @@ class GeneratorActor:
             await asyncio.gather(*unfinished, return_exceptions=True)
         # A clean stop hands back what it admitted but never produced; a crash leaves the
         # in-flight hash for the successor instead.
-        pending = await asyncio.to_thread(self.redis.hlen, inflight_key(self.run, self.generator_id))
+        pending = await asyncio.to_thread(self.redis.hlen, keys.inflight(self.run, self.generator_id))
         if pending:
             await asyncio.to_thread(self.queue.release_admission, int(pending))
-            await asyncio.to_thread(self.redis.delete, inflight_key(self.run, self.generator_id))
+            await asyncio.to_thread(self.redis.delete, keys.inflight(self.run, self.generator_id))
         self._retry.clear()
+        self._generating = False
+        await asyncio.to_thread(self._record_engine)  # a successor must not auto-start
         await asyncio.to_thread(self.queue.remove_generator, self.generator_id)

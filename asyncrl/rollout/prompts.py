@@ -5,7 +5,9 @@
 
 A record's text is its "prompt" field (or "question", GSM8K's name); every other field
 is metadata handed to the reward function (e.g. "answer"). Prompt ids are stable
-("<file stem>:<epoch>:<row>"), so a re-issued prompt is recognisably the same one.
+("<id_prefix>:<file stem>:<epoch>:<row>", or "<id_prefix>:<n>" for env-made prompts), so a
+re-issued prompt is recognisably the same one; the generator's prefix "<generator id>.<incarnation>"
+keeps two generators (or two lives of one) reading the same file from sharing ids.
 A ``datasets`` directory (``Dataset.save_to_disk``) is read with pyarrow directly, so
 the ``datasets`` package is not needed.
 """
@@ -62,11 +64,12 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"rollout.prompts={str(path)!r}: expected .jsonl, .parquet or a datasets directory")
 
 
-def file_prompts(path: str | Path, seed: int = 0) -> Iterator[tuple[str, str, dict[str, Any]]]:
+def file_prompts(path: str | Path, seed: int = 0,
+                 id_prefix: str = "") -> Iterator[tuple[str, str, dict[str, Any]]]:
     records = read_records(path)
     if not records:
         raise ValueError(f"rollout.prompts={str(path)!r} holds no records")
-    stem = Path(path).stem
+    stem = f"{id_prefix}:{Path(path).stem}" if id_prefix else Path(path).stem
     parsed = [_split(r, f"{path} row {i}") for i, r in enumerate(records)]
     epoch = 0
     while True:
@@ -88,4 +91,4 @@ def env_prompts(env, seed: int, id_prefix: str) -> Iterator[tuple[str, str, dict
 
 def open_prompts(path: str | None, env, *, seed: int, id_prefix: str):
     """The endless prompt stream a generator draws from."""
-    return file_prompts(path, seed) if path else env_prompts(env, seed, id_prefix)
+    return file_prompts(path, seed, id_prefix) if path else env_prompts(env, seed, id_prefix)

@@ -6,6 +6,11 @@ args=(path,))`` without shipping callables (no VLLM_ALLOW_INSECURE_SERIALIZATION
 tensors through the RPC (they arrive as lists). Source of the in-place reload:
 vllm/model_executor/model_loader/reload/inplace.py (weights in checkpoint format, repacked
 by the model's own ``load_weights``; ``model.load_weights`` alone fails on CPU).
+
+A load that fails part-way (a tensor of the wrong shape, a truncated file) leaves vLLM's
+layer-wise reload state behind: layers still on the meta device, and the bad tensor buffered
+so that the next reload replays it and fails again. ``abandon_reload`` puts every unfinished
+layer's own storage back and clears that state, so loading the last good file then works.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ class WeightLoaderExtension:
                     yield name, f.get_tensor(name)
 
         # Worker.reload_weights sets the current vLLM config around the model runner's reload.
-        self.reload_weights(weights_iterator=tensors())
+        try:
+            self.reload_weights(weights_iterator=tensors())
+        except Exception:
+            abandon_reload(self.model_runner.get_model())
+            raise
         return count
 
     def asyncrl_weights_sum(self) -> float:
@@ -44,3 +53,32 @@ class WeightLoaderExtension:
         model = self.model_runner.get_model()
         with torch.no_grad():
             return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+def abandon_reload(model) -> int:
+    """Undo an unfinished in-place reload; return how many layers were put back.
+
+    Every layer still waiting for its weights gets its kernel tensors (the storage it ran
+    with, unchanged until a layer's load completes) back, with the original weight loaders,
+    and its buffered tensors are dropped. Layers that completed hold the failed file's values
+    until the caller loads good weights. Relies on vLLM 0.32's
+    ``model_executor/model_loader/reload/layerwise.py`` (LAYERWISE_INFO, _place_kernel_tensors).
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    restored = 0
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+            for tensor in layerwise.get_layer_tensors(layer).values():
+                if hasattr(tensor, "weight_loader"):
+                    tensor.weight_loader = layerwise._get_original_loader(tensor)
+            restored += 1
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    return restored

@@ -4,7 +4,8 @@
 
 One engine is shared by the whole module (start-up ~30 s, ~2.2 GiB); the tests run in
 order: logprob parity, groups with rewards (and a raising reward), weight publish during
-generation (versions, HF greedy parity, prefix cache), SIGKILL + restart + re-issue, shutdown.
+generation (versions, HF greedy parity, prefix cache), a failed weight load (retried, the last
+good weights restored), SIGKILL + Ray restart + reap + re-issue, shutdown.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.rollout.engine import shm_segments_of
 from asyncrl.rollout.envs.synthetic import positional_credit
-from asyncrl.rollout.generator import GeneratorActor, engine_pids_key, inflight_key
+from asyncrl.queue import keys
+from asyncrl.rollout.generator import GeneratorActor
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -54,6 +56,7 @@ def cfg(prompts_file):
                               engine_max_model_len=256, engine_max_num_seqs=32, seed=3)
     c.queue.maxlen = 3  # small, so put() blocks and in-flight prompts pile up for the kill test
     c.queue.put_timeout_s = 300.0
+    c.queue.ledger = True
     return c
 
 
@@ -79,10 +82,27 @@ def gen(ray_session, redis_server, tiny_model_dir, cfg):
     yield handle
     import ray
 
-    try:
+    try:  # a restarting actor is waited for: killing it mid-start would orphan its engine
+        wait_for_actor(ray, handle, timeout=240)
         ray.get(handle.shutdown.remote(), timeout=60)
     finally:
         ray.kill(handle, no_restart=True)
+
+
+def wait_for_actor(ray, handle, timeout: float, not_pid: int | None = None) -> int:
+    """The actor's pid once it answers (Ray refuses calls while it restarts: max_task_retries=0)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            pid = ray.get(handle.pid.remote(), timeout=30)
+            if pid != not_pid:
+                return pid
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError,
+                ray.exceptions.GetTimeoutError):
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"actor not back within {timeout}s")
+        time.sleep(1.0)
 
 
 @pytest.fixture(scope="module")
@@ -224,48 +244,88 @@ def test_publish_during_generation_switches_versions_and_matches_hf(ray_session,
         sync.close()
 
 
-@pytest.mark.xfail(strict=False, reason="known issue: the Ray-restarted actor starts its engine but its "
-                   "re-issued prompts were not seen in the queue within 240 s; under investigation")
+def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_session, gen, hf_model, tokenizer,
+                                                                     tmp_path):
+    """A file with a wrong shape: the load fails twice (one retry), the kept copy of v2 is loaded
+    back (the published v2 file itself was deleted by the previous test's sync.close()), and the
+    engine goes on generating v2's greedy tokens, labelled 2."""
+    from safetensors.torch import save_file
+
+    ray = ray_session
+    assert ray.get(gen.version.remote()) == 2
+    bad = {k: v.clone() for k, v in perturbed_state(hf_model, seed=3).items()}
+    bad["model.embed_tokens.weight"] = bad["model.embed_tokens.weight"][:, :-1].contiguous()
+    path = str(tmp_path / "bad.safetensors")
+    save_file(bad, path)
+    before = ray.get(gen.stats.remote())
+    with pytest.raises(Exception, match="failed after 2 attempts; still running version 2"):
+        ray.get(gen.update_weights.remote(path, 3))
+    assert ray.get(gen.version.remote()) == 2
+    stats = ray.get(gen.stats.remote())
+    assert stats["weight_update_errors"] == before["weight_update_errors"] + 1
+    assert stats["weight_updates"] == before["weight_updates"]
+    hf_v2 = type(hf_model)(hf_model.config).eval()
+    hf_v2.load_state_dict(perturbed_state(hf_model, seed=2))
+    prompt = tokenizer.encode("bcd=")
+    out = ray.get(gen.sample.remote(prompt, 1, 24, 0.0))[0]
+    assert out["versions"] == [2] * len(out["token_ids"])
+    assert out["token_ids"] == hf_greedy(hf_v2, prompt, 24, tokenizer.eos_token_id)[: len(out["token_ids"])]
+    # a file that vanished is refused before the engine is paused, and reported the same way
+    with pytest.raises(Exception, match="does not exist"):
+        ray.get(gen.update_weights.remote(str(tmp_path / "gone.safetensors"), 3))
+    assert ray.get(gen.version.remote()) == 2
+
+
 def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session, gen, queue, redis_server):
+    """Kill -9 the actor while 3 groups are put and 3 more are generated but blocked on a full
+    queue. Ray restarts it (created with autostart=False: it must resume anyway); the successor
+    reaps the orphaned engine processes, and puts the 3 in-flight prompts with no new admission."""
     import redis
 
     ray = ray_session
     r = redis.Redis.from_url(redis_server.url)
-    # Admit 6 more groups; with queue.maxlen=3 and nobody reading, puts block and prompts stay in flight.
-    started = queue.counters().get("groups_started", 0)
+    inflight = keys.inflight(RUN, "g0")
+    c0 = queue.counters()
+    started, produced = c0.get("groups_started", 0), c0.get("groups_produced", 0)
     queue.set_policy_version(0)
     queue.configure_admission(max_staleness=0, groups_per_step=started + 6)
     ray.get(gen.start.remote())
-    deadline = time.time() + 120
-    while queue.counters().get("groups_started", 0) < started + 6 and time.time() < deadline:
+    # maxlen=3 and nobody reading: 3 groups land, the other 3 wait in put() (still in flight).
+    deadline = time.time() + 180
+    while time.time() < deadline and not (queue.counters().get("groups_started", 0) == started + 6
+                                           and r.xlen(keys.rollouts(RUN)) == 3 and r.hlen(inflight) == 3):
         time.sleep(0.2)
-    while r.hlen(inflight_key(RUN, "g0")) < 3 and time.time() < deadline:
-        time.sleep(0.2)
+    queued = {g.prompt_id for g in queue.queued_groups()}
+    inflight_before = {k.decode() for k in r.hkeys(inflight)}
+    assert len(queued) == 3 and len(inflight_before) == 3, (queued, inflight_before)
+    admitted = queued | inflight_before
     old_pid = ray.get(gen.pid.remote())
     old_engine = [p for p, _ in ray.get(gen.engine_pids.remote())]
     old_segments = shm_segments_of(old_engine + [old_pid])
     assert old_engine and old_segments
-    inflight_before = {k.decode() for k in r.hkeys(inflight_key(RUN, "g0"))}
     os.kill(old_pid, signal.SIGKILL)
 
-    # Drain everything; Ray restarts the actor, which reaps and re-issues on its own.
-    prompt_ids = []
-    deadline = time.time() + 240
-    while len(set(prompt_ids)) < 6 and time.time() < deadline:
-        got = queue.get_batch(6, min_version=0, timeout=5.0)
+    # answers once the successor's __init__ (reap, engine start, re-issue) is done
+    wait_for_actor(ray, gen, timeout=300, not_pid=old_pid)
+    assert not [p for p in old_engine if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [s for s in old_segments if os.path.exists(s)], "the predecessor's shared memory leaked"
+    received = []
+    deadline = time.time() + 180
+    while time.time() < deadline and (set(received) != admitted or r.hlen(inflight)):
+        got = queue.get_batch(6, min_version=0, timeout=2.0)
         queue.ack([i for i, _ in got])
-        prompt_ids += [g.prompt_id for _, g in got]
-    assert len(set(prompt_ids)) == 6, f"lost prompts: got {sorted(set(prompt_ids))}, in flight {inflight_before}"
-    assert inflight_before <= set(prompt_ids)
-    new_pid = ray.get(gen.pid.remote(), timeout=120)
-    assert new_pid != old_pid
+        received += [g.prompt_id for _, g in got]
+    # Every admitted prompt reached the queue exactly once as a group; none is left in flight.
+    assert sorted(received) == sorted(admitted), f"in flight at the kill: {inflight_before}"
+    assert r.hlen(inflight) == 0
+    counters = queue.counters()
+    assert counters["groups_produced"] == produced + 6 and counters.get("duplicates", 0) == 0
+    assert counters["groups_started"] == started + 6  # the re-issue took no second admission
+    assert admitted <= queue.produced_ids()  # the ledger (queue.ledger=True) saw them
     stats = ray.get(gen.stats.remote())
-    assert stats["reissued"] == len(inflight_before) or stats["reissued"] >= len(inflight_before) - 1
-    assert queue.counters()["groups_started"] == started + 6  # re-issue took no second admission
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in old_engine)
-    assert not [s for s in old_segments if os.path.exists(s)]
-    assert r.hlen(inflight_key(RUN, "g0")) == 0
+    assert stats["reissued"] == 3 and stats["groups"] == 3
+    assert {p.split(":")[0] for p in inflight_before} == {"g0.1"}  # prompt ids carry incarnation 1
+    assert int(r.get(keys.incarnation(RUN, "g0"))) == 2
 
 
 def test_shutdown_leaves_no_engine_processes_or_shm(ray_session, gen, redis_server):
@@ -279,4 +339,5 @@ def test_shutdown_leaves_no_engine_processes_or_shm(ray_session, gen, redis_serv
     ray.get(gen.shutdown.remote(), timeout=120)
     assert not [s for s in segments if os.path.exists(s)]
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine)
-    assert redis.Redis.from_url(redis_server.url).hget(engine_pids_key(RUN), "g0") is None
+    assert redis.Redis.from_url(redis_server.url).hget(keys.engine_pids(RUN), "g0") is None
+    assert not os.path.exists(f"/dev/shm/.asyncrl-{RUN}-g0-last-good.safetensors")

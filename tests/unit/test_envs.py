@@ -181,3 +181,47 @@ def test_long_tail_sets_per_prompt_token_budgets_without_changing_the_task():
     p1, m1 = plain.make_prompt(random.Random(7))
     p2, m2 = tail.make_prompt(random.Random(7))
     assert p1 == p2 and m1["target"] == m2["target"] and "max_tokens" not in m1
+
+
+def test_prompt_ids_carry_the_generator_prefix_and_streams_are_reproducible(tmp_path):
+    import json
+
+    from asyncrl.rollout.prompts import open_prompts
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"{c}=", "target": c}) for c in "abc"))
+    env = make_env("copy")
+
+    def take(prefix, seed, k, file=None):
+        stream = open_prompts(file, env, seed=seed, id_prefix=prefix)
+        return [next(stream) for _ in range(k)]
+
+    # a file: ids "<prefix>:<stem>:<epoch>:<row>", every row once per epoch
+    first = take("g0.1", 4, 6, str(path))
+    assert [i.rsplit(":", 2)[0] for i, _, _ in first] == ["g0.1:tasks"] * 6
+    assert sorted(i for i, _, _ in first[:3]) == ["g0.1:tasks:0:0", "g0.1:tasks:0:1", "g0.1:tasks:0:2"]
+    assert {t for _, t, _ in first[:3]} == {"a=", "b=", "c="}
+    assert first == take("g0.1", 4, 6, str(path))  # same prefix and seed: the same stream
+    # a second generator (or the next incarnation) reading the same file never shares an id
+    assert not {i for i, _, _ in first} & {i for i, _, _ in take("g0.2", 4, 6, str(path))}
+    # env-made prompts: "<prefix>:<n>"
+    made = take("g1.1", 9, 3)
+    assert [i for i, _, _ in made] == ["g1.1:0", "g1.1:1", "g1.1:2"] and made == take("g1.1", 9, 3)
+
+
+def test_unlink_segments_deletes_only_psm_segments(tmp_path):
+    import os
+
+    from asyncrl.rollout.engine import unlink_segments
+
+    with pytest.raises(ValueError, match="refusing to unlink"):
+        unlink_segments(["/dev/shm/psm_abc", str(tmp_path / "psm_abc")])
+    with pytest.raises(ValueError, match="refusing to unlink"):
+        unlink_segments(["/dev/shm/psm_../etc"])
+    name = f"/dev/shm/psm_{os.getpid():x}f00d"
+    with open(name, "wb") as f:
+        f.write(b"x")
+    absent = f"/dev/shm/psm_{os.getpid():x}dead"
+    assert not os.path.exists(absent)
+    assert unlink_segments([name, absent]) == [name]
+    assert not os.path.exists(name)
