@@ -10,7 +10,8 @@ Faults (drawn uniformly, one every --fault-every seconds on average, exponential
   redis_restart    SIGKILL redis-server, start it again on its AOF (same port)
   connection_drop  CLIENT KILL TYPE normal, then CLIENT PAUSE 3 s
   trainer_kill     SIGKILL the whole trainer process group, then `asyncrl train --resume`
-A fault counts as survived when the job trains 2 more steps within --recover-timeout s.
+A fault counts as survived when the job trains past it (see recovery_target) within
+--recover-timeout s.
 At the end the job is stopped with SIGINT (checkpoint, exit 0) and audited. A live table
 shows progress; the last line printed is JSON with the figures. Exit 1 if a fault was not
 survived or the ledger does not balance.
@@ -66,6 +67,17 @@ def inject(job: TrainJob, fault: str) -> str:
     raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
 
 
+def recovery_target(fault: str, before: int) -> int:
+    """The policy version that proves the job recovered from `fault` injected at `before`.
+
+    trainer_kill: one step past the killed trainer's version (Redis still shows that version
+    until the resumed trainer overwrites it, so anything lower proves nothing). generator_kill:
+    past what admission let the dead generator queue ahead ((max_staleness + 1) steps of
+    groups, 3 in the demo), so the restarted generator must have produced. Others: 2 steps.
+    """
+    return before + {"trainer_kill": 1, "generator_kill": 5}.get(fault, 2)
+
+
 def view(job: TrainJob, events: list[dict], counts: dict, t_end: float) -> Group:
     """The live summary: run figures, then the last faults and how long recovery took."""
     c = job.counters()
@@ -117,9 +129,7 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
                 counts[fault] += 1
                 t_fault = time.monotonic()
                 try:
-                    # After a trainer kill the version restarts from the checkpoint: 2 steps past it.
-                    target = (before // 3 * 3 if fault == "trainer_kill" else before) + 2
-                    job.wait_for_step(target, timeout=recover_timeout)
+                    job.wait_for_step(recovery_target(fault, before), timeout=recover_timeout)
                     event["ok"] = True
                     counts["survived"] += 1
                 except (TimeoutError, JobDied) as e:
