@@ -75,7 +75,7 @@ class EmbeddedRedis:
                  aof: bool = False, bind: str = "127.0.0.1", start_timeout: float = 15.0):
         if password is not None and (not password or any(c in password for c in '"\\\n\r')):
             raise ValueError("EmbeddedRedis password must be non-empty, without quotes, backslashes or newlines")
-        self.dir = Path(dir)
+        self.dir = Path(dir).resolve()  # redis-server runs with cwd=dir: relative paths would break
         self.port = port
         self._fixed_port = port is not None
         self.password = password

@@ -111,3 +111,15 @@ def test_orphaned_server_from_a_killed_owner_is_stopped_and_its_port_reused(tmp_
         pass
     assert not os.path.exists(f"/proc/{orphan_pid}") or open(f"/proc/{orphan_pid}/stat").read().split()[2] == "Z"
 
+
+
+def test_a_relative_run_dir_works(tmp_path, monkeypatch):
+    """`control.run_dir: runs/demo` is relative: the server must still find its config."""
+    import redis as redis_lib
+
+    from asyncrl.queue.server import EmbeddedRedis
+
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis("runs/demo/redis", aof=True) as server:
+        assert redis_lib.Redis.from_url(server.url).ping()
+        assert (tmp_path / "runs" / "demo" / "redis" / "redis.pid").exists()
