@@ -166,5 +166,8 @@ class Runtime(contextlib.ExitStack):
         import yaml
 
         path = self.run_dir / "config.yaml"
-        path.write_text(yaml.safe_dump(json.loads(json.dumps(asdict(self.cfg))), sort_keys=False))
+        # 0600: it may hold queue.password (resume reads it back from here).
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(yaml.safe_dump(json.loads(json.dumps(asdict(self.cfg))), sort_keys=False))
         return path
