@@ -17,8 +17,9 @@ Loop: draw a prompt (skip and count those over rollout.max_prompt_tokens), wait 
 admission (queue.try_admit), note the prompt in the generator's in-flight hash in Redis,
 sample n completions, score them with the environment, put one RolloutGroup, delete the
 in-flight note. Up to rollout.max_inflight_groups groups run at once. A restarted actor
-(Ray max_restarts) first reaps its predecessor's orphaned engine processes, then
-re-issues the predecessor's in-flight prompts without a second admission. Every second it
+(Ray max_restarts) first reaps its predecessor's orphaned engine processes and deletes their
+leaked /dev/shm/psm_* segments, then re-issues the predecessor's in-flight prompts without a
+second admission, and goes on generating if the predecessor was. Every second it
 heartbeats {version, groups, tokens_per_s} and loads newer published weights by itself if
 nobody pushed them (elastic generators).
 
