@@ -47,7 +47,8 @@ class WeightLoaderExtension:
         return count
 
     def asyncrl_weights_sum(self) -> float:
-        """Sum of all parameters, float64: a cheap fingerprint tests use to tell versions apart."""
+        """Sum of all parameters, float64: changes when weights change. Not equal to the
+        checkpoint's sum: vLLM pads the vocabulary and, on CPU, keeps repacked weight copies."""
         import torch
 
         model = self.model_runner.get_model()

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import os
+import struct
+import sys
 import time
 
 from asyncrl.config import SyncConfig
@@ -49,20 +52,46 @@ def call_engines(handles: list, method: str, *args) -> list:
     return results
 
 
-def save_state_dict(state_dict: dict, path: str) -> int:
-    """Write tensors to ``path`` atomically as safetensors (CPU, contiguous); return the bytes written."""
-    import torch
-    from safetensors.torch import save_file
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+                      "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
-    tensors = {}
+
+def save_state_dict(state_dict: dict, path: str) -> int:
+    """Write tensors to ``path`` atomically as safetensors (CPU, contiguous); return the bytes written.
+
+    The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian
+    header length, a JSON header {name: {"dtype", "shape", "data_offsets": [begin, end]}}
+    padded with spaces, then the raw little-endian bytes. Written straight from each
+    tensor's memory: ``safetensors.torch.save_file`` first copies everything into one
+    buffer, which costs a third of a publish for a 60 MB model.
+    """
+    import torch
+
+    if sys.byteorder != "little":
+        raise RuntimeError("save_state_dict writes little-endian safetensors on little-endian hosts only")
+    tensors, header, offset = {}, {}, 0
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, expected a torch.Tensor")
-        tensors[name] = t.detach().to("cpu").contiguous()
+        dtype = SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise TypeError(f"state_dict[{name!r}] has dtype {t.dtype}; supported: {sorted(SAFETENSORS_DTYPES)}")
+        t = t.detach().to("cpu").contiguous()
+        size = t.numel() * t.element_size()
+        tensors[name] = t
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
     tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(tensors, tmp)
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
     os.replace(tmp, path)
-    return os.path.getsize(path)
+    return 8 + len(blob) + offset
 
 
 class ShmWeightSync:

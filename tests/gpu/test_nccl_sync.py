@@ -28,8 +28,16 @@ def test_nccl_publish_switches_engine_weights_and_version(tiny_model_dir, redis_
         sync = build_weight_sync(SyncConfig(backend="nccl"), run="gpu", engines=[gen])
         info = sync.publish(state, version=1)
         assert info["errors"] == [] and gen.version() == 1
-        expected = sum(v.double().sum().item() for v in state.values())
-        assert gen._call(gen.engine.weights_sum()) == pytest.approx(expected, rel=1e-5)
+        # the engine samples with the new weights: its logprobs equal an HF forward with them
+        # (parameter sums are no fingerprint: vLLM may keep repacked copies of the weights)
+        model.load_state_dict(state)
+        prompt = [5, 6, 7, 8]
+        out = gen.sample(prompt, 1, 8, 1.0, True)[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1: -1]
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out["token_ids"])[:, None])[:, 0]
+        assert out["versions"] == [1] * 8
+        assert float((ref - torch.tensor(out["logprobs"])).abs().max()) < 1e-3
         sync.close()
     finally:
         gen.shutdown()
