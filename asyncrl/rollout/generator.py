@@ -123,12 +123,15 @@ class GeneratorActor:
         self.prompts = open_prompts(self.rollout.prompts, self.env, id_prefix=prefix,
                                     seed=self.rollout.seed + zlib.crc32(prefix.encode()))
         self.counts = {"groups": 0, "samples": 0, "tokens": 0, "prompts_skipped": 0, "reward_errors": 0,
-                       "group_errors": 0, "reissued": 0, "weight_updates": 0, "weight_update_errors": 0}
+                       "group_errors": 0, "reissued": 0, "weight_updates": 0, "weight_update_errors": 0,
+                       "admission_calls": 0, "admission_s": 0.0}
         self._started_at = time.time()
         self._retry: deque = deque()  # admitted prompts to run again (predecessor's, or failed here)
         self._samples_drawn = 0  # request ids of sample() calls
         self._weights_failed: tuple[str, int, float] | None = None  # (location, version, when)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # groups generating or being put
+        self._slots_taken = 0  # of those, still generating (the slots of max_inflight_groups)
+        self._slot_freed = asyncio.Event()
         self._main: asyncio.Task | None = None
         self._stopping = False
         # Pin before the loop thread exists: it spawns the engine, whose processes inherit its cores.
@@ -300,25 +303,49 @@ class GeneratorActor:
         beat = asyncio.ensure_future(self._heartbeat_loop())
         try:
             while not self._stopping:
-                while len(self._tasks) >= self.rollout.max_inflight_groups and not self._stopping:
-                    await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-                if self._stopping:
-                    break
-                if self._retry:  # already admitted (and noted in Redis) once
-                    self._spawn(self._retry.popleft())
-                    continue
-                item = self._next_prompt()
+                # The next prompt is admitted (and noted) while every slot is still busy, so a
+                # freed slot is refilled at once instead of idling the engine for two Redis
+                # round trips. If we stop first, _stop releases it with the other noted ones.
+                item = self._retry.popleft() if self._retry else await self._admit_next()
                 if item is None:
                     continue
-                while not self._stopping and not await asyncio.to_thread(self.queue.try_admit, 1):
-                    await asyncio.sleep(ADMISSION_POLL_S)
+                while self._busy() and not self._stopping:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
                 if self._stopping:
                     break
-                note = msgpack.packb({"text": item[1], "metadata": item[2]}, use_bin_type=True)
-                await asyncio.to_thread(self.redis.hset, keys.inflight(self.run, self.generator_id), item[0], note)
                 self._spawn(item)
         finally:
             beat.cancel()
+
+    def _busy(self) -> bool:
+        """All generation slots taken, or too many finished groups still waiting to be put
+        (a full queue), which must stop us drawing more rather than pile them up in memory."""
+        return (self._slots_taken >= self.rollout.max_inflight_groups
+                or len(self._tasks) >= 2 * self.rollout.max_inflight_groups)
+
+    async def _admit_next(self):
+        """Draw a prompt and wait until admission lets it start; None if skipped or stopping."""
+        item = self._next_prompt()
+        if item is None:
+            return None
+        note = msgpack.packb({"text": item[1], "metadata": item[2]}, use_bin_type=True)
+        while not self._stopping:
+            t0 = time.perf_counter()
+            admitted = await asyncio.to_thread(self._admit_and_note, item[0], note)
+            self.counts["admission_calls"] += 1
+            self.counts["admission_s"] += time.perf_counter() - t0
+            if admitted:
+                return item
+            await asyncio.sleep(ADMISSION_POLL_S)
+        return None
+
+    def _admit_and_note(self, prompt_id: str, note: bytes) -> bool:
+        """One thread hop: admission, then the in-flight note a successor would re-issue."""
+        if not self.queue.try_admit(1):
+            return False
+        self.redis.hset(keys.inflight(self.run, self.generator_id), prompt_id, note)
+        return True
 
     def _next_prompt(self):
         prompt_id, text, metadata = next(self.prompts)
@@ -330,9 +357,14 @@ class GeneratorActor:
         return prompt_id, text, metadata, ids
 
     def _spawn(self, item) -> None:
+        self._slots_taken += 1
         task = asyncio.ensure_future(self._produce(item))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._slot_freed.set()
 
     async def _produce(self, item) -> None:
         prompt_id = item[0]
@@ -347,6 +379,9 @@ class GeneratorActor:
             if not self._stopping:
                 self._retry.append(item)
             return
+        finally:  # the slot frees before the put: the next group generates while this one is sent
+            self._slots_taken -= 1
+            self._slot_freed.set()
         await asyncio.to_thread(self._put, group)
 
     def _put(self, group: RolloutGroup) -> None:
@@ -467,6 +502,7 @@ class GeneratorActor:
 
     async def _stop(self, drain_timeout_s: float) -> None:
         self._stopping = True
+        self._slot_freed.set()
         if self._main is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(self._main), timeout=2.0)
