@@ -6,7 +6,10 @@ Each step at policy version v:
      slot back so generators can replace them);
   2. advantages + reduction weights (asyncrl.data.batch), one optimizer step per mini-batch;
   3. every `sync_every` optimizer steps publish the weights, and only then raise the policy
-     version in Redis, so admission never lets a generator start work on weights it lacks;
+     version in Redis, so admission never lets a generator start work on weights it lacks.
+     In async mode the engines load the new weights while the learner trains the next step
+     (a background thread waits for them, then raises the version); one publish is in
+     flight at a time. The synchronous mode (and max_staleness=0) waits, as it must;
   4. log metrics; every `checkpoint_every` steps checkpoint, then ack the queue entries the
      checkpoint covers (a crash before that redelivers them: trained exactly once).
 
@@ -110,6 +113,10 @@ class TrainLoop:
         self.group_seconds: list[float] = []
         """Generation time of each trained group (its slowest sample): bench/simulate.py's input."""
         self._counters_seen: dict[str, int] = {}
+        self._inflight_publish: threading.Thread | None = None
+        self._publish_error: BaseException | None = None
+        self.last_apply_s = 0.0
+        """How long the engines took to apply the last publish (pause, load, resume)."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -129,9 +136,8 @@ class TrainLoop:
         # admission must count only what is still alive (queued or pending) on top of what
         # the checkpoint trained, or staleness would climb past the bound. The count is set
         # before admission opens, so no generator can be admitted against a stale count.
-        self._publish(self.state.version)
+        self._publish(self.state.version, overlap=False)
         trained = len(self.state.trained_ids)
-        self.queue.set_policy_version(self.state.version)
         self.queue.reset_admission(trained + self.queue.depth() + self.queue.pending())
         self.queue.configure_admission(self.max_staleness, c.groups_per_step)
         self._counters_seen = self.queue.counters()
@@ -195,13 +201,46 @@ class TrainLoop:
                 return j
         return 0
 
-    def _publish(self, version: int) -> float:
+    def _publish(self, version: int, overlap: bool) -> float:
+        """Export the weights as `version`, have the engines apply them, then raise the policy
+        version in Redis; with `overlap` the engines' part runs while the caller goes on.
+        Returns the seconds the caller spent."""
         t0 = time.perf_counter()
+        self._finish_publish()
         path = self.rt.weight_sync.path_for(version)
         self.learner.export_to_file(path)
-        self.rt.weight_sync.publish_file(path, version)
         self.state.published_version = version
+        if overlap:
+            self._inflight_publish = threading.Thread(
+                target=self._apply_and_announce, args=(path, version), name=f"publish-v{version}", daemon=True)
+            self._inflight_publish.start()
+        else:
+            self._apply_and_announce(path, version)
+            self._raise_publish_error()
         return time.perf_counter() - t0
+
+    def _apply_and_announce(self, path: str, version: int) -> None:
+        try:
+            self.last_apply_s = self.rt.weight_sync.publish_file(path, version)["apply_s"]
+            self.queue.set_policy_version(version)
+        except BaseException as e:  # handed to the loop's thread by _finish_publish
+            self._publish_error = e
+
+    def _finish_publish(self) -> None:
+        """Wait for the publish in flight (if any); its failure is raised here, in the loop."""
+        if self._inflight_publish is not None:
+            self._inflight_publish.join()
+            self._inflight_publish = None
+        self._raise_publish_error()
+
+    def _raise_publish_error(self) -> None:
+        error, self._publish_error = self._publish_error, None
+        if error is not None:
+            raise error
+
+    @property
+    def _overlap_publish(self) -> bool:
+        return self.max_staleness > 0
 
     def _due(self, every: int, before: int, after: int) -> bool:
         return after // every > before // every
@@ -229,10 +268,13 @@ class TrainLoop:
         self.queue.incr("groups_trained", len(groups))
 
         t_sync = 0.0
+        # The policy version is raised only after the publish, so admitted work runs the
+        # weights it is counted against.
         if self._due(self.cfg.sync.sync_every, before, self.state.version):
-            t_sync = self._publish(self.state.version)
-        # Raised only after the publish, so admitted work runs the weights it is counted against.
-        self.queue.set_policy_version(self.state.version)
+            t_sync = self._publish(self.state.version, overlap=self._overlap_publish)
+        else:
+            self._finish_publish()  # never let a late publish thread lower the version
+            self.queue.set_policy_version(self.state.version)
 
         if self.state.step % c.checkpoint_every == 0 or self.state.step >= c.total_steps:
             self.checkpoint()
@@ -248,7 +290,7 @@ class TrainLoop:
         gen_tokens = sum(g.num_tokens for g in groups)
         out = {
             "time/wait_data": t_wait, "time/train": t_train, "time/sync": t_sync, "time/step": t_step,
-            "sync/seconds": t_sync,
+            "sync/seconds": t_sync, "sync/apply_s": self.last_apply_s,
             "queue/depth": float(self.queue.depth()), "queue/pending": float(self.queue.pending()),
             "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
             "queue/dead_lettered": float(counters.get("dead_lettered", 0)),
@@ -293,6 +335,7 @@ class TrainLoop:
                     self.progress.update(self.state.step, metrics)
                 if self.on_step is not None:
                     self.on_step(self, metrics)
+            self._finish_publish()
             if self.stop.is_set and self.state.unacked:
                 self.checkpoint()
             self.queue.set_state(status="stopped" if self.stop.is_set else "finished")
@@ -300,6 +343,8 @@ class TrainLoop:
             self.queue.set_state(status="failed")
             raise
         finally:
+            if self._inflight_publish is not None:  # the engines must not be torn down mid-load
+                self._inflight_publish.join()
             self.stop.restore()
         return self.state
 

@@ -82,9 +82,10 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     # Where a trainer step's wall time goes (max over ranks: the slowest rank sets the pace).
     _m("time/wait_data", "max", "seconds waiting for enough fresh rollouts", "s"),
     _m("time/train", "max", "seconds in forward/backward/optimizer", "s"),
-    _m("time/sync", "max", "seconds publishing weights to the generators", "s"),
+    _m("time/sync", "max", "learner seconds publishing weights (async: the export; sync mode: until the engines run them)", "s"),
     _m("time/step", "max", "wall seconds of the whole trainer step", "s"),
-    _m("sync/seconds", "max", "seconds of the last weight sync (publish to engines updated)", "s"),
+    _m("sync/seconds", "max", "learner seconds of this step's weight publish (same as time/sync)", "s"),
+    _m("sync/apply_s", "max", "seconds the engines took to apply the last publish (pause, load, resume)", "s"),
     # Task.
     _m("reward/mean", "mean", "mean reward of trained samples"),
     _m("reward/std", "mean", "std of rewards of trained samples (mean across parts)"),
