@@ -25,6 +25,8 @@ micro-batches per rank * world size. Its gradient depends on the micro-batching 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -54,29 +56,17 @@ def token_entropy(logits: Tensor, temperature: float) -> Tensor:
 
 
 def policy_loss_params(algo: AlgoConfig) -> PolicyLossParams:
-    return PolicyLossParams(
-        eps_clip_low=algo.eps_clip_low,
-        eps_clip_high=algo.eps_clip_high,
-        dual_clip_c=algo.dual_clip_c,
-        sapo_tau_pos=algo.sapo_tau_pos,
-        sapo_tau_neg=algo.sapo_tau_neg,
-        cispo_eps_high=algo.cispo_eps_high,
-        clip_cov_ratio=algo.clip_cov_ratio,
-        clip_cov_lb=algo.clip_cov_lb,
-        clip_cov_ub=algo.clip_cov_ub,
-        kl_cov_ratio=algo.kl_cov_ratio,
-        kl_cov_coef=algo.kl_cov_coef,
-    )
+    """The config's values for the algo layer, which takes no config objects; the field names
+    are shared, so a field added to one and not the other fails here (and in the unit tests)."""
+    return _mirror(PolicyLossParams, algo)
 
 
 def correction_params(algo: AlgoConfig) -> CorrectionParams:
-    c = algo.correction
-    return CorrectionParams(
-        tis=c.tis, tis_cap=c.tis_cap,
-        geo_mask=c.geo_mask, geo_mask_low=c.geo_mask_low, geo_mask_high=c.geo_mask_high,
-        product_mask=c.product_mask, product_mask_low=c.product_mask_low, product_mask_high=c.product_mask_high,
-        outlier_mask=c.outlier_mask, outlier_low=c.outlier_low, outlier_high=c.outlier_high,
-    )
+    return _mirror(CorrectionParams, algo.correction)
+
+
+def _mirror(params_cls, section):
+    return params_cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(params_cls)})
 
 
 def required_fields(algo: AlgoConfig, *, old_from_current: bool = False) -> tuple[str, ...]:

@@ -264,3 +264,21 @@ def test_all_masked_microbatch_is_zero_and_finite():
     # No extremes from an empty micro-batch: a 0 would win every merged min.
     assert "drift/tis_ratio_min" not in m and "drift/tis_ratio_max" not in m
     assert m["drift/tis_ratio_mean"].count == 0
+
+
+def test_loss_params_mirror_the_config():
+    """The algo layer's parameter classes and the config share field names and defaults, and
+    every configured value reaches the loss (a field added on one side only fails here)."""
+    import dataclasses
+
+    from asyncrl.learner.loss import correction_params, policy_loss_params
+
+    algo, corr = AlgoConfig(), CorrectionConfig()
+    for params_cls, section in ((PolicyLossParams, algo), (CorrectionParams, corr)):
+        for f in dataclasses.fields(params_cls):
+            assert getattr(section, f.name) == f.default, f.name
+    cfg = config.load_config(None, ["algo.eps_clip_high=0.28", "algo.kl_cov_coef=2.5",
+                                    "algo.correction.tis=sequence", "algo.correction.tis_cap=3.5"])
+    assert policy_loss_params(cfg.algo).eps_clip_high == 0.28
+    assert policy_loss_params(cfg.algo).kl_cov_coef == 2.5
+    assert (correction_params(cfg.algo).tis, correction_params(cfg.algo).tis_cap) == ("sequence", 3.5)
