@@ -59,19 +59,19 @@ def inject(job: TrainJob, fault: str) -> str:
     if fault == "connection_drop":
         return f"{job.drop_connections(pause_s=3.0)} connections killed, clients paused 3 s"
     if fault == "trainer_kill":
-        at = job.policy_version()
+        at = job.trainer_step()
         job.signal(signal.SIGKILL)
         job.wait(60)
         job.resume()
-        return f"trainer killed at v{at}, resumed"
+        return f"trainer killed at step {at}, resumed"
     raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
 
 
 def recovery_target(fault: str, before: int) -> int:
-    """The policy version that proves the job recovered from `fault` injected at `before`.
+    """The trainer step that proves the job recovered from `fault` injected at `before`.
 
-    trainer_kill: one step past the killed trainer's version (Redis still shows that version
-    until the resumed trainer overwrites it, so anything lower proves nothing). generator_kill:
+    trainer_kill: one step past the killed trainer's step (the resumed trainer restarts from
+    its checkpoint, below it, so anything lower proves nothing). generator_kill:
     past what admission let the dead generator queue ahead ((max_staleness + 1) steps of
     groups, 3 in the demo), so the restarted generator must have produced. Others: 2 steps.
     """
@@ -82,9 +82,9 @@ def view(job: TrainJob, events: list[dict], counts: dict, t_end: float) -> Group
     """The live summary: run figures, then the last faults and how long recovery took."""
     c = job.counters()
     run = Table(title=f"asyncrl soak: {job.run_name}  ({max(0, t_end - time.monotonic()):.0f} s left)")
-    for col in ("policy version", "trained", "produced", "dropped stale", "dead-lettered", "faults ok/injected"):
+    for col in ("step", "policy version", "trained", "produced", "dropped stale", "dead-lettered", "faults ok/injected"):
         run.add_column(col, justify="right")
-    run.add_row(str(job.policy_version()), str(c.get("groups_trained", "?")), str(c.get("groups_produced", "?")),
+    run.add_row(str(job.trainer_step()), str(job.policy_version()), str(c.get("groups_trained", "?")), str(c.get("groups_produced", "?")),
                 str(c.get("dropped_stale", 0)), str(c.get("dead_lettered", 0)),
                 f"{counts['survived']}/{counts['injected']}")
     faults = Table(title="last faults")
@@ -123,7 +123,7 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
                 fault = rng.choice(FAULTS)
                 event = {"t": time.monotonic() - t0, "fault": fault}
                 events.append(event)
-                before = job.policy_version()
+                before = job.trainer_step()
                 event["note"] = inject(job, fault)
                 counts["injected"] += 1
                 counts[fault] += 1

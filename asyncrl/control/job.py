@@ -155,22 +155,31 @@ class TrainJob:
         return {k: int(v) for k, v in self._hash("counters").items()}
 
     def policy_version(self) -> int:
+        """The version generators are admitted against (trails the trainer while a publish is in flight)."""
         return int(self.state().get("policy_version", 0))
 
+    def trainer_step(self) -> int:
+        """The last step the trainer has trained (written right after the optimizer step)."""
+        return int(self.state().get("trainer_step", 0))
+
+    def checkpoint_step(self) -> int:
+        """The step of the last checkpoint the trainer wrote and acked."""
+        return int(self.state().get("checkpoint_step", 0))
+
     def wait_for_step(self, n: int, timeout: float) -> int:
-        """Block until the run's policy version is >= n (one optimizer step per step in the
-        fault configs); JobDied if the process exits first, TimeoutError after `timeout`."""
+        """Block until the trainer has trained step n; returns its step then. JobDied if the
+        process exits first, TimeoutError after `timeout`."""
         deadline = time.monotonic() + timeout
         while True:
             self.processes()
-            version = self.policy_version()
-            if version >= n:
-                return version
+            step = self.trainer_step()
+            if step >= n:
+                return step
             if not self.running():
-                raise JobDied(f"job {self.run_name!r} exited ({self.proc.returncode}) at version {version} "
+                raise JobDied(f"job {self.run_name!r} exited ({self.proc.returncode}) at step {step} "
                               f"before step {n}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {self.run_name!r} at version {version}, not {n}, after {timeout}s:\n"
+                raise TimeoutError(f"job {self.run_name!r} at step {step}, not {n}, after {timeout}s:\n"
                                    f"{self.log_tail()}")
             time.sleep(0.25)
 

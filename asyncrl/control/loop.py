@@ -131,6 +131,7 @@ class TrainLoop:
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
             # What `asyncrl generate` needs to join this job from another process.
             config=json.dumps(self.cfg.to_dict()), model_path=self.rt.model_path,
+            trainer_step=self.state.step,
         )
         # After a resume the weights are the checkpoint's: generators must run them, and
         # admission must count only what is still alive (queued or pending) on top of what
@@ -266,6 +267,9 @@ class TrainLoop:
         self.state.trained_ids += [g.group_id for g in groups]
         self.state.unacked += ids
         self.queue.incr("groups_trained", len(groups))
+        # The policy version trails the trainer while a publish is in flight; supervisors
+        # (asyncrl.control.job) and the dashboard read the trainer's own step here.
+        self.queue.set_state(trainer_step=self.state.step)
 
         t_sync = 0.0
         # The policy version is raised only after the publish, so admitted work runs the
@@ -320,6 +324,7 @@ class TrainLoop:
         if self.state.unacked:
             self.queue.ack(self.state.unacked)
             self.state.unacked = []
+        self.queue.set_state(checkpoint_step=self.state.step)
         return path
 
     # ------------------------------------------------------------------ run

@@ -5,7 +5,8 @@
     asyncrl:{run}:deadletter          stream malformed records: b"reason", b"d" (raw bytes), b"source_id"
     asyncrl:{run}:metrics             stream field b"d" = msgpack {"step", "time", "source", "metrics": {name: float}}
     asyncrl:{run}:state               hash   policy_version, weights_version, weights_location,
-                                             max_staleness, groups_per_step, status, ...
+                                             trainer_step, checkpoint_step, max_staleness,
+                                             groups_per_step, status, ...
     asyncrl:{run}:counters            hash   groups_started, groups_produced, dropped_stale,
                                              dead_lettered, duplicates, groups_trained, ...
     asyncrl:{run}:dropped             set    group ids dropped as too stale

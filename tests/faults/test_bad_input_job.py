@@ -103,7 +103,7 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
                 raise AssertionError(f"unexpected reward error text {s.error!r}")
         time.sleep(0.5)
     assert min(seen.values()) > 0, seen
-    job.wait_for_step(job.policy_version() + 1, timeout=120)  # still training
+    job.wait_for_step(job.trainer_step() + 1, timeout=120)  # still training
 
     # Bindings and the password.
     url = job.redis_url()
@@ -127,7 +127,7 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     # A learner rank dies: the step fails with LearnerError and the job exits non-zero, quickly.
     ranks = job.pids_named("ray::LearnerActor")
     assert len(ranks) == 2, job.processes()
-    killed_at = job.policy_version()
+    killed_at = job.trainer_step()
     os.kill(ranks[1], signal.SIGKILL)
     t0 = time.monotonic()
     rc = job.wait(180)

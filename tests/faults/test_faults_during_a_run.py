@@ -34,7 +34,7 @@ def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_p
     print(f"start-up to step 2: {time.monotonic() - t0:.0f}s")
 
     # 1. Connections dropped, then the server paused: the trainer and generator retry.
-    before = job.policy_version()
+    before = job.trainer_step()
     killed = job.drop_connections(pause_s=3.0)
     assert killed >= 2, f"expected the trainer's and generator's connections, killed {killed}"
     job.wait_for_step(before + 2, timeout=120)
@@ -55,7 +55,7 @@ def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_p
     assert not marker.exists()
 
     # 3. redis-server crashes and comes back on the same port with its AOF.
-    before = job.policy_version()
+    before = job.trainer_step()
     job.restart_redis(down_s=2.0)
     job.wait_for_step(before + 2, timeout=120)
     assert job.running()
@@ -63,20 +63,21 @@ def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_p
     # 4. The generator actor is SIGKILLed mid-generation: Ray restarts it.
     (old_gen,) = job.pids_named("ray::GeneratorActor")
     os.kill(old_gen, signal.SIGKILL)
-    before = job.policy_version()
+    before = job.trainer_step()
     job.wait_for_step(before + 3, timeout=240)
     new_gen = job.pids_named("ray::GeneratorActor")
     assert new_gen and old_gen not in new_gen
 
     # 5. The trainer dies between a step and the next checkpoint (version % CKPT != 0).
     deadline = time.monotonic() + 120
-    while job.policy_version() % CKPT == 0 and time.monotonic() < deadline:
+    while job.trainer_step() % CKPT == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    killed_at = job.policy_version()
+    killed_at = job.trainer_step()
     job.signal(signal.SIGKILL)
     job.wait(30)
     assert killed_at % CKPT != 0 and killed_at < STEPS, killed_at
     resumed_from = killed_at // CKPT * CKPT
+    assert job.checkpoint_step() == resumed_from  # the steps after it died with the trainer
 
     job.resume()
     assert job.wait(600) == 0, job.log_tail()

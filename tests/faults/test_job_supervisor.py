@@ -22,9 +22,9 @@ def test_redis_url_comes_from_the_embedded_servers_config_with_its_password(tmp_
         assert job.redis_url() == f"redis://:p%40ss%2Fword@127.0.0.1:{server.port}/0"
         with job.client() as r:
             assert r.ping() is True
-            r.hset("asyncrl:r:state", mapping={"policy_version": 7})
+            r.hset("asyncrl:r:state", mapping={"policy_version": 7, "trainer_step": 8, "checkpoint_step": 5})
             r.hset("asyncrl:r:counters", mapping={"groups_trained": 28, "prompts_skipped": 3})
-        assert job.policy_version() == 7
+        assert (job.policy_version(), job.trainer_step(), job.checkpoint_step()) == (7, 8, 5)
         assert job.counters() == {"groups_trained": 28, "prompts_skipped": 3}
         assert job.processes() == {server.pid: job.processes()[server.pid]}
         assert "redis-server" in job.processes()[server.pid]

@@ -22,7 +22,7 @@ def test_sigkill_between_step_and_checkpoint_then_resume_trains_each_group_exact
     killed_at = job.wait_for_step(2 * CKPT + 2, timeout=500)
     job.signal(signal.SIGKILL)
     job.wait(30)
-    assert 2 * CKPT + 2 <= killed_at < 3 * CKPT, f"killed at version {killed_at}"
+    assert 2 * CKPT + 2 <= killed_at < 3 * CKPT, f"killed at step {killed_at}"
 
     job.resume()
     assert job.wait(600) == 0, job.log_tail()
