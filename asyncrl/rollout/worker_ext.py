@@ -15,7 +15,26 @@ layer's own storage back and clears that state, so loading the last good file th
 
 from __future__ import annotations
 
+import logging
+
 WORKER_EXTENSION = "asyncrl.rollout.worker_ext.WeightLoaderExtension"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class WeightlessLayerWarningFilter(logging.Filter):
+    """Drop vLLM's "<layer>: Failed to load weights" for rotary embeddings only. No checkpoint
+    holds weights for them (just a cos/sin cache, which vLLM puts back), so every reload of
+    every model would warn once per layer; any other layer that loads nothing stays loud."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple)
+                    and record.args and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+def quiet_weightless_layer_warnings() -> None:
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, WeightlessLayerWarningFilter) for f in logger.filters):
+        logger.addFilter(WeightlessLayerWarningFilter())
 
 
 class WeightLoaderExtension:
@@ -29,6 +48,7 @@ class WeightLoaderExtension:
         """
         from safetensors import safe_open
 
+        quiet_weightless_layer_warnings()
         count = 0
 
         def tensors():
