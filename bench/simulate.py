@@ -12,8 +12,8 @@ Model (the same rules as asyncrl.control):
     mean and coefficient of variation, or samples measured on a real run).
   * Admission: a group may start only while started <= (v + max_staleness + 1) * B, where
     v is the policy version generators have been told about (raised after each publish).
-  * The learner takes B groups no older than v - max_staleness (older ones are dropped,
-    their admission slot given back), trains for `train_step` seconds, and every
+  * The learner takes B groups no older than v - max_staleness, checking each as it reads
+    it in arrival order (older ones are dropped, their admission slot given back), trains for `train_step` seconds, and every
     `sync_every` steps publishes weights: `sync` seconds of learner time (export), then the
     generators pause `sync_pause` seconds to load them. As in asyncrl.control.loop, the
     async learner goes on while they load; the synchronous one waits for it.
@@ -150,15 +150,22 @@ def simulate(s: Scenario) -> Result:
         nonlocal learner_busy, dropped, started
         if learner_busy:
             return
+        # Each group is checked as it is read, in arrival order, as RolloutQueue.get_batch
+        # does: arrival order is not version order (a long group admitted early finishes
+        # behind fresher ones), so a stale group can sit anywhere in the queue.
         oldest_ok = version - s.max_staleness
-        while queue and queue[0] < oldest_ok:
-            queue.pop(0)
-            dropped += 1
-            started -= 1  # the slot is given back, as the real loop does
-        if len(queue) < s.groups_per_step:
+        batch: list[int] = []
+        while queue and len(batch) < s.groups_per_step:
+            behavior = queue.pop(0)
+            if behavior < oldest_ok:
+                dropped += 1
+                started -= 1  # the slot is given back, as the real loop does
+            else:
+                batch.append(behavior)
+        if len(batch) < s.groups_per_step:
+            queue[:0] = batch
             try_start(t)
             return
-        batch = [queue.pop(0) for _ in range(s.groups_per_step)]
         staleness.extend(version - b for b in batch)
         learner_busy = True
         duration = s.train_step
