@@ -13,9 +13,10 @@ Model (the same rules as asyncrl.control):
   * Admission: a group may start only while started <= (v + max_staleness + 1) * B, where
     v is the policy version generators have been told about (raised after each publish).
   * The learner takes B groups no older than v - max_staleness, checking each as it reads
-    it in arrival order (older ones are dropped, their admission slot given back), trains for `train_step` seconds, and every
-    `sync_every` steps publishes weights: `sync` seconds of learner time (export), then the
-    generators pause `sync_pause` seconds to load them. As in asyncrl.control.loop, the
+    it in arrival order (older ones are dropped, their admission slot given back), trains
+    for `train_step` seconds, and every `sync_every` steps publishes weights: `sync`
+    seconds of learner time (export), then the generators pause `sync_pause` seconds to
+    load them. As in asyncrl.control.loop, the
     async learner goes on while they load; the synchronous one waits for it.
   * max_staleness = 0 is the synchronous trainer.
 
@@ -83,6 +84,7 @@ def simulate(s: Scenario) -> Result:
     """Event-driven run of `s.steps` learner steps; returns throughput and staleness."""
     rng = random.Random(s.seed)
     draw = _sampler(s, rng)
+    overlap = s.max_staleness > 0  # the loop's rule: only async loads weights while training
     now = 0.0
     events: list[tuple[float, int, str, tuple]] = []
     seq = 0
@@ -170,7 +172,7 @@ def simulate(s: Scenario) -> Result:
         learner_busy = True
         duration = s.train_step
         if (version + 1) % s.sync_every == 0:
-            duration += s.sync + (s.sync_pause if s.max_staleness == 0 else 0.0)
+            duration += s.sync + (0.0 if overlap else s.sync_pause)
         push(t + duration, "train_done")
 
     try_start(now)
@@ -198,7 +200,7 @@ def simulate(s: Scenario) -> Result:
                 published = version
                 # In-flight groups pause, they are not dropped. The synchronous learner's
                 # step already included the load, its engines idle.
-                paused_until = now + (s.sync_pause if s.max_staleness > 0 else 0.0)
+                paused_until = now + (s.sync_pause if overlap else 0.0)
                 for g in range(s.generators):
                     last_update[g] = paused_until
                     reschedule(g, now)
