@@ -16,12 +16,12 @@ Model (the same rules as asyncrl.control):
     it in arrival order (older ones are dropped, their admission slot given back), trains
     for `train_step` seconds, and every `sync_every` steps publishes weights: `sync`
     seconds of learner time (export), then the generators pause `sync_pause` seconds to
-    load them. As in asyncrl.control.loop, the
-    async learner goes on while they load; the synchronous one waits for it.
+    load them. As in asyncrl.control.loop, the async learner goes on while they load; the
+    synchronous one waits for it.
   * max_staleness = 0 is the synchronous trainer.
 
-Last line printed: JSON with the key figures. `--validate FILE` compares the prediction
-with a real run's measurements (bench/e2e.py writes them) and reports the error.
+Last line printed: JSON with the key figures. bench/e2e.py validates the model against
+real runs on this machine (`validate_simulator`, in the same run as the measurements).
 """
 
 from __future__ import annotations
@@ -234,28 +234,9 @@ def speedup_table(base: Scenario, bounds=(1, 2, 4)) -> dict[str, dict]:
     return out
 
 
-def validate(measured_file: str) -> dict:
-    """Compare predictions with a real run (bench/e2e.py's JSON): per mode, |pred-meas|/meas."""
-    with open(measured_file) as f:
-        real = json.load(f)
-    sc = real["scenario"]
-    errors = {}
-    for mode, meas in real["modes"].items():
-        scen = Scenario(**{**sc, "max_staleness": meas["max_staleness"], "steps": meas["steps"]})
-        pred = simulate(scen)
-        errors[mode] = {
-            "predicted_steps_per_s": pred.steps_per_s,
-            "measured_steps_per_s": meas["steps_per_s"],
-            "rel_error": abs(pred.steps_per_s - meas["steps_per_s"]) / meas["steps_per_s"],
-        }
-    worst = max(e["rel_error"] for e in errors.values())
-    return {"modes": errors, "max_rel_error": worst, "within_15pct": worst <= 0.15}
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the built-in scenarios, a few seconds")
-    p.add_argument("--validate", metavar="FILE", help="bench/e2e.py JSON to validate against")
     for f in Scenario.__dataclass_fields__.values():
         if f.name in ("gen_samples",):
             continue
@@ -263,9 +244,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gen-samples", metavar="FILE", help="JSON list of measured group times (s)")
     args = p.parse_args(argv)
 
-    if args.validate:
-        print(json.dumps(validate(args.validate)))
-        return
     if args.quick:
         scenarios = {
             # Shaped like the CPU demo: generation and training of similar cost.
