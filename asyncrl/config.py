@@ -197,6 +197,9 @@ class QueueConfig:
     claim_idle_s: float = 900.0
     """Another consumer's un-acked entry idle this long is presumed orphaned and claimed;
     keep it above the time between checkpoints (entries stay un-acked until then)."""
+    retry_deadline_s: float = 30.0
+    """How long every Redis call retries (with backoff) through an outage before the caller
+    gets QueueUnavailable: a server restart or network blip shorter than this is ridden out."""
 
 
 # ----------------------------------------------------------------------------- learner
@@ -581,6 +584,7 @@ def validate(cfg: Config) -> None:
     _positive("queue.put_timeout_s", q.put_timeout_s)
     _at_least("queue.max_record_bytes", q.max_record_bytes, 1024)
     _positive("queue.claim_idle_s", q.claim_idle_s)
+    _positive("queue.retry_deadline_s", q.retry_deadline_s)
     # Entries stay un-acked until the checkpoint that covers them and count against maxlen;
     # a smaller bound would make generators and trainer wait on each other forever.
     need = c.groups_per_step * (c.checkpoint_every + c.max_staleness + 2)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import psutil
 import redis
 
 ROOT = Path(__file__).resolve().parents[2]
+_RETRY_LINE = re.compile(r"Redis at \S+: \w+: .*; retry \d+ in ")
 
 
 class JobDied(RuntimeError):
@@ -110,6 +112,40 @@ class TrainJob:
     def log_tail(self, n_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n_chars:] if self.log_path.exists() else "(no log)"
 
+    def diagnosis(self, n_lines: int = 60) -> str:
+        """A stalled or dead job as Redis and its log show it: state, counters, stream depth
+        and pending, each generator's heartbeat age and in-flight prompts, then the log's last
+        lines with runs of Redis-retry warnings folded (they would push out the lines that
+        explain the stall)."""
+        parts = []
+        try:
+            with contextlib.closing(self.client()) as r:
+                run = f"asyncrl:{self.run_name}"
+                parts.append(f"state: {self.state()}\ncounters: {self.counters()}")
+                pending = r.xpending(f"{run}:rollouts", "learners")["pending"] if r.exists(f"{run}:rollouts") else 0
+                parts.append(f"stream length {r.xlen(f'{run}:rollouts')}, pending {pending}")
+                for gen, raw in r.hgetall(f"{run}:generators").items():
+                    beat = msgpack.unpackb(raw, raw=False)
+                    noted = r.hlen(f"{run}:inflight:{gen.decode()}")
+                    parts.append(f"generator {gen.decode()}: heartbeat {time.time() - beat.get('heartbeat', 0):.1f}s "
+                                 f"ago, version {beat.get('version')}, groups {beat.get('groups')}, "
+                                 f"{noted} prompts noted in flight")
+        except (redis.RedisError, RuntimeError) as e:
+            parts.append(f"(Redis unreachable: {e})")
+        lines, folded = [], 0
+        for line in self.log_tail(400_000).splitlines():
+            if _RETRY_LINE.search(line):
+                folded += 1
+                continue
+            if folded:
+                lines.append(f"... {folded} Redis retry warnings ...")
+                folded = 0
+            lines.append(line)
+        if folded:
+            lines.append(f"... {folded} Redis retry warnings ...")
+        parts.append("log tail:\n" + "\n".join(lines[-n_lines:]))
+        return "\n".join(parts)
+
     # ------------------------------------------------------------------ Redis
 
     def redis_url(self) -> str | None:
@@ -177,10 +213,10 @@ class TrainJob:
                 return step
             if not self.running():
                 raise JobDied(f"job {self.run_name!r} exited ({self.proc.returncode}) at step {step} "
-                              f"before step {n}:\n{self.log_tail()}")
+                              f"before step {n}:\n{self.diagnosis()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.run_name!r} at step {step}, not {n}, after {timeout}s:\n"
-                                   f"{self.log_tail()}")
+                                   f"{self.diagnosis()}")
             time.sleep(0.25)
 
     # ------------------------------------------------------------------ Redis faults

@@ -84,6 +84,7 @@ class Runtime(contextlib.ExitStack):
         self.queue = RolloutQueue.connect(
             self.redis_url, self.cfg.control.run_name, password=q.password, consumer="learner-0",
             maxlen=q.maxlen, max_record_bytes=q.max_record_bytes, claim_idle_s=q.claim_idle_s,
+            retry_deadline_s=q.retry_deadline_s,
         )
         self.callback(self.queue.close)
 

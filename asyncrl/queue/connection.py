@@ -19,6 +19,8 @@ from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -58,8 +60,13 @@ def open_client(url: str, *, password: str | None = None, socket_timeout: float 
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"Redis URL {redact_url(url)!r}: must start with redis://, rediss:// or unix://")
+    # redis-py's own retry (10 tries, ~2 s) is switched off: it would re-send a command whose
+    # reply was lost without telling the caller (a re-sent XREADGROUP hides the entries the
+    # lost reply delivered), and it cut a longer outage short for calls not wrapped in ours.
+    # Retrier is the one retry layer, and its on_retry hooks repair what a lost reply did.
     kwargs: dict[str, Any] = dict(socket_connect_timeout=5.0, socket_timeout=socket_timeout,
-                                  socket_keepalive=True, health_check_interval=30)
+                                  socket_keepalive=True, health_check_interval=30,
+                                  retry=Retry(NoBackoff(), 0))
     if password is not None:
         kwargs["password"] = password
     return redis.Redis.from_url(url, **kwargs)

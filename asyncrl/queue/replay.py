@@ -118,12 +118,17 @@ class RolloutQueue(RunState):
 
     # ------------------------------------------------------------------ producer
 
-    def put(self, group: RolloutGroup, timeout: float = 60.0) -> str:
+    def put(self, group: RolloutGroup, timeout: float = 60.0, *, inflight_of: str | None = None) -> str:
         """Append one group; waits while the queue is full (see module docstring). Returns the entry id."""
-        return self.put_many([group], timeout=timeout)[0]
+        return self.put_many([group], timeout=timeout, inflight_of=inflight_of)[0]
 
-    def put_many(self, groups: list[RolloutGroup], timeout: float = 60.0) -> list[str]:
-        """Append groups in as few round trips as room allows; same waiting policy as put()."""
+    def put_many(self, groups: list[RolloutGroup], timeout: float = 60.0, *,
+                 inflight_of: str | None = None) -> list[str]:
+        """Append groups in as few round trips as room allows; same waiting policy as put().
+
+        inflight_of: the generator that admitted these groups' prompts (RunState.admit_prompt);
+        each prompt's in-flight note is deleted in the same script that adds its group.
+        """
         records = [encode_group(g) for g in groups]
         for g, rec in zip(groups, records):
             if len(rec) > self.max_record_bytes:
@@ -138,9 +143,13 @@ class RolloutQueue(RunState):
                     break
                 chunk.append(rec)
                 size += len(rec)
-            gids = [g.group_id for g in groups[len(ids):len(ids) + len(chunk)]]
-            added = self._retry(self._put, keys=[self._k_stream, self._k_counters, self._k_produced],
-                                args=[self.maxlen, "1" if self.ledger else "0", len(chunk), *chunk, *gids])
+            batch = groups[len(ids):len(ids) + len(chunk)]
+            script_keys = [self._k_stream, self._k_counters, self._k_produced]
+            args = [self.maxlen, "1" if self.ledger else "0", len(chunk), *chunk, *[g.group_id for g in batch]]
+            if inflight_of is not None:
+                script_keys.append(keys.inflight(self.run, inflight_of))
+                args += [g.prompt_id for g in batch]
+            added = self._retry(self._put, keys=script_keys, args=args)
             ids += [_text(i) for i in added]
             if added:
                 wait = 0.002

@@ -25,7 +25,7 @@ import redis
 
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier
-from asyncrl.queue.scripts import RELEASE_ADMISSION, TRY_ADMIT
+from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, TRY_ADMIT
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -79,6 +79,7 @@ class RunState:
         self._k_metrics = keys.metrics(run)
         self._try_admit = client.register_script(TRY_ADMIT)
         self._release = client.register_script(RELEASE_ADMISSION)
+        self._release_inflight = client.register_script(RELEASE_INFLIGHT)
 
     def _transaction(self, build: Callable[[redis.client.Pipeline], None]) -> list:
         """Run the commands `build` queues as one MULTI/EXEC, retried as a whole.
@@ -194,6 +195,44 @@ class RunState:
 
     def remove_generator(self, generator_id: str) -> None:
         self._retry(self._r.hdel, self._k_generators, generator_id)
+
+    # A generator's crash-recovery records. Every call goes through the retrier like the rest
+    # of the queue: a generator must ride out a Redis restart, not lose its loop to it.
+
+    def next_incarnation(self, generator_id: str) -> int:
+        """How many times `generator_id` has started in this run, counting this start."""
+        return int(self._retry(self._r.incr, keys.incarnation(self.run, generator_id)))
+
+    def admit_prompt(self, generator_id: str, prompt_id: str, note: bytes) -> bool:
+        """try_admit(1) and, if admitted, note the prompt in the generator's in-flight hash, as
+        one atomic step. Idempotent per prompt id: a retry after a lost reply counts nothing twice."""
+        return self._retry(self._try_admit, keys=[self._k_state, self._k_counters,
+                                                  keys.inflight(self.run, generator_id)],
+                           args=[1, prompt_id, note]) == 1
+
+    def inflight_prompts(self, generator_id: str) -> dict[str, bytes]:
+        """The generator's admitted prompts whose groups are not in the stream yet: id -> note."""
+        raw = self._retry(self._r.hgetall, keys.inflight(self.run, generator_id))
+        return {k.decode(): v for k, v in raw.items()}
+
+    def release_inflight(self, generator_id: str) -> int:
+        """Hand back the admission of every prompt the generator still has noted, and forget
+        them (a clean stop). Returns how many."""
+        return int(self._retry(self._release_inflight,
+                               keys=[self._k_counters, keys.inflight(self.run, generator_id)]))
+
+    def engine_record(self, generator_id: str) -> dict[str, Any] | None:
+        """What the generator's last incarnation left for a successor (see set_engine_record)."""
+        raw = self._retry(self._r.hget, keys.engine_pids(self.run), generator_id)
+        return None if raw is None else unpack_small(raw)
+
+    def set_engine_record(self, generator_id: str, record: dict[str, Any] | None) -> None:
+        """{"host", "pids", "segments", "started"} of the generator's engine; None deletes it."""
+        if record is None:
+            self._retry(self._r.hdel, keys.engine_pids(self.run), generator_id)
+        else:
+            self._retry(self._r.hset, keys.engine_pids(self.run), generator_id,
+                        msgpack.packb(record, use_bin_type=True))
 
     # ------------------------------------------------------------------ metrics
 

@@ -9,11 +9,14 @@ overshoot `maxlen` and concurrent generators cannot overshoot the admission budg
 """
 
 PUT_BOUNDED = """
--- KEYS[1] rollouts stream, KEYS[2] counters hash, KEYS[3] produced-ids set (the ledger);
+-- KEYS[1] rollouts stream, KEYS[2] counters hash, KEYS[3] produced-ids set (the ledger),
+-- KEYS[4] (optional) the producing generator's in-flight hash;
 -- ARGV[1] maxlen, ARGV[2] '1' to record group ids in the ledger, ARGV[3] n, then n records,
--- then their n group ids. Adds records while the stream holds fewer than maxlen entries
--- (undelivered + un-acked: acked entries are deleted); returns the ids added, possibly
--- fewer than given. Recording in the same script keeps the ledger exact across crashes.
+-- then their n group ids, then (with KEYS[4]) their n prompt ids. Adds records while the
+-- stream holds fewer than maxlen entries (undelivered + un-acked: acked entries are deleted);
+-- returns the ids added, possibly fewer than given. Recording in the ledger and deleting
+-- the prompts' in-flight notes in the same script keeps both exact across crashes: a
+-- prompt is either still noted (a successor re-issues it) or its group is in the stream.
 local room = tonumber(ARGV[1]) - redis.call('XLEN', KEYS[1])
 local n = tonumber(ARGV[3])
 local ids = {}
@@ -21,6 +24,7 @@ for i = 1, n do
   if room <= 0 then break end
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i])
   if ARGV[2] == '1' then redis.call('SADD', KEYS[3], ARGV[3 + n + i]) end
+  if KEYS[4] then redis.call('HDEL', KEYS[4], ARGV[3 + 2 * n + i]) end
   room = room - 1
 end
 if #ids > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', #ids) end
@@ -28,11 +32,15 @@ return ids
 """
 
 TRY_ADMIT = """
--- KEYS[1] state hash, KEYS[2] counters hash; ARGV[1] n.
+-- KEYS[1] state hash, KEYS[2] counters hash, KEYS[3] (optional) a generator's in-flight hash;
+-- ARGV[1] n, and with KEYS[3]: ARGV[2] prompt id, ARGV[3] its note (n must be 1).
 -- Admitted iff groups_started + n <= (policy_version + max_staleness + 1) * groups_per_step
 -- (AReaL-style throttle, DESIGN.md "Staleness"). Returns 1 admitted, 0 refused,
 -- -1 when the trainer has not called configure_admission yet (refused too).
+-- With a prompt, admission and its in-flight note are one step, and a prompt already noted
+-- is admitted again without counting: a retry whose first reply was lost, not a new group.
 local n = tonumber(ARGV[1])
+if KEYS[3] and redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then return 1 end
 local ms = tonumber(redis.call('HGET', KEYS[1], 'max_staleness') or '')
 local gps = tonumber(redis.call('HGET', KEYS[1], 'groups_per_step') or '')
 if ms == nil or gps == nil then return -1 end
@@ -40,6 +48,7 @@ local v = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
 local started = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0')
 if started + n <= (v + ms + 1) * gps then
   redis.call('HINCRBY', KEYS[2], 'groups_started', n)
+  if KEYS[3] then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
   return 1
 end
 return 0
@@ -53,4 +62,17 @@ if left < 0 then
   left = 0
 end
 return left
+"""
+
+RELEASE_INFLIGHT = """
+-- KEYS[1] counters hash, KEYS[2] a generator's in-flight hash. Hands back the admission of
+-- every prompt still noted there (groups_started -= count, never below 0) and deletes the
+-- notes, in one step, so a retry after a lost reply releases nothing twice. Returns the count.
+local n = redis.call('HLEN', KEYS[2])
+if n > 0 then
+  local left = redis.call('HINCRBY', KEYS[1], 'groups_started', -n)
+  if left < 0 then redis.call('HSET', KEYS[1], 'groups_started', 0) end
+  redis.call('DEL', KEYS[2])
+end
+return n
 """

@@ -14,9 +14,12 @@ every public method is a plain blocking call, safe from any thread (Ray runs the
 with max_concurrency > 1, so stats() answers while update_weights() runs).
 
 Loop: draw a prompt (skip and count those over rollout.max_prompt_tokens), wait for
-admission (queue.try_admit), note the prompt in the generator's in-flight hash in Redis,
-sample n completions, score them with the environment, put one RolloutGroup, delete the
-in-flight note. Up to rollout.max_inflight_groups groups run at once. A restarted actor
+admission and note the prompt in the generator's in-flight hash in Redis (one atomic step,
+queue.admit_prompt), sample n completions, score them with the environment, put one
+RolloutGroup and delete the in-flight note (again one step). Up to
+rollout.max_inflight_groups groups run at once. Every Redis call retries through a restart
+of the server (queue.connection.Retrier); if the loop dies anyway, stats() raises
+GeneratorFailed, and a Ray actor exits so that Ray restarts it. A restarted actor
 (Ray max_restarts) first reaps its predecessor's orphaned engine processes and deletes their
 leaked /dev/shm/psm_* segments, then re-issues the predecessor's in-flight prompts without a
 second admission, and goes on generating if the predecessor was. Every second it
@@ -29,7 +32,7 @@ and request ids, and request ids fix the sampling seeds: two fresh runs of one c
 the same prompts with the same seeds, while a restarted actor or a resumed trainer never
 reuses an id. No uuid or clock goes into a seed.
 
-Redis keys written here (names from ``asyncrl.queue.keys``):
+Redis keys written for it (through RunState; names from ``asyncrl.queue.keys``):
     keys.inflight(run, generator_id)   hash  prompt_id -> msgpack {"text", "metadata"}
     keys.engine_pids(run)              hash  generator_id -> msgpack {"host", "pids": [[pid, t0]], "segments",
                                                                    "started"}
@@ -54,7 +57,7 @@ import msgpack
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.queue import keys
+from asyncrl.queue.runstate import unpack_small
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes, unlink_segments
 from asyncrl.rollout.envs import RewardError, make_env, score
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
@@ -69,6 +72,10 @@ ADMISSION_POLL_S = 0.05
 
 WEIGHTS_RETRY_S = 30.0
 """A published version that failed to load is tried again after this long (not every beat)."""
+
+
+class GeneratorFailed(RuntimeError):
+    """The generation loop ended with an error instead of a stop."""
 
 
 def pin_to_cores(cpu_affinity: str) -> list[int]:
@@ -101,24 +108,25 @@ class GeneratorActor:
     """One engine, one environment, one prompt stream; produces RolloutGroups until stopped."""
 
     def __init__(self, cfg: Config, model_path: str, generator_id: str, redis_url: str, run: str,
-                 password: str | None = None, autostart: bool = False):
+                 password: str | None = None, autostart: bool = False, exit_on_failure: bool = False):
         from transformers import AutoTokenizer
 
-        from asyncrl.queue.connection import open_client
         from asyncrl.queue.replay import RolloutQueue
 
         self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
         self.queue = RolloutQueue.connect(redis_url, run, password=password, consumer=generator_id,
                                           maxlen=cfg.queue.maxlen, ledger=cfg.queue.ledger,
-                                          claim_idle_s=cfg.queue.claim_idle_s)
-        self.redis = open_client(redis_url, password=password)
+                                          claim_idle_s=cfg.queue.claim_idle_s,
+                                          retry_deadline_s=cfg.queue.retry_deadline_s)
+        self.exit_on_failure = exit_on_failure
+        self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
         predecessor_was_generating = self._reap_predecessor()
         self.env = make_env(self.rollout.env, self.rollout.env_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with
         # the same seeds; a restart (actor crash, trainer resume) gets a new number, so prompt
         # and group ids never repeat within a run.
-        incarnation = self.incarnation = int(self.redis.incr(keys.incarnation(run, generator_id)))
+        incarnation = self.incarnation = self.queue.next_incarnation(generator_id)
         prefix = f"{generator_id}.{incarnation}"
         self.prompts = open_prompts(self.rollout.prompts, self.env, id_prefix=prefix,
                                     seed=self.rollout.seed + zlib.crc32(prefix.encode()))
@@ -174,7 +182,7 @@ class GeneratorActor:
             num_cpus=cfg.rollout.cpus_per_generator, num_gpus=cfg.rollout.gpus_per_generator,
             max_restarts=-1, max_task_retries=0, max_concurrency=8,
         )
-        return actor.remote(cfg, **kwargs)
+        return actor.remote(cfg, exit_on_failure=True, **kwargs)
 
     # ------------------------------------------------------------------ public, blocking
 
@@ -186,7 +194,9 @@ class GeneratorActor:
         async def begin():
             if self._main is None or self._main.done():
                 self._stopping = False
+                self.failure = None
                 self._main = asyncio.ensure_future(self._run())
+                self._main.add_done_callback(self._main_done)
         self._call(begin())
         self._generating = True
         self._record_engine()
@@ -220,6 +230,10 @@ class GeneratorActor:
         return list(self.engine.engine_pids)
 
     def stats(self) -> dict:
+        """Counts so far; raises GeneratorFailed if the generation loop died (not stopped)."""
+        if self.failure is not None:
+            raise GeneratorFailed(f"{self.generator_id}: generation loop died: "
+                                  f"{type(self.failure).__name__}: {self.failure}") from self.failure
         elapsed = max(time.time() - self._started_at, 1e-9)
         return {**self.counts, "version": self.engine.version, "inflight": len(self._tasks),
                 "tokens_per_s": self.counts["tokens"] / elapsed, "generator_id": self.generator_id}
@@ -231,12 +245,11 @@ class GeneratorActor:
         with contextlib.suppress(Exception):
             self._call(self._stop(0.0))
         self._call(self.engine.shutdown())
-        self.redis.hdel(keys.engine_pids(self.run), self.generator_id)
+        self.queue.set_engine_record(self.generator_id, None)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
         self.queue.close()
-        self.redis.close()
 
     # ------------------------------------------------------------------ NCCL weight transfer (GPU)
 
@@ -270,10 +283,9 @@ class GeneratorActor:
 
     def _reap_predecessor(self) -> bool:
         """Kill a crashed predecessor's orphaned engine processes; return whether it was generating."""
-        raw = self.redis.hget(keys.engine_pids(self.run), self.generator_id)
-        if raw is None:
+        record = self.queue.engine_record(self.generator_id)
+        if record is None:
             return False
-        record = msgpack.unpackb(raw, raw=False)
         if record.get("host") == socket.gethostname():
             reaped = reap_processes(record.get("pids", []))
             if reaped:
@@ -286,15 +298,15 @@ class GeneratorActor:
 
     def _record_engine(self) -> None:
         """What a successor needs after a crash: our engine's PIDs, and whether we were generating."""
-        self.redis.hset(keys.engine_pids(self.run), self.generator_id, msgpack.packb(
-            {"host": socket.gethostname(), "pids": self.engine.engine_pids, "segments": self.engine.shm_segments,
-             "started": self._generating}, use_bin_type=True))
+        self.queue.set_engine_record(self.generator_id, {
+            "host": socket.gethostname(), "pids": self.engine.engine_pids, "segments": self.engine.shm_segments,
+            "started": self._generating})
 
     def _load_predecessor_inflight(self) -> None:
-        for prompt_id, raw in self.redis.hgetall(keys.inflight(self.run, self.generator_id)).items():
-            note = msgpack.unpackb(raw, raw=False)
+        for prompt_id, raw in self.queue.inflight_prompts(self.generator_id).items():
+            note = unpack_small(raw)
             ids = self.tokenizer.encode(note["text"])
-            self._retry.append((prompt_id.decode(), note["text"], note["metadata"], ids))
+            self._retry.append((prompt_id, note["text"], note["metadata"], ids))
             self.counts["reissued"] += 1
 
     # ------------------------------------------------------------------ the loop
@@ -318,6 +330,17 @@ class GeneratorActor:
         finally:
             beat.cancel()
 
+    def _main_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failure = task.exception()
+        log.error("%s: generation loop died", self.generator_id, exc_info=self.failure)
+        if self.exit_on_failure:
+            # A Ray actor: exit so Ray restarts it and the successor re-issues the noted prompts,
+            # rather than live on with a dead loop while the trainer waits for groups.
+            logging.shutdown()
+            os._exit(1)
+
     def _busy(self) -> bool:
         """All generation slots taken, or too many finished groups still waiting to be put
         (a full queue), which must stop us drawing more rather than pile them up in memory."""
@@ -332,20 +355,13 @@ class GeneratorActor:
         note = msgpack.packb({"text": item[1], "metadata": item[2]}, use_bin_type=True)
         while not self._stopping:
             t0 = time.perf_counter()
-            admitted = await asyncio.to_thread(self._admit_and_note, item[0], note)
+            admitted = await asyncio.to_thread(self.queue.admit_prompt, self.generator_id, item[0], note)
             self.counts["admission_calls"] += 1
             self.counts["admission_s"] += time.perf_counter() - t0
             if admitted:
                 return item
             await asyncio.sleep(ADMISSION_POLL_S)
         return None
-
-    def _admit_and_note(self, prompt_id: str, note: bytes) -> bool:
-        """One thread hop: admission, then the in-flight note a successor would re-issue."""
-        if not self.queue.try_admit(1):
-            return False
-        self.redis.hset(keys.inflight(self.run, self.generator_id), prompt_id, note)
-        return True
 
     def _next_prompt(self):
         prompt_id, text, metadata = next(self.prompts)
@@ -385,8 +401,7 @@ class GeneratorActor:
         await asyncio.to_thread(self._put, group)
 
     def _put(self, group: RolloutGroup) -> None:
-        self.queue.put(group, timeout=self.cfg.queue.put_timeout_s)
-        self.redis.hdel(keys.inflight(self.run, self.generator_id), group.prompt_id)
+        self.queue.put(group, timeout=self.cfg.queue.put_timeout_s, inflight_of=self.generator_id)
         self.counts["groups"] += 1
         self.counts["samples"] += len(group.samples)
         self.counts["tokens"] += group.num_tokens
@@ -518,10 +533,7 @@ class GeneratorActor:
             await asyncio.gather(*unfinished, return_exceptions=True)
         # A clean stop hands back what it admitted but never produced; a crash leaves the
         # in-flight hash for the successor instead.
-        pending = await asyncio.to_thread(self.redis.hlen, keys.inflight(self.run, self.generator_id))
-        if pending:
-            await asyncio.to_thread(self.queue.release_admission, int(pending))
-            await asyncio.to_thread(self.redis.delete, keys.inflight(self.run, self.generator_id))
+        await asyncio.to_thread(self.queue.release_inflight, self.generator_id)
         self._retry.clear()
         self._generating = False
         await asyncio.to_thread(self._record_engine)  # a successor must not auto-start

@@ -360,3 +360,31 @@ def _ledger_group(gid: str):
     s = Sample(response_ids=np.array([5, 6], np.int32), rollout_logprobs=np.array([-1.0, -2.0], np.float32),
                loss_mask=np.ones(2, np.uint8), reward=1.0, behavior_version=0)
     return RolloutGroup(group_id=gid, prompt_id=gid, prompt_ids=np.array([1, 2], np.int32), samples=[s])
+
+
+def test_generator_bookkeeping_is_atomic_and_a_retried_call_counts_once(redis_url):
+    """A generator's admission + in-flight note, and its put + note deletion, are each one
+    script; a retried admission of a noted prompt (its first reply lost) is not a new group."""
+    q = RolloutQueue.connect(redis_url, "bookkeeping")
+    q.configure_admission(max_staleness=0, groups_per_step=2)  # budget (0 + 0 + 1) * 2 = 2
+    note = msgpack.packb({"text": "1+1=", "metadata": {"answer": "2"}}, use_bin_type=True)
+    assert q.admit_prompt("g0", "p1", note) is True
+    assert q.admit_prompt("g0", "p1", note) is True  # the retry
+    assert q.counters()["groups_started"] == 1
+    assert q.admit_prompt("g0", "p2", note) is True
+    assert q.admit_prompt("g0", "p3", note) is False  # over budget: refused and not noted
+    assert q.inflight_prompts("g0") == {"p1": note, "p2": note} and q.inflight_prompts("g1") == {}
+
+    q.put(RolloutGroup("p1", "p1", [1], [Sample([2], [-0.5], [1], 1.0, 0)]), inflight_of="g0")
+    assert set(q.inflight_prompts("g0")) == {"p2"} and q.depth() == 1
+    assert q.release_inflight("g0") == 1  # a clean stop hands p2's admission back
+    assert q.counters()["groups_started"] == 1 and q.inflight_prompts("g0") == {}
+    assert q.release_inflight("g0") == 0 and q.counters()["groups_started"] == 1  # its retry: nothing
+
+    assert [q.next_incarnation("g0") for _ in range(2)] == [1, 2] and q.next_incarnation("g1") == 1
+    assert q.engine_record("g0") is None
+    q.set_engine_record("g0", {"host": "h", "pids": [[12, 3.5]], "segments": ["psm_1"], "started": True})
+    assert q.engine_record("g0") == {"host": "h", "pids": [[12, 3.5]], "segments": ["psm_1"], "started": True}
+    q.set_engine_record("g0", None)
+    assert q.engine_record("g0") is None
+    q.close()

@@ -132,3 +132,32 @@ def test_wrong_or_missing_password_names_the_url_without_the_password(tmp_path):
         ok.close()
     with pytest.raises(ValueError, match="must start with redis://"):
         RolloutQueue.connect("http://:pw@127.0.0.1:1/0", "pw")
+
+
+def test_calls_ride_out_a_restart_longer_than_redis_py_own_retries(tmp_path):
+    """redis-py's built-in retry is off (open_client): every call retries in our Retrier, up
+    to queue.retry_deadline_s, so an outage of several seconds is ridden out by each kind of
+    call, and a call whose reply was lost is repaired, not silently re-sent."""
+    import threading
+
+    from asyncrl.queue.connection import open_client
+
+    server = EmbeddedRedis(tmp_path / "redis", aof=True).start()
+    try:
+        q = RolloutQueue.connect(server.url, "outage", retry_deadline_s=30.0)
+        q.configure_admission(max_staleness=0, groups_per_step=4)
+        server.kill()
+        t0 = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            open_client(server.url).ping()  # a bare client fails at once: no hidden retries
+        assert time.monotonic() - t0 < 1.0
+        back = threading.Timer(4.0, server.start)  # longer than redis-py's ~2 s of own retries
+        back.start()
+        assert q.admit_prompt("g0", "p1", b"note") is True
+        assert time.monotonic() - t0 > 3.5
+        q.put(RolloutGroup("p1", "p1", [1], [Sample([2], [-0.5], [1], 1.0, 0)]), inflight_of="g0")
+        assert q.counters() == {"groups_started": 1, "groups_produced": 1}
+        assert q.inflight_prompts("g0") == {} and q.next_incarnation("g0") == 1
+        back.join()
+    finally:
+        server.stop()
