@@ -117,6 +117,36 @@ def test_async_with_max_staleness_zero_equals_sync_mode(ray_session, tmp_path):
     assert moved > 0
 
 
+def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session, tmp_path):
+    """With max_staleness > 0 the engines load weights in a background thread while the
+    learner trains on; if that load fails, the error is raised in the loop at the next step,
+    the run is marked failed, and the policy version never claims the failed weights."""
+    cfg = demo_config(tmp_path, "pubfail", "control.total_steps=8", "control.max_staleness=1",
+                      "control.groups_per_step=4", "rollout.n_samples=4", "control.checkpoint_every=8")
+    steps: list[int] = []
+
+    def on_step(loop, metrics):
+        steps.append(loop.state.step)
+        if loop.state.step == 1:
+            def broken(path: str, version: int) -> dict:
+                raise RuntimeError(f"injected: engines could not load v{version}")
+            loop.rt.weight_sync.publish_file = broken
+
+    with pytest.raises(RuntimeError, match="injected: engines could not load v2"):
+        train(cfg, on_step=on_step)
+    assert steps == [1, 2]  # step 3 trained, then met the error before its own publish
+
+    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue.server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path / "pubfail" / "redis", aof=True) as server:
+        q = RolloutQueue.connect(server.url, cfg.control.run_name)
+        state = q.state()
+        assert state["status"] == "failed" and state["trainer_step"] == 3
+        assert state["policy_version"] == 1  # v2 never loaded, so never announced
+        q.close()
+
+
 def _run_port(run_dir: Path) -> int | None:
     conf = run_dir / "redis" / "redis.conf"
     if not conf.exists():
