@@ -346,7 +346,8 @@ class RolloutEngine:
     async def shutdown(self) -> None:
         """Abort requests (running ``generate`` calls would hang otherwise), then stop the engine.
 
-        Waits for the engine's processes to exit so their /dev/shm segments are gone on return.
+        Waits for the engine's processes to exit, then deletes any /dev/shm segment of theirs
+        that is still there, so none is left on return however they exited.
         """
         import psutil
 
@@ -363,3 +364,9 @@ class RolloutEngine:
         _, alive = psutil.wait_procs(procs, timeout=10)
         if alive:
             reap_processes([[p.pid, p.create_time()] for p in alive], timeout_s=5)
+        # A worker that vLLM's own shutdown had to force-kill (slow to exit, e.g. when Ctrl-C
+        # reached it too) never unlinks its segments; nobody opens them by name any more.
+        leaked = unlink_segments(self.shm_segments)
+        if leaked:
+            log.warning("engine shutdown: deleted %d shared-memory segments its processes left: %s",
+                        len(leaked), leaked)
