@@ -9,7 +9,7 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
         || echo "[test] chromium could not be installed; browser tests will skip"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-.venv/bin/python -m pytest "${@:-tests}"
+.venv/bin/python -m pytest --durations=20 "${@:-tests}"
 rc=$?
 # pytest exits 5 when it collected no test: that is a broken suite here, not a pass.
 if [ "$rc" = 5 ]; then echo "[test] pytest collected no tests"; exit 1; fi
