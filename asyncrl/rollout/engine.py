@@ -101,6 +101,18 @@ def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
     return [p.pid for p in alive]
 
 
+def _is_resource_tracker(proc) -> bool:
+    """multiprocessing's resource tracker, which vLLM's start-up spawns for *our* process: it
+    lives until we exit, so counting it as an engine process made every shutdown wait it out
+    (10 s) and then kill it."""
+    import psutil
+
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 SHM_SEGMENT = re.compile(r"/dev/shm/psm_[0-9a-f]{1,32}")
 """The only paths ``unlink_segments`` will delete (names come back from Redis: never trust them)."""
 
@@ -181,7 +193,8 @@ class RolloutEngine:
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
         llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path))
-        pids = [[p.pid, p.create_time()] for p in me.children(recursive=True) if p.pid not in before]
+        pids = [[p.pid, p.create_time()] for p in me.children(recursive=True)
+                if p.pid not in before and not _is_resource_tracker(p)]
         engine = cls(llm, rollout, model_path, pids)
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
