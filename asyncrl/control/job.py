@@ -23,6 +23,7 @@ Nothing has to be printed and parsed from the log.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -117,32 +118,31 @@ class TrainJob:
         and pending, each generator's heartbeat age and in-flight prompts, then the log's last
         lines with runs of Redis-retry warnings folded (they would push out the lines that
         explain the stall)."""
+        from asyncrl.queue import keys
+        from asyncrl.queue.runstate import unpack_small
+
         parts = []
         try:
             with contextlib.closing(self.client()) as r:
-                run = f"asyncrl:{self.run_name}"
+                stream = keys.rollouts(self.run_name)
                 parts.append(f"state: {self.state()}\ncounters: {self.counters()}")
-                pending = r.xpending(f"{run}:rollouts", "learners")["pending"] if r.exists(f"{run}:rollouts") else 0
-                parts.append(f"stream length {r.xlen(f'{run}:rollouts')}, pending {pending}")
-                for gen, raw in r.hgetall(f"{run}:generators").items():
-                    beat = msgpack.unpackb(raw, raw=False)
-                    noted = r.hlen(f"{run}:inflight:{gen.decode()}")
-                    parts.append(f"generator {gen.decode()}: heartbeat {time.time() - beat.get('heartbeat', 0):.1f}s "
+                pending = r.xpending(stream, keys.CONSUMER_GROUP)["pending"] if r.exists(stream) else 0
+                parts.append(f"stream length {r.xlen(stream)}, pending {pending}")
+                for gen, raw in r.hgetall(keys.generators(self.run_name)).items():
+                    beat, gen = unpack_small(raw), gen.decode()
+                    noted = r.hlen(keys.inflight(self.run_name, gen))
+                    parts.append(f"generator {gen}: heartbeat {time.time() - beat.get('heartbeat', 0):.1f}s "
                                  f"ago, version {beat.get('version')}, groups {beat.get('groups')}, "
                                  f"{noted} prompts noted in flight")
-        except (redis.RedisError, RuntimeError) as e:
-            parts.append(f"(Redis unreachable: {e})")
-        lines, folded = [], 0
-        for line in self.log_tail(400_000).splitlines():
-            if _RETRY_LINE.search(line):
-                folded += 1
-                continue
-            if folded:
-                lines.append(f"... {folded} Redis retry warnings ...")
-                folded = 0
-            lines.append(line)
-        if folded:
-            lines.append(f"... {folded} Redis retry warnings ...")
+        except (redis.RedisError, RuntimeError, ValueError) as e:  # a diagnosis must not raise
+            parts.append(f"(Redis state unreadable: {e})")
+        lines = []
+        for is_retry, run in itertools.groupby(self.log_tail(400_000).splitlines(),
+                                               key=lambda line: bool(_RETRY_LINE.search(line))):
+            if is_retry:
+                lines.append(f"... {sum(1 for _ in run)} Redis retry warnings ...")
+            else:
+                lines.extend(run)
         parts.append("log tail:\n" + "\n".join(lines[-n_lines:]))
         return "\n".join(parts)
 
