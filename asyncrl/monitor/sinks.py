@@ -95,7 +95,16 @@ class WandbSink:
         self.run.log(clean(metrics), step=int(step))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() only *publishes* "this run is done" to the wandb-core service; the service
+        # closes the run's stream, and flushes its .wandb log, whenever it gets to it. Readers
+        # of the offline log right after close() (a test, `wandb sync` in a follow-up job step)
+        # would race that, so when no other run of this process is live we shut the service
+        # down too: teardown waits for it to exit, by which time every record is on disk.
+        if wandb.run is None:
+            wandb.teardown()
 
 
 def _fmt(value: float | None, spec: str = ".3g") -> str:

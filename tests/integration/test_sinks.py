@@ -7,6 +7,7 @@ import logging
 import socket
 
 import msgpack
+import psutil
 import pytest
 import redis
 from rich.console import Console
@@ -56,6 +57,9 @@ def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
     sink.log(0, {"reward/mean": 0.5, "drift/rollout_kl": 0.01})
     sink.log(1, {"reward/mean": 0.75})
     sink.close()
+    # close() returns only once wandb's service has exited (finish() alone merely asks it to
+    # close the stream, and CI once read the log before it had flushed a single record).
+    assert not [p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb-")]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     logs = list(runs[0].glob("run-*.wandb"))
