@@ -187,6 +187,8 @@ class QueueConfig:
     maxlen: int = 4096
     """Bound on queued groups; put() waits (backpressure) rather than dropping fresh data."""
     put_timeout_s: float = 60.0
+    """How long one put() waits on a full queue before raising QueueFull; a generator then
+    logs a warning and keeps waiting with its finished group (it never drops one)."""
     aof: bool = True
     """Embedded server: append-only persistence so un-acked records survive a restart."""
     max_record_bytes: int = 64 * 1024 * 1024

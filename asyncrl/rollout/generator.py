@@ -17,9 +17,11 @@ Loop: draw a prompt (skip and count those over rollout.max_prompt_tokens), wait 
 admission and note the prompt in the generator's in-flight hash in Redis (one atomic step,
 queue.admit_prompt), sample n completions, score them with the environment, put one
 RolloutGroup and delete the in-flight note (again one step). Up to
-rollout.max_inflight_groups groups run at once. Every Redis call retries through a restart
-of the server (queue.connection.Retrier); if the loop dies anyway, stats() raises
-GeneratorFailed, and a Ray actor exits so that Ray restarts it. A restarted actor
+rollout.max_inflight_groups groups run at once. A finished group is held through a full
+queue (put's timeout is logged, never a reason to drop it). Every Redis call retries through
+a restart of the server (queue.connection.Retrier); if the loop or a put fails anyway (Redis
+gone past queue.retry_deadline_s, or refusing the write), stats() raises GeneratorFailed,
+and a Ray actor exits so that Ray restarts it. A restarted actor
 (Ray max_restarts) first reaps its predecessor's orphaned engine processes and deletes their
 leaked /dev/shm/psm_* segments, then re-issues the predecessor's in-flight prompts without a
 second admission, and goes on generating if the predecessor was. Every second it
@@ -57,6 +59,7 @@ import msgpack
 import numpy as np
 
 from asyncrl.config import Config
+from asyncrl.queue.replay import QueueFull
 from asyncrl.queue.runstate import unpack_small
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes, unlink_segments
 from asyncrl.rollout.envs import RewardError, make_env, score
@@ -331,15 +334,22 @@ class GeneratorActor:
             beat.cancel()
 
     def _main_done(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
+        if not task.cancelled() and task.exception() is not None:
+            self._fail("generation loop died", task.exception())
+
+    def _fail(self, what: str, error: BaseException) -> None:
+        """The loop cannot go on: say why, then stop it (stats() raises) or, as a Ray actor, exit."""
+        if self.failure is not None:
             return
-        self.failure = task.exception()
-        log.error("%s: generation loop died", self.generator_id, exc_info=self.failure)
+        self.failure = error
+        log.error("%s: %s", self.generator_id, what, exc_info=error)
         if self.exit_on_failure:
             # A Ray actor: exit so Ray restarts it and the successor re-issues the noted prompts,
             # rather than live on with a dead loop while the trainer waits for groups.
             logging.shutdown()
             os._exit(1)
+        if self._main is not None and not self._main.done():
+            self._main.cancel()
 
     def _busy(self) -> bool:
         """All generation slots taken, or too many finished groups still waiting to be put
@@ -381,6 +391,15 @@ class GeneratorActor:
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         self._slot_freed.set()
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._stopping:  # a stop releases the prompt (queue.release_inflight): nothing is lost
+            log.warning("%s: a group was not put before the stop: %s", self.generator_id, task.exception())
+        else:
+            # Only the put raises here (a failed rollout is re-issued in _produce). The prompt
+            # stays noted in Redis, so the group is not lost if a successor takes over; a loop
+            # that went on without it would leave the trainer one group short for good.
+            self._fail("a finished group could not be put", task.exception())
 
     async def _produce(self, item) -> None:
         prompt_id = item[0]
@@ -398,7 +417,15 @@ class GeneratorActor:
         finally:  # the slot frees before the put: the next group generates while this one is sent
             self._slots_taken -= 1
             self._slot_freed.set()
-        await asyncio.to_thread(self._put, group)
+        while True:
+            try:
+                return await asyncio.to_thread(self._put, group)
+            except QueueFull as e:
+                if self._stopping:
+                    raise
+                # The trainer is behind (or acks only at its checkpoints): keep the group. No
+                # more are drawn meanwhile, since a waiting put keeps its task in _busy().
+                log.warning("%s: still holding group %s: %s", self.generator_id, group.group_id, e)
 
     def _put(self, group: RolloutGroup) -> None:
         self.queue.put(group, timeout=self.cfg.queue.put_timeout_s, inflight_of=self.generator_id)

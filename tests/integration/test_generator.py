@@ -5,11 +5,14 @@
 One engine is shared by the whole module (start-up ~30 s, ~2.2 GiB); the tests run in
 order: logprob parity, groups with rewards (and a raising reward), weight publish during
 generation (versions, HF greedy parity, prefix cache), a failed weight load (retried, the last
-good weights restored), SIGKILL + Ray restart + reap + re-issue, shutdown.
+good weights restored), groups held through a full queue, SIGKILL + Ray restart + reap +
+re-issue, a put Redis refuses (the actor exits, Ray restarts it, the group is re-issued),
+shutdown.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -55,7 +58,7 @@ def cfg(prompts_file):
                               prompts=prompts_file, max_prompt_tokens=64, max_inflight_groups=4,
                               engine_max_model_len=256, engine_max_num_seqs=32, seed=3)
     c.queue.maxlen = 3  # small, so put() blocks and in-flight prompts pile up for the kill test
-    c.queue.put_timeout_s = 300.0
+    c.queue.put_timeout_s = 1.0  # a full queue outlasts many timeouts: groups must be held, not lost
     c.queue.ledger = True
     return c
 
@@ -298,6 +301,9 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     queued = {g.prompt_id for g in queue.queued_groups()}
     inflight_before = {k.decode() for k in r.hkeys(inflight)}
     assert len(queued) == 3 and len(inflight_before) == 3, (queued, inflight_before)
+    # Several put timeouts later the 3 finished groups are still held, not dropped.
+    time.sleep(4 * 1.0)
+    assert ray.get(gen.stats.remote())["inflight"] == 3 and r.hlen(inflight) == 3
     admitted = queued | inflight_before
     old_pid = ray.get(gen.pid.remote())
     old_engine = [p for p, _ in ray.get(gen.engine_pids.remote())]
@@ -326,6 +332,59 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     assert stats["reissued"] == 3 and stats["groups"] == 3
     assert {p.split(":")[0] for p in inflight_before} == {"g0.1"}  # prompt ids carry incarnation 1
     assert int(r.get(keys.incarnation(RUN, "g0"))) == 2
+
+
+def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(ray_session, gen, queue,
+                                                                             redis_server):
+    """Redis refuses XADD (an ACL, as an out-of-memory server would refuse writes): the put
+    fails with a Redis error, not a connection error, so no retry helps. The actor must say
+    why and exit, rather than live on one group short; Ray restarts it, and the successor
+    puts the noted prompts' groups exactly once, with no second admission."""
+    import redis
+
+    ray = ray_session
+    r = redis.Redis.from_url(redis_server.url)
+    inflight = keys.inflight(RUN, "g0")
+    c0 = queue.counters()
+    started, produced = c0.get("groups_started", 0), c0.get("groups_produced", 0)
+    old_pid = ray.get(gen.pid.remote())
+    r.execute_command("ACL", "SETUSER", "default", "-xadd")
+    try:
+        queue.configure_admission(max_staleness=0, groups_per_step=started + 2)
+        deadline = time.time() + 120
+        while time.time() < deadline and psutil.pid_exists(old_pid) \
+                and psutil.Process(old_pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.1)
+        noted = {k.decode() for k in r.hkeys(inflight)}
+    finally:
+        r.execute_command("ACL", "SETUSER", "default", "+xadd")
+    assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE, \
+        "the actor lived on after a failed put"
+    assert 1 <= len(noted) <= 2 and r.xlen(keys.rollouts(RUN)) == 0
+
+    wait_for_actor(ray, gen, timeout=300, not_pid=old_pid)
+    received = []
+    deadline = time.time() + 180
+    while time.time() < deadline and (len(received) < 2 or r.hlen(inflight)):
+        got = queue.get_batch(2, min_version=0, timeout=2.0)
+        queue.ack([i for i, _ in got])
+        received += [g.prompt_id for _, g in got]
+    assert noted <= set(received) and len(received) == len(set(received)) == 2
+    counters = queue.counters()
+    assert counters["groups_started"] == started + 2 and counters["groups_produced"] == produced + 2
+    assert counters.get("duplicates", 0) == 0 and r.hlen(inflight) == 0
+    assert ray.get(gen.stats.remote())["reissued"] == len(noted)
+    # ... and the dead actor said why, in its Ray log
+    logs = ray_worker_log(old_pid)
+    assert "a finished group could not be put" in logs and "redis.exceptions." in logs, logs[-2000:]
+
+
+def ray_worker_log(pid: int) -> str:
+    """What a Ray worker process wrote to stderr (its worker-*-<pid>.err file)."""
+    import ray
+
+    logs_dir = ray._private.worker.global_worker.node.get_logs_dir_path()
+    return "".join(open(p, errors="replace").read() for p in glob.glob(f"{logs_dir}/worker-*-{pid}.err"))
 
 
 def test_shutdown_leaves_no_engine_processes_or_shm_even_if_they_hang(ray_session, gen, redis_server):
