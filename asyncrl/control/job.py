@@ -45,7 +45,8 @@ class JobDied(RuntimeError):
     """The job exited while we were waiting for it to make progress."""
 
 
-def _is_alive(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has: it only waits to be reaped)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -243,7 +244,7 @@ class TrainJob:
         self.processes()
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _is_alive(old) and time.monotonic() < deadline:
+        while pid_running(old) and time.monotonic() < deadline:
             time.sleep(0.05)
         for proc in self._redis_procs:
             proc.poll()  # reap an earlier restart's server if that was the one killed

@@ -20,11 +20,11 @@ import signal
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
 from asyncrl.config import Config, RolloutConfig
+from asyncrl.control.job import pid_running
 from asyncrl.rollout.engine import shm_segments_of
 from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.queue import keys
@@ -313,7 +313,7 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
 
     # answers once the successor's __init__ (reap, engine start, re-issue) is done
     wait_for_actor(ray, gen, timeout=300, not_pid=old_pid)
-    assert not [p for p in old_engine if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in old_engine if pid_running(p)]
     assert not [s for s in old_segments if os.path.exists(s)], "the predecessor's shared memory leaked"
     received = []
     deadline = time.time() + 180
@@ -352,14 +352,12 @@ def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(ray
     try:
         queue.configure_admission(max_staleness=0, groups_per_step=started + 2)
         deadline = time.time() + 120
-        while time.time() < deadline and psutil.pid_exists(old_pid) \
-                and psutil.Process(old_pid).status() != psutil.STATUS_ZOMBIE:
+        while time.time() < deadline and pid_running(old_pid):
             time.sleep(0.1)
         noted = {k.decode() for k in r.hkeys(inflight)}
     finally:
         r.execute_command("ACL", "SETUSER", "default", "+xadd")
-    assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE, \
-        "the actor lived on after a failed put"
+    assert not pid_running(old_pid), "the actor lived on after a failed put"
     assert 1 <= len(noted) <= 2 and r.xlen(keys.rollouts(RUN)) == 0
 
     wait_for_actor(ray, gen, timeout=300, not_pid=old_pid)
@@ -401,6 +399,6 @@ def test_shutdown_leaves_no_engine_processes_or_shm_even_if_they_hang(ray_sessio
         os.kill(p, signal.SIGSTOP)
     ray.get(gen.shutdown.remote(), timeout=120)
     assert not [s for s in segments if os.path.exists(s)]
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine)
+    assert not any(pid_running(p) for p in engine)
     assert redis.Redis.from_url(redis_server.url).hget(keys.engine_pids(RUN), "g0") is None
     assert not os.path.exists(f"/dev/shm/.asyncrl-{RUN}-g0-last-good.safetensors")

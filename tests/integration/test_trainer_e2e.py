@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.control.job import pid_running
 from asyncrl.control.ledger import audit
 from asyncrl.control.train import train
 
@@ -189,10 +190,9 @@ def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                              for p in started):
+    while time.monotonic() < deadline and any(pid_running(p) for p in started):
         time.sleep(0.5)
-    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    alive = [p for p in started if pid_running(p)]
     assert not alive, [psutil.Process(p).cmdline()[:3] for p in alive]
     leaked = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith(("psm_", "asyncrl-"))}
     assert not leaked, leaked
