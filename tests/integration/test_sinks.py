@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import socket
@@ -59,7 +60,7 @@ def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
     sink.close()
     # close() returns only once wandb's service has exited (finish() alone merely asks it to
     # close the stream, and CI once read the log before it had flushed a single record).
-    assert not [p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb-")]
+    assert not [name for name in child_process_names() if name.startswith("wandb-")]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     logs = list(runs[0].glob("run-*.wandb"))
@@ -71,6 +72,14 @@ def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
         assert text in blob, text
     with pytest.raises(ValueError, match="mode='offlin'"):
         WandbSink("offlin", "p", "r", {}, tmp_path)
+
+
+def child_process_names() -> list[str]:
+    names = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that exits meanwhile (a Ray worker)
+            names.append(p.name())
+    return names
 
 
 def test_console_line():
