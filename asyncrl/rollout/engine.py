@@ -74,22 +74,29 @@ def process_start_time(pid: int) -> float | None:
         return None
 
 
-def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
-    """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped.
-
-    The create time guards against a recycled pid. SIGTERM first: vLLM's engine processes
-    unlink their /dev/shm segments when terminated, not when killed.
-    """
+def live_processes(records: list[list]) -> list:
+    """psutil.Process of each [pid, create_time] still running; the create time guards
+    against a recycled pid (another process that got the number since)."""
     import psutil
 
     alive = []
     for pid, created in records:
-        try:
+        with contextlib.suppress(psutil.Error):
             p = psutil.Process(int(pid))
             if abs(p.create_time() - float(created)) < 1e-3:
                 alive.append(p)
-        except psutil.Error:
-            continue
+    return alive
+
+
+def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
+    """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped.
+
+    SIGTERM first: vLLM's engine processes unlink their /dev/shm segments when terminated,
+    not when killed.
+    """
+    import psutil
+
+    alive = live_processes(records)
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGTERM)
@@ -368,13 +375,7 @@ class RolloutEngine:
             await self.abort_all()
         self.llm.shutdown()
         self.drop_kept()
-        procs = []
-        for pid, created in self.engine_pids:
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3:
-                    procs.append(p)
-        _, alive = psutil.wait_procs(procs, timeout=10)
+        _, alive = psutil.wait_procs(live_processes(self.engine_pids), timeout=10)
         if alive:
             reap_processes([[p.pid, p.create_time()] for p in alive], timeout_s=5)
         # A worker that vLLM's own shutdown had to force-kill (slow to exit, e.g. when Ctrl-C
