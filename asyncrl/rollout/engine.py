@@ -65,15 +65,6 @@ def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
     return out
 
 
-def process_start_time(pid: int) -> float | None:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
 def live_processes(records: list[list]) -> list:
     """psutil.Process of each [pid, create_time] still running; the create time guards
     against a recycled pid (another process that got the number since)."""
@@ -376,8 +367,8 @@ class RolloutEngine:
         self.llm.shutdown()
         self.drop_kept()
         _, alive = psutil.wait_procs(live_processes(self.engine_pids), timeout=10)
-        if alive:
-            reap_processes([[p.pid, p.create_time()] for p in alive], timeout_s=5)
+        if alive:  # those that exited meanwhile are skipped by reap_processes' own lookup
+            reap_processes(self.engine_pids, timeout_s=5)
         # A worker that vLLM's own shutdown had to force-kill (slow to exit, e.g. when Ctrl-C
         # reached it too) never unlinks its segments; nobody opens them by name any more.
         leaked = unlink_segments(self.shm_segments)
