@@ -137,7 +137,13 @@ class TrainLoop:
         # admission must count only what is still alive (queued or pending) on top of what
         # the checkpoint trained, or staleness would climb past the bound. The count is set
         # before admission opens, so no generator can be admitted against a stale count.
-        self._publish(self.state.version, overlap=False)
+        if self.state.version == 0 and self.cfg.learner.dtype == "float32":
+            # A fresh run's version 0 is the model file the engines load at start-up, and the
+            # learner loaded that same file in float32: publishing it again would only make
+            # us wait here for every engine to come up (the runtime starts them meanwhile).
+            self.queue.set_policy_version(0)
+        else:
+            self._publish(self.state.version, overlap=False)
         trained = len(self.state.trained_ids)
         self.queue.reset_admission(trained + self.queue.depth() + self.queue.pending())
         self.queue.configure_admission(self.max_staleness, c.groups_per_step)

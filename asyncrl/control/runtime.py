@@ -3,10 +3,15 @@
     with Runtime(cfg, run_dir) as rt:
         rt.queue, rt.learner, rt.weight_sync, rt.generators ...
 
-Order matters: Redis first (everything reports there), then Ray, the learner group (its
-weights are version 0 or the resumed checkpoint), then the generators, which start
-sampling as soon as the first weights are published. Tear-down runs in reverse and only
-stops what this runtime started (an external Redis is left alone).
+Order matters only where one part needs another: Redis first (everything reports there),
+then Ray; then the generator actors are created (their engines take the longest to come up:
+a vLLM import and an engine process) *while* the learner group loads, instead of after it.
+Generators only sample once `launch_generators()` starts them, after the trainer has
+opened admission, so an engine that is ready early just waits. Tear-down runs in reverse
+and only stops what this runtime started (an external Redis is left alone).
+
+`startup` records how long each part took to be ready (seconds since the runtime began);
+train() logs it, so a slow start says where it went.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -50,18 +56,30 @@ class Runtime(contextlib.ExitStack):
         self.weight_sync = None
         self.generators: list = []
         self.model_path: str | None = None
+        self._t0 = time.perf_counter()
+        self.startup: dict[str, float] = {}
+        """Seconds from the runtime's start until each part was ready."""
+
+    def mark(self, what: str) -> None:
+        self.startup[what] = round(time.perf_counter() - self._t0, 1)
 
     # ------------------------------------------------------------------ bring-up
 
     def __enter__(self) -> Runtime:
         super().__enter__()
         try:
+            self._t0 = time.perf_counter()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._start_redis()
+            self.mark("redis")
             self._start_ray()
+            self.mark("ray")
             self.model_path = resolve_model(self.cfg, self.run_dir)
-            self._start_learner()
             self._start_weight_sync()
+            if self.start_generators:
+                self._create_generators()  # their engines load while the learners do
+            self._start_learner()
+            self.mark("learner")
         except BaseException:
             self.close()
             raise
@@ -129,10 +147,12 @@ class Runtime(contextlib.ExitStack):
         )
         self.callback(self.weight_sync.close)
 
-    def launch_generators(self) -> list:
-        """Start cfg.rollout.num_generators Ray actors; each restarts on a crash."""
+    def _create_generators(self) -> None:
+        """Create cfg.rollout.num_generators Ray actors (each restarts on a crash) without
+        waiting for them: their engines come up in the background, idle until started."""
         from asyncrl.rollout.generator import GeneratorActor
 
+        self.callback(self._stop_generators)
         for i in range(self.cfg.rollout.num_generators):
             handle = GeneratorActor.remote_actor(
                 self.cfg,
@@ -144,10 +164,16 @@ class Runtime(contextlib.ExitStack):
             )
             self.generators.append(handle)
             self.weight_sync.register(handle)
-        self.callback(self._stop_generators)
+
+    def launch_generators(self) -> list:
+        """Start generating (creating the actors first if the runtime did not); waits until
+        every engine is up."""
         import ray
 
+        if not self.generators:
+            self._create_generators()
         ray.get([g.start.remote() for g in self.generators])
+        self.mark("generators")
         return self.generators
 
     def _stop_generators(self) -> None:

