@@ -20,7 +20,7 @@ With r_t = exp(logp_t - old_t) (log-ratio clamped to +-20) and A the advantage:
     sapo          -(4/tau) sigmoid(tau (r - 1)) A, tau by sign of A    Gao et al. 2025, "Soft Adaptive Policy Optimization"
     cispo         -sg(min(r, 1+eps)/r) r A  (grad: min(r,1+eps) A dlogp) MiniMax-M1 report, 2025
     gmpo          -A exp(mean_t sgn(A) min(sgn(A) log r, clip(...)))  Zhao et al. 2025, "Geometric-Mean Policy Optimization"
-    clip_cov      ppo, with the highest-covariance tokens' loss dropped  Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"
+    clip_cov      ppo, with unclipped high-covariance tokens' loss dropped  Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"
     kl_cov        -r A, plus coef |logp - old| on the highest-covariance tokens   (same paper)
     cross_entropy -logp (SFT; advantages unused)
 """
@@ -233,15 +233,23 @@ def _top_tokens(score: Tensor, eligible: Tensor, ratio: float, mask: Tensor) -> 
 
 
 def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
-    """Clip-Cov: PPO loss, but tokens with covariance in [lb, ub] (the top clip_cov_ratio of
-    all tokens) get no gradient, which keeps policy entropy from collapsing.
-    Source: Cui et al. 2025 (arXiv:2505.22617).
+    """Clip-Cov: PPO loss, but up to clip_cov_ratio of the tokens, chosen among the eligible
+    ones by covariance, get no gradient, which keeps policy entropy from collapsing.
+
+    Eligible: a loss token the PPO clip has not already clipped, with lb < cov_t < ub
+    (strict). A token the clip already took carries no gradient; spending a slot on it would
+    leave a live high-covariance token untouched.
+    Source: Cui et al. 2025 (arXiv:2505.22617) and its reference code.
     """
     mask = mask.to(logp.dtype)
     adv = _clean(adv, mask)
-    loss, metrics = ppo(logp, old_logp, adv, mask, params=params)
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask))
+    loss, clip_high, clip_low = _clipped_surrogate(ratio, adv, mask, params)
+    metrics = _clip_metrics(clip_high, clip_low, mask)
+    metrics["ratio_mean"] = _masked_mean(ratio.detach(), mask)
     cov = _token_covariance(logp, adv, mask)
-    eligible = (mask > 0) & (cov >= params.clip_cov_lb) & (cov <= params.clip_cov_ub)
+    already_clipped = clip_high | clip_low
+    eligible = (mask > 0) & ~already_clipped & (cov > params.clip_cov_lb) & (cov < params.clip_cov_ub)
     chosen = _top_tokens(cov, eligible, params.clip_cov_ratio, mask)
     loss = torch.where(chosen, torch.zeros_like(loss), loss)
     metrics["clip_cov_frac"] = _masked_mean(chosen.to(mask.dtype), mask)

@@ -114,6 +114,37 @@ def test_clip_cov_and_kl_cov_pick_the_top_covariance_token():
     assert math.isclose(m["kl_cov_frac"].item(), 0.25)
 
 
+def test_clip_cov_skips_tokens_the_ppo_clip_already_clipped():
+    # Token 0 is the case: A = 1.028, ratio 1.698 > 1 + 0.2, so PPO already clipped it
+    # (no gradient). Its covariance is the highest, but Clip-Cov must spend its one slot on
+    # token 3, the live token with the next covariance in (lb, ub).
+    logp = t([[-1.0, -2.0, -3.0, -4.0]])
+    old = logp - t([[LN(1.698), 0.0, 0.0, 0.0]])
+    adv, mask = t([[1.028, 0.0, 0.0, -0.8]]), torch.ones(1, 4, dtype=D)
+    # mean logp -2.5, mean A 0.057: cov = (logp - mean)(A - mean) = [1.4565, -0.0285, 0.0285, 1.2855]
+    cov = [1.5 * 0.971, 0.5 * -0.057, -0.5 * -0.057, -1.5 * -0.857]
+    assert cov[0] > cov[3] > 1.0
+    params = PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["clip_cov"], logp, old, adv, mask, params)
+    assert torch.allclose(loss, t([[-1.2 * 1.028, 0.0, 0.0, 0.0]]))  # token 0 keeps its clipped loss
+    assert torch.equal(grad, torch.zeros(1, 4, dtype=D))  # clipped token 0, detached token 3
+    assert math.isclose(m["clip_cov_frac"].item(), 0.25)
+    assert math.isclose(m["clip_frac"].item(), 0.25)
+
+
+def test_clip_cov_bounds_are_strict():
+    logp = t([[-1.0, -2.0, -3.0, -4.0]])
+    adv, mask = t([[2.0, 0.0, 0.0, -1.0]]), torch.ones(1, 4, dtype=D)
+    fn = POLICY_LOSS_REGISTRY["clip_cov"]
+    # cov = [2.625, -0.125, 0.125, 1.875] exactly; token 0 sits on ub: not eligible, token 3 is.
+    loss, m = fn(logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=2.625))
+    assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 0.0]]))
+    # Token 3 on lb as well: nothing eligible, the PPO loss is untouched.
+    loss, m = fn(logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.875, clip_cov_ub=2.625))
+    assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 1.0]]))
+    assert m["clip_cov_frac"].item() == 0.0
+
+
 def test_cross_entropy_is_negative_logprob():
     logp = t([[-0.5, -2.0]])
     loss, m = POLICY_LOSS_REGISTRY["cross_entropy"](logp, logp, torch.zeros(1, 2, dtype=D), t([[1.0, 0.0]]), params=PolicyLossParams())
