@@ -12,6 +12,7 @@ import torch
 
 from asyncrl import config
 from asyncrl.algo import POLICY_LOSS_REGISTRY, CorrectionParams, PolicyLossParams, corrected_policy_loss, get_policy_loss
+from asyncrl.algo.losses import takes_rollout_logprobs
 from asyncrl.config import AlgoConfig, CorrectionConfig
 from asyncrl.learner.loss import microbatch_loss, token_logprobs
 
@@ -23,9 +24,14 @@ def t(rows):
     return torch.tensor(rows, dtype=D)
 
 
-def grad_wrt_logp(fn, logp, old, adv, mask, params):
+def behaviour(fn, old, rollout=None):
+    """The rollout_logp keyword for losses that take one (the old log-probs unless given)."""
+    return {"rollout_logp": old if rollout is None else rollout} if takes_rollout_logprobs(fn) else {}
+
+
+def grad_wrt_logp(fn, logp, old, adv, mask, params, rollout=None):
     logp = logp.clone().requires_grad_(True)
-    loss, metrics = fn(logp, old, adv, mask, params=params)
+    loss, metrics = fn(logp, old, adv, mask, params=params, **behaviour(fn, old, rollout))
     (loss * mask).sum().backward()
     return loss.detach(), logp.grad, metrics
 
@@ -183,7 +189,8 @@ def test_garbage_padding_one_token_rows_and_all_masked_rows(name):
 @pytest.mark.parametrize("name", ALL)
 def test_huge_log_ratio_gives_no_inf_or_nan(name):
     logp = t([[500.0, -500.0]]).requires_grad_(True)
-    loss, m = POLICY_LOSS_REGISTRY[name](logp, torch.zeros(1, 2, dtype=D), t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams())
+    fn, old = POLICY_LOSS_REGISTRY[name], torch.zeros(1, 2, dtype=D)
+    loss, m = fn(logp, old, t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams(), **behaviour(fn, old))
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
     assert all(torch.isfinite(v) for v in m.values())
