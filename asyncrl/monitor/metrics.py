@@ -68,6 +68,7 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("drift/abs_logp_diff", "mean", "mean |old_logprob - rollout_logprob| over response tokens", "nats"),
     _m("drift/tis_ratio_mean", "mean", "mean TIS ratio exp(old - rollout) before the cap"),
     _m("drift/tis_ratio_max", "max", "max TIS ratio before the cap"),
+    _m("drift/tis_ratio_min", "min", "min TIS ratio before the cap"),
     _m("drift/tis_capped_frac", "mean", "fraction of loss tokens whose TIS weight was capped at tis_cap"),
     _m("drift/tis_seq_capped_frac", "mean", "sequence TIS: fraction of sequences whose weight was capped at tis_cap"),
     _m("drift/masked_frac", "mean", "fraction of loss tokens masked by any correction mask"),
