@@ -22,7 +22,8 @@ Sources: truncated IS for the train/inference mismatch, F. Yao et al., "Your Eff
 Framework Secretly Brings You Off-Policy RL Training" (2025); sequence-level IS and the
 geometric / product masks, J. Liu et al., "When Speed Kills Stability: Demystifying RL
 Collapse from the Training-Inference Mismatch" (2025), section 4; the config layout follows
-SkyRL PR #849.
+SkyRL PR #849, and the token mask and the order of the steps follow SkyRL's off-policy
+correction (its token_mask_is_threshold_low/high).
 """
 
 from __future__ import annotations

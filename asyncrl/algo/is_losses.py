@@ -28,7 +28,7 @@ def importance_sampling(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tenso
     Gradient -r_t A_t dlogp_t on every token, however far r_t has moved: use it where the
     policy cannot drift far (one step per batch) or with a trust region elsewhere
     (``algo.rollout_kl_coef``). Source: Tinker's ``importance_sampling`` loss
-    (tinker-docs.thinkingmachines.ai/losses); the IS policy gradient itself is Precup et al. 2000.
+    (tinker-docs.thinkingmachines.ai/losses), as SkyRL ships it.
     """
     mask = mask.to(logp.dtype)
     adv = clean(adv, mask)
