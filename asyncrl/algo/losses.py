@@ -29,7 +29,6 @@ importance_sampling, rollout_is and dppo (no PPO clip) live in ``asyncrl.algo.is
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from typing import Callable
@@ -262,7 +261,6 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
 SEQUENCE_LEVEL_LOSSES = ("gmpo",)
 
 
-@functools.lru_cache(maxsize=None)
 def takes_rollout_logprobs(loss_fn: PolicyLossFn) -> bool:
     """Whether the loss declares a ``rollout_logp`` keyword (then it is given the behaviour log-probs)."""
     try:
