@@ -20,7 +20,7 @@ With r_t = exp(logp_t - old_t) (log-ratio clamped to +-20) and A the advantage:
     sapo          -(4/tau) sigmoid(tau (r - 1)) A, tau by sign of A    Gao et al. 2025, "Soft Adaptive Policy Optimization"
     cispo         -sg(min(r, 1+eps)/r) r A  (grad: min(r,1+eps) A dlogp) MiniMax-M1 report, 2025
     gmpo          -A exp(mean_t sgn(A) min(sgn(A) log r, clip(...)))  Zhao et al. 2025, "Geometric-Mean Policy Optimization"
-    clip_cov      ppo, unclipped high-cov tokens dropped          Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"
+    clip_cov      ppo, unclipped high-cov tokens dropped             Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"
     kl_cov        -r A, plus coef |logp - old| on the highest-covariance tokens   (same paper)
     cross_entropy -logp (SFT; advantages unused)
 
