@@ -26,11 +26,16 @@ log = logging.getLogger(__name__)
 # validating a config never imports torch; tests/unit check both lists stay identical.
 POLICY_LOSSES = (
     "ppo", "dual_clip", "gspo", "sapo", "cispo", "gmpo", "clip_cov", "kl_cov", "cross_entropy",
+    "importance_sampling", "rollout_is", "dppo",
 )
+# Losses whose ratio is already taken against the rollout policy (cispo only with cispo_anchor='rollout').
+ROLLOUT_ANCHORED_LOSSES = ("rollout_is", "dppo")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "maxrl")
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
+# Estimators whose baseline is the other samples of the same prompt: useless for groups of one.
+GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
-LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "token_mean_per_microbatch")
+LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_per_microbatch")
 ENVIRONMENTS = ("copy", "reverse", "arithmetic", "gsm8k", "countdown_chat")
 
 
@@ -80,10 +85,18 @@ class CorrectionConfig:
     """Mask a whole sequence if any one token's ratio lies outside [outlier_low, outlier_high]."""
     outlier_low: float = 1e-4
     outlier_high: float = 100.0
+    token_mask_low: float | None = None
+    token_mask_high: float | None = None
+    """Token IS mask: zero only the tokens whose ratio lies outside [token_mask_low,
+    token_mask_high] (bounds keep), the rest of the sequence trains. On when both are set."""
+
+    @property
+    def token_mask(self) -> bool:
+        return self.token_mask_low is not None and self.token_mask_high is not None
 
     @property
     def enabled(self) -> bool:
-        return self.tis != "none" or self.geo_mask or self.product_mask or self.outlier_mask
+        return self.tis != "none" or self.geo_mask or self.product_mask or self.outlier_mask or self.token_mask
 
 
 @dataclass
@@ -111,11 +124,20 @@ class AlgoConfig:
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     cispo_eps_high: float = 5.0
+    cispo_anchor: Literal["old", "rollout"] = "old"
+    """The ratio CISPO caps: exp(logp - old) (the paper's) or exp(logp - rollout_logprob),
+    which carries the async staleness itself (then algo.correction.tis must be 'none')."""
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 2e-3
     kl_cov_coef: float = 1.0
+    dppo_mask: Literal["binary_tv", "binary_kl"] = "binary_tv"
+    """DPPO trust region on the sampled token's probability: total variation or binary KL."""
+    dppo_delta_low: float = 0.2
+    """DPPO bound for tokens with A < 0 (about 0.2 for binary_tv, 0.05 for binary_kl)."""
+    dppo_delta_high: float = 0.2
+    """DPPO bound for tokens with A > 0."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     kl_coef: float = 0.0
     """Coefficient of the KL-to-reference term (0 disables the reference model)."""
@@ -131,8 +153,14 @@ class AlgoConfig:
     """Merge consecutive steps that share a prefix into one sequence."""
 
     @property
+    def rollout_anchored(self) -> bool:
+        """The policy loss's ratio is already against the rollout policy."""
+        return self.policy_loss in ROLLOUT_ANCHORED_LOSSES or (
+            self.policy_loss == "cispo" and self.cispo_anchor == "rollout")
+
+    @property
     def needs_rollout_logprobs(self) -> bool:
-        return self.correction.enabled or self.rollout_kl_coef > 0
+        return self.correction.enabled or self.rollout_kl_coef > 0 or self.rollout_anchored
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -501,7 +529,8 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
         raise ConfigError(f"algo.eps_clip_low={a.eps_clip_low!r}: must be < 1 (the lower clip bound is 1 - eps)")
     if a.dual_clip_c <= 1:
         raise ConfigError(f"algo.dual_clip_c={a.dual_clip_c!r}: must be > 1")
-    for name in ("sapo_tau_pos", "sapo_tau_neg", "cispo_eps_high", "clip_cov_ratio", "kl_cov_ratio", "gamma"):
+    for name in ("sapo_tau_pos", "sapo_tau_neg", "cispo_eps_high", "clip_cov_ratio", "kl_cov_ratio", "gamma",
+                 "dppo_delta_low", "dppo_delta_high"):
         _positive(f"algo.{name}", getattr(a, name))
     _ordered("algo.clip_cov_lb", a.clip_cov_lb, "algo.clip_cov_ub", a.clip_cov_ub)
     if not 0 <= a.lam <= 1:
@@ -539,6 +568,46 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
     _ordered("algo.correction.product_mask_low", c.product_mask_low,
              "algo.correction.product_mask_high", c.product_mask_high)
     _ordered("algo.correction.outlier_low", c.outlier_low, "algo.correction.outlier_high", c.outlier_high)
+    if (c.token_mask_low is None) != (c.token_mask_high is None):
+        unset = "token_mask_high" if c.token_mask_high is None else "token_mask_low"
+        given = "token_mask_low" if unset == "token_mask_high" else "token_mask_high"
+        raise ConfigError(
+            f"algo.correction.{unset}=None while algo.correction.{given}={getattr(c, given)!r}: the token "
+            f"mask needs both bounds (set algo.correction.{unset}, or unset both to turn it off)"
+        )
+    if c.token_mask:
+        _positive("algo.correction.token_mask_low", c.token_mask_low)
+        _ordered("algo.correction.token_mask_low", c.token_mask_low,
+                 "algo.correction.token_mask_high", c.token_mask_high)
+    if a.policy_loss == "cispo" and a.cispo_anchor == "rollout" and c.tis != "none":
+        raise ConfigError(
+            f"algo.correction.tis={c.tis!r} does not compose with algo.cispo_anchor='rollout': the CISPO "
+            f"weight already is the rollout ratio exp(logp - rollout_logprob), so a TIS weight would "
+            f"correct twice. Use algo.correction.tis='none' (the masks still apply) or algo.cispo_anchor='old'."
+        )
+    if a.policy_loss in ROLLOUT_ANCHORED_LOSSES and c.tis != "none":
+        log.warning(
+            "algo.policy_loss=%r already takes its ratio against the rollout policy; algo.correction.tis=%r "
+            "multiplies in exp(old - rollout) on top. Use algo.correction.tis='none' unless that is meant.",
+            a.policy_loss, c.tis,
+        )
+
+    if (a.advantage_estimator in GROUP_BASELINE_ESTIMATORS and rollout.n_samples < 2
+            and a.policy_loss != "cross_entropy"):
+        raise ConfigError(
+            f"rollout.n_samples={rollout.n_samples}: algo.advantage_estimator={a.advantage_estimator!r} "
+            f"measures each sample against the other samples of its prompt, so a group of one has no "
+            f"baseline, every advantage is 0 and nothing is trained. Use rollout.n_samples >= 2, or "
+            f"algo.advantage_estimator='reinforce_pp' (baseline over the whole batch)."
+        )
+    if a.advantage_estimator == "maxrl":
+        why = _negative_rewards_possible(rollout)
+        if why:
+            log.warning(
+                "algo.advantage_estimator='maxrl' gives advantage 0 to every group whose mean reward is <= 0 "
+                "(it divides by the mean, which must be a success rate), and %s: such groups will not train. "
+                "MaxRL is meant for rewards in [0, 1]; consider grpo or dr_grpo.", why,
+            )
 
     if a.stepwise and a.advantage_estimator not in OUTCOME_ESTIMATORS:
         raise ConfigError(
@@ -553,9 +622,26 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
         )
     if a.needs_rollout_logprobs and not rollout.logprobs:
         log.warning(
-            "algo.correction / algo.rollout_kl_coef need engine logprobs: setting rollout.logprobs=true"
+            "algo.correction / algo.rollout_kl_coef / algo.policy_loss=%r (cispo_anchor=%r) need engine "
+            "logprobs: setting rollout.logprobs=true", a.policy_loss, a.cispo_anchor,
         )
         rollout.logprobs = True
+
+
+def _negative_rewards_possible(r: RolloutConfig) -> str | None:
+    """Why the configured environment's rewards can be negative, or None when they cannot."""
+    if r.env in ("copy", "reverse", "arithmetic"):
+        penalty = r.env_kwargs.get("length_penalty", 0.05)
+        if isinstance(penalty, (int, float)) and penalty <= 0:
+            return None
+        return (f"rollout.env={r.env!r} subtracts length_penalty={penalty!r} per character of length error, "
+                f"so its rewards go below 0")
+    if r.env == "gsm8k":
+        low = min(r.env_kwargs.get("correct_reward", 1.0), r.env_kwargs.get("format_reward", 0.0))
+        return None if low >= 0 else f"rollout.env='gsm8k' has a reward of {low!r}"
+    if r.env == "countdown_chat":
+        return "rollout.env='countdown_chat' subtracts 0.05 per character of length error in every turn"
+    return f"the rewards of rollout.env={r.env!r} are not known to be >= 0"
 
 
 def _validate_rollout(r: RolloutConfig) -> None:

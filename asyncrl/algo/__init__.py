@@ -7,13 +7,14 @@
 
 Registries (users extend both by import path, "package.module:function", so that every Ray
 worker can import the same function):
-    get_policy_loss(name_or_path)          ppo, dual_clip, gspo, sapo, cispo, gmpo, clip_cov, kl_cov, cross_entropy
+    get_policy_loss(name_or_path)          ppo, dual_clip, gspo, sapo, cispo, gmpo, clip_cov, kl_cov, cross_entropy,
+                                           importance_sampling, rollout_is, dppo (is_losses.py)
     get_advantage_estimator(name_or_path)  grpo, dr_grpo, rloo, reinforce_pp, gae, maxrl
 Other entry points:
     kl_penalty(logp, other_logp, estimator)                      k1, abs, k2, k3       (kl.py)
-    off_policy_correction(old, rollout, mask, params=...)        TIS + sequence masks  (correction.py)
+    off_policy_correction(old, rollout, mask, params=...)        TIS + token/sequence masks (correction.py)
     corrected_policy_loss(loss_fn, ...)                          the path every loss takes (losses.py)
-    reduction_weights(loss_mask, reduction, constant=...)        per-token weights     (reduction.py)
+    reduction_weights(loss_mask, reduction, constant=..., group_ids=...)  per-token weights (reduction.py)
     logprobs_from_logits / entropy_from_logits                   at a temperature      (logprobs.py)
     broadcast_trajectory_advantages / merge_prefix_steps         step-wise             (stepwise.py)
 Formulas and sources: docs/algorithms.md.

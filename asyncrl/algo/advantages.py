@@ -12,7 +12,7 @@ sample i's group g (n_g samples):
     grpo          (r_i - m_g) / (s_g + eps)      or r_i - m_g with norm_std=False   Shao et al. 2024 (DeepSeekMath)
     dr_grpo       r_i - m_g                                                         Liu et al. 2025 (Dr. GRPO)
     rloo          r_i - mean_{j != i} r_j = n_g/(n_g - 1) (r_i - m_g)               Ahmadian et al. 2024
-    maxrl         (r_i - m_g) / (m_g + eps) = r_i/m_g - 1 (0 if m_g = 0)            Tajwar et al. 2026 (MaxRL, arXiv:2602.02710)
+    maxrl         (r_i - m_g) / (m_g + eps) = r_i/m_g - 1 (0 if m_g <= 0)           Tajwar et al. 2026 (MaxRL, arXiv:2602.02710)
     reinforce_pp  per-token discounted returns, normalised over the whole batch     Hu 2025 (REINFORCE++, arXiv:2501.03262)
     gae           generalised advantage estimation from a value estimate            Schulman et al. 2016 (arXiv:1506.02438)
 
@@ -102,11 +102,13 @@ def rloo(rewards, group_ids, mask, *, params: AdvantageParams, token_rewards=Non
 
 
 def maxrl(rewards, group_ids, mask, *, params: AdvantageParams, token_rewards=None, values=None) -> Tensor:
-    """MaxRL: A_i = (r_i - mean_g) / (mean_g + eps), i.e. r_i / mean_g - 1; 0 when mean_g = 0.
+    """MaxRL: A_i = (r_i - mean_g) / (mean_g + eps), i.e. r_i / mean_g - 1; 0 when mean_g <= 0.
 
     Dividing by the group's success rate instead of its std turns the RL gradient (of the
     pass rate p) into the maximum-likelihood gradient (of log p), which up-weights hard
-    prompts by 1/p. Meant for rewards >= 0 (binary correctness).
+    prompts by 1/p. Meant for rewards >= 0 (binary correctness): a group whose mean is <= 0
+    is not a success rate, and dividing by it would flip or blow up the sign, so it gets 0
+    (the config warns at start-up when the environment's rewards can be negative).
     Source: Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning" (arXiv:2602.02710).
     """
     mean, _, count = _group_stats(rewards, group_ids)

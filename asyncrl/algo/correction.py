@@ -12,13 +12,18 @@ With the per-token ratio rho_t = exp(old_t - rollout_t) (log-ratios clamped to +
     geometric mask keep a sequence iff low <= exp(mean_t log rho_t) <= high
     product mask   keep a sequence iff low <= prod_t rho_t <= high
     outlier mask   drop a whole sequence if any one token has rho_t outside [low, high]
+    token mask     drop only the tokens with rho_t outside [token_mask_low, token_mask_high]
     extra_mask     any per-token mask of the caller's, multiplied in
+
+Order: outlier mask, token mask, TIS (over the tokens still kept), geometric / product
+masks (over the tokens still kept), extra_mask. All bounds are inclusive (on a bound keeps).
 
 Sources: truncated IS for the train/inference mismatch, F. Yao et al., "Your Efficient RL
 Framework Secretly Brings You Off-Policy RL Training" (2025); sequence-level IS and the
 geometric / product masks, J. Liu et al., "When Speed Kills Stability: Demystifying RL
 Collapse from the Training-Inference Mismatch" (2025), section 4; the config layout follows
-SkyRL PR #849.
+SkyRL PR #849, and the token mask and the order of the steps follow SkyRL's off-policy
+correction (its token_mask_is_threshold_low/high).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class CorrectionParams:
     outlier_mask: bool = False
     outlier_low: float = 1e-4
     outlier_high: float = 100.0
+    token_mask_low: float | None = None
+    token_mask_high: float | None = None
 
     def __post_init__(self) -> None:
         if self.tis not in ("none", "token", "sequence"):
@@ -58,19 +65,25 @@ class CorrectionParams:
             low, high = getattr(self, low_name), getattr(self, high_name)
             if not 0 < low < high:
                 raise ValueError(f"{low_name}={low!r}, {high_name}={high!r}: need 0 < low < high")
+        low, high = self.token_mask_low, self.token_mask_high
+        if (low is None) != (high is None):
+            missing = "token_mask_high" if high is None else "token_mask_low"
+            raise ValueError(f"token_mask_low={low!r}, token_mask_high={high!r}: set both or neither "
+                             f"({missing} is missing, and one bound alone would mask nothing)")
+        if low is not None and not 0 < low < high:
+            raise ValueError(f"token_mask_low={low!r}, token_mask_high={high!r}: need 0 < low < high")
+
+    @property
+    def token_mask(self) -> bool:
+        return self.token_mask_low is not None and self.token_mask_high is not None
 
     @property
     def enabled(self) -> bool:
-        return self.tis != "none" or self.geo_mask or self.product_mask or self.outlier_mask
+        return self.tis != "none" or self.geo_mask or self.product_mask or self.outlier_mask or self.token_mask
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _sequence_keep(keep_seq: Tensor, mask: Tensor) -> Tensor:
-    """[B] bool -> [B, T] float mask on the tokens of the kept sequences."""
-    return mask * keep_seq.to(mask.dtype).unsqueeze(1)
 
 
 def off_policy_correction(
@@ -83,6 +96,10 @@ def off_policy_correction(
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """TIS weights and the combined mask, both [B, T], plus metrics (0-d tensors).
 
+    Applied in this order, each step seeing the mask the previous ones left: outlier
+    sequence mask, token mask, TIS (a sequence weight is the product over the tokens still
+    kept), geometric and product sequence masks (over the kept tokens), ``extra_mask``.
+
     Args:
         old_logp: [B, T] proximal-policy log-probs (recomputed by the learner; no gradient).
         rollout_logp: [B, T] behaviour-policy log-probs from the engine.
@@ -92,61 +109,78 @@ def off_policy_correction(
 
     Returns:
         weights: [B, T] TIS weight (1 where TIS is off or the token is masked).
-        combined_mask: [B, T] ``mask`` with every sequence mask and ``extra_mask`` applied.
-        metrics: means are over ``mask`` tokens: ``tis_ratio_mean/_min/_max`` (uncapped
-        token ratio, or the sequence ratio for sequence TIS), ``tis_capped_frac``,
-        ``geo_masked_frac``, ``product_masked_frac``, ``outlier_masked_frac``,
-        ``extra_masked_frac`` and ``masked_frac`` (all masks together).
+        combined_mask: [B, T] ``mask`` with every mask applied.
+        metrics: token fractions are over the ``mask`` tokens and row fractions over the rows
+        with at least one ``mask`` token; each mask counts only what it removed itself (a row
+        the outlier mask dropped is not counted again by the geometric mask), so the
+        ``*_masked_frac`` add up to ``masked_frac``. ``tis_ratio_mean/_min/_max``: the
+        uncapped token ratio over all ``mask`` tokens (for sequence TIS, each token shows its
+        sequence's ratio); ``tis_capped_frac`` (tokens), ``tis_seq_capped_frac`` (rows,
+        sequence TIS); ``outlier_``, ``geo_``, ``product_masked_frac`` (tokens) with their
+        ``*_seq_masked_frac`` (rows); ``token_masked_frac``; ``extra_masked_frac``.
     """
     mask = mask.to(old_logp.dtype)
     live = mask > 0
     # Masked positions may hold garbage (padding): zero them before any exp.
     log_rho = torch.where(live, (old_logp - rollout_logp).detach(), torch.zeros_like(old_logp))
     log_rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    seq_log_rho = log_rho.sum(dim=1)
-    lengths = mask.sum(dim=1)
-    has_tokens = lengths > 0
+    rho = torch.exp(log_rho)
+    rows = live.any(dim=1)
     metrics: dict[str, Tensor] = {}
+    combined = mask.clone()
+
+    def row_frac(flags: Tensor) -> Tensor:
+        return (flags & rows).sum().to(mask.dtype) / rows.sum().clamp(min=1).to(mask.dtype)
+
+    def apply(name: str, keep: Tensor) -> None:
+        nonlocal combined
+        kept = combined * keep.to(mask.dtype)
+        metrics[f"{name}_masked_frac"] = masked_mean(combined - kept, mask)
+        combined = kept
+
+    def apply_rows(name: str, keep_row: Tensor) -> None:
+        had_tokens = (combined > 0).any(dim=1)
+        metrics[f"{name}_seq_masked_frac"] = row_frac(had_tokens & ~keep_row)
+        apply(name, keep_row.unsqueeze(1))
+
+    def kept_sequence_log_ratio() -> tuple[Tensor, Tensor]:
+        kept = (combined > 0).to(mask.dtype)
+        return (log_rho * kept).sum(dim=1), kept.sum(dim=1)
+
+    if params.outlier_mask:
+        bad_token = live & ((rho < params.outlier_low) | (rho > params.outlier_high))
+        apply_rows("outlier", ~bad_token.any(dim=1))
+    if params.token_mask:
+        apply("token", (rho >= params.token_mask_low) & (rho <= params.token_mask_high))
 
     weights = torch.ones_like(old_logp)
+    ratio = rho
     if params.tis == "token":
-        ratio = torch.exp(log_rho)
-        weights = torch.where(live, ratio.clamp(max=params.tis_cap), weights)
+        weights = torch.where(combined > 0, rho.clamp(max=params.tis_cap), weights)
     elif params.tis == "sequence":
-        seq_ratio = torch.exp(seq_log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        seq_log, _ = kept_sequence_log_ratio()
+        seq_ratio = torch.exp(seq_log.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         ratio = seq_ratio.unsqueeze(1).expand_as(old_logp)
-        weights = torch.where(live, ratio.clamp(max=params.tis_cap), weights)
-    else:
-        ratio = torch.exp(log_rho)
+        weights = torch.where(combined > 0, ratio.clamp(max=params.tis_cap), weights)
+        metrics["tis_seq_capped_frac"] = row_frac((combined > 0).any(dim=1) & (seq_ratio > params.tis_cap))
     big, small = torch.finfo(ratio.dtype).max, torch.finfo(ratio.dtype).min
     any_live = live.any()
     zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
-    metrics["tis_ratio_mean"] = _masked_mean(ratio, mask)
+    metrics["tis_ratio_mean"] = masked_mean(ratio, mask)
     metrics["tis_ratio_max"] = torch.where(any_live, torch.where(live, ratio, small).max(), zero)
     metrics["tis_ratio_min"] = torch.where(any_live, torch.where(live, ratio, big).min(), zero)
     if params.tis != "none":
-        metrics["tis_capped_frac"] = _masked_mean((ratio > params.tis_cap).to(mask.dtype), mask)
+        metrics["tis_capped_frac"] = masked_mean(((combined > 0) & (ratio > params.tis_cap)).to(mask.dtype), mask)
 
-    combined = mask.clone()
     if params.geo_mask:
-        geo = torch.exp(seq_log_rho / lengths.clamp(min=1.0))
-        keep = ((geo >= params.geo_mask_low) & (geo <= params.geo_mask_high)) | ~has_tokens
-        metrics["geo_masked_frac"] = _masked_mean(1.0 - _sequence_keep(keep, mask), mask)
-        combined = combined * _sequence_keep(keep, mask)
+        seq_log, lengths = kept_sequence_log_ratio()
+        geo = torch.exp(seq_log / lengths.clamp(min=1.0))
+        apply_rows("geo", ((geo >= params.geo_mask_low) & (geo <= params.geo_mask_high)) | (lengths == 0))
     if params.product_mask:
-        prod = torch.exp(seq_log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        keep = ((prod >= params.product_mask_low) & (prod <= params.product_mask_high)) | ~has_tokens
-        metrics["product_masked_frac"] = _masked_mean(1.0 - _sequence_keep(keep, mask), mask)
-        combined = combined * _sequence_keep(keep, mask)
-    if params.outlier_mask:
-        rho = torch.exp(log_rho)
-        bad_token = live & ((rho < params.outlier_low) | (rho > params.outlier_high))
-        keep = ~bad_token.any(dim=1)
-        metrics["outlier_masked_frac"] = _masked_mean(1.0 - _sequence_keep(keep, mask), mask)
-        combined = combined * _sequence_keep(keep, mask)
+        seq_log, lengths = kept_sequence_log_ratio()
+        prod = torch.exp(seq_log.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        apply_rows("product", ((prod >= params.product_mask_low) & (prod <= params.product_mask_high)) | (lengths == 0))
     if extra_mask is not None:
-        extra = (extra_mask > 0).to(mask.dtype)
-        metrics["extra_masked_frac"] = _masked_mean(1.0 - extra, mask)
-        combined = combined * extra
-    metrics["masked_frac"] = _masked_mean(1.0 - combined, mask)
+        apply("extra", extra_mask > 0)
+    metrics["masked_frac"] = masked_mean(mask - combined, mask)
     return weights, combined, metrics

@@ -20,79 +20,34 @@ With r_t = exp(logp_t - old_t) (log-ratio clamped to +-20) and A the advantage:
     sapo          -(4/tau) sigmoid(tau (r - 1)) A, tau by sign of A    Gao et al. 2025, "Soft Adaptive Policy Optimization"
     cispo         -sg(min(r, 1+eps)/r) r A  (grad: min(r,1+eps) A dlogp) MiniMax-M1 report, 2025
     gmpo          -A exp(mean_t sgn(A) min(sgn(A) log r, clip(...)))  Zhao et al. 2025, "Geometric-Mean Policy Optimization"
-    clip_cov      ppo, with the highest-covariance tokens' loss dropped  Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"
+    clip_cov      ppo, unclipped high-cov tokens dropped             Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"
     kl_cov        -r A, plus coef |logp - old| on the highest-covariance tokens   (same paper)
     cross_entropy -logp (SFT; advantages unused)
+
+importance_sampling, rollout_is and dppo (no PPO clip) live in ``asyncrl.algo.is_losses``.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import inspect
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from asyncrl.algo.correction import CorrectionParams, off_policy_correction
-
-LOG_RATIO_CLAMP = 20.0
-
-PolicyLossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
-
-
-@dataclass(frozen=True)
-class PolicyLossParams:
-    """The scalars policy losses need (mirrors the fields of ``asyncrl.config.AlgoConfig``)."""
-
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    dual_clip_c: float = 3.0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cispo_eps_high: float = 5.0
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-3
-    kl_cov_coef: float = 1.0
-
-
-def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    # Zero padded positions first: garbage there must not turn into inf/NaN gradients.
-    live = mask > 0
-    diff = torch.where(live, logp - old_logp, torch.zeros_like(logp))
-    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _clean(x: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask > 0, x, torch.zeros_like(x))
-
-
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, params: PolicyLossParams):
-    """-min(r A, clip(r) A) and the effective upper/lower clip indicators."""
-    low, high = 1.0 - params.eps_clip_low, 1.0 + params.eps_clip_high
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(low, high)
-    loss = torch.maximum(unclipped, clipped)
-    live = mask > 0
-    # The clipped term wins (and has zero gradient) only in these two cases.
-    clip_high = live & (adv > 0) & (ratio > high)
-    clip_low = live & (adv < 0) & (ratio < low)
-    return loss, clip_high, clip_low
-
-
-def _clip_metrics(clip_high: Tensor, clip_low: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    hi, lo = clip_high.to(mask.dtype), clip_low.to(mask.dtype)
-    return {
-        "clip_frac": _masked_mean(hi + lo, mask),
-        "clip_frac_high": _masked_mean(hi, mask),
-        "clip_frac_low": _masked_mean(lo, mask),
-    }
+from asyncrl.algo.is_losses import dppo, importance_sampling, rollout_is
+from asyncrl.algo.policy_common import (
+    LOG_RATIO_CLAMP,
+    PolicyLossFn,
+    PolicyLossParams,
+    clean,
+    clip_metrics,
+    clipped_surrogate,
+    log_ratio,
+    masked_mean,
+)
 
 
 def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
@@ -102,11 +57,11 @@ def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: Po
     Source: Schulman et al. 2017 (arXiv:1707.06347); clip-higher from DAPO (arXiv:2503.14476).
     """
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask))
-    loss, clip_high, clip_low = _clipped_surrogate(ratio, adv, mask, params)
-    metrics = _clip_metrics(clip_high, clip_low, mask)
-    metrics["ratio_mean"] = _masked_mean(ratio.detach(), mask)
+    adv = clean(adv, mask)
+    ratio = torch.exp(log_ratio(logp, old_logp, mask))
+    loss, clip_high, clip_low = clipped_surrogate(ratio, adv, mask, params)
+    metrics = clip_metrics(clip_high, clip_low, mask)
+    metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
     return loss, metrics
 
 
@@ -118,16 +73,16 @@ def dual_clip(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, para
     """
     loss, metrics = ppo(logp, old_logp, adv, mask, params=params)
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
+    adv = clean(adv, mask)
     cap = -params.dual_clip_c * adv
     dual = (adv < 0) & (loss > cap) & (mask > 0)
     loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
-    metrics["dual_clip_frac"] = _masked_mean(dual.to(mask.dtype), mask)
+    metrics["dual_clip_frac"] = masked_mean(dual.to(mask.dtype), mask)
     return loss, metrics
 
 
-def _sequence_mean_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    return (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+def _sequence_mean_log_ratio(log_r: Tensor, mask: Tensor) -> Tensor:
+    return (log_r * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
 
 
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
@@ -138,15 +93,15 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: P
     Source: Zheng et al. 2025 (arXiv:2507.18071), which uses much smaller eps (3e-4, 4e-4).
     """
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
-    log_ratio = _log_ratio(logp, old_logp, mask)
-    seq_log = _sequence_mean_log_ratio(log_ratio, mask).detach()
+    adv = clean(adv, mask)
+    log_r = log_ratio(logp, old_logp, mask)
+    seq_log = _sequence_mean_log_ratio(log_r, mask).detach()
     log_s = seq_log + logp - logp.detach()
     log_s = torch.where(mask > 0, log_s, torch.zeros_like(log_s)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_s)
-    loss, clip_high, clip_low = _clipped_surrogate(ratio, adv, mask, params)
-    metrics = _clip_metrics(clip_high, clip_low, mask)
-    metrics["ratio_mean"] = _masked_mean(ratio.detach(), mask)
+    loss, clip_high, clip_low = clipped_surrogate(ratio, adv, mask, params)
+    metrics = clip_metrics(clip_high, clip_low, mask)
+    metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
     return loss, metrics
 
 
@@ -158,29 +113,40 @@ def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: P
     gradient and fades smoothly far from it. Source: Gao et al. 2025 (arXiv:2511.20347).
     """
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask))
+    adv = clean(adv, mask)
+    ratio = torch.exp(log_ratio(logp, old_logp, mask))
     tau = torch.where(adv > 0, torch.full_like(adv, params.sapo_tau_pos), torch.full_like(adv, params.sapo_tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss = -gate * adv
-    return loss, {"gate_mean": _masked_mean(gate.detach(), mask), "ratio_mean": _masked_mean(ratio.detach(), mask)}
+    return loss, {"gate_mean": masked_mean(gate.detach(), mask), "ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
-def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams,
+          rollout_logp: Tensor | None = None):
     """CISPO: clip the (stop-gradient) IS weight, never the token's gradient.
 
     loss_t = -sg(min(r_t, 1 + eps) / r_t) * r_t * A_t, whose value is -min(r_t, 1 + eps) A_t
     and whose gradient is -min(r_t, 1 + eps) A_t dlogp_t: every token keeps a gradient.
+    r_t = exp(logp_t - anchor_t) with anchor = old (``cispo_anchor='old'``, the paper's) or
+    the rollout log-probs (``'rollout'``): with one optimizer step per batch the old ratio is
+    1 and the cap never acts, while the rollout ratio carries the async staleness, so the
+    weight itself is the off-policy correction (and a TIS weight on top would count it twice).
     Source: MiniMax-M1 technical report (arXiv:2506.13585).
     """
+    if params.cispo_anchor == "rollout":
+        if rollout_logp is None:
+            raise ValueError("cispo with cispo_anchor='rollout' needs rollout_logprobs")
+        anchor = rollout_logp
+    else:
+        anchor = old_logp
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask))
+    adv = clean(adv, mask)
+    ratio = torch.exp(log_ratio(logp, anchor, mask))
     high = 1.0 + params.cispo_eps_high
     scale = (ratio.clamp(max=high) / ratio).detach()
     loss = -scale * ratio * adv
     clipped = (ratio > high) & (mask > 0) & (adv != 0)
-    return loss, {"clip_frac": _masked_mean(clipped.to(mask.dtype), mask), "ratio_mean": _masked_mean(ratio.detach(), mask)}
+    return loss, {"clip_frac": masked_mean(clipped.to(mask.dtype), mask), "ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
 def gmpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
@@ -193,27 +159,27 @@ def gmpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: P
     is why the config requires sequence_mean. Source: Zhao et al. 2025 (arXiv:2507.20673).
     """
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
+    adv = clean(adv, mask)
     lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
     seq_adv = (adv * mask).sum(dim=1, keepdim=True) / lengths
     sign = torch.sign(seq_adv)
-    log_ratio = _log_ratio(logp, old_logp, mask)
-    signed = sign * log_ratio
+    log_r = log_ratio(logp, old_logp, mask)
+    signed = sign * log_r
     effective = sign * torch.minimum(signed, signed.clamp(-params.eps_clip_low, params.eps_clip_high))
     seq_ratio = torch.exp((effective * mask).sum(dim=1, keepdim=True) / lengths)
     loss = (-seq_adv * seq_ratio).expand_as(logp)
-    clipped = (effective != log_ratio) & (mask > 0)
-    hi = clipped & (log_ratio > 0)
-    lo = clipped & (log_ratio < 0)
-    metrics = _clip_metrics(hi, lo, mask)
-    metrics["seq_ratio_mean"] = _masked_mean(seq_ratio.detach().expand_as(logp), mask)
+    clipped = (effective != log_r) & (mask > 0)
+    hi = clipped & (log_r > 0)
+    lo = clipped & (log_r < 0)
+    metrics = clip_metrics(hi, lo, mask)
+    metrics["seq_ratio_mean"] = masked_mean(seq_ratio.detach().expand_as(logp), mask)
     return loss, metrics
 
 
 def _token_covariance(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
     """cov_t = (logp_t - mean logp)(A_t - mean A), means over ``mask`` tokens (no gradient)."""
     lp = logp.detach()
-    return (lp - _masked_mean(lp, mask)) * (adv - _masked_mean(adv, mask))
+    return (lp - masked_mean(lp, mask)) * (adv - masked_mean(adv, mask))
 
 
 def _top_tokens(score: Tensor, eligible: Tensor, ratio: float, mask: Tensor) -> Tensor:
@@ -233,18 +199,26 @@ def _top_tokens(score: Tensor, eligible: Tensor, ratio: float, mask: Tensor) -> 
 
 
 def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
-    """Clip-Cov: PPO loss, but tokens with covariance in [lb, ub] (the top clip_cov_ratio of
-    all tokens) get no gradient, which keeps policy entropy from collapsing.
-    Source: Cui et al. 2025 (arXiv:2505.22617).
+    """Clip-Cov: PPO loss, but up to clip_cov_ratio of the tokens, chosen among the eligible
+    ones by covariance, get no gradient, which keeps policy entropy from collapsing.
+
+    Eligible: a loss token the PPO clip has not already clipped, with lb < cov_t < ub
+    (strict). A token the clip already took carries no gradient; spending a slot on it would
+    leave a live high-covariance token untouched.
+    Source: Cui et al. 2025 (arXiv:2505.22617) and its reference code.
     """
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
-    loss, metrics = ppo(logp, old_logp, adv, mask, params=params)
+    adv = clean(adv, mask)
+    ratio = torch.exp(log_ratio(logp, old_logp, mask))
+    loss, clip_high, clip_low = clipped_surrogate(ratio, adv, mask, params)
+    metrics = clip_metrics(clip_high, clip_low, mask)
+    metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
     cov = _token_covariance(logp, adv, mask)
-    eligible = (mask > 0) & (cov >= params.clip_cov_lb) & (cov <= params.clip_cov_ub)
+    already_clipped = clip_high | clip_low
+    eligible = (mask > 0) & ~already_clipped & (cov > params.clip_cov_lb) & (cov < params.clip_cov_ub)
     chosen = _top_tokens(cov, eligible, params.clip_cov_ratio, mask)
     loss = torch.where(chosen, torch.zeros_like(loss), loss)
-    metrics["clip_cov_frac"] = _masked_mean(chosen.to(mask.dtype), mask)
+    metrics["clip_cov_frac"] = masked_mean(chosen.to(mask.dtype), mask)
     return loss, metrics
 
 
@@ -253,19 +227,19 @@ def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params:
     tokens by covariance. Source: Cui et al. 2025 (arXiv:2505.22617).
     """
     mask = mask.to(logp.dtype)
-    adv = _clean(adv, mask)
-    log_ratio = _log_ratio(logp, old_logp, mask)
-    ratio = torch.exp(log_ratio)
+    adv = clean(adv, mask)
+    log_r = log_ratio(logp, old_logp, mask)
+    ratio = torch.exp(log_r)
     cov = _token_covariance(logp, adv, mask)
     chosen = _top_tokens(cov, mask > 0, params.kl_cov_ratio, mask)
-    loss = -adv * ratio + torch.where(chosen, params.kl_cov_coef * log_ratio.abs(), torch.zeros_like(ratio))
-    return loss, {"kl_cov_frac": _masked_mean(chosen.to(mask.dtype), mask), "ratio_mean": _masked_mean(ratio.detach(), mask)}
+    loss = -adv * ratio + torch.where(chosen, params.kl_cov_coef * log_r.abs(), torch.zeros_like(ratio))
+    return loss, {"kl_cov_frac": masked_mean(chosen.to(mask.dtype), mask), "ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
 def cross_entropy(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
     """Supervised fine-tuning: loss_t = -logp_t (old log-probs and advantages are unused)."""
     mask = mask.to(logp.dtype)
-    return _clean(-logp, mask), {"nll": _masked_mean(-logp.detach(), mask)}
+    return clean(-logp, mask), {"nll": masked_mean(-logp.detach(), mask)}
 
 
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
@@ -278,10 +252,21 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
     "clip_cov": clip_cov,
     "kl_cov": kl_cov,
     "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "rollout_is": rollout_is,
+    "dppo": dppo,
 }
 
 # Losses whose objective is per sequence: a per-token TIS weight has no place in them.
 SEQUENCE_LEVEL_LOSSES = ("gmpo",)
+
+
+def takes_rollout_logprobs(loss_fn: PolicyLossFn) -> bool:
+    """Whether the loss declares a ``rollout_logp`` keyword (then it is given the behaviour log-probs)."""
+    try:
+        return "rollout_logp" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def load_by_import_path(path: str, what: str) -> Callable:
@@ -333,7 +318,9 @@ def corrected_policy_loss(
 
     The loss sees the combined mask (so sequence statistics such as GMPO's mean log-ratio
     and the covariance of clip_cov skip masked tokens), and its per-token output is
-    multiplied by the TIS weight and the combined mask. A sequence-level loss
+    multiplied by the TIS weight and the combined mask. A loss that declares a
+    ``rollout_logp`` keyword (rollout_is, dppo, cispo) is given ``rollout_logp`` as passed
+    (None when the caller has none). A sequence-level loss
     (``sequence_level=True``, e.g. GMPO) accepts only a sequence TIS weight, which is one
     constant per sequence and therefore scales the sequence objective as a whole.
 
@@ -344,6 +331,9 @@ def corrected_policy_loss(
     metrics: dict[str, Tensor] = {}
     weights = torch.ones_like(logp)
     combined = mask
+    given_rollout = rollout_logp
+    if loss_fn is cispo and params.cispo_anchor == "rollout" and correction.tis != "none":
+        raise ValueError("cispo_anchor='rollout' already weights by the rollout ratio: TIS would count it twice")
     if correction.enabled or extra_mask is not None:
         if correction.enabled and rollout_logp is None:
             raise ValueError("off-policy correction is enabled but rollout_logprobs were not given")
@@ -354,6 +344,7 @@ def corrected_policy_loss(
         weights, combined, metrics = off_policy_correction(
             old_logp, rollout_logp, mask, params=correction, extra_mask=extra_mask
         )
-    loss, loss_metrics = loss_fn(logp, old_logp, adv, combined, params=params)
-    loss = _clean(loss, combined) * weights.detach()
+    behaviour = {"rollout_logp": given_rollout} if takes_rollout_logprobs(loss_fn) else {}
+    loss, loss_metrics = loss_fn(logp, old_logp, adv, combined, params=params, **behaviour)
+    loss = clean(loss, combined) * weights.detach()
     return loss, {**loss_metrics, **metrics}

@@ -12,11 +12,16 @@ follows Tinker's "sum the token losses, scale the advantages" convention.)
     token_mean               w = m / sum(m)                      every token counts equally
     sequence_mean            w = m / (S * len_i)                  every sequence counts equally
     seq_mean_token_sum_norm  w = m / (S * C)                      Dr. GRPO: no length bias
+    prompt_mean              w = m / (G * sum_{j in g} len_j)      every prompt counts equally
     token_mean_per_microbatch  legacy: see per_microbatch_token_mean_weights
 
 S is the number of sequences with at least one loss token (sequences excluded entirely,
 e.g. a failed reward, do not dilute the others); len_i = sum_t m_i,t; C is a constant,
 usually the max response length (Liu et al., "Understanding R1-Zero-Like Training", 2025).
+prompt_mean is the mean over prompts of each prompt's token mean: g is sequence i's group
+(its prompt), G the number of groups with at least one loss token, so all samples of one
+prompt share one unit of weight however many samples or tokens it has (SkyRL's
+``prompt_mean``). It needs the group ids, which only the driver has.
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "token_mean_per_microbatch")
+LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_per_microbatch")
 
 
-def reduction_weights(loss_mask: Tensor, reduction: str, *, constant: float | None = None) -> Tensor:
+def reduction_weights(loss_mask: Tensor, reduction: str, *, constant: float | None = None,
+                      group_ids: Tensor | None = None) -> Tensor:
     """Per-token weights [N, T] for a whole mini-batch; zero wherever ``loss_mask`` is zero.
+
+    ``group_ids`` [N] (any integers; equal for samples of one prompt) is needed by
+    ``prompt_mean`` only.
 
     ``token_mean_per_microbatch`` cannot be computed here (it depends on the micro-batch a
     token lands in): it returns ``loss_mask`` itself, and the loss turns it into weights with
@@ -49,6 +58,8 @@ def reduction_weights(loss_mask: Tensor, reduction: str, *, constant: float | No
         if constant is None or not constant > 0:
             raise ValueError(f"seq_mean_token_sum_norm needs a constant > 0, got {constant!r}")
         return mask / (num_seqs * constant)
+    if reduction == "prompt_mean":
+        return _prompt_mean_weights(mask, lengths.squeeze(1), group_ids)
     raise ValueError(f"unknown loss reduction {reduction!r}: must be one of {', '.join(LOSS_REDUCTIONS)}")
 
 
@@ -65,3 +76,16 @@ def per_microbatch_token_mean_weights(loss_mask: Tensor, num_microbatches: int) 
         raise ValueError(f"num_microbatches={num_microbatches!r}: must be >= 1")
     mask = loss_mask if loss_mask.is_floating_point() else loss_mask.to(torch.float32)
     return mask / (mask.sum().clamp(min=1.0) * num_microbatches)
+
+
+def _prompt_mean_weights(mask: Tensor, lengths: Tensor, group_ids: Tensor | None) -> Tensor:
+    if group_ids is None:
+        raise ValueError("prompt_mean needs group_ids (one per sequence; equal for samples of one prompt)")
+    group_ids = torch.as_tensor(group_ids, device=mask.device)
+    if group_ids.shape != lengths.shape:
+        raise ValueError(f"group_ids must be [N] = {tuple(lengths.shape)}, got {tuple(group_ids.shape)}")
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    group_tokens = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=mask.dtype,
+                               device=mask.device).index_add_(0, inverse, lengths)
+    num_groups = (group_tokens > 0).sum().clamp(min=1).to(mask.dtype)
+    return mask / (num_groups * group_tokens[inverse].clamp(min=1.0)).unsqueeze(1)

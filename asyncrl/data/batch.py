@@ -14,7 +14,8 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
    Only the last step's reward counts: earlier steps' rewards are ignored (may be NaN), and
    a trajectory whose last reward failed is excluded as a whole.
 3. The groups are split into ``num_minibatches`` contiguous mini-batches of whole groups.
-4. Reduction weights per mini-batch over all its sequences (``asyncrl.algo.reduction``).
+4. Reduction weights per mini-batch over all its sequences (``asyncrl.algo.reduction``;
+   ``prompt_mean`` groups them by rollout group, i.e. by prompt).
 5. ``TrainSequence``: input_ids = prompt + response; rollout_logprobs, advantages and
    loss_mask at the response positions (position t predicts input_ids[t]); token_versions
    from the sample's token_versions, else its behavior_version.
@@ -225,7 +226,9 @@ def build_minibatches(
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         members = [i for i, src in enumerate(sources) if lo <= rows[src[0]].group_index < hi]
         masks = _padded([fields[i]["loss_mask"].numpy() for i in members])
-        weights = reduction_weights(masks, algo.loss_reduction, constant=algo.reduction_constant)
+        group_ids = torch.tensor([rows[sources[i][0]].group_index for i in members], dtype=torch.long)
+        weights = reduction_weights(masks, algo.loss_reduction, constant=algo.reduction_constant,
+                                    group_ids=group_ids)
         minibatches.append([
             _train_sequence(fields[i], weights[j], [rows[k] for k in sources[i]], groups)
             for j, i in enumerate(members)

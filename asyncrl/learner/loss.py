@@ -93,8 +93,11 @@ def _check_fields(mb: dict[str, Tensor], algo: AlgoConfig, shape: torch.Size, *,
 
 
 # Metric names the algo functions return -> the namespace they are reported under.
+# Fractions of rows (sequences with a loss token) merge over rows, the rest over loss tokens.
+_DRIFT_ROWS = {"geo_seq_masked_frac", "product_seq_masked_frac", "outlier_seq_masked_frac", "tis_seq_capped_frac"}
 _DRIFT = {"tis_ratio_mean", "tis_ratio_min", "tis_ratio_max", "tis_capped_frac", "masked_frac",
-          "geo_masked_frac", "product_masked_frac", "outlier_masked_frac", "extra_masked_frac"}
+          "geo_masked_frac", "product_masked_frac", "outlier_masked_frac", "token_masked_frac",
+          "extra_masked_frac"} | _DRIFT_ROWS
 
 
 def _metric(name: str, value: Tensor, count: Tensor) -> tuple[str, MetricValue]:
@@ -167,9 +170,10 @@ def microbatch_loss(
     # An extreme over no tokens has no value; a stand-in 0 would corrupt the merged min/max.
     # (One host sync per micro-batch: cheap next to its forward/backward.)
     has_tokens = bool(n_tokens > 0)
+    n_rows = (mask > 0).any(dim=1).sum().to(dtype)
     metrics: dict[str, MetricValue] = dict(
-        _metric(k, v, n_tokens if k in _DRIFT else kept) for k, v in algo_metrics.items()
-        if has_tokens or not k.endswith(("_max", "_min"))
+        _metric(k, v, n_rows if k in _DRIFT_ROWS else n_tokens if k in _DRIFT else kept)
+        for k, v in algo_metrics.items() if has_tokens or not k.endswith(("_max", "_min"))
     )
     metrics["loss/policy"] = MetricValue("sum", policy.detach())
 

@@ -52,14 +52,16 @@ def _check_sequence(j: int, i: int, seq: TrainSequence, algo: AlgoConfig, max_po
     if (np.asarray(seq.reduction_weights) < 0).any():
         raise ValueError(f"{where}: field 'reduction_weights' has negative entries")
     if algo.needs_rollout_logprobs:
-        # Needed on every trained token by the rollout-KL term and every off-policy correction.
+        # Needed on every trained token by the rollout-KL term, every off-policy correction and the
+        # losses whose ratio is to the rollout policy (rollout_is, dppo, cispo_anchor=rollout).
         rollout = np.asarray(seq.rollout_logprobs, dtype=np.float64)
         bad = (mask > 0) & ~(np.isfinite(rollout) & (rollout <= 1e-4))
         if bad.any():
             raise ValueError(
                 f"{where}: field 'rollout_logprobs' is NaN/inf/positive on trained positions "
                 f"{np.flatnonzero(bad)[:8].tolist()}; the configured loss needs it "
-                f"(algo.rollout_kl_coef={algo.rollout_kl_coef}, algo.correction enabled={algo.correction.enabled}). "
+                f"(algo.rollout_kl_coef={algo.rollout_kl_coef}, algo.correction enabled={algo.correction.enabled}, "
+                f"algo.policy_loss={algo.policy_loss!r}, algo.cispo_anchor={algo.cispo_anchor!r}). "
                 f"Did the engine run with rollout.logprobs=true?"
             )
 

@@ -55,6 +55,14 @@ def test_maxrl_divides_by_the_group_mean():
     assert scores("maxrl", rewards, groups) == pytest.approx([3.0, -1.0, -1.0, -1.0, 0.0, 0.0, 0.0], rel=1e-5)
 
 
+def test_maxrl_zeroes_every_group_whose_mean_is_not_positive():
+    # Group 0 (mean -0.1/3 < 0, a length penalty's doing): 0, not a sign-flipped ratio.
+    # Group 1 (mean 0.2): (0.5 - 0.2)/0.2 = 1.5 and (-0.1 - 0.2)/0.2 = -1.5: a negative reward still counts.
+    rewards = torch.tensor([-0.2, 0.1, 0.0, 0.5, -0.1], dtype=D)
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    assert scores("maxrl", rewards, groups) == pytest.approx([0.0, 0.0, 0.0, 1.5, -1.5], rel=1e-5)
+
+
 def test_zero_rewards_give_zero_advantages_everywhere():
     zeros = torch.zeros(7, dtype=D)
     for name in ("grpo", "dr_grpo", "rloo", "maxrl"):

@@ -192,3 +192,77 @@ def test_registry_keys_equal_the_config_name_tuples():
     assert tuple(KL_ESTIMATORS) == config.KL_ESTIMATORS
     assert tuple(LOSS_REDUCTIONS) == config.LOSS_REDUCTIONS
     assert set(config.OUTCOME_ESTIMATORS) <= set(ADVANTAGE_REGISTRY)
+
+
+# ----------------------------------------------------------------------------- issue 16: new losses, masks, guards
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "maxrl"])
+def test_one_sample_per_prompt_with_a_group_baseline_is_rejected(estimator):
+    rejects([f"algo.advantage_estimator={estimator}", "rollout.n_samples=1"],
+            "rollout.n_samples=1", f"algo.advantage_estimator={estimator!r}", "n_samples >= 2", "reinforce_pp")
+    assert load_config(None, [f"algo.advantage_estimator={estimator}", "rollout.n_samples=2"]).rollout.n_samples == 2
+
+
+def test_one_sample_per_prompt_is_fine_where_advantages_do_not_need_a_group():
+    assert load_config(None, ["algo.advantage_estimator=reinforce_pp", "rollout.n_samples=1"]).rollout.n_samples == 1
+    assert load_config(None, ["algo.policy_loss=cross_entropy", "rollout.n_samples=1"]).rollout.n_samples == 1
+
+
+def test_maxrl_warns_when_rewards_can_be_negative(caplog):
+    def warned(overrides):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+            load_config(None, ["algo.advantage_estimator=maxrl"] + overrides)
+        return [r.getMessage() for r in caplog.records if "maxrl" in r.getMessage()]
+
+    msgs = warned([])  # the copy env subtracts a length penalty
+    assert len(msgs) == 1 and "mean reward is <= 0" in msgs[0] and "length_penalty" in msgs[0]
+    assert warned(["rollout.env_kwargs={length_penalty: 0.0}"]) == []
+    assert warned(["rollout.env=gsm8k", "rollout.max_prompt_tokens=192"]) == []
+    assert len(warned(["rollout.env=gsm8k", "rollout.env_kwargs={format_reward: -0.5}"])) == 1
+    assert len(warned(["rollout.env=countdown_chat"])) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        load_config(None, ["algo.advantage_estimator=grpo"])
+    assert not [r for r in caplog.records if "maxrl" in r.getMessage()]
+
+
+def test_new_policy_losses_and_their_settings_load():
+    for loss in ("importance_sampling", "rollout_is", "dppo"):
+        assert load_config(None, [f"algo.policy_loss={loss}"]).algo.policy_loss == loss
+    cfg = load_config(None, ["algo.policy_loss=dppo", "algo.dppo_mask=binary_kl", "algo.dppo_delta_low=0.05",
+                             "algo.dppo_delta_high=0.05"])
+    assert (cfg.algo.dppo_mask, cfg.algo.dppo_delta_low) == ("binary_kl", 0.05)
+    rejects(["algo.dppo_mask=tv"], "algo.dppo_mask='tv'", "binary_tv")
+    rejects(["algo.dppo_delta_high=0"], "algo.dppo_delta_high=0.0", "> 0")
+    rejects(["algo.cispo_anchor=behaviour"], "algo.cispo_anchor='behaviour'", "'rollout'")
+    assert load_config(None, ["algo.loss_reduction=prompt_mean"]).algo.loss_reduction == "prompt_mean"
+
+
+def test_rollout_anchored_losses_need_engine_logprobs():
+    for overrides in (["algo.policy_loss=rollout_is"], ["algo.policy_loss=dppo"],
+                      ["algo.policy_loss=cispo", "algo.cispo_anchor=rollout"]):
+        cfg = load_config(None, overrides + ["rollout.logprobs=false"])
+        assert cfg.rollout.logprobs is True and cfg.algo.needs_rollout_logprobs
+    assert not load_config(None, ["algo.policy_loss=cispo"]).algo.needs_rollout_logprobs
+
+
+def test_cispo_rollout_anchor_rejects_tis(caplog):
+    base = ["algo.policy_loss=cispo", "algo.cispo_anchor=rollout"]
+    rejects(base + ["algo.correction.tis=token"], "algo.correction.tis='token'", "algo.cispo_anchor='rollout'",
+            "tis='none'")
+    cfg = load_config(None, base + ["algo.correction.token_mask_low=0.5", "algo.correction.token_mask_high=2"])
+    assert cfg.algo.correction.token_mask and cfg.algo.correction.enabled
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        load_config(None, ["algo.policy_loss=rollout_is", "algo.correction.tis=token"])
+    assert any("already takes its ratio against the rollout policy" in r.getMessage() for r in caplog.records)
+
+
+def test_token_mask_needs_both_bounds_in_order():
+    rejects(["algo.correction.token_mask_low=0.5"], "algo.correction.token_mask_high=None", "both bounds")
+    rejects(["algo.correction.token_mask_high=2"], "algo.correction.token_mask_low=None", "both bounds")
+    rejects(["algo.correction.token_mask_low=2", "algo.correction.token_mask_high=0.5"],
+            "algo.correction.token_mask_low=2.0", "algo.correction.token_mask_high=0.5")
+    rejects(["algo.correction.token_mask_low=0", "algo.correction.token_mask_high=2"], "algo.correction.token_mask_low")
+    assert not load_config(None, []).algo.correction.enabled

@@ -19,7 +19,7 @@ from asyncrl.learner.loss import microbatch_loss
 from asyncrl.types import RolloutGroup, Sample
 
 VOCAB, DIM, TEMP = 13, 6, 0.8
-REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
 TERMS = ("policy", "kl_ref", "rollout_kl", "entropy")
 
 
@@ -55,11 +55,17 @@ def make_groups(rng: np.random.Generator) -> list[RolloutGroup]:
     return groups
 
 
-def algo_for(term: str, reduction: str, policy_loss: str = "ppo") -> AlgoConfig:
+# Losses whose ratio is already against the rollout policy take masks, not TIS.
+ROLLOUT_MASKS = CorrectionConfig(token_mask_low=0.8, token_mask_high=1.3, outlier_mask=True, outlier_low=0.5,
+                                 outlier_high=2.0)
+
+
+def algo_for(term: str, reduction: str, policy_loss: str = "ppo", **extra) -> AlgoConfig:
     coefs = {"kl_ref": ("kl_coef", 0.3), "rollout_kl": ("rollout_kl_coef", 0.7), "entropy": ("entropy_coef", 0.05)}
     kwargs = dict(loss_reduction=reduction, policy_loss=policy_loss, eps_clip_low=0.1, eps_clip_high=0.15,
                   correction=CorrectionConfig(tis="sequence" if policy_loss == "gmpo" else "token", tis_cap=1.5),
                   reduction_constant=8.0 if reduction == "seq_mean_token_sum_norm" else None)
+    kwargs.update(extra)
     if term in coefs:
         name, value = coefs[term]
         kwargs[name] = value
@@ -134,16 +140,58 @@ def test_every_term_is_invariant_to_microbatching_and_dp(groups, term, reduction
     assert rel_diff((rank0 + rank1) / 2, whole) <= 1e-6
 
 
-@pytest.mark.parametrize("policy_loss", ["dual_clip", "gspo", "sapo", "cispo", "gmpo"])
-def test_other_policy_losses_are_invariant(groups, policy_loss):
-    reduction = "sequence_mean" if policy_loss == "gmpo" else "token_mean"
-    algo = algo_for("policy", reduction, policy_loss)
+@pytest.mark.parametrize("policy_loss, extra", [
+    ("dual_clip", {}), ("gspo", {}), ("sapo", {}), ("cispo", {}), ("gmpo", {}),
+    ("importance_sampling", {}),
+    ("rollout_is", dict(eps_clip_low=0.9, eps_clip_high=3.0, correction=ROLLOUT_MASKS)),
+    ("dppo", dict(dppo_mask="binary_tv", dppo_delta_low=0.05, dppo_delta_high=0.05, correction=ROLLOUT_MASKS)),
+    ("dppo", dict(dppo_mask="binary_kl", dppo_delta_low=0.01, dppo_delta_high=0.01, correction=ROLLOUT_MASKS)),
+    ("cispo", dict(cispo_anchor="rollout", cispo_eps_high=0.5, correction=ROLLOUT_MASKS)),
+    ("ppo", dict(correction=CorrectionConfig(tis="sequence", tis_cap=1.5, token_mask_low=0.8, token_mask_high=1.3,
+                                             geo_mask=True, geo_mask_low=0.8, geo_mask_high=1.25))),
+])
+@pytest.mark.parametrize("reduction", ["token_mean", "prompt_mean"])
+def test_other_policy_losses_and_masks_are_invariant(groups, policy_loss, extra, reduction):
+    reduction = "sequence_mean" if policy_loss == "gmpo" else reduction
+    algo = algo_for("policy", reduction, policy_loss, **extra)
     mb = full_batch(groups, algo, "policy")
     model = TinyLM()
-    whole = grad_of(model, algo, [mb])
+    whole, masked = grad_and_masked_frac(model, algo, [mb])
     assert whole.abs().max() > 1e-3
-    got = grad_of(model, algo, [rows(mb, p) for p in splits(mb["input_ids"].shape[0])["uneven"]])
-    assert rel_diff(got, whole) <= 1e-6
+    if algo.correction.token_mask:  # the masks must bite, but not take everything
+        assert 0 < masked < 1, masked
+    n = mb["input_ids"].shape[0]
+    for name in ("uneven", "ones"):
+        got = grad_of(model, algo, [rows(mb, p) for p in splits(n)[name]])
+        assert rel_diff(got, whole) <= 1e-6, f"{policy_loss}/{reduction}: split {name} changed the gradient"
+    pad = padding_microbatch(field_dtypes(mb), pad_token_id=0)
+    rank0 = grad_of(model, algo, [rows(mb, [0, 1]), rows(mb, [2])], world_size=2)
+    rank1 = grad_of(model, algo, [rows(mb, list(range(3, n))), pad], world_size=2)
+    assert rel_diff((rank0 + rank1) / 2, whole) <= 1e-6
+
+
+def grad_and_masked_frac(model, algo, micro: list[dict]) -> tuple[torch.Tensor, float]:
+    model.zero_grad()
+    masked = total = 0.0
+    for mb in micro:
+        loss, m = microbatch_loss(model(mb["input_ids"]), mb, algo, temperature=TEMP)
+        loss.backward()
+        if "drift/masked_frac" in m:
+            masked += float(m["drift/masked_frac"].total)
+            total += float(m["drift/masked_frac"].count)
+    return torch.cat([p.grad.flatten().clone() for p in model.parameters()]), masked / max(total, 1.0)
+
+
+def test_prompt_mean_weights_are_per_prompt_over_the_whole_minibatch(groups):
+    """The driver gives each prompt (rollout group) of a mini-batch the same total weight 1/G."""
+    algo = AlgoConfig(loss_reduction="prompt_mean")
+    for num_mb, per_prompt in ((1, 1 / 4), (2, 1 / 2)):
+        minibatches, _ = build_minibatches(groups, algo, num_minibatches=num_mb)
+        for seqs in minibatches:
+            totals: dict[str, float] = {}
+            for s in seqs:
+                totals[s.group_id] = totals.get(s.group_id, 0.0) + float(s.reduction_weights.sum())
+            assert all(abs(v - per_prompt) < 1e-6 for v in totals.values()), totals
 
 
 @pytest.mark.parametrize("term", TERMS)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from asyncrl import config
 from asyncrl.algo import POLICY_LOSS_REGISTRY, CorrectionParams, PolicyLossParams, corrected_policy_loss, get_policy_loss
+from asyncrl.algo.losses import takes_rollout_logprobs
 from asyncrl.config import AlgoConfig, CorrectionConfig
 from asyncrl.learner.loss import microbatch_loss, token_logprobs
 
@@ -23,9 +25,14 @@ def t(rows):
     return torch.tensor(rows, dtype=D)
 
 
-def grad_wrt_logp(fn, logp, old, adv, mask, params):
+def behaviour(fn, old, rollout=None):
+    """The rollout_logp keyword for losses that take one (the old log-probs unless given)."""
+    return {"rollout_logp": old if rollout is None else rollout} if takes_rollout_logprobs(fn) else {}
+
+
+def grad_wrt_logp(fn, logp, old, adv, mask, params, rollout=None):
     logp = logp.clone().requires_grad_(True)
-    loss, metrics = fn(logp, old, adv, mask, params=params)
+    loss, metrics = fn(logp, old, adv, mask, params=params, **behaviour(fn, old, rollout))
     (loss * mask).sum().backward()
     return loss.detach(), logp.grad, metrics
 
@@ -114,11 +121,155 @@ def test_clip_cov_and_kl_cov_pick_the_top_covariance_token():
     assert math.isclose(m["kl_cov_frac"].item(), 0.25)
 
 
+def test_clip_cov_skips_tokens_the_ppo_clip_already_clipped():
+    # Token 0 is the issue's case: A = 1.028, ratio 1.698 > 1 + 0.2, so PPO already clipped it
+    # (no gradient). Its covariance is the highest, but Clip-Cov must spend its one slot on
+    # token 3, the live token with the next covariance in (lb, ub).
+    logp = t([[-1.0, -2.0, -3.0, -4.0]])
+    old = logp - t([[LN(1.698), 0.0, 0.0, 0.0]])
+    adv, mask = t([[1.028, 0.0, 0.0, -0.8]]), torch.ones(1, 4, dtype=D)
+    # mean logp -2.5, mean A 0.057: cov = (logp - mean)(A - mean) = [1.4565, -0.0285, 0.0285, 1.2855]
+    cov = [1.5 * 0.971, 0.5 * -0.057, -0.5 * -0.057, -1.5 * -0.857]
+    assert cov[0] > cov[3] > 1.0
+    params = PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["clip_cov"], logp, old, adv, mask, params)
+    assert torch.allclose(loss, t([[-1.2 * 1.028, 0.0, 0.0, 0.0]]))  # token 0 keeps its clipped loss
+    assert torch.equal(grad, torch.zeros(1, 4, dtype=D))  # clipped token 0, detached token 3
+    assert math.isclose(m["clip_cov_frac"].item(), 0.25)
+    assert math.isclose(m["clip_frac"].item(), 0.25)
+
+
+def test_clip_cov_bounds_are_strict():
+    logp = t([[-1.0, -2.0, -3.0, -4.0]])
+    adv, mask = t([[2.0, 0.0, 0.0, -1.0]]), torch.ones(1, 4, dtype=D)
+    fn = POLICY_LOSS_REGISTRY["clip_cov"]
+    # cov = [2.625, -0.125, 0.125, 1.875] exactly; token 0 sits on ub: not eligible, token 3 is.
+    loss, m = fn(logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=2.625))
+    assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 0.0]]))
+    # Token 3 on lb as well: nothing eligible, the PPO loss is untouched.
+    loss, m = fn(logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.875, clip_cov_ub=2.625))
+    assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 1.0]]))
+    assert m["clip_cov_frac"].item() == 0.0
+
+
 def test_cross_entropy_is_negative_logprob():
     logp = t([[-0.5, -2.0]])
     loss, m = POLICY_LOSS_REGISTRY["cross_entropy"](logp, logp, torch.zeros(1, 2, dtype=D), t([[1.0, 0.0]]), params=PolicyLossParams())
     assert torch.allclose(loss, t([[0.5, 0.0]]))
     assert math.isclose(m["nll"].item(), 0.5)
+
+
+def test_importance_sampling_is_the_unclipped_ratio_times_advantage():
+    logp, old = t([[LN(1.5), LN(0.5), LN(3.0)]]), torch.zeros(1, 3, dtype=D)
+    adv, mask = t([[1.0, -1.0, 2.0]]), torch.ones(1, 3, dtype=D)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["importance_sampling"], logp, old, adv, mask, PolicyLossParams())
+    assert torch.allclose(loss, t([[-1.5, 0.5, -6.0]]))
+    assert torch.allclose(grad, t([[-1.5, 0.5, -6.0]]))  # no clip: ratio 3 keeps its gradient
+    assert math.isclose(m["ratio_mean"].item(), (1.5 + 0.5 + 3.0) / 3)
+
+
+def test_rollout_is_keeps_the_open_band_and_ignores_old():
+    # Ratios to the rollout policy: 1.2 (inside), 1.25 (on 1 + eps_high: dropped), 0.5 (on
+    # 1 - eps_low: dropped), 2.0 (outside), 0.8 with A = 0. Old log-probs are garbage: unused.
+    logp = t([[LN(1.2), LN(1.25), LN(0.5), LN(2.0), LN(0.8)]])
+    rollout, old = torch.zeros(1, 5, dtype=D), torch.full((1, 5), -7.0, dtype=D)
+    adv, mask = t([[1.0, 1.0, -1.0, 2.0, 0.0]]), torch.ones(1, 5, dtype=D)
+    params = PolicyLossParams(eps_clip_low=0.5, eps_clip_high=0.25)
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["rollout_is"], logp, old, adv, mask, params, rollout=rollout)
+    # loss = -w A logp with w constant: value -1.2 * 1 * log 1.2, gradient -w A.
+    assert torch.allclose(loss, t([[-1.2 * LN(1.2), 0.0, 0.0, 0.0, 0.0]]))
+    assert torch.allclose(grad, t([[-1.2, 0.0, 0.0, 0.0, 0.0]]))
+    assert math.isclose(m["clip_frac"].item(), 3 / 5)  # the zero-advantage token changed nothing
+    with pytest.raises(ValueError, match="rollout_is.*rollout_logprobs"):
+        POLICY_LOSS_REGISTRY["rollout_is"](logp, old, adv, mask, params=params)
+
+
+def dppo_case(p, q, adv, **kw):
+    """DPPO on tokens with current probabilities p and behaviour probabilities q."""
+    logp, behaviour = t([[LN(x) for x in p]]), t([[LN(x) for x in q]])
+    adv, mask = t([adv]), torch.ones(1, len(p), dtype=D)
+    garbage_old = torch.full_like(logp, -9.0)  # with rollout log-probs given, old is unused
+    return grad_wrt_logp(POLICY_LOSS_REGISTRY["dppo"], logp, garbage_old, adv, mask, PolicyLossParams(**kw),
+                         rollout=behaviour)
+
+
+def test_dppo_binary_tv_masks_only_moves_past_delta_in_the_advantage_direction():
+    # (p, q, A): +0.3 with A > 0 masked; -0.3 with A > 0 kept; -0.3 with A < 0 masked;
+    # +0.3 with A < 0 kept; exactly +0.25 = delta_high kept; A = 0 never masked.
+    p, q = [0.9, 0.3, 0.3, 0.9, 0.75, 0.9], [0.6, 0.6, 0.6, 0.6, 0.5, 0.1]
+    adv = [1.0, 1.0, -1.0, -1.0, 2.0, 0.0]
+    loss, grad, m = dppo_case(p, q, adv, dppo_mask="binary_tv", dppo_delta_low=0.2, dppo_delta_high=0.25)
+    r = [a / b for a, b in zip(p, q)]
+    keep = [0, 1, 0, 1, 1, 1]
+    expected = t([[-ri * a * k for ri, a, k in zip(r, adv, keep)]])
+    assert torch.allclose(loss, expected) and torch.allclose(grad, expected)  # d/dlogp (-r A) = -r A
+    assert math.isclose(m["clip_frac"].item(), 2 / 6)
+
+
+def test_dppo_binary_kl_masks_by_the_bernoulli_kl():
+    def kl(q, p):
+        return q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+
+    assert math.isclose(kl(0.6, 0.9), 0.3112386, rel_tol=1e-6)
+    assert math.isclose(kl(0.6, 0.3), 0.1920420, rel_tol=1e-6)
+    # (p, q, A): p > q, A > 0, KL 0.311 > 0.05: masked. p < q, A < 0, KL 0.192: masked.
+    # p < q with A > 0 (moving away in the other direction): kept whatever the KL.
+    # A small move, KL 0.00084 < 0.05: kept.
+    p, q, adv = [0.9, 0.3, 0.3, 0.62], [0.6, 0.6, 0.6, 0.6], [1.0, -1.0, 1.0, 1.0]
+    loss, _, m = dppo_case(p, q, adv, dppo_mask="binary_kl", dppo_delta_low=0.05, dppo_delta_high=0.05)
+    r = [a / b for a, b in zip(p, q)]
+    assert torch.allclose(loss, t([[0.0, 0.0, -r[2], -r[3]]]))
+    assert math.isclose(m["clip_frac"].item(), 2 / 4)
+    # On the boundary: a bound just above the KL keeps the token, just below masks it.
+    loss, _, _ = dppo_case([0.9], [0.6], [1.0], dppo_mask="binary_kl", dppo_delta_high=kl(0.6, 0.9) + 1e-9)
+    assert math.isclose(loss.item(), -1.5)
+    loss, _, _ = dppo_case([0.9], [0.6], [1.0], dppo_mask="binary_kl", dppo_delta_high=kl(0.6, 0.9) - 1e-9)
+    assert loss.item() == 0.0
+
+
+def test_dppo_falls_back_to_old_logprobs_without_rollout():
+    logp, old = t([[LN(0.9), LN(0.3)]]), t([[LN(0.6), LN(0.6)]])
+    adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
+    loss, _ = POLICY_LOSS_REGISTRY["dppo"](logp, old, adv, mask, params=PolicyLossParams(), rollout_logp=None)
+    assert torch.allclose(loss, t([[0.0, -0.5]]))  # p - q = 0.3 > 0.2 masked; ratio 0.5 kept
+
+
+def test_cispo_rollout_anchor_caps_the_rollout_ratio():
+    logp, old, rollout = t([[LN(2.0), 0.0]]), t([[LN(2.0), 0.0]]), t([[0.0, LN(0.5)]])
+    adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
+    params = PolicyLossParams(cispo_eps_high=0.5, cispo_anchor="rollout")
+    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, params, rollout=rollout)
+    # Against rollout the ratios are 2 (capped at 1.5) and 2 (capped): with the old anchor both are 1.
+    assert torch.allclose(loss, t([[-1.5, -1.5]])) and torch.allclose(grad, t([[-1.5, -1.5]]))
+    assert m["clip_frac"].item() == 1.0
+    loss, _, _ = grad_wrt_logp(POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask,
+                               PolicyLossParams(cispo_eps_high=0.5), rollout=rollout)
+    assert torch.allclose(loss, t([[-1.0, -1.0]]))
+    with pytest.raises(ValueError, match="cispo_anchor='rollout' needs rollout_logprobs"):
+        POLICY_LOSS_REGISTRY["cispo"](logp, old, adv, mask, params=params)
+    with pytest.raises(ValueError, match="cispo_anchor='bogus'"):
+        PolicyLossParams(cispo_anchor="bogus")
+    with pytest.raises(ValueError, match="dppo_mask='tv'"):
+        PolicyLossParams(dppo_mask="tv")
+
+
+def test_corrected_policy_loss_hands_rollout_logprobs_to_losses_that_take_them():
+    logp, old, rollout = t([[LN(1.1), 0.0]]), torch.zeros(1, 2, dtype=D), t([[0.0, LN(2.0)]])
+    adv, mask = torch.ones(1, 2, dtype=D), torch.ones(1, 2, dtype=D)
+    p = PolicyLossParams()
+    loss, _ = corrected_policy_loss(POLICY_LOSS_REGISTRY["rollout_is"], logp, old, rollout, adv, mask,
+                                    params=p, correction=CorrectionParams())
+    assert torch.allclose(loss, t([[-1.1 * LN(1.1), 0.0]]))  # ratio 0.5 to rollout: outside the band
+    rollout_cispo = dataclasses.replace(p, cispo_anchor="rollout")
+    with pytest.raises(ValueError, match="count it twice"):
+        corrected_policy_loss(POLICY_LOSS_REGISTRY["cispo"], logp, old, rollout, adv, mask,
+                              params=rollout_cispo, correction=CorrectionParams(tis="token"))
+    # Masks still compose with the rollout anchor: the token mask drops the ratio-0.5 token.
+    loss, m = corrected_policy_loss(POLICY_LOSS_REGISTRY["cispo"], logp, old, rollout, adv, mask, params=rollout_cispo,
+                                    correction=CorrectionParams(token_mask_low=0.9, token_mask_high=1.15))
+    assert torch.allclose(loss, t([[-1.1, 0.0]]))
+    assert math.isclose(m["token_masked_frac"].item(), 0.5)
+    assert not takes_rollout_logprobs(POLICY_LOSS_REGISTRY["ppo"])
 
 
 ALL = sorted(POLICY_LOSS_REGISTRY)
@@ -152,7 +303,8 @@ def test_garbage_padding_one_token_rows_and_all_masked_rows(name):
 @pytest.mark.parametrize("name", ALL)
 def test_huge_log_ratio_gives_no_inf_or_nan(name):
     logp = t([[500.0, -500.0]]).requires_grad_(True)
-    loss, m = POLICY_LOSS_REGISTRY[name](logp, torch.zeros(1, 2, dtype=D), t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams())
+    fn, old = POLICY_LOSS_REGISTRY[name], torch.zeros(1, 2, dtype=D)
+    loss, m = fn(logp, old, t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams(), **behaviour(fn, old))
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
     assert all(torch.isfinite(v) for v in m.values())
@@ -282,3 +434,23 @@ def test_loss_params_mirror_the_config():
     assert policy_loss_params(cfg.algo).eps_clip_high == 0.28
     assert policy_loss_params(cfg.algo).kl_cov_coef == 2.5
     assert (correction_params(cfg.algo).tis, correction_params(cfg.algo).tis_cap) == ("sequence", 3.5)
+
+
+def test_correction_metrics_are_catalogued_and_row_fractions_merge_over_rows():
+    from asyncrl.monitor import metrics as M
+
+    logits, mb = small_mb()
+    mb["rollout_logprobs"] = mb["rollout_logprobs"].clone()
+    mb["rollout_logprobs"][1, 1] = -3.0  # row 1's token 1: ratio exp(2) = 7.4, outside every band
+    corr = CorrectionConfig(tis="sequence", tis_cap=2.0, outlier_mask=True, outlier_low=0.01, outlier_high=5.0,
+                            token_mask_low=0.5, token_mask_high=2.0, geo_mask=True, product_mask=True)
+    _, m = microbatch_loss(logits, mb, AlgoConfig(correction=corr), temperature=1.0)
+    drift = {k for k in m if k.startswith("drift/")}
+    assert {"drift/outlier_seq_masked_frac", "drift/token_masked_frac", "drift/tis_seq_capped_frac",
+            "drift/geo_seq_masked_frac", "drift/product_seq_masked_frac"} <= drift
+    assert all(M.is_known(k) for k in drift), sorted(k for k in drift if not M.is_known(k))
+    # Two rows carry loss tokens (4 tokens): row fractions count rows, token fractions tokens.
+    assert m["drift/outlier_seq_masked_frac"].count.item() == 2
+    assert m["drift/outlier_seq_masked_frac"].value.item() == 0.5
+    assert m["drift/outlier_masked_frac"].count.item() == 4
+    assert m["drift/outlier_masked_frac"].value.item() == 0.5

@@ -60,8 +60,9 @@ def test_percentile_matches_linear_interpolation():
 def test_catalogue_covers_the_data_contract():
     contract = """staleness/mean staleness/max staleness/p50 staleness/p90 staleness/ahead queue/depth queue/pending
     queue/dropped_stale queue/dead_lettered drift/rollout_kl drift/abs_logp_diff drift/tis_ratio_mean
-    drift/tis_ratio_max drift/tis_capped_frac drift/masked_frac drift/geo_masked_frac drift/product_masked_frac
-    drift/outlier_masked_frac policy/clip_frac policy/entropy throughput/gen_tokens_per_s
+    drift/tis_ratio_max drift/tis_ratio_min drift/tis_capped_frac drift/masked_frac drift/geo_masked_frac drift/product_masked_frac
+    drift/outlier_masked_frac drift/tis_seq_capped_frac drift/geo_seq_masked_frac drift/product_seq_masked_frac
+    drift/outlier_seq_masked_frac drift/token_masked_frac policy/clip_frac policy/entropy throughput/gen_tokens_per_s
     throughput/train_tokens_per_s throughput/samples_per_s time/wait_data time/train time/sync time/step
     sync/seconds sync/apply_s reward/mean reward/std response/length_mean loss/policy loss/kl_ref loss/rollout_kl
     loss/entropy loss/total learner/version learner/grad_norm learner/lr""".split()
