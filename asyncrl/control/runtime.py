@@ -102,16 +102,9 @@ class Runtime(contextlib.ExitStack):
             # So user code named by import path (envs, losses) imports in every worker too.
             "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
         }
-        # Logical CPUs beyond the physical ones let learner ranks and generators co-exist on a
-        # small machine; real placement is by affinity where benchmarks need it.
-        ray.init(
-            address=c.ray_address,
-            num_cpus=None if c.ray_address else max(os.cpu_count() or 2, 8),
-            include_dashboard=False,
-            object_store_memory=None if c.ray_address else c.ray_object_store_mb * 1024 * 1024,
-            runtime_env={"env_vars": env_vars},
-            log_to_driver=True,
-        )
+        from asyncrl.control.cluster import connect_ray
+
+        connect_ray(c, env_vars)
         self.callback(ray.shutdown)
 
     def _start_learner(self) -> None:
