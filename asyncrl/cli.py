@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
     g.add_argument("--id", dest="generator_id", default=None, help="generator id (default: host-pid)")
     g.add_argument("--max-groups", type=int, default=None, help="leave after producing this many groups")
+    g.add_argument("--ray-address", default=None,
+                   help="the job's Ray cluster (HEAD:PORT): needed where weights travel through Ray (multi-node)")
 
     d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard")
     d.add_argument("--redis", required=True)
@@ -91,7 +93,8 @@ def _cmd_generate(args) -> int:
     from asyncrl.control.elastic import run_elastic_generator
 
     run_elastic_generator(args.redis, args.run, password=args.password,
-                          generator_id=args.generator_id, max_groups=args.max_groups)
+                          generator_id=args.generator_id, max_groups=args.max_groups,
+                          ray_address=args.ray_address)
     return 0
 
 

@@ -50,6 +50,7 @@ class Runtime(contextlib.ExitStack):
         self.weight_sync = None
         self.generators: list = []
         self.model_path: str | None = None
+        self.model_package: dict | None = None
 
     # ------------------------------------------------------------------ bring-up
 
@@ -60,6 +61,11 @@ class Runtime(contextlib.ExitStack):
             self._start_redis()
             self._start_ray()
             self.model_path = resolve_model(self.cfg, self.run_dir)
+            from asyncrl.sync.model_ship import ship_model
+            from asyncrl.sync.weight_sync import cluster_is_multinode
+
+            # Other nodes get a local model directory through Ray, as weights "version 0".
+            self.model_package = ship_model(self.model_path) if cluster_is_multinode() else None
             self._start_learner()
             self._start_weight_sync()
         except BaseException:
@@ -111,15 +117,16 @@ class Runtime(contextlib.ExitStack):
         from asyncrl.learner import LearnerGroup
 
         self.learner = LearnerGroup(self.cfg, self.model_path,
-                                    collective_timeout_s=self.cfg.learner.collective_timeout_s)
+                                    collective_timeout_s=self.cfg.learner.collective_timeout_s,
+                                    model_package=self.model_package)
         self.callback(self.learner.shutdown)
 
     def _start_weight_sync(self) -> None:
         from asyncrl.sync import build_weight_sync
 
         self.weight_sync = build_weight_sync(
-            self.cfg.sync, queue=self.queue, run=self.cfg.control.run_name
-        )
+            self.cfg.sync, queue=self.queue, run=self.cfg.control.run_name, learner=self.learner,
+            model_package=self.model_package)
         self.callback(self.weight_sync.close)
 
     def launch_generators(self) -> list:
@@ -134,6 +141,7 @@ class Runtime(contextlib.ExitStack):
                 redis_url=self.redis_url,
                 run=self.cfg.control.run_name,
                 password=self.cfg.queue.password,
+                model_package=self.model_package,
             )
             self.generators.append(handle)
             self.weight_sync.register(handle)
