@@ -88,7 +88,10 @@ def _attach_ray(ray_address: str, run: str):
     from asyncrl.sync.objstore import open_store
 
     probe(ray_address)
-    ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    if ray_address.startswith("ray://"):  # Ray Client: no raylet of its own needed on this host
+        ray.init(address=ray_address)
+    else:
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     try:
         return ray.get(open_store(run).model.remote(), timeout=60)
     except ValueError:  # no weight store: the job publishes files (sync.backend=shm)

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import struct
+import tempfile
 import time
 
 import numpy as np
@@ -116,11 +117,11 @@ def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
         raise OSError(f"weights v{version} are no longer held by the run's weight store (a newer version "
                       f"replaced them)")
     blob = ray.get(ref[0], timeout=300)
-    path = os.path.join(shm_dir, f".asyncrl-fetched-{tag}-v{version}.safetensors")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    # A unique name per fetch: the trainer's push and the heartbeat's poll may fetch one
+    # version at once, and neither may delete or replace the file the other is loading.
+    fd, path = tempfile.mkstemp(prefix=f".asyncrl-fetched-{tag}-v{version}-", suffix=".safetensors", dir=shm_dir)
+    with os.fdopen(fd, "wb") as f:
         f.write(memoryview(blob))
-    os.replace(tmp, path)
     return path
 
 
