@@ -91,9 +91,8 @@ class GeneratorActor:
                  model_package: dict | None = None):
         from transformers import AutoTokenizer
 
-        from asyncrl.sync.model_ship import local_model
-
         from asyncrl.queue.replay import RolloutQueue
+        from asyncrl.sync.model_ship import local_model
 
         self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
         self.queue = RolloutQueue.connect(redis_url, run, password=password, consumer=generator_id,
