@@ -3,6 +3,7 @@
     asyncrl train configs/demo.yaml control.max_staleness=2 learner.lr=3e-4
     asyncrl train --resume runs/demo
     asyncrl generate --redis redis://127.0.0.1:6379/0 --run demo      # join a running job
+    asyncrl generate --redis URL --run demo --ray-address ray://HEAD:10001   # from another host
     asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8470]
     asyncrl bench e2e --quick
     asyncrl tiny-model /tmp/tiny

@@ -296,6 +296,9 @@ def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_
     path = str(tmp_path / "good.safetensors")
     save_state_dict(perturbed_state(hf_model, seed=3), path)
     ray.get(gen.update_weights.remote(path, 3))
+    # Announce them too: a restarted generator (the next tests) loads what Redis names, and
+    # the v2 file named there so far was deleted when its publisher closed.
+    queue.set_weights(path, 3)
     assert ray.get(gen.stats.remote())["weights_blocked"] is None
     items, deadline = [], time.time() + 120
     while len(items) < 2 and time.time() < deadline:
