@@ -3,6 +3,7 @@
     asyncrl train configs/demo.yaml control.max_staleness=2 learner.lr=3e-4
     asyncrl train --resume runs/demo
     asyncrl generate --redis redis://127.0.0.1:6379/0 --run demo      # join a running job
+    asyncrl generate --redis URL --run demo --ray-address ray://HEAD:10001   # from another host
     asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8470]
     asyncrl bench e2e --quick
     asyncrl tiny-model /tmp/tiny
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
     g.add_argument("--id", dest="generator_id", default=None, help="generator id (default: host-pid)")
     g.add_argument("--max-groups", type=int, default=None, help="leave after producing this many groups")
+    g.add_argument("--ray-address", default=None,
+                   help="the job's Ray cluster (HEAD:PORT): needed where weights travel through Ray (multi-node)")
 
     d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard")
     d.add_argument("--redis", required=True)
@@ -91,7 +94,8 @@ def _cmd_generate(args) -> int:
     from asyncrl.control.elastic import run_elastic_generator
 
     run_elastic_generator(args.redis, args.run, password=args.password,
-                          generator_id=args.generator_id, max_groups=args.max_groups)
+                          generator_id=args.generator_id, max_groups=args.max_groups,
+                          ray_address=args.ray_address)
     return 0
 
 

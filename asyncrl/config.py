@@ -197,6 +197,9 @@ class RolloutConfig:
     seed: int = 0
     cpus_per_generator: float = 1.0
     gpus_per_generator: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each generator needs, e.g. {gen: 1}: generators then run only on
+    nodes started with that resource (`ray start --resources='{"gen": 8}'`)."""
     cpu_affinity: str = ""
     """CPU cores for the generators' engines, e.g. "0" or "0-3" ("" = no pinning). Benchmarks give
     generators and learners disjoint cores, as a cluster gives them disjoint GPUs."""
@@ -254,6 +257,10 @@ class LearnerConfig:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy for the ranks (one bundle each); see docs/multinode.md."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each rank needs, e.g. {train: 1}, to keep ranks on training nodes."""
     seed: int = 0
     collective_timeout_s: float = 300.0
     """A rank that does not answer a collective in this long fails the step (LearnerError), not a hang."""
@@ -270,7 +277,9 @@ class SyncConfig:
 
     sync_every: int = 1
     """Publish weights every this many optimizer steps."""
-    backend: Literal["auto", "shm", "nccl"] = "auto"
+    backend: Literal["auto", "shm", "nccl", "object_store"] = "auto"
+    """auto: nccl with CUDA; else shm when every generator shares the trainer's host, and
+    object_store (bytes through Ray's object store, no shared filesystem) when one does not."""
     inflight: Literal["recompute", "keep"] = "recompute"
     """In-flight requests at a sync: recompute with the new weights, or finish on stale KV."""
     shm_dir: str = "/dev/shm"
@@ -709,6 +718,11 @@ def validate(cfg: Config) -> None:
             f"learner.mini_batches_per_step - 2 = {floor}: generators only see new weights every "
             f"sync_every optimizer steps, so fresher data cannot exist"
         )
+    for name, res in (("rollout.resources", cfg.rollout.resources), ("learner.resources", lr.resources)):
+        for key, amount in res.items():
+            if key in ("CPU", "GPU", "memory") or not isinstance(amount, (int, float)) or not amount > 0:
+                raise ConfigError(f"{name}.{key}={amount!r}: must be a custom resource name with an amount > 0 "
+                                  f"(CPUs and GPUs are set by cpus_per_* / gpus_per_*)")
     if c.mode == "async" and cfg.rollout.num_generators < 1:
         raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")
     _at_least("monitor.console_every", cfg.monitor.console_every, 1)

@@ -46,6 +46,7 @@ def ray_session():
     import ray
 
     ray.init(
+        address="local",  # never a cluster a stale /tmp/ray/ray_current_cluster names
         num_cpus=8,
         include_dashboard=False,
         object_store_memory=512 * 1024 * 1024,

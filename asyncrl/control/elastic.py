@@ -8,8 +8,15 @@ and loads newer weights itself), and admission (so an extra generator never push
 job past its staleness budget). The generator heartbeats while it runs and removes itself
 on a clean exit (SIGINT/SIGTERM or --max-groups reached); if it dies instead, its
 heartbeat goes stale and its in-flight prompts wait in Redis for a generator of the same
-id. Weights are read from the location the trainer publishes to (/dev/shm on the
-trainer's machine), so a generator on another machine needs that path shared.
+id.
+
+Weights are read from the location the trainer announces. On one host that is a file in
+/dev/shm. On a multi-node job (sync.backend=object_store) it is an object in the job's Ray
+cluster, and so is the model when it is a local directory of the trainer's host: give
+``--ray-address`` and the generator attaches to the cluster as a Ray driver (nothing is
+shared but the network). A generator that cannot load the announced weights stops
+admitting work and says why (``stats()["weights_blocked"]``) instead of generating groups
+that would only be dropped as stale.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ def job_config(queue):
 
 def run_elastic_generator(redis_url: str, run: str, *, password: str | None = None,
                           generator_id: str | None = None, max_groups: int | None = None,
-                          poll_s: float = 1.0) -> dict:
+                          poll_s: float = 1.0, ray_address: str | None = None) -> dict:
     """Generate for `run` until stopped (or `max_groups` produced); return the final stats."""
     from asyncrl.queue import RolloutQueue
     from asyncrl.rollout.generator import GeneratorActor
@@ -48,11 +55,12 @@ def run_elastic_generator(redis_url: str, run: str, *, password: str | None = No
         cfg, model_path = job_config(queue)
     finally:
         queue.close()
+    model_package = _attach_ray(ray_address, run) if ray_address else None
     generator_id = generator_id or f"elastic-{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     gen = GeneratorActor(cfg, model_path=model_path, generator_id=generator_id, redis_url=redis_url,
-                         run=run, password=password, autostart=True)
+                         run=run, password=password, autostart=True, model_package=model_package)
     log.info("%s joined run %r (model %s)", generator_id, run, model_path)
     try:
         while not stop.wait(poll_s):
@@ -66,3 +74,25 @@ def run_elastic_generator(redis_url: str, run: str, *, password: str | None = No
         gen.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if ray_address:
+            import ray
+
+            ray.shutdown()
+
+
+def _attach_ray(ray_address: str, run: str):
+    """Join the job's Ray cluster as a driver; return the shipped model package (or None)."""
+    import ray
+
+    from asyncrl.control.cluster import probe
+    from asyncrl.sync.objstore import open_store
+
+    probe(ray_address)
+    if ray_address.startswith("ray://"):  # Ray Client: no raylet of its own needed on this host
+        ray.init(address=ray_address)
+    else:
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    try:
+        return ray.get(open_store(run).model.remote(), timeout=60)
+    except ValueError:  # no weight store: the job publishes files (sync.backend=shm)
+        return None

@@ -56,6 +56,7 @@ class Runtime(contextlib.ExitStack):
         self.weight_sync = None
         self.generators: list = []
         self.model_path: str | None = None
+        self.model_package: dict | None = None
         self._t0 = time.perf_counter()
         self.startup: dict[str, float] = {}
         """Seconds from the runtime's start until each part was ready."""
@@ -75,10 +76,18 @@ class Runtime(contextlib.ExitStack):
             self._start_ray()
             self.mark("ray")
             self.model_path = resolve_model(self.cfg, self.run_dir)
+            from asyncrl.sync.model_ship import ship_model
+            from asyncrl.sync.weight_sync import cluster_is_multinode
+
+            # Other nodes get a local model directory through Ray, as weights "version 0".
+            self.model_package = ship_model(self.model_path) if cluster_is_multinode() else None
             self._start_weight_sync()
             if self.start_generators:
                 self._create_generators()  # their engines load while the learners do
             self._start_learner()
+            # The sync is built before the learners so generators can register while those
+            # load; the object-store backend reads the learner's exports only at publish time.
+            self.weight_sync.learner = self.learner
             self.mark("learner")
         except BaseException:
             self.close()
@@ -120,31 +129,25 @@ class Runtime(contextlib.ExitStack):
             # So user code named by import path (envs, losses) imports in every worker too.
             "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
         }
-        # Logical CPUs beyond the physical ones let learner ranks and generators co-exist on a
-        # small machine; real placement is by affinity where benchmarks need it.
-        ray.init(
-            address=c.ray_address,
-            num_cpus=None if c.ray_address else max(os.cpu_count() or 2, 8),
-            include_dashboard=False,
-            object_store_memory=None if c.ray_address else c.ray_object_store_mb * 1024 * 1024,
-            runtime_env={"env_vars": env_vars},
-            log_to_driver=True,
-        )
+        from asyncrl.control.cluster import connect_ray
+
+        connect_ray(c, env_vars)
         self.callback(ray.shutdown)
 
     def _start_learner(self) -> None:
         from asyncrl.learner import LearnerGroup
 
         self.learner = LearnerGroup(self.cfg, self.model_path,
-                                    collective_timeout_s=self.cfg.learner.collective_timeout_s)
+                                    collective_timeout_s=self.cfg.learner.collective_timeout_s,
+                                    model_package=self.model_package)
         self.callback(self.learner.shutdown)
 
     def _start_weight_sync(self) -> None:
         from asyncrl.sync import build_weight_sync
 
         self.weight_sync = build_weight_sync(
-            self.cfg.sync, queue=self.queue, run=self.cfg.control.run_name
-        )
+            self.cfg.sync, queue=self.queue, run=self.cfg.control.run_name, learner=self.learner,
+            model_package=self.model_package)
         self.callback(self.weight_sync.close)
 
     def _create_generators(self) -> None:
@@ -161,6 +164,7 @@ class Runtime(contextlib.ExitStack):
                 redis_url=self.redis_url,
                 run=self.cfg.control.run_name,
                 password=self.cfg.queue.password,
+                model_package=self.model_package,
             )
             self.generators.append(handle)
             self.weight_sync.register(handle)

@@ -1,8 +1,9 @@
 """LearnerActor: one FSDP2 rank. Holds the sharded model(s), optimizer and schedule; hands the
 work to the plain functions in step.py / checkpoint.py. Made a Ray actor by LearnerGroup:
 
-    actor = ray.remote(LearnerActor).options(num_cpus=1).remote(cfg, path, rank=0, world_size=2, master_port=p)
-    ray.get([a.setup.remote() for a in actors])       # all ranks at once: it is a rendezvous
+    actor = ray.remote(LearnerActor).options(...).remote(cfg, path, rank=0, world_size=2)
+    addr, port = ray.get(rank0.rendezvous_point.remote())  # rank 0's node picks them
+    ray.get([a.setup.remote(addr, port) for a in actors])   # all ranks at once: it is a rendezvous
 
 Every method that touches the model is a collective, so the driver calls it on all ranks
 together with the same number of micro-batches; micro-batches arrive as lists of per-sequence
@@ -27,17 +28,29 @@ from asyncrl.learner import checkpoint, fsdp, optim, step
 class LearnerActor:
     """One data-parallel rank. Construct cheaply; `setup()` joins the group and loads the model."""
 
-    def __init__(self, cfg: Config, model_path: str, *, rank: int, world_size: int, master_port: int,
-                 collective_timeout_s: float = 300.0) -> None:
-        self.cfg, self.model_path = cfg, model_path
-        self.rank, self.world_size, self.master_port = rank, world_size, master_port
+    def __init__(self, cfg: Config, model_path: str, *, rank: int, world_size: int,
+                 collective_timeout_s: float = 300.0, model_package: list | None = None) -> None:
+        self.cfg, self.model_path, self.model_package = cfg, model_path, model_package
+        self.rank, self.world_size = rank, world_size
         self.collective_timeout_s = collective_timeout_s
         self.version = 0
         self.step_count = 0
         self._proximal: dict[int, list[torch.Tensor]] = {}
 
-    def setup(self) -> dict[str, Any]:
+    def rendezvous_point(self) -> tuple[str, int]:
+        from asyncrl.learner.placement import rendezvous_point
+
+        return rendezvous_point()
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        import ray
+
         from asyncrl.learner import loss
+        from asyncrl.sync.model_ship import local_model
+
+        # A local model path of the driver's host may not exist on this node: unpack the copy
+        # shipped through Ray's object store (model_package) instead.
+        self.model_path = local_model(self.model_path, self.model_package)
 
         lc = self.cfg.learner
         cores = parse_cpu_list(lc.cpu_affinity)
@@ -49,8 +62,8 @@ class LearnerActor:
         np.random.seed(lc.seed + self.rank)
         self.device = fsdp.pick_device(lc.gpus_per_rank)
         backend = fsdp.pick_backend(lc.backend, self.device)
-        fsdp.init_distributed(rank=self.rank, world_size=self.world_size, master_port=self.master_port,
-                              backend=backend, timeout_s=self.collective_timeout_s)
+        fsdp.init_distributed(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
+                              master_port=master_port, backend=backend, timeout_s=self.collective_timeout_s)
         mesh = fsdp.build_mesh(self.device, self.world_size)
         self.model = fsdp.load_sharded_model(self.model_path, mesh, device=self.device, dtype=lc.dtype)
         self.reference = None
@@ -64,6 +77,7 @@ class LearnerActor:
         self.microbatch_loss = loss.microbatch_loss
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
         return {"rank": self.rank, "device": str(self.device), "backend": backend, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "threads": torch.get_num_threads(),
                 "cores": sorted(os.sched_getaffinity(0))}
 
@@ -148,6 +162,13 @@ class LearnerActor:
             save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"version": str(self.version)})
             os.replace(tmp, path)
         return self.version
+
+    def export_blob(self):
+        """Collective; (version, safetensors bytes as uint8 array) on rank 0, (version, None) elsewhere."""
+        from asyncrl.sync.objstore import safetensors_blob
+
+        state = fsdp.full_state_dict(self.model)
+        return self.version, (safetensors_blob(state) if self.rank == 0 else None)
 
     def save(self, directory: str) -> int:
         checkpoint.save_rank_state(directory, self.model, self.optimizer, self.scheduler, rank=self.rank,

@@ -19,7 +19,6 @@ after `collective_timeout_s`); shutdown() kills them by actor handle.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
-from asyncrl.learner import checkpoint
+from asyncrl.learner import checkpoint, placement
 from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.validate import validate_minibatches
 from asyncrl.types import MetricValue, TrainSequence, merge_metrics
@@ -40,12 +39,6 @@ FIELD_DTYPES = {name: ("int64" if name in mbatch.INTEGER_FIELDS else "float32") 
 
 class LearnerError(RuntimeError):
     """The learner group cannot go on (a rank died or timed out); restart it from a checkpoint."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def combine_minibatch_metrics(per_minibatch: list[dict[str, MetricValue]]) -> dict[str, float]:
@@ -70,7 +63,7 @@ class LearnerGroup:
     """N LearnerActor ranks forming one torch.distributed group; see the module docstring."""
 
     def __init__(self, cfg: Config, model_path: str, *, num_ranks: int | None = None,
-                 collective_timeout_s: float = 300.0) -> None:
+                 collective_timeout_s: float = 300.0, model_package: list | None = None) -> None:
         import ray
         from transformers import AutoConfig
 
@@ -87,17 +80,19 @@ class LearnerGroup:
         self.vocab_size = int(hf.vocab_size)
         self._version = 0
         self._broken: str | None = None
-        port = free_port()
-        lc = cfg.learner
-        remote = ray.remote(LearnerActor).options(num_cpus=lc.cpus_per_rank, num_gpus=lc.gpus_per_rank,
-                                                  max_restarts=0)
-        self.actors = [
-            remote.remote(cfg, model_path, rank=r, world_size=self.num_ranks, master_port=port,
-                          collective_timeout_s=collective_timeout_s)
-            for r in range(self.num_ranks)
-        ]
+        self.actors: list = []
+        self._pg, order = placement.reserve_ranks(cfg.learner, self.num_ranks)
         try:
-            self.rank_info = self._gather([a.setup.remote() for a in self.actors], "setup")
+            remote = ray.remote(LearnerActor)
+            self.actors = [
+                remote.options(max_restarts=0, **placement.rank_options(self._pg, order[r])).remote(
+                    cfg, model_path, rank=r, world_size=self.num_ranks, collective_timeout_s=collective_timeout_s,
+                    model_package=model_package)
+                for r in range(self.num_ranks)
+            ]
+            # Rank 0's node picks the address and port: the driver's loopback is nobody else's.
+            self.master_addr, port = self._gather([self.actors[0].rendezvous_point.remote()], "rendezvous")[0]
+            self.rank_info = self._gather([a.setup.remote(self.master_addr, port) for a in self.actors], "setup")
         except BaseException:
             self.shutdown()
             raise
@@ -230,9 +225,23 @@ class LearnerGroup:
         return self._call("full_state")[0]
 
     def export_to_file(self, path: str) -> tuple[str, int]:
-        """Rank 0 writes the full weights to `path` as safetensors (metadata: version)."""
+        """Rank 0 writes the full weights to `path` as safetensors (metadata: version). A
+        ``ray-object://`` path (sync.backend=object_store) makes them a Ray object instead, taken
+        by the weight sync with ``take_export(path)``: rank 0's task returns it, so the bytes stay
+        in the object store of rank 0's node until a generator pulls them."""
+        from asyncrl.sync.objstore import SCHEME
+
+        if str(path).startswith(SCHEME):
+            pairs = [a.export_blob.options(num_returns=2).remote() for a in self.actors]
+            versions = self._gather([v for v, _ in pairs], "export")
+            self._exports = {str(path): pairs[0][1]}  # one in flight: older ones are not needed
+            return str(path), int(versions[0])
         versions = self._call("write_weights", [(str(path),)] * self.num_ranks)
         return str(path), int(versions[0])
+
+    def take_export(self, path: str):
+        """The Ray object ``export_to_file(path)`` made (once), or None."""
+        return getattr(self, "_exports", {}).pop(str(path), None)
 
     def save_checkpoint(self, dir: str, extra: dict[str, Any] | None = None) -> None:
         """DCP model + optimizer shards, scheduler, RNG, step and version, plus `extra`; atomic."""
@@ -265,5 +274,7 @@ class LearnerGroup:
                 log.warning("learner ranks did not leave the process group cleanly: %s", e)
         for a in actors:
             ray.kill(a, no_restart=True)
+        placement.release(getattr(self, "_pg", None))
+        self._pg = None
         if not self._broken:
             self._broken = "shut down"

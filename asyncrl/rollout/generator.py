@@ -61,10 +61,12 @@ import numpy as np
 from asyncrl.config import Config
 from asyncrl.queue.replay import QueueFull
 from asyncrl.queue.runstate import unpack_small
+from asyncrl.rollout.affinity import pin_to_cores
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes, unlink_segments
 from asyncrl.rollout.envs import RewardError, make_env, score
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
 from asyncrl.rollout.prompts import open_prompts
+from asyncrl.sync import objstore
 from asyncrl.types import RolloutGroup, Sample
 
 log = logging.getLogger(__name__)
@@ -81,40 +83,16 @@ class GeneratorFailed(RuntimeError):
     """The generation loop ended with an error instead of a stop."""
 
 
-def pin_to_cores(cpu_affinity: str) -> list[int]:
-    """Pin every thread of this process to ``cpu_affinity`` ("0-1"); return the cores ([] = no pinning).
-
-    Call it before spawning the engine: child processes inherit the affinity of the thread
-    that starts them. vLLM's CPU worker then binds its OpenMP threads to
-    VLLM_CPU_OMP_THREADS_BIND (one "0,1"-style list per local rank, '|'-separated; see
-    vllm/utils/ompmultiprocessing.py), which would default to "auto" (cores of its own
-    choosing), so set it to the same cores.
-    """
-
-    from asyncrl.config import parse_cpu_list
-
-    cores = parse_cpu_list(cpu_affinity)
-    if not cores:
-        return []
-    absent = [c for c in cores if c >= (os.cpu_count() or 1)]
-    if absent:
-        raise ValueError(f"rollout.cpu_affinity={cpu_affinity!r}: this machine has no cores {absent} "
-                         f"(it has {os.cpu_count()})")
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that exited meanwhile
-            os.sched_setaffinity(int(tid), cores)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-    return cores
-
-
 class GeneratorActor:
     """One engine, one environment, one prompt stream; produces RolloutGroups until stopped."""
 
     def __init__(self, cfg: Config, model_path: str, generator_id: str, redis_url: str, run: str,
-                 password: str | None = None, autostart: bool = False, exit_on_failure: bool = False):
+                 password: str | None = None, autostart: bool = False, exit_on_failure: bool = False,
+                 model_package: dict | None = None):
         from transformers import AutoTokenizer
 
         from asyncrl.queue.replay import RolloutQueue
+        from asyncrl.sync.model_ship import local_model
 
         self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
         self.queue = RolloutQueue.connect(redis_url, run, password=password, consumer=generator_id,
@@ -125,6 +103,7 @@ class GeneratorActor:
         self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
         predecessor_was_generating = self._reap_predecessor()
         self.env = make_env(self.rollout.env, self.rollout.env_kwargs)
+        model_path = local_model(model_path, model_package)  # another node: the shipped copy
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with
         # the same seeds; a restart (actor crash, trainer resume) gets a new number, so prompt
@@ -140,6 +119,7 @@ class GeneratorActor:
         self._retry: deque = deque()  # admitted prompts to run again (predecessor's, or failed here)
         self._samples_drawn = 0  # request ids of sample() calls
         self._weights_failed: tuple[str, int, float] | None = None  # (location, version, when)
+        self._weights_blocked: str | None = None  # why admission is closed: announced weights failed to load
         self._tasks: set[asyncio.Task] = set()  # groups generating or being put
         self._slots_taken = 0  # of those, still generating (the slots of max_inflight_groups)
         self._slot_freed = asyncio.Event()
@@ -183,7 +163,7 @@ class GeneratorActor:
 
         actor = ray.remote(cls).options(
             num_cpus=cfg.rollout.cpus_per_generator, num_gpus=cfg.rollout.gpus_per_generator,
-            max_restarts=-1, max_task_retries=0, max_concurrency=8,
+            max_restarts=-1, max_task_retries=0, max_concurrency=8, resources=cfg.rollout.resources or None,
         )
         return actor.remote(cfg, exit_on_failure=True, **kwargs)
 
@@ -239,7 +219,8 @@ class GeneratorActor:
                                   f"{type(self.failure).__name__}: {self.failure}") from self.failure
         elapsed = max(time.time() - self._started_at, 1e-9)
         return {**self.counts, "version": self.engine.version, "inflight": len(self._tasks),
-                "tokens_per_s": self.counts["tokens"] / elapsed, "generator_id": self.generator_id}
+                "tokens_per_s": self.counts["tokens"] / elapsed, "generator_id": self.generator_id,
+                "weights_blocked": self._weights_blocked}
 
     def shutdown(self) -> None:
         """Stop without draining, abort requests, shut the engine down (its /dev/shm segments go too)."""
@@ -364,6 +345,9 @@ class GeneratorActor:
             return None
         note = msgpack.packb({"text": item[1], "metadata": item[2]}, use_bin_type=True)
         while not self._stopping:
+            if self._weights_blocked is not None:  # the heartbeat retries the load meanwhile
+                await asyncio.sleep(HEARTBEAT_S)
+                continue
             t0 = time.perf_counter()
             admitted = await asyncio.to_thread(self.queue.admit_prompt, self.generator_id, item[0], note)
             self.counts["admission_calls"] += 1
@@ -504,18 +488,30 @@ class GeneratorActor:
     async def _update(self, location: str, version: int) -> dict:
         if version <= self.engine.version:
             return {"version": self.engine.version, "skipped": True}
-        pids = self.engine.engine_pids
-        try:
-            info = await self.engine.load_weights(location, version, inflight=self.cfg.sync.inflight)
-        except WeightLoadError:
+        pids, path, t0 = self.engine.engine_pids, location, time.perf_counter()
+        try:  # a ray-object:// location is fetched to a local file first (sync/objstore.py)
+            path = await asyncio.to_thread(objstore.fetch, location, version, self.cfg.sync.shm_dir,
+                                           f"{self.run}-{self.generator_id}")
+            fetch_s = time.perf_counter() - t0
+            info = await self.engine.load_weights(path, version, inflight=self.cfg.sync.inflight)
+        except (WeightLoadError, OSError) as e:
             self.counts["weight_update_errors"] += 1
+            # Generating on the old weights would only make groups that are dropped as stale.
+            if self._weights_blocked is None:
+                log.error("%s: stopped admitting work: cannot load the announced weights v%d (%s): %s",
+                          self.generator_id, version, location, e)
+            self._weights_blocked = f"cannot load the announced weights v{version} ({location}): {e}"
             raise
         finally:
+            objstore.discard(path, location)
             if self.engine.engine_pids is not pids:  # the engine was rebuilt: new processes to reap
                 await asyncio.to_thread(self._record_engine)
+        if self._weights_blocked is not None:
+            log.warning("%s: weights v%d loaded; admitting work again", self.generator_id, version)
+        self._weights_blocked = None
         if not info.get("skipped"):
             self.counts["weight_updates"] += 1
-        return info
+        return dict(info, fetch_s=fetch_s)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -27,8 +27,16 @@ log = logging.getLogger(__name__)
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))  # reachable from the engines' nodes, not only loopback
         return s.getsockname()[1]
+
+
+def _node_address() -> str:
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
 
 
 def _call(handle, method: str, *args):
@@ -90,7 +98,9 @@ class NcclWeightSync(ShmWeightSync):
         if not torch.cuda.is_available():
             raise RuntimeError("sync.backend='nccl' needs a CUDA device; use sync.backend='shm' on CPU")
         super().__init__(cfg, queue=queue, run=run, engines=engines)
-        self.master_address = master_address or socket.gethostbyname(socket.gethostname())
+        # NCCL rank 0 is this process: its node's address as the Ray cluster knows it
+        # (gethostname() may resolve to 127.0.1.1, nobody's address on another node).
+        self.master_address = master_address or _node_address()
         self._transfers: dict[int, tuple] = {}
 
     def _transfer_for(self, handle, source):

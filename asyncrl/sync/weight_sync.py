@@ -1,31 +1,45 @@
-"""Pick the weight-sync backend for this machine.
+"""Pick the weight-sync backend for this run.
 
-    sync = build_weight_sync(cfg.sync, queue=queue, run=cfg.control.run_name)
+    sync = build_weight_sync(cfg.sync, queue=queue, run=cfg.control.run_name, learner=group)
 
 "auto" is NCCL (vLLM's weight-transfer API, learner rank 0 -> engine workers) when CUDA
-is available, else shared memory (/dev/shm safetensors). Both expose register(handle),
-path_for(version), publish(state_dict, version), publish_file(path, version), close().
+is available; on CPU it is shared memory (/dev/shm safetensors, the fastest on one host)
+when the Ray cluster is this one machine, and Ray's object store when it has other nodes
+(any generator, elastic ones included, may sit there, and no filesystem is shared). All
+expose register(handle), path_for(version), publish(state_dict, version),
+publish_file(path, version), close().
 """
 
 from __future__ import annotations
 
 from asyncrl.config import SyncConfig
 
+BACKENDS = ("auto", "shm", "nccl", "object_store")
 
-def resolve_backend(backend: str) -> str:
+
+def cluster_is_multinode() -> bool:
+    import ray
+
+    return ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) > 1
+
+
+def resolve_backend(backend: str, multinode: bool = False) -> str:
     match backend:
         case "auto":
             import torch
 
-            return "nccl" if torch.cuda.is_available() else "shm"
-        case "shm" | "nccl":
+            if torch.cuda.is_available():
+                return "nccl"
+            return "object_store" if multinode else "shm"
+        case "shm" | "nccl" | "object_store":
             return backend
         case _:
-            raise ValueError(f"sync.backend={backend!r}: must be one of 'auto', 'shm', 'nccl'")
+            raise ValueError(f"sync.backend={backend!r}: must be one of {', '.join(map(repr, BACKENDS))}")
 
 
-def build_weight_sync(cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None):
-    match resolve_backend(cfg.backend):
+def build_weight_sync(cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None, learner=None,
+                      model_package: dict | None = None):
+    match resolve_backend(cfg.backend, multinode=cfg.backend == "auto" and cluster_is_multinode()):
         case "shm":
             from asyncrl.sync.shm import ShmWeightSync
 
@@ -34,3 +48,8 @@ def build_weight_sync(cfg: SyncConfig, *, queue=None, run: str, engines: list | 
             from asyncrl.sync.nccl import NcclWeightSync
 
             return NcclWeightSync(cfg, queue=queue, run=run, engines=engines)
+        case "object_store":
+            from asyncrl.sync.objstore import ObjectStoreWeightSync
+
+            return ObjectStoreWeightSync(cfg, queue=queue, run=run, engines=engines, learner=learner,
+                                         model_package=model_package)

@@ -279,6 +279,37 @@ def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_sessio
     assert ray.get(gen.version.remote()) == 2
 
 
+def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_can(ray_session, gen, hf_model,
+                                                                                   queue, tmp_path):
+    """After the failed loads above it says why and admits no work, though admission is open
+    (it would only make groups on stale weights); once good weights load it admits again."""
+    from asyncrl.sync.shm import save_state_dict
+
+    ray = ray_session
+    assert "cannot load the announced weights v3" in (ray.get(gen.stats.remote())["weights_blocked"] or "")
+    started = queue.counters().get("groups_started", 0)
+    queue.set_policy_version(0)
+    queue.configure_admission(max_staleness=0, groups_per_step=started + 2)  # room for 2 more groups
+    ray.get(gen.start.remote())
+    time.sleep(3)
+    assert queue.counters().get("groups_started", 0) == started
+    path = str(tmp_path / "good.safetensors")
+    save_state_dict(perturbed_state(hf_model, seed=3), path)
+    ray.get(gen.update_weights.remote(path, 3))
+    # Announce them too: a restarted generator (the next tests) loads what Redis names, and
+    # the v2 file named there so far was deleted when its publisher closed.
+    queue.set_weights(path, 3)
+    assert ray.get(gen.stats.remote())["weights_blocked"] is None
+    items, deadline = [], time.time() + 120
+    while len(items) < 2 and time.time() < deadline:
+        got = queue.get_batch(2 - len(items), min_version=0, timeout=5.0)
+        queue.ack([i for i, _ in got])
+        items += got
+    assert len(items) == 2 and queue.counters()["groups_started"] == started + 2
+    assert all(s.behavior_version == 3 for _, g in items for s in g.samples)
+    ray.get(gen.stop.remote(drain_timeout_s=60))
+
+
 def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session, gen, queue, redis_server):
     """Kill -9 the actor while 3 groups are put and 3 more are generated but blocked on a full
     queue. Ray restarts it (created with autostart=False: it must resume anyway); the successor

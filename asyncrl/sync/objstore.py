@@ -1,0 +1,193 @@
+"""CPU weight sync through Ray's object store: no shared filesystem between any two nodes.
+
+    sync = ObjectStoreWeightSync(cfg.sync, queue=queue, run="demo", learner=group)
+    path = sync.path_for(3)               # "ray-object://demo/v3": a name, not a file
+    group.export_to_file(path)            # rank 0 returns the safetensors bytes as a Ray object
+    sync.publish_file(path, 3)            # announce, have every generator apply it, wait
+
+One object per version, owned by the driver (it is rank 0's task return, so it never
+passes through the driver's memory). The run's named ``WeightStore`` actor holds the
+refs of the newest two versions, so a generator still fetching the previous one finds it;
+older ones are dropped and Ray frees them. A generator (a Ray actor, or an elastic one
+attached to the cluster) asks the store for the version Redis announces, ``ray.get``s it
+(Ray pulls it to that node once; other generators there read the same copy), writes it to
+its own node's /dev/shm and loads it as it would a shm-published file (``fetch``/``discard``).
+The model directory, when it is a local path of the driver's host, travels the same way
+(``asyncrl.sync.model_ship``) and the store hands it to elastic generators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import tempfile
+import time
+
+import numpy as np
+
+from asyncrl.config import SyncConfig
+from asyncrl.sync.shm import SAFETENSORS_DTYPES, call_engines
+
+SCHEME = "ray-object://"
+NAMESPACE = "asyncrl"
+KEEP_VERSIONS = 2
+
+
+def store_name(run: str) -> str:
+    return f"asyncrl-weights-{run}"
+
+
+def safetensors_blob(state_dict: dict) -> np.ndarray:
+    """The safetensors file of ``state_dict`` as one uint8 array (zero-copy through Ray)."""
+    import torch
+
+    header, offset, parts = {}, 0, []
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        dtype = SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise TypeError(f"state_dict[{name!r}] has dtype {t.dtype}; supported: {sorted(SAFETENSORS_DTYPES)}")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        parts.append((offset, t))
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    start = 8 + len(head)
+    out = np.empty(start + offset, dtype=np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(head)), dtype=np.uint8)
+    out[8:start] = np.frombuffer(head, dtype=np.uint8)
+    for off, t in parts:
+        if t.numel():
+            out[start + off:start + off + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8).numpy()
+    return out
+
+
+class WeightStore:
+    """Named Ray actor of one run: holds the refs of the newest versions and the model package."""
+
+    def __init__(self):
+        self.versions: dict[int, list] = {}
+        self.model_package: dict | None = None
+
+    def put(self, version: int, ref: list) -> None:
+        self.versions[version] = ref  # a list, so Ray hands us the ref, not the bytes
+        for old in sorted(self.versions)[:-KEEP_VERSIONS]:
+            del self.versions[old]
+
+    def get(self, version: int) -> list | None:
+        return self.versions.get(version)
+
+    def set_model(self, package: dict | None) -> None:
+        self.model_package = package
+
+    def model(self) -> dict | None:
+        return self.model_package
+
+
+def open_store(run: str, create: bool = False):
+    import ray
+
+    if create:
+        return ray.remote(WeightStore).options(name=store_name(run), namespace=NAMESPACE, num_cpus=0,
+                                               get_if_exists=True).remote()
+    return ray.get_actor(store_name(run), namespace=NAMESPACE)
+
+
+def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
+    """Generator side: the weights at ``location`` as a local safetensors file; returns its path.
+
+    A plain path is returned as it is. OSError (which the generator reports as a failed load,
+    with this message) if this process cannot reach the run's Ray cluster."""
+    if not location.startswith(SCHEME):
+        return location
+    import ray
+
+    if not ray.is_initialized():
+        raise OSError(f"weights v{version} are in the job's Ray object store ({location}) and this generator "
+                      f"is not attached to its Ray cluster: start it with --ray-address HEAD:PORT")
+    run = location[len(SCHEME):].rsplit("/", 1)[0]
+    try:
+        ref = ray.get(open_store(run).get.remote(version), timeout=60)
+    except Exception as e:  # noqa: BLE001 - any Ray failure is a failed load with its reason
+        raise OSError(f"weights v{version}: the run's weight store is unreachable: {e}") from e
+    if ref is None:
+        raise OSError(f"weights v{version} are no longer held by the run's weight store (a newer version "
+                      f"replaced them)")
+    blob = ray.get(ref[0], timeout=300)
+    # A unique name per fetch: the trainer's push and the heartbeat's poll may fetch one
+    # version at once, and neither may delete or replace the file the other is loading.
+    fd, path = tempfile.mkstemp(prefix=f".asyncrl-fetched-{tag}-v{version}-", suffix=".safetensors", dir=shm_dir)
+    with os.fdopen(fd, "wb") as f:
+        f.write(memoryview(blob))
+    return path
+
+
+def discard(path: str, location: str) -> None:
+    """Delete what ``fetch`` wrote (the engine hard-linked what it keeps)."""
+    if path != location:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class ObjectStoreWeightSync:
+    """Publishes each version as one Ray object; see the module docstring."""
+
+    def __init__(self, cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None, learner=None,
+                 model_package: dict | None = None):
+        self.cfg, self.queue, self.run, self.learner = cfg, queue, run, learner
+        self.engines: list = list(engines or [])
+        self.version: int | None = None
+        self.store = open_store(run, create=True)
+        self.store.set_model.remote(model_package)
+
+    def register(self, handle) -> None:
+        self.engines.append(handle)
+
+    def unregister(self, handle) -> None:
+        self.engines = [h for h in self.engines if h is not handle]
+
+    def path_for(self, version: int) -> str:
+        return f"{SCHEME}{self.run}/v{version}"
+
+    def publish(self, state_dict: dict, version: int) -> dict:
+        import ray
+
+        t0 = time.perf_counter()
+        blob = safetensors_blob(state_dict)
+        info = self.publish_ref(self.path_for(version), ray.put(blob), version)
+        info.update(write_s=info["start"] - t0, bytes=int(blob.nbytes), seconds=time.perf_counter() - t0)
+        return info
+
+    def publish_file(self, path: str, version: int) -> dict:
+        """Announce the object the learner exported under ``path`` and wait until generators run it."""
+        ref = self.learner.take_export(path) if self.learner is not None else None
+        if ref is None:
+            raise FileNotFoundError(f"no exported weights under {path}: call learner.export_to_file({path!r}) first")
+        return self.publish_ref(path, ref, version)
+
+    def publish_ref(self, location: str, ref, version: int) -> dict:
+        import ray
+
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version {version} is not newer than the published version {self.version}")
+        start = time.perf_counter()
+        ray.get(self.store.put.remote(version, [ref]))
+        if self.queue is not None:
+            self.queue.set_weights(location, version)
+        results = call_engines(self.engines, "update_weights", location, version)
+        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
+        self.version = version
+        applied = [r for r in results if isinstance(r, dict)]
+        return {"version": version, "start": start, "apply_s": time.perf_counter() - start,
+                "engines": len(self.engines), "errors": errors,
+                "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0),
+                "fetch_s": max((r.get("fetch_s", 0.0) for r in applied), default=0.0)}
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.store)

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks that need real multi-process set-ups."""

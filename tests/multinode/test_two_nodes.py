@@ -1,0 +1,98 @@
+"""The demo task across two "hosts" (see conftest.py): every generator and learner rank 1 on
+the second node, the trainer, Redis and rank 0 on the head, nothing shared but the loopback
+network and the checkpoint dir; and an elastic generator from a third private namespace that
+sees neither the run dir nor the model.
+
+One run serves both checks (the elastic generator joins it mid-run): each run's start-up
+(two vLLM engines and two FSDP ranks) is most of a minute on a 2-core box."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.control.ledger import audit
+from asyncrl.control.train import train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+from asyncrl.testing.twonode import private_host_command
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_nodes, tiny_model_dir):
+    import ray
+
+    from asyncrl.sync.objstore import ObjectStoreWeightSync
+
+    run_dir = two_nodes.shared_dir / "mn"
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [
+        "control.run_name=mn", f"control.run_dir={run_dir}", "monitor.console=false", "monitor.dashboard=false",
+        "queue.ledger=true", "control.total_steps=3000", "control.max_staleness=2", "control.checkpoint_every=20",
+        # A path in the head's private /tmp: the second node and the elastic generator get the
+        # model through Ray, as weights version 0.
+        f"rollout.model={tiny_model_dir}", "rollout.resources={node2: 1}",
+        "learner.num_ranks=2", "learner.placement=STRICT_SPREAD", "learner.collective_timeout_s=120",
+    ])
+    rewards: list[float] = []
+    seen: dict = {"elastic": None, "left_at": None}
+    log_path = two_nodes.shared_dir / "elastic.log"
+
+    def on_step(loop, metrics):
+        holder["loop"] = loop
+        rewards.append(metrics["reward/mean"])
+        step = loop.state.step
+        if step == 1:
+            seen["ranks"] = [info["node_id"] for info in loop.rt.learner.rank_info]
+            seen["generators"] = ray.get([g.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                                          for g in loop.rt.generators])
+        if step == 1:  # a third host: its own /dev/shm and /tmp, and the run dir hidden too
+            seen["elastic"] = subprocess.Popen(
+                private_host_command(sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url,
+                                     "--run", cfg.control.run_name, "--id", "elastic-3", "--max-groups", "4",
+                                     "--ray-address", two_nodes.client_address, hide=(str(two_nodes.shared_dir),)),
+                stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=two_nodes.env)
+        proc = seen["elastic"]
+        if proc is not None and seen["left_at"] is None and proc.poll() is not None:
+            seen["left_at"] = step
+        learned = len(rewards) >= 40 and statistics.fmean(rewards[-10:]) > statistics.fmean(rewards[:10]) + 0.25
+        if learned and seen["left_at"] is not None and step >= seen["left_at"] + 3:
+            loop.stop.event.set()
+
+    holder: dict = {}
+    try:
+        state = train(cfg, on_step=on_step)
+    finally:
+        if seen["elastic"] is not None and seen["elastic"].poll() is None:
+            seen["elastic"].terminate()  # it leaves cleanly on SIGTERM
+    loop = holder["loop"]
+    proc = seen["elastic"]
+    assert proc is not None and proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+
+    assert isinstance(loop.rt.weight_sync, ObjectStoreWeightSync)  # sync.backend=auto on two nodes
+    assert seen["ranks"] == [two_nodes.head_node_id, two_nodes.node2_id]
+    assert seen["generators"] and set(seen["generators"]) == {two_nodes.node2_id}
+    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
+    assert last > first + 0.25, f"reward did not improve: {first:.3f} -> {last:.3f} over {len(rewards)} steps"
+    assert len(loop.staleness_log) == len(state.trained_ids)
+    assert all(0 <= s <= cfg.control.max_staleness for _, s in loop.staleness_log)
+    assert loop.trained_by["elastic-3"] >= 1, dict(loop.trained_by)
+    elastic_log = log_path.read_text()
+    assert "unpacked from the object store" in elastic_log, elastic_log[-3000:]
+
+    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue.server import EmbeddedRedis
+
+    with EmbeddedRedis(run_dir / "redis", aof=True) as server:  # the run stopped its own; AOF brings it back
+        q = RolloutQueue.connect(server.url, cfg.control.run_name, ledger=True)
+        ledger = audit(q, state.trained_ids).check()
+        assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0, ledger.summary
+        assert q.state()["status"] == "stopped"
+        q.close()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))  # both ranks' shards landed
