@@ -48,7 +48,7 @@ Workloads:
              ~32M params), env copy {alphabet: abcde, min_len: 3, max_len: 8}, and a long tail of
              per-prompt token budgets: 90% of prompts get budget B, 10% get 6B. Full run: B=128
              (long 768), 16 prompts x 8 per step. --quick: B=16 (long 96), 4 prompts x 8 per
-             step (2 CPU cores cannot do the full shape in minutes).
+             step, 6 steps (2 CPU cores cannot do the full shape in minutes); the demo runs 20.
              asyncrl enforces each prompt's budget (metadata "max_tokens", honoured by its
              generator). TRL has one max_completion_length per run: it is set to the long budget,
              so TRL generates (and trains on) up to 6B tokens for every prompt, which is what a
@@ -101,7 +101,7 @@ WORKLOADS = {
                       env="copy", env_kwargs={"alphabet": "abcde", "min_len": 3, "max_len": 8},
                       budget=128, long_budget=768, prompts_per_step=16, max_prompt_tokens=16, threshold=0.5),
 }
-QUICK = {"demo": dict(steps=20), "realistic": dict(steps=4, budget=16, long_budget=96, prompts_per_step=4)}
+QUICK = {"demo": dict(steps=20), "realistic": dict(steps=6, budget=16, long_budget=96, prompts_per_step=4)}
 COMMON = dict(n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28,
               tis_cap=2.0, seed=0)
 
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         return asyncrl_child(argv[1], argv[2])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="demo 20 steps, realistic 4 steps at budget 16/96 and 4 prompts x 8; < 10 min")
+                   help="demo 20 steps, realistic 6 steps at budget 16/96 and 4 prompts x 8; < 10 min")
     p.add_argument("--steps", type=int, default=60, help="steps per trainer (full run)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
