@@ -225,7 +225,12 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        except OSError as e:  # e.g. the peers venv could not be made
+            return {"t0": t0, "wall_s": 0.0, "error": f"could not start {cmd[0]}: {e}", "log": str(log_path),
+                    "steps": [], "rewards": [], "completions": [], "tokens": []}
         error = None
         try:
             rc = proc.wait(timeout=timeout)
@@ -295,19 +300,21 @@ def plot(report: dict, paths: list[Path]) -> None:
     import matplotlib.pyplot as plt
 
     wls = list(report["workloads"])
-    fig, axes = plt.subplots(1, 1 + len(wls), figsize=(5.5 * (1 + len(wls)), 4.2))
-    width = 0.8 / len(TRAINERS)
-    for j, tr in enumerate(TRAINERS):
-        vals = [report["workloads"][wl]["trainers"].get(tr, {}).get("completions_per_s") or 0.0 for wl in wls]
-        axes[0].bar([i + j * width for i in range(len(wls))], vals, width, label=tr)
-    axes[0].set_xticks([i + width * (len(TRAINERS) - 1) / 2 for i in range(len(wls))], wls)
-    axes[0].set_title("completions / s (steady)")
-    axes[0].legend(fontsize=8)
+    fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
     for i, wl in enumerate(wls):
-        ax = axes[1 + i]
-        for tr, s in report["workloads"][wl]["trainers"].items():
+        trainers = report["workloads"][wl]["trainers"]
+        names = [tr for tr in TRAINERS if tr in trainers]
+        vals = [trainers[tr].get("completions_per_s") or 0.0 for tr in names]
+        bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
+        axes[0][i].bar_label(bars, [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}")
+                                    for tr, v in zip(names, vals)], fontsize=8)
+        axes[0][i].set_title(f"{wl}: completions / s (steady)")
+        axes[0][i].tick_params(axis="x", labelsize=8)
+        ax = axes[1][i]
+        for tr in names:
+            s = trainers[tr]
             if s["reward_curve"]:
-                ax.plot(s["step_times_s"], s["reward_curve"], marker=".", label=tr)
+                ax.plot(s["step_times_s"], s["reward_curve"], marker=".", color=f"C{TRAINERS.index(tr)}", label=tr)
         ax.set_title(f"{wl}: reward vs wall time (from launch)")
         ax.set_xlabel("s")
         ax.legend(fontsize=8)
@@ -329,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
     p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 240 quick, 3600)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="reward threshold for the time-to-threshold figure (default: the workload's, 0.5)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"), help="second copy of the plot ('' for none)")
     args = p.parse_args(argv)
@@ -341,8 +350,13 @@ def main(argv: list[str] | None = None) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     t_all = time.perf_counter()
-    venv = ensure_venv(log)
-    log(f"peers venv: {'installed in %.0f s' % venv['install_s'] if venv['installed'] else 'up to date'}")
+    try:
+        venv = ensure_venv(log)
+        log(f"peers venv: {'installed in %.0f s' % venv['install_s'] if venv['installed'] else 'up to date'}")
+    except Exception as e:  # the TRL peers then fail to start and are reported as failed; asyncrl still runs
+        venv = {"installed": False, "install_s": 0.0, "error": f"{type(e).__name__}: {e}"}
+        shutil.rmtree(VENV, ignore_errors=True)
+        log(f"peers venv: FAILED ({venv['error']})")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     report: dict = {"machine": f"{os.cpu_count()} cores (CPU), commit {commit or '?'}", "commit": commit,
@@ -350,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="asyncrl-peers-") as tmp:
         for name in args.workloads:
             wl = {**WORKLOADS[name], "steps": args.steps, **(QUICK[name] if args.quick else {})}
+            if args.threshold is not None:
+                wl["threshold"] = args.threshold
             spec = prepare(name, wl, Path(tmp))
             entry = {"spec": {k: v for k, v in spec.items() if k not in ("workdir", "prompts", "model")},
                      "trainers": {}}
