@@ -1,7 +1,8 @@
 """Peers: Hugging Face TRL's GRPOTrainer and asyncrl on the same job, one invocation, same machine.
 
     python bench/peers.py --quick          # < 10 min on a 2-core CPU box (all 4 trainers, both workloads)
-    python bench/peers.py --steps 60 --out bench/results     # or: asyncrl bench peers [...]
+    python bench/peers.py --out bench/results     # full: demo 60 steps, realistic 20 (hours on 2 cores)
+    asyncrl bench peers --quick                   # the same through the CLI
 
 Trainers (each in its own subprocess, one after another, never concurrently):
 
@@ -95,11 +96,12 @@ N_PROMPTS = 2048
 
 WORKLOADS = {
     "demo": dict(model={}, env="copy", env_kwargs={"alphabet": "abc", "min_len": 3, "max_len": 3},
-                 budget=8, long_budget=None, prompts_per_step=16, max_prompt_tokens=32, threshold=0.5),
+                 budget=8, long_budget=None, prompts_per_step=16, max_prompt_tokens=32, threshold=0.5, steps=60),
     "realistic": dict(model=dict(hidden_size=512, num_layers=10, num_heads=8, num_kv_heads=8, intermediate_size=1408,
                                  max_position_embeddings=1024),
                       env="copy", env_kwargs={"alphabet": "abcde", "min_len": 3, "max_len": 8},
-                      budget=128, long_budget=768, prompts_per_step=16, max_prompt_tokens=16, threshold=0.5),
+                      budget=128, long_budget=768, prompts_per_step=16, max_prompt_tokens=16, threshold=0.5,
+                      steps=20),
 }
 QUICK = {"demo": dict(steps=20), "realistic": dict(steps=6, budget=16, long_budget=96, prompts_per_step=4)}
 COMMON = dict(n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28,
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="demo 20 steps, realistic 6 steps at budget 16/96 and 4 prompts x 8; < 10 min")
-    p.add_argument("--steps", type=int, default=60, help="steps per trainer (full run)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per trainer (full run; default: demo 60, realistic 20)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
     p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 240 quick, 3600)")
@@ -363,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
                     "quick": args.quick, "venv": venv, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="asyncrl-peers-") as tmp:
         for name in args.workloads:
-            wl = {**WORKLOADS[name], "steps": args.steps, **(QUICK[name] if args.quick else {})}
+            wl = {**WORKLOADS[name], **({"steps": args.steps} if args.steps else {}),
+                  **(QUICK[name] if args.quick else {})}
             if args.threshold is not None:
                 wl["threshold"] = args.threshold
             spec = prepare(name, wl, Path(tmp))
