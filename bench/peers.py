@@ -180,7 +180,8 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
     kw = ", ".join(f"{k}: {v}" for k, v in spec["env_kwargs"].items())
     run_dir = Path(spec["workdir"]) / f"run-{spec['mode']}"
     overrides = [
-        f"control.mode={spec['mode']}", f"control.total_steps={spec['steps']}", f"control.run_name=peers-{spec['mode']}",
+        f"control.mode={spec['mode']}", f"control.total_steps={spec['steps']}",
+        f"control.run_name=peers-{spec['mode']}",
         f"control.run_dir={run_dir}", f"control.checkpoint_every={spec['steps']}", f"control.seed={spec['seed']}",
         "monitor.console=false", "monitor.dashboard=false",
         f"rollout.model={spec['model']}", f"rollout.prompts={spec['prompts']}", f"rollout.env={spec['env']}",
@@ -260,7 +261,7 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
 def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
     steps, rewards = raw["steps"], raw["rewards"]
     out: dict = {"error": raw["error"], "steps": len(steps), "wall_s": raw["wall_s"], "startup_s": None,
-                 "steps_per_s": None, "completions_per_s": None, "tokens_per_s": None,
+                 "steps_per_s": None, "steps_per_s_median": None, "completions_per_s": None, "tokens_per_s": None,
                  "reward_first": None, "reward_last": None, "time_to_threshold_s": None, "threshold": threshold,
                  "reward_curve": rewards, "step_times_s": [t - raw["t0"] for t in steps], "log": raw["log"]}
     if steps:
@@ -272,6 +273,8 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
         out["steps_per_s"] = (len(steps) - 1) / span
         out["completions_per_s"] = sum(raw["completions"][1:]) / span
         out["tokens_per_s"] = sum(raw["tokens"][1:]) / span
+        # Robust to a few slow steps (another process on the box): 1 / the median step time.
+        out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in zip(steps, steps[1:])), 1e-9)
     for i in range(len(rewards)):
         roll = rewards[max(0, i - 4):i + 1]
         if len(roll) == min(5, len(rewards)) and statistics.fmean(roll) >= threshold:
@@ -293,6 +296,23 @@ def line(wl: str, trainer: str, s: dict) -> str:
            f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
            f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s")
     return txt + (f"  [{s['error']}]" if s["error"] else "")
+
+
+def add_ratios(report: dict) -> None:
+    """Per workload: the best TRL peer by completions/s (failed ones left out), `ratio` = asyncrl_async
+    completions/s over the best peer's and `token_ratio` = the same for generated tokens/s (these differ
+    where TRL cannot apply per-prompt budgets); report["ratio"] = the minimum `ratio` over workloads."""
+    for entry in report["workloads"].values():
+        tr = entry["trainers"]
+        ok = {k: v for k, v in tr.items() if k.startswith("trl") and not v["error"] and v["completions_per_s"]}
+        best = max(ok, key=lambda k: ok[k]["completions_per_s"]) if ok else None
+        ours = tr.get("asyncrl_async")
+        good = best is not None and ours is not None and not ours["error"] and ours["completions_per_s"]
+        entry["best_peer"] = best
+        entry["ratio"] = ours["completions_per_s"] / ok[best]["completions_per_s"] if good else None
+        entry["token_ratio"] = ours["tokens_per_s"] / ok[best]["tokens_per_s"] if good else None
+    got = [e["ratio"] for e in report["workloads"].values() if e["ratio"] is not None]
+    report["ratio"] = min(got) if got else None
 
 
 def plot(report: dict, paths: list[Path]) -> None:
@@ -378,18 +398,7 @@ def main(argv: list[str] | None = None) -> None:
                 s = summarize(run_trainer(tr, spec, out, timeout), spec["threshold"])
                 entry["trainers"][tr] = s
                 log(line(name, tr, s))
-    ratios = {}
-    for name, entry in report["workloads"].items():
-        tr = entry["trainers"]
-        peers = {k: v["completions_per_s"] for k, v in tr.items()
-                 if k.startswith("trl") and not v["error"] and v["completions_per_s"]}
-        best = max(peers, key=peers.get) if peers else None
-        ours = tr.get("asyncrl_async", {}).get("completions_per_s")
-        entry["best_peer"] = best
-        entry["ratio"] = ours / peers[best] if best and ours and not tr["asyncrl_async"]["error"] else None
-        ratios[name] = entry["ratio"]
-    got = [r for r in ratios.values() if r is not None]
-    report["ratio"] = min(got) if got else None
+    add_ratios(report)
     report["total_s"] = time.perf_counter() - t_all
     (out / "peers.json").write_text(json.dumps(report, indent=2))
     plots = [out / "peers.png"] + ([Path(args.plot)] if args.plot else [])
@@ -397,8 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     summary = {
         "ratio": None if report["ratio"] is None else round(report["ratio"], 3),
         "by_workload": {n: {"ratio": None if e["ratio"] is None else round(e["ratio"], 3), "best_peer": e["best_peer"],
+                            "token_ratio": None if e["token_ratio"] is None else round(e["token_ratio"], 3),
                             "trainers": {k: {m: (round(v[m], 3) if isinstance(v[m], float) else v[m]) for m in
-                                             ("startup_s", "steps_per_s", "completions_per_s", "tokens_per_s",
+                                             ("startup_s", "steps_per_s", "steps_per_s_median",
+                                              "completions_per_s", "tokens_per_s",
                                               "reward_first", "reward_last", "time_to_threshold_s", "error")}
                                          for k, v in e["trainers"].items()}}
                         for n, e in report["workloads"].items()},
