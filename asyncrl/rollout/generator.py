@@ -72,6 +72,10 @@ from asyncrl.types import RolloutGroup, Sample
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+WEIGHTS_POLL_S = 0.1
+"""An elastic generator (nobody pushes it weights) checks for a newer version this often: a
+trainer doing several steps a second outruns a once-a-second poll by more than the
+staleness bound, and every group the generator made would be dropped as stale."""
 ADMISSION_POLL_S = 0.05
 
 
@@ -514,12 +518,15 @@ class GeneratorActor:
         return dict(info, fetch_s=fetch_s)
 
     async def _heartbeat_loop(self) -> None:
+        last_beat = 0.0
         while True:
             try:
-                s = self.stats()
-                await asyncio.to_thread(self.queue.heartbeat, self.generator_id,
-                                        {"version": s["version"], "groups": s["groups"],
-                                         "tokens_per_s": s["tokens_per_s"], "inflight": s["inflight"]})
+                if time.monotonic() - last_beat >= HEARTBEAT_S:
+                    last_beat = time.monotonic()
+                    s = self.stats()
+                    await asyncio.to_thread(self.queue.heartbeat, self.generator_id,
+                                            {"version": s["version"], "groups": s["groups"],
+                                             "tokens_per_s": s["tokens_per_s"], "inflight": s["inflight"]})
                 location, version = await asyncio.to_thread(self.queue.weights)
                 if location is not None and version > self.engine.version and self._may_try(location, version):
                     try:
@@ -531,7 +538,7 @@ class GeneratorActor:
                 raise
             except Exception as e:  # a missed beat or a failed self-update is retried next second
                 log.warning("%s: heartbeat/weights poll failed: %s", self.generator_id, e)
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(WEIGHTS_POLL_S)
 
     def _may_try(self, location: str, version: int) -> bool:
         """Not the weights that just failed to load: each failed attempt pauses the engine."""

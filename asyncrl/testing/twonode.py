@@ -109,6 +109,8 @@ def two_node_cluster(log_dir: Path, *, pythonpath: str | None = None, head_cpus:
                                  "--disable-usage-stats", "--block"),
             env=env, stdout=(Path(log_dir) / "node2.log").open("w"), stderr=subprocess.STDOUT,
             start_new_session=True)
+        if ray.is_initialized():  # e.g. the test session's local Ray: a driver talks to one cluster
+            ray.shutdown()
         ray.init(address=f"{ip}:{port}", _temp_dir=head_tmp, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": env["PYTHONPATH"],
                                            "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"],

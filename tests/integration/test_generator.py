@@ -56,7 +56,11 @@ def cfg(prompts_file):
     c = Config()
     c.rollout = RolloutConfig(n_samples=N, max_tokens=8, temperature=TEMPERATURE, env="copy",
                               prompts=prompts_file, max_prompt_tokens=64, max_inflight_groups=4,
-                              engine_max_model_len=256, engine_max_num_seqs=32, seed=3)
+                              engine_max_model_len=256, engine_max_num_seqs=32, seed=3,
+                              # vLLM's multiprocess executor, whose /dev/shm message queues are
+                              # what the crash and shutdown tests check are never leaked (the
+                              # CPU default, one engine process, has none).
+                              engine_kwargs={"distributed_executor_backend": "mp"})
     c.queue.maxlen = 3  # small, so put() blocks and in-flight prompts pile up for the kill test
     c.queue.put_timeout_s = 1.0  # a full queue outlasts many timeouts: groups must be held, not lost
     c.queue.ledger = True
