@@ -203,12 +203,17 @@ class RunState:
         """How many times `generator_id` has started in this run, counting this start."""
         return int(self._retry(self._r.incr, keys.incarnation(self.run, generator_id)))
 
-    def admit_prompt(self, generator_id: str, prompt_id: str, note: bytes) -> bool:
+    def admit_prompt(self, generator_id: str, prompt_id: str, note: bytes, weights_version: int | None = None) -> bool:
         """try_admit(1) and, if admitted, note the prompt in the generator's in-flight hash, as
-        one atomic step. Idempotent per prompt id: a retry after a lost reply counts nothing twice."""
+        one atomic step. Idempotent per prompt id: a retry after a lost reply counts nothing twice.
+
+        ``weights_version``: the version the generator's engine holds. The budget is then taken
+        at min(policy version, weights_version): a generator behind the announced weights is
+        admitted only to groups that will still be within the staleness bound when trained.
+        """
+        args = [1, prompt_id, note] + ([int(weights_version)] if weights_version is not None else [])
         return self._retry(self._try_admit, keys=[self._k_state, self._k_counters,
-                                                  keys.inflight(self.run, generator_id)],
-                           args=[1, prompt_id, note]) == 1
+                                                  keys.inflight(self.run, generator_id)], args=args) == 1
 
     def inflight_prompts(self, generator_id: str) -> dict[str, bytes]:
         """The generator's admitted prompts whose groups are not in the stream yet: id -> note."""

@@ -33,9 +33,13 @@ return ids
 
 TRY_ADMIT = """
 -- KEYS[1] state hash, KEYS[2] counters hash, KEYS[3] (optional) a generator's in-flight hash;
--- ARGV[1] n, and with KEYS[3]: ARGV[2] prompt id, ARGV[3] its note (n must be 1).
--- Admitted iff groups_started + n <= (policy_version + max_staleness + 1) * groups_per_step
--- (AReaL-style throttle, DESIGN.md "Staleness"). Returns 1 admitted, 0 refused,
+-- ARGV[1] n, and with KEYS[3]: ARGV[2] prompt id, ARGV[3] its note (n must be 1), and
+-- optionally ARGV[4] the version of the weights the group will be sampled with.
+-- Admitted iff groups_started + n <= (v + max_staleness + 1) * groups_per_step, with
+-- v = min(policy_version, ARGV[4]) (AReaL-style throttle, docs/design.md). A generator whose
+-- engine lags the announced version (an elastic one still loading it) is budgeted by what it
+-- will really sample with, so it is not admitted to groups that would be dropped as stale.
+-- Returns 1 admitted, 0 refused,
 -- -1 when the trainer has not called configure_admission yet (refused too).
 -- With a prompt, admission and its in-flight note are one step, and a prompt already noted
 -- is admitted again without counting: a retry whose first reply was lost, not a new group.
@@ -45,6 +49,7 @@ local ms = tonumber(redis.call('HGET', KEYS[1], 'max_staleness') or '')
 local gps = tonumber(redis.call('HGET', KEYS[1], 'groups_per_step') or '')
 if ms == nil or gps == nil then return -1 end
 local v = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
+if ARGV[4] then v = math.min(v, tonumber(ARGV[4])) end
 local started = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0')
 if started + n <= (v + ms + 1) * gps then
   redis.call('HINCRBY', KEYS[2], 'groups_started', n)

@@ -148,6 +148,7 @@ class GeneratorActor:
             except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again later
                 self._weights_failed = (location, version, time.monotonic())
                 log.warning("%s: could not load published weights v%d: %s", generator_id, version, e)
+            self._call(self._warm_up())
         self._load_predecessor_inflight()
         log.info("%s: incarnation %d, %d prompts re-issued from a predecessor", generator_id, incarnation,
                  len(self._retry))
@@ -353,7 +354,8 @@ class GeneratorActor:
                 await asyncio.sleep(HEARTBEAT_S)
                 continue
             t0 = time.perf_counter()
-            admitted = await asyncio.to_thread(self.queue.admit_prompt, self.generator_id, item[0], note)
+            admitted = await asyncio.to_thread(self.queue.admit_prompt, self.generator_id, item[0], note,
+                                               self.engine.version)
             self.counts["admission_calls"] += 1
             self.counts["admission_s"] += time.perf_counter() - t0
             if admitted:
@@ -488,6 +490,19 @@ class GeneratorActor:
         if self.cfg.algo.stepwise:
             return [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
         return [to_interleaved_sample(t, self.generator_id) for t in trajectories]
+
+    async def _warm_up(self) -> None:
+        """One full window of throw-away requests before the first admission. A cold vLLM-CPU
+        engine takes seconds over its first batch (measured: 2.6 s for 16 groups of the demo,
+        then 0.2 s): a generator joining a running job would spend them on admitted groups,
+        which a trainer doing several steps a second has then moved past the staleness bound."""
+        t0 = time.perf_counter()
+        prompt = self.tokenizer.encode(next(self.prompts)[1])
+        await asyncio.gather(*(self.engine.generate(prompt, self.rollout.n_samples,
+                                                    f"{self.generator_id}.{self.incarnation}:warmup:{k}",
+                                                    max_tokens=self.rollout.max_tokens, ignore_eos=True)
+                               for k in range(self.rollout.max_inflight_groups)))
+        log.info("%s: engine warmed up in %.1f s", self.generator_id, time.perf_counter() - t0)
 
     async def _update(self, location: str, version: int) -> dict:
         if version <= self.engine.version:

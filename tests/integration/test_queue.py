@@ -388,3 +388,22 @@ def test_generator_bookkeeping_is_atomic_and_a_retried_call_counts_once(redis_ur
     q.set_engine_record("g0", None)
     assert q.engine_record("g0") is None
     q.close()
+
+
+def test_admission_is_budgeted_by_the_weights_a_generator_really_holds(redis_url):
+    """A generator whose engine lags the announced version (an elastic one still loading it) is
+    budgeted at its own version: its groups would otherwise be trained past the bound and dropped."""
+    q = RolloutQueue.connect(redis_url, "lagging")
+    q.configure_admission(max_staleness=1, groups_per_step=2)
+    q.set_policy_version(3)  # budget (3 + 1 + 1) * 2 = 10 at the announced version
+    q.reset_admission(4)
+    note = b"n"
+    # Holding v0: budget (0 + 1 + 1) * 2 = 4, already spent by the other generators' 4 groups.
+    assert q.admit_prompt("elastic", "e1", note, weights_version=0) is False
+    assert q.inflight_prompts("elastic") == {} and q.counters()["groups_started"] == 4
+    # Holding v2: budget 8; the same call admits (and notes) it.
+    assert q.admit_prompt("elastic", "e1", note, weights_version=2) is True
+    # A generator ahead of the announced version is still budgeted at the announced one (10).
+    assert [q.admit_prompt("gen-0", f"p{i}", note, weights_version=7) for i in range(6)] == [True] * 5 + [False]
+    assert q.counters()["groups_started"] == 10
+    q.close()
