@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--id", dest="generator_id", default=None, help="generator id (default: host-pid)")
     g.add_argument("--max-groups", type=int, default=None, help="leave after producing this many groups")
     g.add_argument("--ray-address", default=None,
-                   help="the job's Ray cluster (HEAD:PORT): needed where weights travel through Ray (multi-node)")
+                   help="the job's Ray cluster, needed where weights travel through Ray (multi-node): "
+                        "ray://HEAD:10001 (Ray Client, nothing else to run here) or auto/HEAD:PORT on a "
+                        "host that joined the cluster with `ray start`")
 
     d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard")
     d.add_argument("--redis", required=True)

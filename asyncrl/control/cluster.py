@@ -64,3 +64,48 @@ def probe(address: str | None, timeout_s: float = 5.0) -> None:
         return  # let Ray parse (and reject) anything else
     with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
         pass
+
+
+def actor_state(handle) -> tuple[str, str]:
+    """(state, node id) of a Ray actor as the GCS has it: ALIVE, RESTARTING, PENDING_CREATION,
+    DEAD... Read from the GCS directly (``ray.util.state`` would need the dashboard)."""
+    from ray._private import state
+
+    info = state.actors(actor_id=handle._actor_id.hex())
+    return info.get("State", "UNKNOWN"), info.get("Address", {}).get("NodeID", "")
+
+
+def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> list[str]:
+    """What became of a run's actors (name -> (handle, node id where it was placed)) that are
+    no longer alive where they were, one line each; [] when none was lost.
+
+    A node that died (its raylet killed, the host gone) is declared dead by the GCS seconds
+    after the first actor error reaches us; after such an error (``wait_s`` > 0) we wait up to
+    that long for every lost actor's node to be declared, so the report says which node took
+    which actor instead of a bare "actor died"."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+        states = {name: actor_state(handle) for name, (handle, _) in placed.items()}
+        lost = [name for name, (_, node) in placed.items()
+                if node in dead_nodes or states[name][0] != "ALIVE" or states[name][1] != node]
+        if (lost and all(placed[name][1] in dead_nodes for name in lost)) or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    lines = []
+    for name in lost:
+        node = placed[name][1]
+        state, now_on = states[name]
+        where = f"node {node[:12]} ({'dead' if node in dead_nodes else 'alive'})"
+        if state == "ALIVE":
+            fate = f"restarted by Ray on node {now_on[:12]}"
+        elif state in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY"):
+            fate = "restarting: Ray re-creates it once a node with its resources is up"
+        else:
+            fate = "lost (not restartable: resume the run from its last checkpoint)"
+        lines.append(f"{name} on {where}: {fate}")
+    return lines

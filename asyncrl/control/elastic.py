@@ -13,8 +13,9 @@ id.
 Weights are read from the location the trainer announces. On one host that is a file in
 /dev/shm. On a multi-node job (sync.backend=object_store) it is an object in the job's Ray
 cluster, and so is the model when it is a local directory of the trainer's host: give
-``--ray-address`` and the generator attaches to the cluster as a Ray driver (nothing is
-shared but the network). A generator that cannot load the announced weights stops
+``--ray-address ray://HEAD:10001`` and the generator attaches to the cluster through Ray
+Client (a driver with no raylet on its own host; nothing is shared but the network), or
+``auto``/``HEAD:PORT`` on a host that joined the cluster with ``ray start``. A generator that cannot load the announced weights stops
 admitting work and says why (``stats()["weights_blocked"]``) instead of generating groups
 that would only be dropped as stale.
 """
@@ -89,10 +90,30 @@ def _attach_ray(ray_address: str, run: str):
 
     probe(ray_address)
     if ray_address.startswith("ray://"):  # Ray Client: no raylet of its own needed on this host
-        ray.init(address=ray_address)
+        _client_init(ray_address)
     else:
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     try:
         return ray.get(open_store(run).model.remote(), timeout=60)
     except ValueError:  # no weight store: the job publishes files (sync.backend=shm)
         return None
+
+
+def _client_init(ray_address: str, tries: int = 4, pause_s: float = 5.0) -> None:
+    """ray.init through Ray Client, tried again when the cluster's client server fails to start
+    this client's server process (seen on a loaded 2-core box: "Initialization failure from
+    server"); the last failure is raised as it is."""
+    import time
+
+    import ray
+
+    for attempt in range(1, tries + 1):
+        try:
+            ray.init(address=ray_address)
+            return
+        except ConnectionError as e:  # ConnectionAbortedError from the client server
+            if attempt == tries:
+                raise
+            log.warning("Ray Client at %s refused this generator (%s); trying again in %.0f s (%d/%d)",
+                        ray_address, str(e).strip().splitlines()[-1][:200], pause_s, attempt, tries)
+            time.sleep(pause_s)

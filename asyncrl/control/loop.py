@@ -36,6 +36,9 @@ from asyncrl.control.staleness import check_within_bound, min_behavior_version
 
 log = logging.getLogger(__name__)
 
+LEARNER_CHECK_S = 5.0
+"""While waiting for data, how often the learner ranks' liveness is read from Ray's GCS."""
+
 
 @dataclass
 class LoopState:
@@ -163,7 +166,11 @@ class TrainLoop:
         want = self.cfg.control.groups_per_step
         items: list = []
         deadline = time.monotonic() + self.cfg.control.batch_timeout_s
+        next_check = time.monotonic() + LEARNER_CHECK_S
         while len(items) < want and not self.stop.is_set:
+            if time.monotonic() > next_check:  # a rank lost meanwhile (its node died) ends the wait
+                self.learner.check_alive()
+                next_check = time.monotonic() + LEARNER_CHECK_S
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no full batch within control.batch_timeout_s={self.cfg.control.batch_timeout_s}s "

@@ -55,6 +55,8 @@ class Runtime(contextlib.ExitStack):
         self.learner = None
         self.weight_sync = None
         self.generators: list = []
+        self.generator_nodes: list[str] = []
+        """The Ray node each generator was started on (for the lost-actor report)."""
         self.model_path: str | None = None
         self.model_package: dict | None = None
         self._t0 = time.perf_counter()
@@ -177,13 +179,45 @@ class Runtime(contextlib.ExitStack):
         if not self.generators:
             self._create_generators()
         ray.get([g.start.remote() for g in self.generators])
+        self.generator_nodes = ray.get([g.__ray_call__.remote(_node_id) for g in self.generators])
         self.mark("generators")
         return self.generators
+
+    def placed_actors(self) -> dict[str, tuple]:
+        """name -> (actor handle, node id it was started on): learner ranks and generators."""
+        out = {}
+        if self.learner is not None:
+            out.update({f"learner rank {r}": (a, info["node_id"])
+                        for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info))})
+        out.update({f"gen-{i}": (g, node) for i, (g, node) in enumerate(zip(self.generators, self.generator_nodes))})
+        return out
+
+    def report_lost_actors(self, error: BaseException) -> list[str]:
+        """After a failure, log which actors are gone (a dead node takes all of its own) and what
+        Ray does about each: generators restart where their resources exist, ranks do not."""
+        from ray.exceptions import RayError
+
+        from asyncrl.control.cluster import lost_actors
+        from asyncrl.learner.group import LearnerError
+
+        # Only an actor's death is worth waiting for the GCS to see its node go; a plain
+        # exception in the loop is reported (and raised) at once.
+        wait_s = 30.0 if isinstance(error, (LearnerError, RayError)) else 0.0
+        try:
+            lines = lost_actors(self.placed_actors(), wait_s=wait_s)
+        except Exception as e:  # noqa: BLE001 - a report must never hide the failure itself
+            log.warning("could not tell which actors were lost: %s", e)
+            return []
+        for line in lines:
+            log.error("lost actor: %s", line)
+        return lines
 
     def _stop_generators(self) -> None:
         import ray
 
-        refs = [g.shutdown.remote() for g in self.generators]
+        # An actor Ray is still restarting (its node died) would take the call only once it
+        # is back: ask only the live ones to stop their engines; every one is killed below.
+        refs = [g.shutdown.remote() for g in self.generators if _alive(g)]
         with contextlib.suppress(Exception):
             ray.get(refs, timeout=60)
         for g in self.generators:
@@ -202,3 +236,18 @@ class Runtime(contextlib.ExitStack):
         with os.fdopen(fd, "w") as f:
             f.write(yaml.safe_dump(json.loads(json.dumps(asdict(self.cfg))), sort_keys=False))
         return path
+
+
+def _node_id(_actor) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def _alive(handle) -> bool:
+    from asyncrl.control.cluster import actor_state
+
+    try:
+        return actor_state(handle)[0] == "ALIVE"
+    except Exception:  # noqa: BLE001 - unknown: try the call, it is bounded by a timeout
+        return True

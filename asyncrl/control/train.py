@@ -58,11 +58,15 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             log.info("start-up: %s seconds after start (ready: %s)", rt.startup.get("generators"),
                      ", ".join(f"{k} {v}s" for k, v in rt.startup.items()))
             loop.on_step = on_step
-            if not cfg.monitor.console:
-                return loop.run()
-            with StepProgress(cfg.control.total_steps, start=state.step) as progress:
-                loop.progress = progress
-                return loop.run()
+            try:
+                if not cfg.monitor.console:
+                    return loop.run()
+                with StepProgress(cfg.control.total_steps, start=state.step) as progress:
+                    loop.progress = progress
+                    return loop.run()
+            except Exception as e:
+                rt.report_lost_actors(e)
+                raise
     finally:
         stop.restore()
 

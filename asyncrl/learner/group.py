@@ -19,6 +19,7 @@ after `collective_timeout_s`); shutdown() kills them by actor handle.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -35,6 +36,11 @@ from asyncrl.types import MetricValue, TrainSequence, merge_metrics
 log = logging.getLogger(__name__)
 
 FIELD_DTYPES = {name: ("int64" if name in mbatch.INTEGER_FIELDS else "float32") for name in mbatch.SEQUENCE_FIELDS}
+
+
+_LOST_PEER = re.compile(r"connection|peer|socket|closed|reset|broken pipe|timed out", re.IGNORECASE)
+"""What a rank's collective raises when another rank vanished (gloo: "Connection closed by
+peer"; NCCL: "remote process exited or there was a network error")"""
 
 
 class LearnerError(RuntimeError):
@@ -124,10 +130,46 @@ class LearnerGroup:
                     raise LearnerError(f"learner rank {rank_of[ref]} died during {what}: {e}") from e
                 except GetTimeoutError:  # pragma: no cover - ready refs do not time out
                     pending.append(ref)
-                except Exception:
+                except Exception as e:
                     self._broken = f"rank {rank_of[ref]} raised during {what}"
+                    dead = self._dead_rank(pending, rank_of) if _LOST_PEER.search(str(e)) else None
+                    if dead is not None:  # the root cause: the others only lost their peer
+                        self._broken = f"rank {dead} died"
+                        raise LearnerError(f"learner rank {dead} died during {what} (rank {rank_of[ref]} "
+                                           f"then failed in its collective: {type(e).__name__})") from e
                     raise
         return ray.get(refs)
+
+    def check_alive(self) -> None:
+        """LearnerError naming a rank whose actor is dead. The trainer calls it while it waits
+        for data: no learner call is in flight then, so nothing else would notice a rank (or
+        its node) dying until the next step, and that step may never come."""
+        from asyncrl.control.cluster import actor_state
+
+        for r, actor in enumerate(getattr(self, "actors", [])):
+            if actor_state(actor)[0] == "DEAD":
+                self._broken = f"rank {r} died"
+                raise LearnerError(f"learner rank {r} died while the trainer waited for data")
+
+    @staticmethod
+    def _dead_rank(pending: list, rank_of: dict, wait_s: float = 30.0) -> int | None:
+        """A rank whose actor died, if one did: when a rank's process (or its node) dies
+        mid-collective, its peers fail at once with a transport error, before Ray has declared
+        the dead actor; that rank is what the user must be told about."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + wait_s
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError:
+                    return rank_of[ref]
+                except Exception:  # noqa: BLE001 - another peer that lost the collective
+                    continue
+        return None
 
     def _call(self, method: str, per_rank_args: list[tuple] | None = None, *, what: str | None = None,
               **kwargs: Any) -> list:

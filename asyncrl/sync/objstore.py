@@ -91,8 +91,12 @@ def open_store(run: str, create: bool = False):
     import ray
 
     if create:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On the trainer's node: the store then shares the trainer's fate, not a generator host's.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         return ray.remote(WeightStore).options(name=store_name(run), namespace=NAMESPACE, num_cpus=0,
-                                               get_if_exists=True).remote()
+                                               get_if_exists=True, scheduling_strategy=here).remote()
     return ray.get_actor(store_name(run), namespace=NAMESPACE)
 
 
@@ -107,7 +111,7 @@ def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
 
     if not ray.is_initialized():
         raise OSError(f"weights v{version} are in the job's Ray object store ({location}) and this generator "
-                      f"is not attached to its Ray cluster: start it with --ray-address HEAD:PORT")
+                      f"is not attached to its Ray cluster: start it with --ray-address ray://HEAD:10001")
     run = location[len(SCHEME):].rsplit("/", 1)[0]
     try:
         ref = ray.get(open_store(run).get.remote(version), timeout=60)

@@ -72,7 +72,55 @@ class TwoNodes:
     node2_id: str
     node2: subprocess.Popen
     env: dict
+    node2_argv: list[str]
+    node2_log: Path
+    temp_dir: str  # the head's Ray temp dir (its logs are under session_latest/logs)
     shared_dir: Path | None = None  # set by callers that keep one (the tests' checkpoint dir)
+
+    def kill_node2_raylet(self) -> int:
+        """SIGKILL the second node's raylet, as a host crash would take it; returns its pid.
+        `ray start --block` then sees its node die and stops the node's other processes."""
+        import psutil
+
+        raylets = [p for p in psutil.Process(self.node2.pid).children(recursive=True) if p.name() == "raylet"]
+        if not raylets:
+            raise RuntimeError("the second node has no raylet process")
+        raylets[0].kill()
+        return raylets[0].pid
+
+    def restart_node2(self, timeout_s: float = 120) -> str:
+        """Stop what is left of the second node and start a fresh one (a new node id, the same
+        resources, a new private namespace); returns its node id."""
+        import ray
+
+        _stop_group(self.node2)
+        old = self.node2_id
+        self.node2 = _start_node2(self.node2_argv, self.env, self.node2_log)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            fresh = [n["NodeID"] for n in ray.nodes()
+                     if n.get("Alive") and "node2" in n["Resources"] and n["NodeID"] != old]
+            if fresh:
+                self.node2_id = fresh[0]
+                return self.node2_id
+            time.sleep(1)
+        raise TimeoutError(f"the restarted second node did not join in {timeout_s:.0f} s")
+
+
+def _start_node2(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(private_host_command(*argv), env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """`ray start --block` stops its node on SIGTERM; SIGKILL the group if it does not."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _wait_for_nodes(ray, count: int, timeout_s: float) -> list[dict]:
@@ -94,7 +142,7 @@ def two_node_cluster(log_dir: Path, *, pythonpath: str | None = None, head_cpus:
     env = cluster_env(pythonpath, mark=head_tmp)
     port, client_port = free_port(), free_port()
     ip = ray.util.get_node_ip_address()
-    node2 = None
+    node2 = cluster = None
     try:
         out = subprocess.run(
             [RAY, "start", "--head", f"--port={port}", f"--ray-client-server-port={client_port}",
@@ -103,12 +151,11 @@ def two_node_cluster(log_dir: Path, *, pythonpath: str | None = None, head_cpus:
             env=env, capture_output=True, text=True, timeout=180)
         if out.returncode != 0:
             raise RuntimeError(f"ray start --head failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
-        node2 = subprocess.Popen(
-            private_host_command(RAY, "start", f"--address={ip}:{port}", f"--num-cpus={node2_cpus}",
-                                 f"--object-store-memory={object_store_bytes}", '--resources={"node2": 4}',
-                                 "--disable-usage-stats", "--block"),
-            env=env, stdout=(Path(log_dir) / "node2.log").open("w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+        node2_argv = [RAY, "start", f"--address={ip}:{port}", f"--num-cpus={node2_cpus}",
+                      f"--object-store-memory={object_store_bytes}", '--resources={"node2": 4}',
+                      "--disable-usage-stats", "--block"]
+        node2_log = Path(log_dir) / "node2.log"
+        node2 = _start_node2(node2_argv, env, node2_log)
         if ray.is_initialized():  # e.g. the test session's local Ray: a driver talks to one cluster
             ray.shutdown()
         ray.init(address=f"{ip}:{port}", _temp_dir=head_tmp, include_dashboard=False, log_to_driver=True,
@@ -116,18 +163,17 @@ def two_node_cluster(log_dir: Path, *, pythonpath: str | None = None, head_cpus:
                                            "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"],
                                            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}})
         nodes = _wait_for_nodes(ray, 2, 120)
-        yield TwoNodes(f"{ip}:{port}", f"ray://127.0.0.1:{client_port}",
-                       next(n["NodeID"] for n in nodes if "node1" in n["Resources"]),
-                       next(n["NodeID"] for n in nodes if "node2" in n["Resources"]), node2, env)
+        cluster = TwoNodes(f"{ip}:{port}", f"ray://127.0.0.1:{client_port}",
+                           next(n["NodeID"] for n in nodes if "node1" in n["Resources"]),
+                           next(n["NodeID"] for n in nodes if "node2" in n["Resources"]), node2, env,
+                           node2_argv, node2_log, head_tmp)
+        yield cluster
     finally:
         with contextlib.suppress(Exception):
             ray.shutdown()
-        if node2 is not None and node2.poll() is None:  # `ray start --block` stops its node on SIGTERM
-            os.killpg(node2.pid, signal.SIGTERM)
-            try:
-                node2.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(node2.pid, signal.SIGKILL)
+        node2 = cluster.node2 if cluster is not None else node2  # a test may have restarted it
+        if node2 is not None:
+            _stop_group(node2)
         stop_processes_mentioning(head_tmp)
         shutil.rmtree(head_tmp, ignore_errors=True)
 
@@ -152,3 +198,9 @@ def stop_processes_mentioning(marker: str) -> list[int]:
         with contextlib.suppress(psutil.Error):
             p.kill()
     return [p.pid for p in mine]
+
+
+def client_server_logs(temp_dir: str, tail: int = 3000) -> str:
+    """The ends of the head's Ray Client server logs (why a client was refused)."""
+    logs = sorted(Path(temp_dir, "session_latest", "logs").glob("ray_client_server*"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in logs)

@@ -8,6 +8,7 @@ One run serves both checks (the elastic generator joins it mid-run): each run's 
 
 from __future__ import annotations
 
+import logging
 import statistics
 import subprocess
 import sys
@@ -17,11 +18,11 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.ledger import audit
-from asyncrl.control.train import train
+from asyncrl.control.train import latest_checkpoint, train
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from asyncrl.testing.twonode import private_host_command
+from asyncrl.testing.twonode import client_server_logs, private_host_command
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -73,7 +74,8 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
             seen["elastic"].terminate()  # it leaves cleanly on SIGTERM
     loop = holder["loop"]
     proc = seen["elastic"]
-    assert proc is not None and proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    assert proc is not None and proc.wait(timeout=120) == 0, (
+        log_path.read_text()[-3000:] + client_server_logs(two_nodes.temp_dir))
 
     assert isinstance(loop.rt.weight_sync, ObjectStoreWeightSync)  # sync.backend=auto on two nodes
     assert seen["ranks"] == [two_nodes.head_node_id, two_nodes.node2_id]
@@ -96,3 +98,54 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
         assert q.state()["status"] == "stopped"
         q.close()
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))  # both ranks' shards landed
+
+
+def test_losing_the_second_host_names_what_was_lost_and_the_resumed_run_balances_its_ledger(
+        two_nodes, tiny_model_dir, caplog):
+    """The second node's raylet is SIGKILLed mid-run (a host crash): the run fails with an error
+    naming learner rank 1, reports each actor the node took and what Ray does about it (the
+    generator restarts once a node with its resources exists; a rank does not); a fresh second
+    host joins, `train(resume_dir=...)` resumes from the last checkpoint, and every group
+    produced is trained exactly once, dropped, or still queued."""
+    from asyncrl.learner.group import LearnerError
+    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue.server import EmbeddedRedis
+
+    run_dir = two_nodes.shared_dir / "crash"
+
+    def config(total_steps: int):
+        return load_config(ROOT / "configs" / "demo.yaml", [
+            "control.run_name=crash", f"control.run_dir={run_dir}", "monitor.console=false",
+            "monitor.dashboard=false", "queue.ledger=true", f"control.total_steps={total_steps}",
+            "control.checkpoint_every=5", f"rollout.model={tiny_model_dir}", "rollout.resources={node2: 1}",
+            "learner.num_ranks=2", "learner.placement=STRICT_SPREAD", "learner.collective_timeout_s=60",
+        ])
+
+    killed: dict = {}
+
+    def on_step(loop, metrics):
+        if loop.state.step == 12 and not killed:
+            killed["raylet"] = two_nodes.kill_node2_raylet()
+
+    caplog.set_level(logging.ERROR, logger="asyncrl.control.runtime")
+    with pytest.raises(LearnerError, match="learner rank 1 died"):
+        train(config(200), on_step=on_step)
+    assert killed
+    lost = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lost actor:")]
+    node2 = two_nodes.node2_id[:12]
+    assert any(f"learner rank 1 on node {node2} (dead): lost" in line for line in lost), lost
+    assert any(f"gen-0 on node {node2} (dead): restarting" in line for line in lost), lost
+    assert not any("learner rank 0" in line for line in lost), lost
+
+    two_nodes.restart_node2()
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and ckpt.name == "step_000010", ckpt
+    state = train(config(16), resume_dir=run_dir)
+    assert state.step == 16
+
+    with EmbeddedRedis(run_dir / "redis", aof=True) as server:
+        q = RolloutQueue.connect(server.url, "crash", ledger=True)
+        ledger = audit(q, state.trained_ids).check()
+        assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0, ledger.summary
+        assert len(state.trained_ids) == 16 * 16
+        q.close()

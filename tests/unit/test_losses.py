@@ -227,6 +227,21 @@ def test_dppo_binary_kl_masks_by_the_bernoulli_kl():
     assert loss.item() == 0.0
 
 
+def test_dppo_binary_kl_keeps_a_kl_exactly_on_the_bound_and_never_masks_a_zero_advantage():
+    from asyncrl.algo.is_losses import _binary_kl
+
+    # The bound set to the very KL the loss computes (same float64 inputs): strict, so kept.
+    lp, lq = t([LN(0.9)]), t([LN(0.6)])
+    exact = _binary_kl(lq.exp(), lp.exp(), lq, lp).item()
+    assert math.isclose(exact, 0.3112386, rel_tol=1e-6)
+    loss, _, m = dppo_case([0.9], [0.6], [1.0], dppo_mask="binary_kl", dppo_delta_high=exact)
+    assert math.isclose(loss.item(), -1.5) and m["clip_frac"].item() == 0.0
+    # A = 0 with a KL of ~1.5 in either direction: never masked (its loss is 0 anyway; no mask counted).
+    loss, _, m = dppo_case([0.99, 0.05], [0.3, 0.6], [0.0, 0.0], dppo_mask="binary_kl",
+                           dppo_delta_low=0.01, dppo_delta_high=0.01)
+    assert torch.equal(loss, t([[0.0, 0.0]])) and m["clip_frac"].item() == 0.0
+
+
 def test_dppo_falls_back_to_old_logprobs_without_rollout():
     logp, old = t([[LN(0.9), LN(0.3)]]), t([[LN(0.6), LN(0.6)]])
     adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
