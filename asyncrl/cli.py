@@ -59,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", choices=BENCHES)
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
 
+    e = sub.add_parser("export", help="write a Hugging Face folder (save_pretrained) from a run's checkpoint")
+    e.add_argument("run_dir", help="the run directory (control.run_dir)")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
+    e.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/hf/step_N)")
+
     m = sub.add_parser("tiny-model", help="write a tiny random Llama + char tokenizer")
     m.add_argument("path")
     m.add_argument("--seed", type=int, default=0)
@@ -118,6 +123,18 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from asyncrl.control.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.run_dir, step=args.step, out=args.out)
+    except FileNotFoundError as e:
+        print(f"asyncrl export: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def _cmd_tiny_model(args) -> int:
     from asyncrl.rollout.tiny import write_tiny_model
 
@@ -136,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     handlers = {"train": _cmd_train, "generate": _cmd_generate, "dashboard": _cmd_dashboard,
-                "bench": _cmd_bench, "tiny-model": _cmd_tiny_model}
+                "bench": _cmd_bench, "export": _cmd_export, "tiny-model": _cmd_tiny_model}
     return handlers[args.command](args)
 
 

@@ -297,6 +297,13 @@ class ControlConfig:
     groups_per_step: int = 8
     total_steps: int = 100
     checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    """Keep the newest this many complete checkpoints (older ones are deleted after each save)..."""
+    keep_every: int = 0
+    """...plus every checkpoint whose step is a multiple of this (0: none kept for good)."""
+    export_every: int = 0
+    """Write a Hugging Face folder to run_dir/hf/step_N every this many steps (0: only
+    run_dir/hf/final, which every run writes when it ends)."""
     run_name: str = "demo"
     run_dir: str = "runs/demo"
     seed: int = 0
@@ -704,6 +711,9 @@ def validate(cfg: Config) -> None:
     _at_least("control.groups_per_step", c.groups_per_step, 1)
     _at_least("control.total_steps", c.total_steps, 1)
     _at_least("control.checkpoint_every", c.checkpoint_every, 1)
+    _at_least("control.keep_checkpoints", c.keep_checkpoints, 1)
+    _at_least("control.keep_every", c.keep_every, 0)
+    _at_least("control.export_every", c.export_every, 0)
     if c.groups_per_step % lr.mini_batches_per_step:
         raise ConfigError(
             f"control.groups_per_step={c.groups_per_step} must be divisible by "

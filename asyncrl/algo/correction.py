@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
+from asyncrl.algo.policy_common import LOG_RATIO_CLAMP
 
 
 @dataclass(frozen=True)

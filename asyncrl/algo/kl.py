@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from asyncrl.algo.policy_common import LOG_RATIO_CLAMP
+
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
-# exp() of a log-ratio beyond this overflows float32 long before it means anything.
-LOG_RATIO_CLAMP = 20.0
 # k3 grows like exp(-delta); a single runaway token would otherwise dominate the batch.
 K3_MAX = 10.0
 

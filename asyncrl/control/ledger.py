@@ -3,7 +3,7 @@
     ledger = audit(queue, trained_ids)      # queue connected with ledger=True
     ledger.check()                          # raises LedgerError naming the broken rule
 
-Rules (DESIGN.md "Queue delivery"): produced = trained ∪ dropped-stale ∪ dead-lettered ∪
+Rules (docs/design.md, "Ledger"): produced = trained ∪ dropped-stale ∪ dead-lettered ∪
 still queued, and each group id is trained at most once. `trained_ids` is the list a
 checkpoint stores (the groups baked into its weights), so a crash between a step and its
 checkpoint must leave those groups queued (un-acked) rather than lost or trained twice.

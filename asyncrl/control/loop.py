@@ -295,6 +295,8 @@ class TrainLoop:
 
         if self.state.step % c.checkpoint_every == 0 or self.state.step >= c.total_steps:
             self.checkpoint()
+        if c.export_every and self.state.step % c.export_every == 0:
+            self.export_hf(f"step_{self.state.step}")
 
         metrics.update(self._step_metrics(groups, staleness, t_wait, t_train, t_sync, time.perf_counter() - t0))
         self.logger.log(self.state.step, metrics)
@@ -338,6 +340,20 @@ class TrainLoop:
             self.queue.ack(self.state.unacked)
             self.state.unacked = []
         self.queue.set_state(checkpoint_step=self.state.step)
+        from asyncrl.learner.checkpoint import prune
+
+        c = self.cfg.control
+        for old in prune(self.ckpt_root, c.keep_checkpoints, c.keep_every):
+            log.info("deleted checkpoint %s (control.keep_checkpoints=%d, keep_every=%d)", old.name,
+                     c.keep_checkpoints, c.keep_every)
+        return path
+
+    def export_hf(self, name: str) -> Path:
+        """The learners' weights as a Hugging Face folder, run_dir/hf/NAME."""
+        from asyncrl.control.export import HF_DIR, export_live
+
+        path = export_live(self.learner, self.rt.model_path, Path(self.rt.run_dir) / HF_DIR / name)
+        log.info("exported a Hugging Face folder at step %d: %s", self.state.step, path)
         return path
 
     # ------------------------------------------------------------------ run
@@ -356,6 +372,8 @@ class TrainLoop:
             self._finish_publish()
             if self.stop.is_set and self.state.unacked:
                 self.checkpoint()
+            if self.state.step > 0:
+                self.export_hf("final")
             self.queue.set_state(status="stopped" if self.stop.is_set else "finished")
         except BaseException:
             self.queue.set_state(status="failed")

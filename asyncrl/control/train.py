@@ -11,10 +11,13 @@ checkpoint there, and the queue redelivers whatever was consumed after it.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.queue.connection import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
     from asyncrl.control.runtime import Runtime
     from asyncrl.monitor.sinks import build_metrics_logger
 
+    t0 = time.perf_counter()
     run_dir = Path(resume_dir or cfg.control.run_dir)
     stop = StopFlag()
     stop.install()
@@ -58,17 +62,39 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             log.info("start-up: %s seconds after start (ready: %s)", rt.startup.get("generators"),
                      ", ".join(f"{k} {v}s" for k, v in rt.startup.items()))
             loop.on_step = on_step
+            first_step = state.step
             try:
                 if not cfg.monitor.console:
-                    return loop.run()
-                with StepProgress(cfg.control.total_steps, start=state.step) as progress:
-                    loop.progress = progress
-                    return loop.run()
+                    state = loop.run()
+                else:
+                    with StepProgress(cfg.control.total_steps, start=state.step) as progress:
+                        loop.progress = progress
+                        state = loop.run()
             except Exception as e:
                 rt.report_lost_actors(e)
                 raise
+            print(_summary(cfg, rt, run_dir, first_step, "stopped" if stop.is_set else "finished",
+                           dashboard_url, time.perf_counter() - t0), flush=True)
+            return state
     finally:
         stop.restore()
+
+
+def _summary(cfg: Config, rt, run_dir: Path, first_step: int, status: str, dashboard_url: str | None,
+             wall_s: float) -> str:
+    """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
+    from asyncrl.control.export import HF_DIR
+    from asyncrl.control.summary import run_summary
+    from asyncrl.monitor.sinks import METRICS_FILE
+
+    path = run_dir / METRICS_FILE
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [r for r in rows if r.get("step", 0) > first_step]  # a resumed run appends to the file
+    hf = run_dir / HF_DIR / "final"
+    return run_summary(rows, startup_s=rt.startup.get("generators", 0.0), wall_s=wall_s,
+                       counters=rt.queue.counters(), max_staleness=0 if cfg.control.mode == "sync" else cfg.control.max_staleness, status=status,
+                       run_dir=run_dir, checkpoint=latest_checkpoint(run_dir), hf_dir=hf if hf.is_dir() else None,
+                       dashboard_url=dashboard_url, resume_cmd=f"asyncrl train --resume {run_dir}")
 
 
 def _start_dashboard(cfg: Config, rt) -> str | None:
@@ -90,17 +116,12 @@ def _start_dashboard(cfg: Config, rt) -> str | None:
 
 def _announce(cfg: Config, rt, dashboard_url: str | None) -> None:
     run = cfg.control.run_name
-    log.info("run %r in %s; Redis at %s", run, rt.run_dir, _redact(rt.redis_url))
-    log.info("metrics: Redis stream asyncrl:%s:metrics%s", run,
+    log.info("run %r in %s; Redis at %s", run, rt.run_dir, redact_url(rt.redis_url))
+    log.info("metrics: %s, Redis stream asyncrl:%s:metrics%s", rt.run_dir / "metrics.jsonl", run,
              f", wandb ({cfg.monitor.wandb}) in {rt.run_dir / 'wandb'}" if cfg.monitor.wandb != "disabled" else "")
     if dashboard_url:
         log.info("dashboard: %s  (token required)" if cfg.monitor.dashboard_token else "dashboard: %s", dashboard_url)
     else:
-        log.info("dashboard: asyncrl dashboard --redis %s --run %s", _redact(rt.redis_url), run)
+        log.info("dashboard: asyncrl dashboard --redis %s --run %s", redact_url(rt.redis_url), run)
 
 
-def _redact(url: str | None) -> str:
-    if not url or "@" not in url:
-        return str(url)
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

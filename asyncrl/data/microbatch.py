@@ -17,7 +17,7 @@ All ranks run the same number of micro-batches, because every FSDP forward/backw
 collective. A rank with less data runs *padding micro-batches*: one pad-token row that
 carries every per-token field of the real ones (rollout logprobs, versions, advantages ...)
 with loss_mask = reduction_weights = 0. Dropping an optional field there is what made the
-loss raise inside the collective in SkyRL (PR #1811, seeds/001); `padding_microbatch`
+loss raise inside the collective in SkyRL (PR #1811); `padding_microbatch`
 builds it from the real micro-batches' field list, so it cannot drift from them.
 """
 

@@ -159,7 +159,7 @@ class LearnerActor:
         if self.rank == 0:
             tmp = f"{path}.tmp-{os.getpid()}"
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"version": str(self.version)})
+            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt", "version": str(self.version)})
             os.replace(tmp, path)
         return self.version
 

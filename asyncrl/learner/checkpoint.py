@@ -9,6 +9,9 @@ for everything else, published atomically.
         .complete             marker; readers ignore directories without it
       latest                  text file naming the newest complete checkpoint directory
 
+`prune(root, keep_last, keep_every)` deletes complete checkpoints beyond the newest
+`keep_last` (those at a multiple of `keep_every` stay), never the one `latest` names.
+
 Ranks write into a staging directory (`.step_000010.tmp-<id>`); the driver, once every rank
 returned, writes extra + marker and renames staging -> final, then rewrites `latest` via
 os.replace. A crash at any point leaves either the previous checkpoint or the new one,
@@ -158,3 +161,26 @@ def resolve(path: str | Path) -> Path:
 
 def read_extra(path: str | Path) -> dict[str, Any]:
     return msgpack.unpackb((Path(path) / EXTRA_FILE).read_bytes(), raw=False)
+
+
+def prune(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+    """Delete complete ``step_*`` checkpoints under `root` but the newest `keep_last`, those
+    whose step is a multiple of `keep_every` (> 0) and the one `latest` names; returns the
+    deleted ones. Staging directories are left alone: a save may be writing them."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: must be >= 1")
+    root = Path(root)
+    done = sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()),
+                  key=lambda p: int(p.name.removeprefix("step_")))
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    removed = []
+    for path in done[:-keep_last]:
+        step = int(path.name.removeprefix("step_"))
+        if path.name == latest or (keep_every > 0 and step % keep_every == 0):
+            continue
+        # Out of readers' sight first (the marker), then the bytes: a crash mid-delete leaves
+        # no directory that looks complete but is not.
+        (path / COMPLETE_MARKER).unlink()
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

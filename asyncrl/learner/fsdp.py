@@ -6,7 +6,7 @@
     state = full_state_dict(model)      # collective; the full HF-named state on rank 0, {} elsewhere
 
 FSDP2 (`fully_shard`) runs on CPU with gloo; FSDP1 does not (it needs a device_id and
-segfaults gathering a full state dict with cpu_offload, see STACK.md), so only FSDP2 is
+segfaults gathering a full state dict with cpu_offload on torch 2.13 CPU), so only FSDP2 is
 used. As in torchtitan, each decoder block is sharded as its own unit (its parameters are
 all-gathered just before it runs and freed after), then the root picks up the rest
 (embeddings, final norm, lm_head). Parameter names stay Hugging Face's, so the gathered

@@ -8,7 +8,7 @@ loss, sum_t w_t * term_t, with the reduction weights w computed over the whole m
 (all ranks). Summed over micro-batches (gradient accumulation) and ranks, that is the
 mini-batch loss. FSDP2 *averages* gradients over the DP ranks in its reduce-scatter, so the
 loss is multiplied by world_size before backward to turn that mean back into a sum
-(SkyRL PR #1296, seeds/000). Hence the gradient does not depend on how the mini-batch is
+(the bug of SkyRL PR #1296). Hence the gradient does not depend on how the mini-batch is
 cut into ranks and micro-batches.
 """
 

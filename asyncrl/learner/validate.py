@@ -4,7 +4,7 @@
 
 An exception raised on one rank in the middle of a forward/backward leaves the other ranks
 waiting in a collective: on NCCL that is a traceback-less abort of every rank, on gloo a
-hang until the collective timeout (SkyRL PR #1811, seeds/001). Everything that can be
+hang until the collective timeout (the bug of SkyRL PR #1811). Everything that can be
 checked from the data alone is therefore checked here, on the driver, and fails with a
 ValueError that names the field and the sequence (mini-batch j, sequence i, group id).
 """

@@ -1,4 +1,5 @@
-"""Metrics sinks: the Redis metrics stream (the dashboard reads it), wandb and the console.
+"""Metrics sinks: the Redis metrics stream (the dashboard reads it), run_dir/metrics.jsonl
+(outlives the run), wandb and the console.
 
     logger = MetricsLogger([RedisSink("redis://127.0.0.1:6379", run="demo"), ConsoleSink(every=10)])
     logger.log(step, {"reward/mean": 0.5, "staleness/mean": 0.25})
@@ -27,6 +28,8 @@ from asyncrl.monitor.metrics import clean
 from asyncrl.queue import keys
 
 log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
 
 
 class Sink(Protocol):
@@ -107,6 +110,30 @@ class WandbSink:
             wandb.teardown()
 
 
+class JsonlSink:
+    """One JSON object per step appended to `path` (``run_dir/metrics.jsonl``): {"step", "time",
+    then the catalogue's names}. The run's Redis goes when the run ends; this file stays, and
+    ``pandas.read_json(path, lines=True)`` reads it. Non-finite values are written as null
+    (JSON has no NaN). Lines are flushed per step, so a killed run keeps every step it logged;
+    a resumed run appends, and its steps after the checkpoint repeat the ones logged before it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        import json
+
+        row = {"step": int(step), "time": round(time.time(), 3)}
+        row.update({k: (v if math.isfinite(v) else None) for k, v in clean(metrics).items()})
+        self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def _fmt(value: float | None, spec: str = ".3g") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -176,12 +203,13 @@ class MetricsLogger:
 
 def build_metrics_logger(monitor_cfg: Any, redis_client: Any, run: str, run_dir: str | Path,
                          config_dict: Mapping[str, Any], *, password: str | None = None) -> MetricsLogger:
-    """The sinks a MonitorConfig asks for. Redis is always on (the dashboard reads it) if a client is given.
+    """The sinks a MonitorConfig asks for. run_dir/metrics.jsonl is always written; Redis is
+    always on (the dashboard reads it) if a client is given.
 
     A sink that cannot even start (e.g. wandb online without a login) is warned about and left
     out, for the same reason sinks never raise: monitoring must not stop a run.
     """
-    sinks: list[Sink] = []
+    sinks: list[Sink] = [JsonlSink(Path(run_dir) / METRICS_FILE)]
     if redis_client is not None:
         sinks.append(RedisSink(redis_client, run, password=password))
     if monitor_cfg.wandb != "disabled":

@@ -62,7 +62,8 @@ def find_redis_server() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free right now (another process may still take it: start() retries)."""
+    """A port the OS says is free right now on `host` ("" = every interface, for a port other
+    nodes must reach); another process may still take it before the caller binds it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

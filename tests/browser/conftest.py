@@ -5,11 +5,12 @@ cannot start; everything is stopped at the end, the server thread by its own exi
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 import time
 
 import pytest
+
+from asyncrl.queue.server import free_port
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,6 @@ def chromium():
     pw.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -47,7 +44,7 @@ def serve_dashboard():
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def start(app) -> str:
-        port = _free_port()
+        port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                 timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)

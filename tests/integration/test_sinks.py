@@ -15,7 +15,7 @@ from rich.console import Console
 
 from asyncrl.config import MonitorConfig
 from asyncrl.monitor.dashboard import data
-from asyncrl.monitor.sinks import ConsoleSink, MetricsLogger, RedisSink, WandbSink, build_metrics_logger
+from asyncrl.monitor.sinks import ConsoleSink, JsonlSink, MetricsLogger, RedisSink, WandbSink, build_metrics_logger
 from asyncrl.queue import keys
 
 
@@ -119,11 +119,32 @@ def test_build_metrics_logger_from_config(redis_url, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     client = redis.Redis.from_url(redis_url)
     logger = build_metrics_logger(MonitorConfig(wandb="disabled", console=True), client, "cfgrun", tmp_path, {})
-    assert [type(s) for s in logger.sinks] == [RedisSink, ConsoleSink]
+    assert [type(s) for s in logger.sinks] == [JsonlSink, RedisSink, ConsoleSink]
     logger.log(0, {"reward/mean": 0.5})
     assert data.latest_metrics(client, "cfgrun") == ({"reward/mean": 0.5}, 0)
+    logger.close()
     logger = build_metrics_logger(MonitorConfig(wandb="offline", console=False), None, "cfgrun", tmp_path, {})
-    assert [type(s) for s in logger.sinks] == [WandbSink]
+    assert [type(s) for s in logger.sinks] == [JsonlSink, WandbSink]
     logger.close()
     assert list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     client.close()
+
+
+def test_metrics_jsonl_outlives_the_run_one_object_per_step(tmp_path):
+    """Every step's metrics in run_dir/metrics.jsonl, flushed per step (a killed run keeps them),
+    non-finite values as null, appended to by a resumed run."""
+    import json
+    import math
+
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(1, {"reward/mean": 0.25, "staleness/max": 2, "drift/rollout_kl": math.nan, "note": "dropped"})
+    # Read before close(): what a crash right now would leave on disk.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[0]["reward/mean"] == 0.25 and rows[0]["staleness/max"] == 2.0
+    assert rows[0]["drift/rollout_kl"] is None and "note" not in rows[0] and rows[0]["time"] > 0
+    sink.close()
+    again = JsonlSink(tmp_path / "metrics.jsonl")  # a resumed run
+    again.log(2, {"reward/mean": float("inf")})
+    again.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["reward/mean"] is None

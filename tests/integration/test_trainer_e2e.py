@@ -3,6 +3,7 @@ generator training the tiny model on the copy task through `asyncrl.control.trai
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -31,12 +32,12 @@ def demo_config(tmp_path: Path, name: str, *overrides: str):
     ])
 
 
-def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(ray_session, tmp_path):
+def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(ray_session, tmp_path, capsys):
     """Reward rises; every trained group is within max_staleness; drift metrics reach Redis; an
     elastic generator that joins mid-run gets its groups trained and its leaving stalls nothing;
     the ledger balances."""
     cfg = demo_config(tmp_path, "e2e", "control.total_steps=400", "control.max_staleness=2",
-                      "control.checkpoint_every=20")
+                      "control.checkpoint_every=10", "control.keep_checkpoints=2")
     rewards: list[float] = []
     seen: dict = {"elastic": None, "left_at": None}
     log_path = tmp_path / "elastic.log"
@@ -70,6 +71,9 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     assert len(loop.staleness_log) == len(state.trained_ids)
     assert all(0 <= s <= bound for _, s in loop.staleness_log), max(s for _, s in loop.staleness_log)
     assert loop.trained_by["elastic-1"] >= 1, dict(loop.trained_by)
+    # Retention: of the >= 6 checkpoints written, the newest two are kept (and the final one).
+    kept = sorted(p.name for p in (tmp_path / "e2e" / "checkpoints").glob("step_*"))
+    assert len(kept) == 2 and kept[-1] == f"step_{state.step:06d}", kept
     assert seen["left_at"] is not None and state.step >= seen["left_at"] + 5  # no stall after it left
 
     from asyncrl.queue import RolloutQueue
@@ -89,6 +93,37 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
         assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0
         assert q.state()["status"] == "stopped"
         q.close()
+
+    summary = capsys.readouterr().out
+    assert f"run stopped: {state.step} steps in " in summary, summary[-2000:]
+    assert f"resume          asyncrl train --resume {tmp_path / 'e2e'}" in summary
+    assert f"model (HF)      {tmp_path / 'e2e' / 'hf' / 'final'}" in summary
+
+    # Results outlive the run: every step's metrics in metrics.jsonl, and the final weights as
+    # a Hugging Face folder from the learners that `asyncrl export` rebuilds from the checkpoint.
+    rows = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, state.step + 1)) and "reward/mean" in rows[-1]
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith(f"hf/step_{state.step}")
+    assert_same_hf_model(tmp_path / "e2e" / "hf" / "final", tmp_path / "e2e" / "hf" / f"step_{state.step}")
+    bad = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e"), "--step", "3"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "no complete checkpoint of step 3 (there are: " in bad.stderr, bad.stderr
+
+
+def assert_same_hf_model(a: Path, b: Path) -> None:
+    """Both folders load with plain transformers and compute the same logits, with their tokenizers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(a)("abc=", return_tensors="pt").input_ids
+    assert torch.equal(ids, AutoTokenizer.from_pretrained(b)("abc=", return_tensors="pt").input_ids)
+    with torch.no_grad():
+        la, lb = (AutoModelForCausalLM.from_pretrained(p).eval()(ids).logits for p in (a, b))
+    assert torch.equal(la, lb)
+    assert (a / "generation_config.json").is_file() and (b / "generation_config.json").is_file()
 
 
 def _final_params(tmp_path, name, *overrides):

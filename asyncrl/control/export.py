@@ -1,0 +1,105 @@
+"""Hugging Face folders out of a run: the `save_pretrained` layout (model.safetensors, config,
+tokenizer, generation config) that `AutoModelForCausalLM.from_pretrained`, vLLM and the Hub take.
+
+    export_live(learner, model_path, run_dir / "hf" / "final")   # from the learners, mid-run or at the end
+    export_checkpoint(run_dir, step=120)                          # from a DCP checkpoint, no learners
+                                                                  # (`asyncrl export RUN_DIR --step 120`)
+
+The run writes `run_dir/hf/final` when it ends (finished or stopped) and `run_dir/hf/step_N`
+every `control.export_every` steps. A folder is assembled under a temporary name and renamed
+into place, so a reader never sees a half-written one. Weights are float32 as trained; the
+config, tokenizer and generation config are the base model's (`rollout.model`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+HF_DIR = "hf"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _assemble(out: Path, model_path: str, write_weights) -> Path:
+    """Stage a folder, let `write_weights(file)` put the weights in it, add the rest, rename it to `out`."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        write_weights(stage / WEIGHTS_FILE)
+        config = AutoConfig.from_pretrained(model_path)
+        config.save_pretrained(stage)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(stage)
+        try:
+            generation = GenerationConfig.from_pretrained(model_path)
+        except OSError:  # the base model has none: the one its config implies
+            generation = GenerationConfig.from_model_config(config)
+        generation.save_pretrained(stage)
+        if out.exists():  # a re-export of the same step replaces it
+            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            out.rename(trash)
+            stage.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def export_live(learner, model_path: str, out: str | Path) -> Path:
+    """The learners' current weights (rank 0 gathers and writes them) as an HF folder at `out`."""
+    return _assemble(Path(out), model_path, lambda file: learner.export_to_file(str(file)))
+
+
+def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
+    """The complete checkpoint of `step` in the run, or its latest; FileNotFoundError naming what exists."""
+    from asyncrl.learner.checkpoint import COMPLETE_MARKER
+
+    root = Path(run_dir) / "checkpoints"
+    done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()) if root.is_dir() else []
+    if not done:
+        raise FileNotFoundError(f"{root}: no complete checkpoint to export")
+    if step is None:
+        return done[-1]
+    path = root / f"step_{step:06d}"
+    if path not in done:
+        have = ", ".join(str(int(p.name.removeprefix("step_"))) for p in done)
+        raise FileNotFoundError(f"{root}: no complete checkpoint of step {step} (there are: {have})")
+    return path
+
+
+def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | Path | None = None) -> Path:
+    """An HF folder from a run's DCP checkpoint (default: the latest), read in this process with
+    no learner or process group; written to `out` or ``run_dir/hf/step_N``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config import load_config
+    from asyncrl.control.runtime import resolve_model
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    ckpt = checkpoint_dir(run_dir, step)
+    cfg = load_config(run_dir / "config.yaml")
+    model_path = resolve_model(cfg, run_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    state = model.state_dict()
+    # The checkpoint holds {"model", "optim"}; only the model's entries are asked for.
+    dcp.load({"model": state}, checkpoint_id=str(ckpt / "dcp"))
+    n = int(ckpt.name.removeprefix("step_"))
+
+    def write(file: Path) -> None:
+        # Tied weights are one tensor under two names: safetensors stores each name's own copy.
+        save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(file),
+                  metadata={"format": "pt", "step": str(n)})
+
+    return _assemble(Path(out) if out is not None else run_dir / HF_DIR / f"step_{n}", model_path, write)

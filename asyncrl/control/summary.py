@@ -1,0 +1,60 @@
+"""The block a run prints when it ends: what it did, where its time went, where its results are.
+
+    print(run_summary(rows, startup_s=31.0, wall_s=95.2, counters=q.counters(), ...))
+
+`rows` are the run's metrics.jsonl objects (one per step: the catalogue's names), so the
+summary says exactly what the file says; numbers a step did not log are left out rather
+than shown as 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+WINDOW = 10
+"""Steps averaged for the "first -> last" reward and response length."""
+
+
+def _mean(rows: Sequence[Mapping], name: str) -> float | None:
+    values = [r[name] for r in rows if isinstance(r.get(name), (int, float))]
+    return statistics.fmean(values) if values else None
+
+
+def _sum(rows: Sequence[Mapping], name: str) -> float:
+    return sum(r[name] for r in rows if isinstance(r.get(name), (int, float)))
+
+
+def _f(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def run_summary(rows: Sequence[Mapping], *, startup_s: float, wall_s: float, counters: Mapping[str, int],
+                max_staleness: int, status: str, run_dir: Path, checkpoint: Path | None,
+                hf_dir: Path | None, dashboard_url: str | None, resume_cmd: str) -> str:
+    steps = int(rows[-1]["step"]) if rows else 0
+    wait, train, sync = (_sum(rows, f"time/{k}") for k in ("wait_data", "train", "sync"))
+    first, last = rows[:WINDOW], rows[-WINDOW:]
+    stale_max = max((r["staleness/max"] for r in rows if isinstance(r.get("staleness/max"), (int, float))),
+                    default=None)
+    lines = [
+        f"run {status}: {steps} steps in {wall_s:.1f} s "
+        f"(start-up {startup_s:.1f} s, waiting for data {wait:.1f} s, training {train:.1f} s, "
+        f"weight sync {sync:.1f} s)",
+        f"  reward          {_f(_mean(first, 'reward/mean'))} (first {len(first)} steps) -> "
+        f"{_f(_mean(last, 'reward/mean'))} (last {len(last)})",
+        f"  response length {_f(_mean(first, 'response/length_mean'), '.1f')} -> "
+        f"{_f(_mean(last, 'response/length_mean'), '.1f')} tokens",
+        f"  staleness       mean {_f(_mean(rows, 'staleness/mean'), '.2f')}, max {_f(stale_max, '.0f')} "
+        f"(bound {max_staleness})",
+        "  groups          produced {0}, trained {1}, dropped as stale {2}, dead-lettered {3}".format(
+            *(counters.get(k, 0) for k in ("groups_produced", "groups_trained", "dropped_stale", "dead_lettered"))),
+        f"  checkpoint      {checkpoint or '-'}",
+        f"  model (HF)      {hf_dir or '-'}",
+        f"  metrics         {run_dir / 'metrics.jsonl'}",
+    ]
+    if dashboard_url:
+        lines.append(f"  dashboard       {dashboard_url} (while this process runs)")
+    lines.append(f"  resume          {resume_cmd}")
+    return "\n".join(lines)
