@@ -25,8 +25,9 @@ BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "p
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="asyncrl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -42,10 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
     g.add_argument("--id", dest="generator_id", default=None, help="generator id (default: host-pid)")
     g.add_argument("--max-groups", type=int, default=None, help="leave after producing this many groups")
-    g.add_argument("--ray-address", default=None,
-                   help="the job's Ray cluster, needed where weights travel through Ray (multi-node): "
-                        "ray://HEAD:10001 (Ray Client, nothing else to run here) or auto/HEAD:PORT on a "
-                        "host that joined the cluster with `ray start`")
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="the job's Ray cluster, needed where weights travel through Ray (multi-node): "
+        "ray://HEAD:10001 (Ray Client, nothing else to run here) or auto/HEAD:PORT on a "
+        "host that joined the cluster with `ray start`",
+    )
 
     d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard")
     d.add_argument("--redis", required=True)
@@ -100,9 +104,14 @@ def _cmd_train(args) -> int:
 def _cmd_generate(args) -> int:
     from asyncrl.control.elastic import run_elastic_generator
 
-    run_elastic_generator(args.redis, args.run, password=args.password,
-                          generator_id=args.generator_id, max_groups=args.max_groups,
-                          ray_address=args.ray_address)
+    run_elastic_generator(
+        args.redis,
+        args.run,
+        password=args.password,
+        generator_id=args.generator_id,
+        max_groups=args.max_groups,
+        ray_address=args.ray_address,
+    )
     return 0
 
 
@@ -150,10 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    handlers = {"train": _cmd_train, "generate": _cmd_generate, "dashboard": _cmd_dashboard,
-                "bench": _cmd_bench, "export": _cmd_export, "tiny-model": _cmd_tiny_model}
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    handlers = {
+        "train": _cmd_train,
+        "generate": _cmd_generate,
+        "dashboard": _cmd_dashboard,
+        "bench": _cmd_bench,
+        "export": _cmd_export,
+        "tiny-model": _cmd_tiny_model,
+    }
     return handlers[args.command](args)
 
 

@@ -25,8 +25,18 @@ log = logging.getLogger(__name__)
 # Names the algo registries ship with. Kept here (not imported from asyncrl.algo) so that
 # validating a config never imports torch; tests/unit check both lists stay identical.
 POLICY_LOSSES = (
-    "ppo", "dual_clip", "gspo", "sapo", "cispo", "gmpo", "clip_cov", "kl_cov", "cross_entropy",
-    "importance_sampling", "rollout_is", "dppo",
+    "ppo",
+    "dual_clip",
+    "gspo",
+    "sapo",
+    "cispo",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "cross_entropy",
+    "importance_sampling",
+    "rollout_is",
+    "dppo",
 )
 # Losses whose ratio is already taken against the rollout policy (cispo only with cispo_anchor='rollout').
 ROLLOUT_ANCHORED_LOSSES = ("rollout_is", "dppo")
@@ -156,7 +166,8 @@ class AlgoConfig:
     def rollout_anchored(self) -> bool:
         """The policy loss's ratio is already against the rollout policy."""
         return self.policy_loss in ROLLOUT_ANCHORED_LOSSES or (
-            self.policy_loss == "cispo" and self.cispo_anchor == "rollout")
+            self.policy_loss == "cispo" and self.cispo_anchor == "rollout"
+        )
 
     @property
     def needs_rollout_logprobs(self) -> bool:
@@ -545,8 +556,16 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
         raise ConfigError(f"algo.eps_clip_low={a.eps_clip_low!r}: must be < 1 (the lower clip bound is 1 - eps)")
     if a.dual_clip_c <= 1:
         raise ConfigError(f"algo.dual_clip_c={a.dual_clip_c!r}: must be > 1")
-    for name in ("sapo_tau_pos", "sapo_tau_neg", "cispo_eps_high", "clip_cov_ratio", "kl_cov_ratio", "gamma",
-                 "dppo_delta_low", "dppo_delta_high"):
+    for name in (
+        "sapo_tau_pos",
+        "sapo_tau_neg",
+        "cispo_eps_high",
+        "clip_cov_ratio",
+        "kl_cov_ratio",
+        "gamma",
+        "dppo_delta_low",
+        "dppo_delta_high",
+    ):
         _positive(f"algo.{name}", getattr(a, name))
     _ordered("algo.clip_cov_lb", a.clip_cov_lb, "algo.clip_cov_ub", a.clip_cov_ub)
     if not 0 <= a.lam <= 1:
@@ -581,8 +600,9 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
     _positive("algo.correction.product_mask_low", c.product_mask_low)
     _positive("algo.correction.outlier_low", c.outlier_low)
     _ordered("algo.correction.geo_mask_low", c.geo_mask_low, "algo.correction.geo_mask_high", c.geo_mask_high)
-    _ordered("algo.correction.product_mask_low", c.product_mask_low,
-             "algo.correction.product_mask_high", c.product_mask_high)
+    _ordered(
+        "algo.correction.product_mask_low", c.product_mask_low, "algo.correction.product_mask_high", c.product_mask_high
+    )
     _ordered("algo.correction.outlier_low", c.outlier_low, "algo.correction.outlier_high", c.outlier_high)
     if (c.token_mask_low is None) != (c.token_mask_high is None):
         unset = "token_mask_high" if c.token_mask_high is None else "token_mask_low"
@@ -593,8 +613,9 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
         )
     if c.token_mask:
         _positive("algo.correction.token_mask_low", c.token_mask_low)
-        _ordered("algo.correction.token_mask_low", c.token_mask_low,
-                 "algo.correction.token_mask_high", c.token_mask_high)
+        _ordered(
+            "algo.correction.token_mask_low", c.token_mask_low, "algo.correction.token_mask_high", c.token_mask_high
+        )
     if a.policy_loss == "cispo" and a.cispo_anchor == "rollout" and c.tis != "none":
         raise ConfigError(
             f"algo.correction.tis={c.tis!r} does not compose with algo.cispo_anchor='rollout': the CISPO "
@@ -605,11 +626,15 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
         log.warning(
             "algo.policy_loss=%r already takes its ratio against the rollout policy; algo.correction.tis=%r "
             "multiplies in exp(old - rollout) on top. Use algo.correction.tis='none' unless that is meant.",
-            a.policy_loss, c.tis,
+            a.policy_loss,
+            c.tis,
         )
 
-    if (a.advantage_estimator in GROUP_BASELINE_ESTIMATORS and rollout.n_samples < 2
-            and a.policy_loss != "cross_entropy"):
+    if (
+        a.advantage_estimator in GROUP_BASELINE_ESTIMATORS
+        and rollout.n_samples < 2
+        and a.policy_loss != "cross_entropy"
+    ):
         raise ConfigError(
             f"rollout.n_samples={rollout.n_samples}: algo.advantage_estimator={a.advantage_estimator!r} "
             f"measures each sample against the other samples of its prompt, so a group of one has no "
@@ -622,7 +647,8 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
             log.warning(
                 "algo.advantage_estimator='maxrl' gives advantage 0 to every group whose mean reward is <= 0 "
                 "(it divides by the mean, which must be a success rate), and %s: such groups will not train. "
-                "MaxRL is meant for rewards in [0, 1]; consider grpo or dr_grpo.", why,
+                "MaxRL is meant for rewards in [0, 1]; consider grpo or dr_grpo.",
+                why,
             )
 
     if a.stepwise and a.advantage_estimator not in OUTCOME_ESTIMATORS:
@@ -639,7 +665,9 @@ def _validate_algo(a: AlgoConfig, rollout: RolloutConfig) -> None:
     if a.needs_rollout_logprobs and not rollout.logprobs:
         log.warning(
             "algo.correction / algo.rollout_kl_coef / algo.policy_loss=%r (cispo_anchor=%r) need engine "
-            "logprobs: setting rollout.logprobs=true", a.policy_loss, a.cispo_anchor,
+            "logprobs: setting rollout.logprobs=true",
+            a.policy_loss,
+            a.cispo_anchor,
         )
         rollout.logprobs = True
 
@@ -650,8 +678,10 @@ def _negative_rewards_possible(r: RolloutConfig) -> str | None:
         penalty = r.env_kwargs.get("length_penalty", 0.05)
         if isinstance(penalty, (int, float)) and penalty <= 0:
             return None
-        return (f"rollout.env={r.env!r} subtracts length_penalty={penalty!r} per character of length error, "
-                f"so its rewards go below 0")
+        return (
+            f"rollout.env={r.env!r} subtracts length_penalty={penalty!r} per character of length error, "
+            f"so its rewards go below 0"
+        )
     if r.env == "gsm8k":
         low = min(r.env_kwargs.get("correct_reward", 1.0), r.env_kwargs.get("format_reward", 0.0))
         return None if low >= 0 else f"rollout.env='gsm8k' has a reward of {low!r}"
@@ -731,13 +761,17 @@ def validate(cfg: Config) -> None:
     for name, res in (("rollout.resources", cfg.rollout.resources), ("learner.resources", lr.resources)):
         for key, amount in res.items():
             if key in ("CPU", "GPU", "memory") or not isinstance(amount, (int, float)) or not amount > 0:
-                raise ConfigError(f"{name}.{key}={amount!r}: must be a custom resource name with an amount > 0 "
-                                  f"(CPUs and GPUs are set by cpus_per_* / gpus_per_*)")
+                raise ConfigError(
+                    f"{name}.{key}={amount!r}: must be a custom resource name with an amount > 0 "
+                    f"(CPUs and GPUs are set by cpus_per_* / gpus_per_*)"
+                )
     if c.mode == "async" and cfg.rollout.num_generators < 1:
         raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")
     _at_least("monitor.console_every", cfg.monitor.console_every, 1)
-    for name, text in (("rollout.cpu_affinity", cfg.rollout.cpu_affinity),
-                       ("learner.cpu_affinity", cfg.learner.cpu_affinity)):
+    for name, text in (
+        ("rollout.cpu_affinity", cfg.rollout.cpu_affinity),
+        ("learner.cpu_affinity", cfg.learner.cpu_affinity),
+    ):
         try:
             parse_cpu_list(text)
         except ValueError as e:

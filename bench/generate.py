@@ -109,8 +109,9 @@ async def bare_round(engine, requests: list, concurrency: int) -> tuple[float, i
         async with sem:
             params = engine.sampling_params(len_n, request_id, max_tokens)
             final = None
-            async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                 f"{request_id}-bare"):
+            async for out in engine.llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), params, f"{request_id}-bare"
+            ):
                 final = out
             tokens += sum(len(c.token_ids) for c in final.outputs)
 
@@ -146,9 +147,16 @@ def main(argv: list[str] | None = None) -> dict:
     logging.getLogger("vllm").setLevel(logging.WARNING)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = Config()
-    cfg.rollout = RolloutConfig(n_samples=args.n, max_tokens=args.max_tokens, temperature=1.0, env=args.env,
-                                max_inflight_groups=args.inflight, engine_max_num_seqs=max(64, args.n * args.inflight),
-                                engine_max_model_len=256, seed=0)
+    cfg.rollout = RolloutConfig(
+        n_samples=args.n,
+        max_tokens=args.max_tokens,
+        temperature=1.0,
+        env=args.env,
+        max_inflight_groups=args.inflight,
+        engine_max_num_seqs=max(64, args.n * args.inflight),
+        engine_max_model_len=256,
+        seed=0,
+    )
     cfg.queue.maxlen = 100_000
     gen_s, bare_s, gen_tokens, bare_tokens = 0.0, 0.0, 0, 0
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
@@ -167,13 +175,15 @@ def main(argv: list[str] | None = None) -> dict:
             gen.start()  # admits nothing until a round configures admission
             # warm-up round (not timed): first-request compilation/allocation on both paths
             _, warm = generator_round(gen, queue, consumer, args.inflight, 0)
-            gen._call(bare_round(gen.engine, [(g.prompt_id, g.prompt_ids.tolist(), None) for g in warm],
-                                 args.inflight))
+            gen._call(bare_round(gen.engine, [(g.prompt_id, g.prompt_ids.tolist(), None) for g in warm], args.inflight))
             admitted = args.inflight
             import psutil
 
-            procs = {"this_process": [psutil.Process()], "engine_processes":
-                     [psutil.Process(p) for p, _ in gen.engine.engine_pids], "redis_server": [psutil.Process(server.pid)]}
+            procs = {
+                "this_process": [psutil.Process()],
+                "engine_processes": [psutil.Process(p) for p, _ in gen.engine.engine_pids],
+                "redis_server": [psutil.Process(server.pid)],
+            }
             cpu = {"generator": dict.fromkeys(procs, 0.0), "bare": dict.fromkeys(procs, 0.0)}
             concurrency: dict = {"generator": [], "bare": []}
             slots: list = []
@@ -210,11 +220,19 @@ def main(argv: list[str] | None = None) -> dict:
             server.stop()
     result = {
         "ratio": round((gen_tokens / gen_s) / (bare_tokens / bare_s), 3),
-        "generator_tokens_per_s": round(gen_tokens / gen_s, 1), "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
-        "generator_tokens": gen_tokens, "bare_tokens": bare_tokens, "timed_s": round(gen_s + bare_s, 1),
-        "engine_startup_s": round(startup_s, 1), "rounds": args.rounds, "groups_per_round": args.groups,
-        "n": args.n, "max_tokens": args.max_tokens, "inflight_groups": args.inflight,
-        "reward_errors": stats["reward_errors"], "goal": ">= 0.9",
+        "generator_tokens_per_s": round(gen_tokens / gen_s, 1),
+        "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
+        "generator_tokens": gen_tokens,
+        "bare_tokens": bare_tokens,
+        "timed_s": round(gen_s + bare_s, 1),
+        "engine_startup_s": round(startup_s, 1),
+        "rounds": args.rounds,
+        "groups_per_round": args.groups,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "inflight_groups": args.inflight,
+        "reward_errors": stats["reward_errors"],
+        "goal": ">= 0.9",
         "admission_ms_per_call": round(1e3 * stats["admission_s"] / max(stats["admission_calls"], 1), 2),
         "generator_groups_generating": round(sum(slots) / len(slots), 2),
         "requests_in_engine": {k: round(sum(v) / len(v), 2) for k, v in concurrency.items()},

@@ -39,12 +39,19 @@ def make_batch(num_seqs: int, seq_len: int, vocab: int, seed: int):
     for i in range(num_seqs):
         m = np.zeros(seq_len, dtype=np.float32)
         m[prompt:] = 1
-        out.append(TrainSequence(
-            input_ids=rng.integers(4, vocab, seq_len).astype(np.int32), loss_mask=m,
-            rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(seq_len))).astype(np.float32),
-            advantages=(m * rng.standard_normal()).astype(np.float32),
-            reduction_weights=(m / total).astype(np.float32), token_versions=np.zeros(seq_len, dtype=np.int32),
-            behavior_version=0, group_id=f"g{i}", sample_index=i))
+        out.append(
+            TrainSequence(
+                input_ids=rng.integers(4, vocab, seq_len).astype(np.int32),
+                loss_mask=m,
+                rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(seq_len))).astype(np.float32),
+                advantages=(m * rng.standard_normal()).astype(np.float32),
+                reduction_weights=(m / total).astype(np.float32),
+                token_versions=np.zeros(seq_len, dtype=np.int32),
+                behavior_version=0,
+                group_id=f"g{i}",
+                sample_index=i,
+            )
+        )
     return out
 
 
@@ -62,8 +69,14 @@ def baseline_step(model, optimizer, minibatch, cfg, pad_token_id: int) -> None:
     temperature = cfg.rollout.temperature
     optimizer.zero_grad(set_to_none=True)
     for mb in mbs:
-        loss, _ = microbatch_loss(model(input_ids=mb["input_ids"]).logits.float(), mb, cfg.algo,
-                                  temperature=temperature, num_microbatches=len(mbs), old_from_current=True)
+        loss, _ = microbatch_loss(
+            model(input_ids=mb["input_ids"]).logits.float(),
+            mb,
+            cfg.algo,
+            temperature=temperature,
+            num_microbatches=len(mbs),
+            old_from_current=True,
+        )
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.learner.grad_clip)
     optimizer.step()
@@ -105,8 +118,12 @@ def measure(model_dir: str, cfg, batch, *, steps: int, ranks: int, threads: int,
     finally:
         group.shutdown()
     # Median step time: robust to the load spikes of a shared CI box; min is the noise floor.
-    timing = {"learner_step_s_median": float(np.median(t_learner)), "learner_step_s_min": min(t_learner),
-              "baseline_step_s_median": float(np.median(t_base)), "baseline_step_s_min": min(t_base)}
+    timing = {
+        "learner_step_s_median": float(np.median(t_learner)),
+        "learner_step_s_min": min(t_learner),
+        "baseline_step_s_median": float(np.median(t_base)),
+        "baseline_step_s_min": min(t_base),
+    }
     return tokens / np.median(t_learner) / ranks, tokens / np.median(t_base), {**last, **timing}
 
 
@@ -136,27 +153,47 @@ def main(argv: list[str] | None = None) -> dict:
     cfg.learner.micro_batch_tokens = args.micro_batch_tokens
     cfg.learner.cpus_per_rank = float(args.threads)
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
-        model_dir = str(write_tiny_model(tmp, hidden_size=args.hidden, num_layers=args.layers,
-                                         num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 128),
-                                         intermediate_size=4 * args.hidden))
+        model_dir = str(
+            write_tiny_model(
+                tmp,
+                hidden_size=args.hidden,
+                num_layers=args.layers,
+                num_heads=args.hidden // 64,
+                num_kv_heads=max(1, args.hidden // 128),
+                intermediate_size=4 * args.hidden,
+            )
+        )
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
         batch = make_batch(args.seqs, args.seq_len, vocab, seed=0)
-        ray.init(num_cpus=max(args.ranks * args.threads, 2), include_dashboard=False, log_to_driver=False,
-                 object_store_memory=256 * 1024 * 1024)
+        ray.init(
+            num_cpus=max(args.ranks * args.threads, 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=256 * 1024 * 1024,
+        )
         try:
-            tps, baseline, last = measure(model_dir, cfg, batch, steps=args.steps, ranks=args.ranks,
-                                          threads=args.threads, progress=progress)
+            tps, baseline, last = measure(
+                model_dir, cfg, batch, steps=args.steps, ranks=args.ranks, threads=args.threads, progress=progress
+            )
         finally:
             ray.shutdown()
     result = {
-        "tokens_per_s": round(tps, 1), "baseline_tokens_per_s": round(baseline, 1),
-        "ratio": round(tps / baseline, 3), "ranks": args.ranks, "threads_per_rank": args.threads,
-        "hidden": args.hidden, "layers": args.layers, "tokens_per_step": args.seqs * args.seq_len,
+        "tokens_per_s": round(tps, 1),
+        "baseline_tokens_per_s": round(baseline, 1),
+        "ratio": round(tps / baseline, 3),
+        "ranks": args.ranks,
+        "threads_per_rank": args.threads,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "tokens_per_step": args.seqs * args.seq_len,
         "ratio_of_min_step_times": round(last["baseline_step_s_min"] / last["learner_step_s_min"] / args.ranks, 3),
-        "learner_seconds": {k.split("/")[-1]: round(v, 4) for k, v in last.items()
-                            if k.startswith("time/learner") or k.endswith(("_median", "_min"))},
+        "learner_seconds": {
+            k.split("/")[-1]: round(v, 4)
+            for k, v in last.items()
+            if k.startswith("time/learner") or k.endswith(("_median", "_min"))
+        },
     }
     print(json.dumps(result))
     return result

@@ -95,26 +95,55 @@ TRAINERS = ("trl_hf", "trl_vllm", "asyncrl_async", "asyncrl_sync")
 N_PROMPTS = 2048
 
 WORKLOADS = {
-    "demo": dict(model={}, env="copy", env_kwargs={"alphabet": "abc", "min_len": 3, "max_len": 3},
-                 budget=8, long_budget=None, prompts_per_step=16, max_prompt_tokens=32, threshold=0.5, steps=60),
-    "realistic": dict(model=dict(hidden_size=512, num_layers=10, num_heads=8, num_kv_heads=8, intermediate_size=1408,
-                                 max_position_embeddings=1024),
-                      env="copy", env_kwargs={"alphabet": "abcde", "min_len": 3, "max_len": 8},
-                      budget=128, long_budget=768, prompts_per_step=16, max_prompt_tokens=16, threshold=0.5,
-                      steps=20),
+    "demo": dict(
+        model={},
+        env="copy",
+        env_kwargs={"alphabet": "abc", "min_len": 3, "max_len": 3},
+        budget=8,
+        long_budget=None,
+        prompts_per_step=16,
+        max_prompt_tokens=32,
+        threshold=0.5,
+        steps=60,
+    ),
+    "realistic": dict(
+        model=dict(
+            hidden_size=512,
+            num_layers=10,
+            num_heads=8,
+            num_kv_heads=8,
+            intermediate_size=1408,
+            max_position_embeddings=1024,
+        ),
+        env="copy",
+        env_kwargs={"alphabet": "abcde", "min_len": 3, "max_len": 8},
+        budget=128,
+        long_budget=768,
+        prompts_per_step=16,
+        max_prompt_tokens=16,
+        threshold=0.5,
+        steps=20,
+    ),
 }
 QUICK = {"demo": dict(steps=20), "realistic": dict(steps=6, budget=16, long_budget=96, prompts_per_step=4)}
-COMMON = dict(n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28,
-              tis_cap=2.0, seed=0)
+COMMON = dict(
+    n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28, tis_cap=2.0, seed=0
+)
 
 
 # ---------------------------------------------------------------- the peers venv
 
+
 def venv_stamp() -> dict:
     import transformers
 
-    return {"python": sys.version.split()[0], "torch": TORCH, "trl": TRL, "transformers": transformers.__version__,
-            "base": sysconfig.get_paths()["purelib"]}
+    return {
+        "python": sys.version.split()[0],
+        "torch": TORCH,
+        "trl": TRL,
+        "transformers": transformers.__version__,
+        "base": sysconfig.get_paths()["purelib"],
+    }
 
 
 def ensure_venv(log) -> dict:
@@ -130,8 +159,12 @@ def ensure_venv(log) -> dict:
     log(f"making {VENV} (trl=={TRL}, torch=={TORCH}, transformers=={stamp['transformers']}) ...")
     subprocess.run([base_python, "-m", "venv", str(VENV)], check=True)
     py = str(VENV / "bin" / "python")
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # A .pth line is appended to sys.path after the venv's own site-packages: the venv's packages win.
     (Path(site) / "zz-asyncrl-base.pth").write_text(stamp["base"] + "\n")
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
@@ -142,6 +175,7 @@ def ensure_venv(log) -> dict:
 
 
 # ---------------------------------------------------------------- workloads
+
 
 def prepare(name: str, wl: dict, workdir: Path) -> dict:
     """Write the workload's model directory and prompt file once; return the spec both sides read."""
@@ -162,13 +196,24 @@ def prepare(name: str, wl: dict, workdir: Path) -> dict:
     prompts = d / "prompts.jsonl"
     prompts.write_text("\n".join(lines) + "\n")
     max_tokens = wl["long_budget"] or wl["budget"]
-    return {**COMMON, "model": str(model), "prompts": str(prompts), "env": wl["env"], "env_kwargs": wl["env_kwargs"],
-            "steps": wl["steps"], "prompts_per_step": wl["prompts_per_step"], "max_tokens": max_tokens,
-            "max_prompt_tokens": wl["max_prompt_tokens"], "max_model_len": wl["max_prompt_tokens"] + max_tokens,
-            "threshold": wl["threshold"], "workdir": str(d)}
+    return {
+        **COMMON,
+        "model": str(model),
+        "prompts": str(prompts),
+        "env": wl["env"],
+        "env_kwargs": wl["env_kwargs"],
+        "steps": wl["steps"],
+        "prompts_per_step": wl["prompts_per_step"],
+        "max_tokens": max_tokens,
+        "max_prompt_tokens": wl["max_prompt_tokens"],
+        "max_model_len": wl["max_prompt_tokens"] + max_tokens,
+        "threshold": wl["threshold"],
+        "workdir": str(d),
+    }
 
 
 # ---------------------------------------------------------------- asyncrl side (child process)
+
 
 def asyncrl_child(spec_path: str, result_path: str) -> None:
     """Run in a subprocess of asyncrl's python: one train() with the spec, per-step wall times out."""
@@ -180,16 +225,27 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
     kw = ", ".join(f"{k}: {v}" for k, v in spec["env_kwargs"].items())
     run_dir = Path(spec["workdir"]) / f"run-{spec['mode']}"
     overrides = [
-        f"control.mode={spec['mode']}", f"control.total_steps={spec['steps']}",
+        f"control.mode={spec['mode']}",
+        f"control.total_steps={spec['steps']}",
         f"control.run_name=peers-{spec['mode']}",
-        f"control.run_dir={run_dir}", f"control.checkpoint_every={spec['steps']}", f"control.seed={spec['seed']}",
-        "monitor.console=false", "monitor.dashboard=false",
-        f"rollout.model={spec['model']}", f"rollout.prompts={spec['prompts']}", f"rollout.env={spec['env']}",
-        f"rollout.env_kwargs={{{kw}}}", f"rollout.n_samples={spec['n_samples']}",
-        f"rollout.max_tokens={spec['max_tokens']}", f"rollout.max_prompt_tokens={spec['max_prompt_tokens']}",
-        f"rollout.engine_max_model_len={spec['max_model_len']}", f"rollout.temperature={spec['temperature']}",
-        f"control.groups_per_step={spec['prompts_per_step']}", f"learner.lr={spec['lr']}",
-        f"learner.grad_clip={spec['grad_clip']}", f"algo.eps_clip_low={spec['eps_clip_low']}",
+        f"control.run_dir={run_dir}",
+        f"control.checkpoint_every={spec['steps']}",
+        f"control.seed={spec['seed']}",
+        "monitor.console=false",
+        "monitor.dashboard=false",
+        f"rollout.model={spec['model']}",
+        f"rollout.prompts={spec['prompts']}",
+        f"rollout.env={spec['env']}",
+        f"rollout.env_kwargs={{{kw}}}",
+        f"rollout.n_samples={spec['n_samples']}",
+        f"rollout.max_tokens={spec['max_tokens']}",
+        f"rollout.max_prompt_tokens={spec['max_prompt_tokens']}",
+        f"rollout.engine_max_model_len={spec['max_model_len']}",
+        f"rollout.temperature={spec['temperature']}",
+        f"control.groups_per_step={spec['prompts_per_step']}",
+        f"learner.lr={spec['lr']}",
+        f"learner.grad_clip={spec['grad_clip']}",
+        f"algo.eps_clip_low={spec['eps_clip_low']}",
         f"algo.eps_clip_high={spec['eps_clip_high']}",
     ]
 
@@ -210,11 +266,16 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
 
 # ---------------------------------------------------------------- running one trainer
 
+
 def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
     """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time."""
     tag = f"{Path(spec['workdir']).name}-{trainer}"
-    spec = {**spec, "backend": "vllm" if trainer == "trl_vllm" else "hf", "mode": trainer.split("_")[-1],
-            "workdir": str(Path(spec["workdir"]) / trainer)}
+    spec = {
+        **spec,
+        "backend": "vllm" if trainer == "trl_vllm" else "hf",
+        "mode": trainer.split("_")[-1],
+        "workdir": str(Path(spec["workdir"]) / trainer),
+    }
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
     spec_path, result_path = Path(spec["workdir"]) / "spec.json", Path(spec["workdir"]) / "result.json"
     spec_path.write_text(json.dumps(spec))
@@ -222,18 +283,31 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
         cmd = [str(VENV / "bin" / "python"), str(ROOT / "bench" / "peers_trl.py"), str(spec_path), str(result_path)]
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--asyncrl-child", str(spec_path), str(result_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     log_path = out / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_path, "w") as logf:
         try:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+            )
         except OSError as e:  # e.g. the peers venv could not be made
-            return {"t0": t0, "wall_s": 0.0, "error": f"could not start {cmd[0]}: {e}", "log": str(log_path),
-                    "steps": [], "rewards": [], "completions": [], "tokens": []}
+            return {
+                "t0": t0,
+                "wall_s": 0.0,
+                "error": f"could not start {cmd[0]}: {e}",
+                "log": str(log_path),
+                "steps": [],
+                "rewards": [],
+                "completions": [],
+                "tokens": [],
+            }
         error = None
         try:
             rc = proc.wait(timeout=timeout)
@@ -253,17 +327,34 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
         error = f"{len(raw.get('steps', []))} of {spec['steps']} steps"
     if error:
         error += f" (log: {log_path})"
-    return {"t0": t0, "wall_s": wall, "error": error, "log": str(log_path), **{k: raw.get(k, []) for k in
-                                                                                ("steps", "rewards", "completions",
-                                                                                 "tokens")}}
+    return {
+        "t0": t0,
+        "wall_s": wall,
+        "error": error,
+        "log": str(log_path),
+        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens")},
+    }
 
 
 def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
     steps, rewards = raw["steps"], raw["rewards"]
-    out: dict = {"error": raw["error"], "steps": len(steps), "wall_s": raw["wall_s"], "startup_s": None,
-                 "steps_per_s": None, "steps_per_s_median": None, "completions_per_s": None, "tokens_per_s": None,
-                 "reward_first": None, "reward_last": None, "time_to_threshold_s": None, "threshold": threshold,
-                 "reward_curve": rewards, "step_times_s": [t - raw["t0"] for t in steps], "log": raw["log"]}
+    out: dict = {
+        "error": raw["error"],
+        "steps": len(steps),
+        "wall_s": raw["wall_s"],
+        "startup_s": None,
+        "steps_per_s": None,
+        "steps_per_s_median": None,
+        "completions_per_s": None,
+        "tokens_per_s": None,
+        "reward_first": None,
+        "reward_last": None,
+        "time_to_threshold_s": None,
+        "threshold": threshold,
+        "reward_curve": rewards,
+        "step_times_s": [t - raw["t0"] for t in steps],
+        "log": raw["log"],
+    }
     if steps:
         out["startup_s"] = steps[0] - raw["t0"]
         out["reward_first"] = statistics.fmean(rewards[:window])
@@ -276,7 +367,7 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
         # Robust to a few slow steps (another process on the box): 1 / the median step time.
         out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in zip(steps, steps[1:])), 1e-9)
     for i in range(len(rewards)):
-        roll = rewards[max(0, i - 4):i + 1]
+        roll = rewards[max(0, i - 4) : i + 1]
         if len(roll) == min(5, len(rewards)) and statistics.fmean(roll) >= threshold:
             out["time_to_threshold_s"] = steps[i] - raw["t0"]
             break
@@ -291,10 +382,12 @@ def line(wl: str, trainer: str, s: dict) -> str:
     head = f"{wl:>9} {trainer:<13}"
     if s["error"] and s["completions_per_s"] is None:
         return f"{head} FAILED: {s['error']}"
-    txt = (f"{head} start-up {fmt(s['startup_s'], '.1f')}s  {fmt(s['steps_per_s'])} steps/s  "
-           f"{fmt(s['completions_per_s'], '.1f')} completions/s  {fmt(s['tokens_per_s'], '.0f')} tokens/s  "
-           f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
-           f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s")
+    txt = (
+        f"{head} start-up {fmt(s['startup_s'], '.1f')}s  {fmt(s['steps_per_s'])} steps/s  "
+        f"{fmt(s['completions_per_s'], '.1f')} completions/s  {fmt(s['tokens_per_s'], '.0f')} tokens/s  "
+        f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
+        f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s"
+    )
     return txt + (f"  [{s['error']}]" if s["error"] else "")
 
 
@@ -328,8 +421,11 @@ def plot(report: dict, paths: list[Path]) -> None:
         names = [tr for tr in TRAINERS if tr in trainers]
         vals = [trainers[tr].get("completions_per_s") or 0.0 for tr in names]
         bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
-        axes[0][i].bar_label(bars, [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}")
-                                    for tr, v in zip(names, vals)], fontsize=8)
+        axes[0][i].bar_label(
+            bars,
+            [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals)],
+            fontsize=8,
+        )
         axes[0][i].set_title(f"{wl}: completions / s (steady)")
         axes[0][i].tick_params(axis="x", labelsize=8)
         ax = axes[1][i]
@@ -352,15 +448,23 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--asyncrl-child"]:
         return asyncrl_child(argv[1], argv[2])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="demo 20 steps, realistic 6 steps at budget 16/96 and 4 prompts x 8; < 10 min")
-    p.add_argument("--steps", type=int, default=None,
-                   help="steps per trainer (full run; default: demo 60, realistic 20)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="demo 20 steps, realistic 6 steps at budget 16/96 and 4 prompts x 8; < 10 min",
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="steps per trainer (full run; default: demo 60, realistic 20)"
+    )
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
     p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 240 quick, 3600)")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="reward threshold for the time-to-threshold figure (default: the workload's, 0.5)")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="reward threshold for the time-to-threshold figure (default: the workload's, 0.5)",
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"), help="second copy of the plot ('' for none)")
     args = p.parse_args(argv)
@@ -380,19 +484,30 @@ def main(argv: list[str] | None = None) -> None:
         venv = {"installed": False, "install_s": 0.0, "error": f"{type(e).__name__}: {e}"}
         shutil.rmtree(VENV, ignore_errors=True)
         log(f"peers venv: FAILED ({venv['error']})")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    report: dict = {"machine": f"{os.cpu_count()} cores (CPU), commit {commit or '?'}", "commit": commit,
-                    "quick": args.quick, "venv": venv, "workloads": {}}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    report: dict = {
+        "machine": f"{os.cpu_count()} cores (CPU), commit {commit or '?'}",
+        "commit": commit,
+        "quick": args.quick,
+        "venv": venv,
+        "workloads": {},
+    }
     with tempfile.TemporaryDirectory(prefix="asyncrl-peers-") as tmp:
         for name in args.workloads:
-            wl = {**WORKLOADS[name], **({"steps": args.steps} if args.steps else {}),
-                  **(QUICK[name] if args.quick else {})}
+            wl = {
+                **WORKLOADS[name],
+                **({"steps": args.steps} if args.steps else {}),
+                **(QUICK[name] if args.quick else {}),
+            }
             if args.threshold is not None:
                 wl["threshold"] = args.threshold
             spec = prepare(name, wl, Path(tmp))
-            entry = {"spec": {k: v for k, v in spec.items() if k not in ("workdir", "prompts", "model")},
-                     "trainers": {}}
+            entry = {
+                "spec": {k: v for k, v in spec.items() if k not in ("workdir", "prompts", "model")},
+                "trainers": {},
+            }
             report["workloads"][name] = entry
             for tr in args.trainers:
                 s = summarize(run_trainer(tr, spec, out, timeout), spec["threshold"])
@@ -405,16 +520,35 @@ def main(argv: list[str] | None = None) -> None:
     plot(report, plots)
     summary = {
         "ratio": None if report["ratio"] is None else round(report["ratio"], 3),
-        "by_workload": {n: {"ratio": None if e["ratio"] is None else round(e["ratio"], 3), "best_peer": e["best_peer"],
-                            "token_ratio": None if e["token_ratio"] is None else round(e["token_ratio"], 3),
-                            "trainers": {k: {m: (round(v[m], 3) if isinstance(v[m], float) else v[m]) for m in
-                                             ("startup_s", "steps_per_s", "steps_per_s_median",
-                                              "completions_per_s", "tokens_per_s",
-                                              "reward_first", "reward_last", "time_to_threshold_s", "error")}
-                                         for k, v in e["trainers"].items()}}
-                        for n, e in report["workloads"].items()},
-        "venv_install_s": round(venv["install_s"], 1), "total_s": round(report["total_s"], 1),
-        "json": str(out / "peers.json"), "plot": [str(p) for p in plots],
+        "by_workload": {
+            n: {
+                "ratio": None if e["ratio"] is None else round(e["ratio"], 3),
+                "best_peer": e["best_peer"],
+                "token_ratio": None if e["token_ratio"] is None else round(e["token_ratio"], 3),
+                "trainers": {
+                    k: {
+                        m: (round(v[m], 3) if isinstance(v[m], float) else v[m])
+                        for m in (
+                            "startup_s",
+                            "steps_per_s",
+                            "steps_per_s_median",
+                            "completions_per_s",
+                            "tokens_per_s",
+                            "reward_first",
+                            "reward_last",
+                            "time_to_threshold_s",
+                            "error",
+                        )
+                    }
+                    for k, v in e["trainers"].items()
+                },
+            }
+            for n, e in report["workloads"].items()
+        },
+        "venv_install_s": round(venv["install_s"], 1),
+        "total_s": round(report["total_s"], 1),
+        "json": str(out / "peers.json"),
+        "plot": [str(p) for p in plots],
     }
     print(json.dumps(summary))
 

@@ -56,8 +56,10 @@ def run(spec: dict, result: dict) -> None:
     env = make_env(spec["env"], spec["env_kwargs"])
     records = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines() if line.strip()]
     # Only the prompt text, the target and the per-prompt budget: the columns the reward needs.
-    rows = [{"prompt": r["prompt"], "target": r["target"], "budget": int(r.get("max_tokens", spec["max_tokens"]))}
-            for r in records]
+    rows = [
+        {"prompt": r["prompt"], "target": r["target"], "budget": int(r.get("max_tokens", spec["max_tokens"]))}
+        for r in records
+    ]
     dataset = Dataset.from_list(rows)
 
     def env_reward(prompts, completions, completion_ids, target, budget, **_):
@@ -111,14 +113,29 @@ def run(spec: dict, result: dict) -> None:
         dataloader_num_workers=0,
         seed=spec["seed"],
         use_vllm=vllm,
-        **(dict(vllm_mode="colocate", vllm_max_model_length=spec["max_model_len"],
-                vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False,
+        **(
+            dict(
+                vllm_mode="colocate",
+                vllm_max_model_length=spec["max_model_len"],
+                vllm_gpu_memory_utilization=0.3,
+                vllm_enable_sleep_mode=False,
                 # asyncrl's algo.correction (tis: token, tis_cap: 2.0): token-level truncated IS at 2.
-                vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
-                vllm_importance_sampling_clip_max=spec["tis_cap"]) if vllm else {}),
+                vllm_importance_sampling_correction=True,
+                vllm_importance_sampling_mode="token_truncate",
+                vllm_importance_sampling_clip_max=spec["tis_cap"],
+            )
+            if vllm
+            else {}
+        ),
     )
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=env_reward, args=cfg, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=spec["model"],
+        reward_funcs=env_reward,
+        args=cfg,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     trainer.train()
 
 

@@ -51,8 +51,10 @@ MAXLEN = 512  # bounds Redis memory: 512 x ~150 KB records
 
 def make_group(n_samples: int, tokens: int, group_id: str) -> RolloutGroup:
     rng = np.random.default_rng(0)
-    samples = [Sample(rng.integers(0, 32000, tokens), -rng.random(tokens, dtype=np.float32), np.ones(tokens), 1.0, 0)
-               for _ in range(n_samples)]
+    samples = [
+        Sample(rng.integers(0, 32000, tokens), -rng.random(tokens, dtype=np.float32), np.ones(tokens), 1.0, 0)
+        for _ in range(n_samples)
+    ]
     return RolloutGroup(group_id, "p", rng.integers(0, 32000, 128), samples, metadata={"t": 0.0})
 
 
@@ -135,17 +137,23 @@ def consume(kind: str, url: str, run: str, t0: float, t1: float) -> tuple[int, l
     return received, latencies
 
 
-def run_config(kind: str, url: str, n_samples: int, tokens: int, producers: int, seconds: float,
-               batch: int, payload_size: int) -> dict:
+def run_config(
+    kind: str, url: str, n_samples: int, tokens: int, producers: int, seconds: float, batch: int, payload_size: int
+) -> dict:
     run = f"bench-{kind}-{n_samples}-{producers}-{int(time.time() * 1000) % 10**8}"
     RolloutQueue.connect(url, run, maxlen=MAXLEN).close()  # creates the stream and group
     ctx = mp.get_context("spawn")
     ready = ctx.Barrier(producers + 1)  # spawned producers import for seconds on a small box
     if kind == "ours":
-        procs = [ctx.Process(target=produce_ours, args=(url, run, n_samples, tokens, ready, seconds, batch, f"p{k}"))
-                 for k in range(producers)]
+        procs = [
+            ctx.Process(target=produce_ours, args=(url, run, n_samples, tokens, ready, seconds, batch, f"p{k}"))
+            for k in range(producers)
+        ]
     else:
-        procs = [ctx.Process(target=produce_raw, args=(url, run, payload_size, ready, seconds, batch)) for _ in range(producers)]
+        procs = [
+            ctx.Process(target=produce_raw, args=(url, run, payload_size, ready, seconds, batch))
+            for _ in range(producers)
+        ]
     for p in procs:
         p.start()
     ready.wait(120)
@@ -158,9 +166,16 @@ def run_config(kind: str, url: str, n_samples: int, tokens: int, producers: int,
     r.delete(keys.rollouts(run), keys.counters(run), keys.state(run))
     r.srem(keys.RUNS, run)
     lat_ms = np.array(lat) * 1000 if lat else np.array([np.nan])
-    return {"kind": kind, "samples": n_samples, "producers": producers, "batch": batch,
-            "groups_per_s": received / seconds, "mb_per_s": received * payload_size / seconds / 1e6,
-            "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
+    return {
+        "kind": kind,
+        "samples": n_samples,
+        "producers": producers,
+        "batch": batch,
+        "groups_per_s": received / seconds,
+        "mb_per_s": received * payload_size / seconds / 1e6,
+        "p50_ms": float(np.percentile(lat_ms, 50)),
+        "p99_ms": float(np.percentile(lat_ms, 99)),
+    }
 
 
 def find_redis_benchmark(install: bool, console: Console) -> str | None:
@@ -182,15 +197,39 @@ def redis_benchmark_xadd(binary: str, server: EmbeddedRedis, payload_size: int, 
         f.write(b"x" * payload_size)
         f.flush()
         f.seek(0)
+
         # a short calibration run sizes -n to about `seconds`
         def once(n: int) -> float:
             f.seek(0)
             out = subprocess.run(
-                [binary, "-h", server.host, "-p", str(server.port), "-c", str(clients), "-n", str(n), "-q",
-                 "-x", "XADD", "asyncrl:bench:rb", "MAXLEN", "~", str(MAXLEN), "*", "d"],
-                stdin=f, capture_output=True, text=True, check=True).stdout
+                [
+                    binary,
+                    "-h",
+                    server.host,
+                    "-p",
+                    str(server.port),
+                    "-c",
+                    str(clients),
+                    "-n",
+                    str(n),
+                    "-q",
+                    "-x",
+                    "XADD",
+                    "asyncrl:bench:rb",
+                    "MAXLEN",
+                    "~",
+                    str(MAXLEN),
+                    "*",
+                    "d",
+                ],
+                stdin=f,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             rates = re.findall(r"([\d.]+) requests per second", out.replace("\r", "\n"))
             return float(rates[-1])
+
         rate = once(200)
         rate = once(max(200, int(rate * seconds)))
     redis.Redis.from_url(server.url).delete("asyncrl:bench:rb")
@@ -210,13 +249,19 @@ def main() -> None:
     rb = find_redis_benchmark(not args.no_install, console)
     configs = [(n, p) for n in (1, 8) for p in (1, 4)]
     rows, rb_rates = [], {}
-    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as server, Progress(console=console) as progress:
+    with (
+        tempfile.TemporaryDirectory() as d,
+        EmbeddedRedis(Path(d) / "redis") as server,
+        Progress(console=console) as progress,
+    ):
         task = progress.add_task("queue bench", total=len(configs) * (3 if rb else 2))
         for n, p in configs:
             size = len(encode_group(make_group(n, args.tokens, "p0-000000")))
             for kind in ("ours", "raw"):
                 progress.update(task, description=f"{kind}: n={n} producers={p}")
-                rows.append({**run_config(kind, server.url, n, args.tokens, p, seconds, args.batch, size), "record_bytes": size})
+                rows.append(
+                    {**run_config(kind, server.url, n, args.tokens, p, seconds, args.batch, size), "record_bytes": size}
+                )
                 progress.advance(task)
             if rb:
                 progress.update(task, description=f"redis-benchmark: n={n} clients={p}")
@@ -224,23 +269,38 @@ def main() -> None:
                 progress.advance(task)
     for row in rows:
         if row["kind"] == "raw":
-            console.print(f"raw  n={row['samples']} P={row['producers']}: {row['groups_per_s']:8.0f} groups/s "
-                          f"p50 {row['p50_ms']:.1f} ms  p99 {row['p99_ms']:.1f} ms")
+            console.print(
+                f"raw  n={row['samples']} P={row['producers']}: {row['groups_per_s']:8.0f} groups/s "
+                f"p50 {row['p50_ms']:.1f} ms  p99 {row['p99_ms']:.1f} ms"
+            )
         else:
-            console.print(f"ours n={row['samples']} P={row['producers']}: {row['groups_per_s']:8.0f} groups/s "
-                          f"p50 {row['p50_ms']:.1f} ms  p99 {row['p99_ms']:.1f} ms  ({row['record_bytes']} B/record)")
+            console.print(
+                f"ours n={row['samples']} P={row['producers']}: {row['groups_per_s']:8.0f} groups/s "
+                f"p50 {row['p50_ms']:.1f} ms  p99 {row['p99_ms']:.1f} ms  ({row['record_bytes']} B/record)"
+            )
     for (n, p), rate in rb_rates.items():
         console.print(f"redis-benchmark XADD n={n} clients={p}: {rate:8.0f} ops/s")
     ours = sum(r["groups_per_s"] for r in rows if r["kind"] == "ours")
     raw = sum(r["groups_per_s"] for r in rows if r["kind"] == "raw")
     rb_total = sum(rb_rates.values())
     baseline, base = ("redis-benchmark XADD", rb_total) if rb else ("raw pipelined XADD + XREADGROUP loop", raw)
-    print(json.dumps({
-        "groups_per_s": ours, "baseline": baseline, "baseline_ops_per_s": base, "ratio": ours / base if base else None,
-        "raw_loop_ops_per_s": raw, "ratio_vs_raw_loop": ours / raw if raw else None,
-        "redis_benchmark_xadd": {f"n{n}_c{p}": v for (n, p), v in rb_rates.items()},
-        "tokens": args.tokens, "batch": args.batch, "seconds_per_config": seconds, "configs": rows,
-    }))
+    print(
+        json.dumps(
+            {
+                "groups_per_s": ours,
+                "baseline": baseline,
+                "baseline_ops_per_s": base,
+                "ratio": ours / base if base else None,
+                "raw_loop_ops_per_s": raw,
+                "ratio_vs_raw_loop": ours / raw if raw else None,
+                "redis_benchmark_xadd": {f"n{n}_c{p}": v for (n, p), v in rb_rates.items()},
+                "tokens": args.tokens,
+                "batch": args.batch,
+                "seconds_per_config": seconds,
+                "configs": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

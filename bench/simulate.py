@@ -75,7 +75,7 @@ def _sampler(s: Scenario, rng: random.Random):
     if s.gen_samples:
         samples = list(s.gen_samples)
         return lambda: rng.choice(samples)
-    sigma2 = math.log(1 + s.gen_cv ** 2)
+    sigma2 = math.log(1 + s.gen_cv**2)
     mu = math.log(s.gen_mean) - sigma2 / 2
     return lambda: rng.lognormvariate(mu, math.sqrt(sigma2))
 
@@ -94,9 +94,9 @@ def simulate(s: Scenario) -> Result:
         heapq.heappush(events, (t, seq, kind, payload))
         seq += 1
 
-    version = 0            # learner's policy version
-    announced = 0          # version admission sees (raised after a publish)
-    published = 0          # weights the generators run
+    version = 0  # learner's policy version
+    announced = 0  # version admission sees (raised after a publish)
+    published = 0  # weights the generators run
     started = 0
     paused_until = 0.0
     queue: list[int] = []  # behavior versions, FIFO
@@ -247,19 +247,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         scenarios = {
             # Shaped like the CPU demo: generation and training of similar cost.
-            "demo_like": Scenario(generators=1, slots=16, gen_mean=1.2, gen_cv=0.3, train_step=0.6,
-                                  groups_per_step=8, steps=300),
+            "demo_like": Scenario(
+                generators=1, slots=16, gen_mean=1.2, gen_cv=0.3, train_step=0.6, groups_per_step=8, steps=300
+            ),
             # Long-tailed responses: a few groups take many times the mean.
-            "long_tail": Scenario(generators=1, slots=16, gen_mean=1.2, gen_cv=1.5, train_step=0.6,
-                                  groups_per_step=8, steps=300),
+            "long_tail": Scenario(
+                generators=1, slots=16, gen_mean=1.2, gen_cv=1.5, train_step=0.6, groups_per_step=8, steps=300
+            ),
             # 7B-like cluster we cannot run here: 64 generators, slow long generations.
-            "cluster_7b": Scenario(generators=64, slots=8, gen_mean=60.0, gen_cv=0.8, train_step=40.0,
-                                   sync=5.0, sync_pause=2.0, groups_per_step=512, steps=100),
+            "cluster_7b": Scenario(
+                generators=64,
+                slots=8,
+                gen_mean=60.0,
+                gen_cv=0.8,
+                train_step=40.0,
+                sync=5.0,
+                sync_pause=2.0,
+                groups_per_step=512,
+                steps=100,
+            ),
         }
         report = {name: speedup_table(sc) for name, sc in scenarios.items()}
         for name, table in report.items():
-            line = ", ".join(f"{k}: {v.get('speedup', 1.0):.2f}x (stale {v['staleness_mean']:.2f})"
-                             for k, v in table.items())
+            line = ", ".join(
+                f"{k}: {v.get('speedup', 1.0):.2f}x (stale {v['staleness_mean']:.2f})" for k, v in table.items()
+            )
             print(f"{name:>11}: {line}", file=sys.stderr)
         summary = {name: {k: round(v.get("speedup", 1.0), 3) for k, v in t.items()} for name, t in report.items()}
         print(json.dumps({"speedups": summary}))

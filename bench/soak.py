@@ -42,8 +42,13 @@ from rich.table import Table  # noqa: E402
 from asyncrl.control.job import JobDied, TrainJob  # noqa: E402
 
 FAULTS = ("generator_kill", "redis_restart", "connection_drop", "trainer_kill")
-OVERRIDES = ["control.checkpoint_every=3", "control.groups_per_step=4", "rollout.n_samples=4",
-             "control.total_steps=1000000", "control.batch_timeout_s=300"]
+OVERRIDES = [
+    "control.checkpoint_every=3",
+    "control.groups_per_step=4",
+    "rollout.n_samples=4",
+    "control.total_steps=1000000",
+    "control.batch_timeout_s=300",
+]
 
 
 def inject(job: TrainJob, fault: str) -> str:
@@ -82,18 +87,37 @@ def view(job: TrainJob, events: list[dict], counts: dict, t_end: float) -> Group
     """The live summary: run figures, then the last faults and how long recovery took."""
     c = job.counters()
     run = Table(title=f"asyncrl soak: {job.run_name}  ({max(0, t_end - time.monotonic()):.0f} s left)")
-    for col in ("step", "policy version", "trained", "produced", "dropped stale", "dead-lettered", "faults ok/injected"):
+    for col in (
+        "step",
+        "policy version",
+        "trained",
+        "produced",
+        "dropped stale",
+        "dead-lettered",
+        "faults ok/injected",
+    ):
         run.add_column(col, justify="right")
-    run.add_row(str(job.trainer_step()), str(job.policy_version()), str(c.get("groups_trained", "?")), str(c.get("groups_produced", "?")),
-                str(c.get("dropped_stale", 0)), str(c.get("dead_lettered", 0)),
-                f"{counts['survived']}/{counts['injected']}")
+    run.add_row(
+        str(job.trainer_step()),
+        str(job.policy_version()),
+        str(c.get("groups_trained", "?")),
+        str(c.get("groups_produced", "?")),
+        str(c.get("dropped_stale", 0)),
+        str(c.get("dead_lettered", 0)),
+        f"{counts['survived']}/{counts['injected']}",
+    )
     faults = Table(title="last faults")
     for col in ("at", "fault", "what", "outcome", "recovered in"):
         faults.add_column(col)
     for e in events[-8:]:
         outcome = "survived" if e.get("ok") else e.get("error", "recovering...")
-        faults.add_row(f"{e['t']:.0f} s", e["fault"], e.get("note", ""), outcome,
-                       f"{e['recover_s']:.0f} s" if "recover_s" in e else "")
+        faults.add_row(
+            f"{e['t']:.0f} s",
+            e["fault"],
+            e.get("note", ""),
+            outcome,
+            f"{e['recover_s']:.0f} s" if "recover_s" in e else "",
+        )
     return Group(run, faults)
 
 
@@ -152,13 +176,23 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
             problems = str(e)
         summary = ledger.summary
         return {
-            "minutes": round((time.monotonic() - t0) / 60, 2), "seed": seed, "exit_code": rc,
-            "faults_injected": counts["injected"], "faults_survived": counts["survived"],
-            "faults": {f: counts[f] for f in FAULTS}, "steps": job.final_extra()["step"],
-            "produced": summary["produced"], "trained": summary["trained"],
-            "dropped_stale": summary["dropped_stale"], "dead_lettered": summary["dead_lettered"],
-            "queued": summary["queued"], "lost": summary["lost"], "double_trained": summary["double_trained"],
-            "ledger_ok": not problems, "ledger_problems": problems, "run_dir": str(run_dir),
+            "minutes": round((time.monotonic() - t0) / 60, 2),
+            "seed": seed,
+            "exit_code": rc,
+            "faults_injected": counts["injected"],
+            "faults_survived": counts["survived"],
+            "faults": {f: counts[f] for f in FAULTS},
+            "steps": job.final_extra()["step"],
+            "produced": summary["produced"],
+            "trained": summary["trained"],
+            "dropped_stale": summary["dropped_stale"],
+            "dead_lettered": summary["dead_lettered"],
+            "queued": summary["queued"],
+            "lost": summary["lost"],
+            "double_trained": summary["double_trained"],
+            "ledger_ok": not problems,
+            "ledger_problems": problems,
+            "run_dir": str(run_dir),
         }
     finally:
         job.cleanup()
@@ -179,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     result = soak(args.minutes, args.fault_every, args.seed, run_dir, args.recover_timeout)
     console = Console()
     console.print(f"faults survived: {result['faults_survived']}/{result['faults_injected']}  {result['faults']}")
-    console.print(f"groups: produced {result['produced']}  trained {result['trained']}  dropped stale "
-                  f"{result['dropped_stale']}  dead-lettered {result['dead_lettered']}  queued {result['queued']}")
-    console.print(f"lost {result['lost']} (must be 0)  double-trained {result['double_trained']} (must be 0)"
-                  + (f"\n[red]{result['ledger_problems']}" if result["ledger_problems"] else ""))
+    console.print(
+        f"groups: produced {result['produced']}  trained {result['trained']}  dropped stale "
+        f"{result['dropped_stale']}  dead-lettered {result['dead_lettered']}  queued {result['queued']}"
+    )
+    console.print(
+        f"lost {result['lost']} (must be 0)  double-trained {result['double_trained']} (must be 0)"
+        + (f"\n[red]{result['ledger_problems']}" if result["ledger_problems"] else "")
+    )
     print(json.dumps(result))
     ok = result["ledger_ok"] and result["faults_survived"] == result["faults_injected"] and result["exit_code"] == 0
     return 0 if ok else 1

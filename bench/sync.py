@@ -80,7 +80,7 @@ def check_engine_runs(gen, model_dir: str, state: dict, sample=None) -> None:
     prompt = AutoTokenizer.from_pretrained(model_dir).encode("abc=")
     out = (sample or gen.sample)(prompt, 1, 8, 1.0, True)[0]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1: -1]
+        logits = model(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1 : -1]
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out["token_ids"])[:, None])[:, 0]
     diff = float((ref - torch.tensor(out["logprobs"])).abs().max())
     if diff > 1e-3:
@@ -97,9 +97,16 @@ def measure_size(label: str, hidden: int, layers: int, reps: int, redis_url: str
     from asyncrl.rollout.tiny import write_tiny_model
     from asyncrl.sync.shm import ShmWeightSync
 
-    model_dir = str(write_tiny_model(os.path.join(tmp, label), hidden_size=hidden, num_layers=layers,
-                                     num_heads=max(2, hidden // 64), num_kv_heads=max(1, hidden // 128),
-                                     intermediate_size=2 * hidden if hidden == 64 else 4 * hidden))
+    model_dir = str(
+        write_tiny_model(
+            os.path.join(tmp, label),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=max(2, hidden // 64),
+            num_kv_heads=max(1, hidden // 128),
+            intermediate_size=2 * hidden if hidden == 64 else 4 * hidden,
+        )
+    )
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in base.values())
     cfg = Config()
@@ -133,14 +140,19 @@ def measure_size(label: str, hidden: int, layers: int, reps: int, redis_url: str
         gen.shutdown()
         queue.close()
     med_ours, med_raw = float(np.median(ours)), float(np.median(raw))
-    return {"size": label, "mib": round(nbytes / 2**20, 2), "ours_s": round(med_ours, 4),
-            "raw_s": round(med_raw, 4), "write_s": round(float(np.median(writes)), 4),
-            "apply_s": round(float(np.median(applies)), 4), "engine_load_s": round(float(np.median(loads)), 4),
-            "ratio": round(med_ours / med_raw, 2)}
+    return {
+        "size": label,
+        "mib": round(nbytes / 2**20, 2),
+        "ours_s": round(med_ours, 4),
+        "raw_s": round(med_raw, 4),
+        "write_s": round(float(np.median(writes)), 4),
+        "apply_s": round(float(np.median(applies)), 4),
+        "engine_load_s": round(float(np.median(loads)), 4),
+        "ratio": round(med_ours / med_raw, 2),
+    }
 
 
-def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_url: str, tmp: str,
-                         progress) -> dict:
+def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_url: str, tmp: str, progress) -> dict:
     """Publish through Ray's object store to an engine on a second node vs raw put + remote get."""
     import ray
     import torch
@@ -154,14 +166,20 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
     from asyncrl.sync.objstore import ObjectStoreWeightSync, safetensors_blob
     from asyncrl.testing.twonode import two_node_cluster
 
-    model_dir = str(write_tiny_model(os.path.join(tmp, label), hidden_size=hidden, num_layers=layers,
-                                     num_heads=max(2, hidden // 64), num_kv_heads=max(1, hidden // 128),
-                                     intermediate_size=4 * hidden))
+    model_dir = str(
+        write_tiny_model(
+            os.path.join(tmp, label),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=max(2, hidden // 64),
+            num_kv_heads=max(1, hidden // 128),
+            intermediate_size=4 * hidden,
+        )
+    )
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in base.values())
     cfg = Config()
-    cfg.rollout = RolloutConfig(engine_max_model_len=256, engine_max_num_seqs=8, max_tokens=8,
-                                resources={"node2": 1})
+    cfg.rollout = RolloutConfig(engine_max_model_len=256, engine_max_num_seqs=8, max_tokens=8, resources={"node2": 1})
     run = f"bench-objstore-{label}"
     task = progress.add_task(f"{label}: two nodes + engine on node 2 ({nbytes / 2**20:.1f} MiB)", total=reps + 1)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,8 +190,14 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
 
     ours, raw, loads, fetches = [], [], [], []
     with two_node_cluster(tmp, pythonpath=repo):
-        gen = GeneratorActor.remote_actor(cfg, model_path=model_dir, generator_id="bench", redis_url=redis_url,
-                                          run=run, model_package=ship_model(model_dir))
+        gen = GeneratorActor.remote_actor(
+            cfg,
+            model_path=model_dir,
+            generator_id="bench",
+            redis_url=redis_url,
+            run=run,
+            model_package=ship_model(model_dir),
+        )
         queue = RolloutQueue.connect(redis_url, run, consumer="bench")
         sync = ObjectStoreWeightSync(SyncConfig(backend="object_store"), queue=queue, run=run, engines=[gen])
         try:
@@ -202,17 +226,27 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
             ray.kill(gen, no_restart=True)
             queue.close()
     med_ours, med_raw, med_load = float(np.median(ours)), float(np.median(raw)), float(np.median(loads))
-    return {"size": label, "mib": round(nbytes / 2**20, 2), "ours_s": round(med_ours, 4), "raw_s": round(med_raw, 4),
-            "fetch_s": round(float(np.median(fetches)), 4), "engine_load_s": round(med_load, 4),
-            "ratio": round(med_ours / med_raw, 2), "ratio_excl_repack": round((med_ours - med_load) / med_raw, 2)}
+    return {
+        "size": label,
+        "mib": round(nbytes / 2**20, 2),
+        "ours_s": round(med_ours, 4),
+        "raw_s": round(med_raw, 4),
+        "fetch_s": round(float(np.median(fetches)), 4),
+        "engine_load_s": round(med_load, 4),
+        "ratio": round(med_ours / med_raw, 2),
+        "ratio_excl_repack": round((med_ours - med_load) / med_raw, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one size (60 MiB), 3 repetitions: under 60 s")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--object-store", action="store_true",
-                        help="the object-store backend across two Ray nodes (60 MiB model; needs root)")
+    parser.add_argument(
+        "--object-store",
+        action="store_true",
+        help="the object-store backend across two Ray nodes (60 MiB model; needs root)",
+    )
     args = parser.parse_args(argv)
     if args.object_store:
         return main_object_store(args)
@@ -237,13 +271,20 @@ def main(argv: list[str] | None = None) -> dict:
             for label, hidden, layers in sizes:
                 rows.append(measure_size(label, hidden, layers, reps, server.url, tmp, progress))
                 row = rows[-1]
-                print(f"{label:>9}: {row['mib']:8.2f} MiB  ours {row['ours_s'] * 1e3:8.1f} ms (write "
-                      f"{row['write_s'] * 1e3:.1f}, apply {row['apply_s'] * 1e3:.1f} of which engine load "
-                      f"{row['engine_load_s'] * 1e3:.1f})  raw copy {row['raw_s'] * 1e3:8.1f} ms  ratio {row['ratio']}")
+                print(
+                    f"{label:>9}: {row['mib']:8.2f} MiB  ours {row['ours_s'] * 1e3:8.1f} ms (write "
+                    f"{row['write_s'] * 1e3:.1f}, apply {row['apply_s'] * 1e3:.1f} of which engine load "
+                    f"{row['engine_load_s'] * 1e3:.1f})  raw copy {row['raw_s'] * 1e3:8.1f} ms  ratio {row['ratio']}"
+                )
         finally:
             server.stop()
-    result = {"ratio": rows[-1]["ratio"], "goal": "<= 1.5 (largest model)", "sizes": rows,
-              "reps": reps, "wall_s": round(time.perf_counter() - t_start, 1)}
+    result = {
+        "ratio": rows[-1]["ratio"],
+        "goal": "<= 1.5 (largest model)",
+        "sizes": rows,
+        "reps": reps,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
     print(json.dumps(result))
     return result
 
@@ -258,13 +299,20 @@ def main_object_store(args) -> dict:
     label, hidden, layers = QUICK_SIZES[0]
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
         with EmbeddedRedis(os.path.join(tmp, "redis"), aof=False) as server:
-            row = measure_object_store(label, hidden, layers, 3 if args.quick else args.reps, server.url, tmp,
-                                       progress)
-    print(f"{label:>9}: {row['mib']:8.2f} MiB  object store {row['ours_s'] * 1e3:8.1f} ms (fetch on node 2 "
-          f"{row['fetch_s'] * 1e3:.1f}, engine load {row['engine_load_s'] * 1e3:.1f})  raw put+remote get "
-          f"{row['raw_s'] * 1e3:8.1f} ms  ratio {row['ratio']} (without vLLM's repack {row['ratio_excl_repack']})")
-    result = {"backend": "object_store", "ratio": row["ratio"], "ratio_excl_repack": row["ratio_excl_repack"],
-              "goal": "ratio_excl_repack <= 1.5", "sizes": [row], "wall_s": round(time.perf_counter() - t_start, 1)}
+            row = measure_object_store(label, hidden, layers, 3 if args.quick else args.reps, server.url, tmp, progress)
+    print(
+        f"{label:>9}: {row['mib']:8.2f} MiB  object store {row['ours_s'] * 1e3:8.1f} ms (fetch on node 2 "
+        f"{row['fetch_s'] * 1e3:.1f}, engine load {row['engine_load_s'] * 1e3:.1f})  raw put+remote get "
+        f"{row['raw_s'] * 1e3:8.1f} ms  ratio {row['ratio']} (without vLLM's repack {row['ratio_excl_repack']})"
+    )
+    result = {
+        "backend": "object_store",
+        "ratio": row["ratio"],
+        "ratio_excl_repack": row["ratio_excl_repack"],
+        "goal": "ratio_excl_repack <= 1.5",
+        "sizes": [row],
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
     print(json.dumps(result))
     return result
 

@@ -8,6 +8,12 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
         || echo "[test] chromium could not be installed; browser tests will skip"
 fi
+# Lint first (seconds): pyflakes, pycodestyle and isort rules plus the formatter, as configured
+# in pyproject.toml's [tool.ruff]. A lint failure fails the run, like a failing test.
+lint_rc=0
+.venv/bin/ruff check asyncrl tests bench examples || lint_rc=1
+.venv/bin/ruff format --check asyncrl tests bench examples || lint_rc=1
+[ "$lint_rc" = 0 ] || echo "[test] lint failed: run .venv/bin/ruff check --fix and .venv/bin/ruff format"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 if [ $# -eq 0 ]; then
     # The two-node tests get a fresh driver process: one that already ran (and shut down) the
@@ -23,4 +29,5 @@ else
 fi
 # pytest exits 5 when it collected no test: that is a broken suite here, not a pass.
 if [ "$rc" = 5 ]; then echo "[test] pytest collected no tests"; exit 1; fi
+[ "$rc" = 0 ] && rc=$lint_rc
 exit "$rc"

@@ -12,9 +12,9 @@ sample i's group g (n_g samples):
     grpo          (r_i - m_g) / (s_g + eps)      or r_i - m_g with norm_std=False   Shao et al. 2024 (DeepSeekMath)
     dr_grpo       r_i - m_g                                                         Liu et al. 2025 (Dr. GRPO)
     rloo          r_i - mean_{j != i} r_j = n_g/(n_g - 1) (r_i - m_g)               Ahmadian et al. 2024
-    maxrl         (r_i - m_g) / (m_g + eps) = r_i/m_g - 1 (0 if m_g <= 0)           Tajwar et al. 2026 (MaxRL, arXiv:2602.02710)
-    reinforce_pp  per-token discounted returns, normalised over the whole batch     Hu 2025 (REINFORCE++, arXiv:2501.03262)
-    gae           generalised advantage estimation from a value estimate            Schulman et al. 2016 (arXiv:1506.02438)
+    maxrl         (r_i - m_g) / (m_g + eps) = r_i/m_g - 1 (0 if m_g <= 0)           arXiv:2602.02710 (MaxRL)
+    reinforce_pp  per-token discounted returns, normalised over the whole batch     arXiv:2501.03262 (REINFORCE++)
+    gae           generalised advantage estimation from a value estimate            arXiv:1506.02438 (GAE)
 
 A group of one sample has no baseline: its outcome advantage is 0. s_g is the sample
 (n - 1) standard deviation. Token-level estimators use ``token_rewards`` when given, else
@@ -48,7 +48,9 @@ class AdvantageParams:
 def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample group mean, sample std (0 for groups of one) and group size."""
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(f"rewards and group_ids must both be [N], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"rewards and group_ids must both be [N], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN/inf: exclude failed samples before computing advantages")
     _, inverse = torch.unique(group_ids, return_inverse=True)

@@ -68,8 +68,10 @@ class CorrectionParams:
         low, high = self.token_mask_low, self.token_mask_high
         if (low is None) != (high is None):
             missing = "token_mask_high" if high is None else "token_mask_low"
-            raise ValueError(f"token_mask_low={low!r}, token_mask_high={high!r}: set both or neither "
-                             f"({missing} is missing, and one bound alone would mask nothing)")
+            raise ValueError(
+                f"token_mask_low={low!r}, token_mask_high={high!r}: set both or neither "
+                f"({missing} is missing, and one bound alone would mask nothing)"
+            )
         if low is not None and not 0 < low < high:
             raise ValueError(f"token_mask_low={low!r}, token_mask_high={high!r}: need 0 < low < high")
 

@@ -36,8 +36,15 @@ def importance_sampling(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tenso
     return -ratio * adv, {"ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
-def rollout_is(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams,
-               rollout_logp: Tensor | None = None):
+def rollout_is(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    params: PolicyLossParams,
+    rollout_logp: Tensor | None = None,
+):
     """Calibrated importance sampling against the behaviour (rollout) policy.
 
     r_t = exp(logp_t - rollout_t); w_t = r_t if 1 - eps_clip_low < r_t < 1 + eps_clip_high
@@ -66,8 +73,15 @@ def _binary_kl(q: Tensor, p: Tensor, logq: Tensor, logp: Tensor) -> Tensor:
     return q * (logq - logp) + rest_q * (torch.log(rest_q) - torch.log(rest_p))
 
 
-def dppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams,
-         rollout_logp: Tensor | None = None):
+def dppo(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    params: PolicyLossParams,
+    rollout_logp: Tensor | None = None,
+):
     """DPPO: a divergence trust region on the sampled token's probability instead of a ratio clip.
 
     mu = rollout log-probs when given, else old; r_t = exp(logp_t - mu_t), p = exp(logp_t),
@@ -92,8 +106,9 @@ def dppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: P
             drop = ((adv > 0) & (diff > params.dppo_delta_high)) | ((adv < 0) & (-diff > params.dppo_delta_low))
         else:
             kl = _binary_kl(q, p, lq, lp)
-            drop = (((adv > 0) & (diff > 0) & (kl > params.dppo_delta_high))
-                    | ((adv < 0) & (diff < 0) & (kl > params.dppo_delta_low)))
+            drop = ((adv > 0) & (diff > 0) & (kl > params.dppo_delta_high)) | (
+                (adv < 0) & (diff < 0) & (kl > params.dppo_delta_low)
+            )
         drop = drop & (mask > 0)
     loss = torch.where(drop, torch.zeros_like(ratio), -ratio * adv)
     return loss, {"clip_frac": masked_mean(drop.to(mask.dtype), mask), "ratio_mean": masked_mean(ratio.detach(), mask)}

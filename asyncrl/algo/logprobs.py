@@ -68,7 +68,7 @@ class _Entropy(torch.autograd.Function):
         ent = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
         lse = torch.empty_like(ent)
         for s in range(0, flat.shape[0], chunk):
-            ent[s:s + chunk], lse[s:s + chunk] = _entropy_rows(flat[s:s + chunk].to(dtype) / temperature)
+            ent[s : s + chunk], lse[s : s + chunk] = _entropy_rows(flat[s : s + chunk].to(dtype) / temperature)
         ctx.save_for_backward(logits, ent, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return ent.reshape(logits.shape[:-1])
@@ -81,8 +81,10 @@ class _Entropy(torch.autograd.Function):
         g = grad_out.reshape(-1)
         grad = torch.empty_like(flat)
         for s in range(0, flat.shape[0], chunk):
-            log_p = flat[s:s + chunk].to(lse.dtype) / t - lse[s:s + chunk].unsqueeze(-1)
-            grad[s:s + chunk] = -torch.exp(log_p) * (log_p + ent[s:s + chunk].unsqueeze(-1)) * (g[s:s + chunk] / t).unsqueeze(-1)
+            log_p = flat[s : s + chunk].to(lse.dtype) / t - lse[s : s + chunk].unsqueeze(-1)
+            grad[s : s + chunk] = (
+                -torch.exp(log_p) * (log_p + ent[s : s + chunk].unsqueeze(-1)) * (g[s : s + chunk] / t).unsqueeze(-1)
+            )
         return grad.reshape(logits.shape), None, None
 
 

@@ -14,13 +14,13 @@ clip range whose unclipped term is already the smaller one is not "clipped").
 
 With r_t = exp(logp_t - old_t) (log-ratio clamped to +-20) and A the advantage:
 
-    ppo           -min(r A, clip(r, 1-eps_low, 1+eps_high) A)        Schulman et al. 2017; DAPO clip-higher (Yu et al. 2025)
-    dual_clip     ppo, and for A < 0 also capped at -c A              Ye et al. 2020, "Mastering Complex Control in MOBA Games"
-    gspo          ppo on s_t = sg(exp(mean_t log r)) * pi/sg(pi)      Zheng et al. 2025, "Group Sequence Policy Optimization"
-    sapo          -(4/tau) sigmoid(tau (r - 1)) A, tau by sign of A    Gao et al. 2025, "Soft Adaptive Policy Optimization"
-    cispo         -sg(min(r, 1+eps)/r) r A  (grad: min(r,1+eps) A dlogp) MiniMax-M1 report, 2025
-    gmpo          -A exp(mean_t sgn(A) min(sgn(A) log r, clip(...)))  Zhao et al. 2025, "Geometric-Mean Policy Optimization"
-    clip_cov      ppo, unclipped high-cov tokens dropped             Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"
+    ppo           -min(r A, clip(r, 1-eps_low, 1+eps_high) A)          Schulman et al. 2017; DAPO clip-higher 2025
+    dual_clip     ppo, and for A < 0 also capped at -c A                Ye et al. 2020 (dual-clip PPO, MOBA games)
+    gspo          ppo on s_t = sg(exp(mean_t log r)) * pi/sg(pi)        Zheng et al. 2025 (GSPO)
+    sapo          -(4/tau) sigmoid(tau (r - 1)) A, tau by sign of A      Gao et al. 2025 (SAPO)
+    cispo         -sg(min(r, 1+eps)/r) r A (grad: min(r,1+eps) A dlogp) MiniMax-M1 report, 2025
+    gmpo          -A exp(mean_t sgn(A) min(sgn(A) log r, clip(...)))    Zhao et al. 2025 (GMPO)
+    clip_cov      ppo, unclipped high-cov tokens dropped               Cui et al. 2025 (entropy mechanism of RL)
     kl_cov        -r A, plus coef |logp - old| on the highest-covariance tokens   (same paper)
     cross_entropy -logp (SFT; advantages unused)
 
@@ -121,8 +121,15 @@ def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: P
     return loss, {"gate_mean": masked_mean(gate.detach(), mask), "ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
-def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams,
-          rollout_logp: Tensor | None = None):
+def cispo(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    params: PolicyLossParams,
+    rollout_logp: Tensor | None = None,
+):
     """CISPO: clip the (stop-gradient) IS weight, never the token's gradient.
 
     loss_t = -sg(min(r_t, 1 + eps) / r_t) * r_t * A_t, whose value is -min(r_t, 1 + eps) A_t
@@ -146,7 +153,10 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: 
     scale = (ratio.clamp(max=high) / ratio).detach()
     loss = -scale * ratio * adv
     clipped = (ratio > high) & (mask > 0) & (adv != 0)
-    return loss, {"clip_frac": masked_mean(clipped.to(mask.dtype), mask), "ratio_mean": masked_mean(ratio.detach(), mask)}
+    return loss, {
+        "clip_frac": masked_mean(clipped.to(mask.dtype), mask),
+        "ratio_mean": masked_mean(ratio.detach(), mask),
+    }
 
 
 def gmpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
@@ -233,7 +243,10 @@ def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params:
     cov = _token_covariance(logp, adv, mask)
     chosen = _top_tokens(cov, mask > 0, params.kl_cov_ratio, mask)
     loss = -adv * ratio + torch.where(chosen, params.kl_cov_coef * log_r.abs(), torch.zeros_like(ratio))
-    return loss, {"kl_cov_frac": masked_mean(chosen.to(mask.dtype), mask), "ratio_mean": masked_mean(ratio.detach(), mask)}
+    return loss, {
+        "kl_cov_frac": masked_mean(chosen.to(mask.dtype), mask),
+        "ratio_mean": masked_mean(ratio.detach(), mask),
+    }
 
 
 def cross_entropy(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):

@@ -32,8 +32,9 @@ from torch import Tensor
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_per_microbatch")
 
 
-def reduction_weights(loss_mask: Tensor, reduction: str, *, constant: float | None = None,
-                      group_ids: Tensor | None = None) -> Tensor:
+def reduction_weights(
+    loss_mask: Tensor, reduction: str, *, constant: float | None = None, group_ids: Tensor | None = None
+) -> Tensor:
     """Per-token weights [N, T] for a whole mini-batch; zero wherever ``loss_mask`` is zero.
 
     ``group_ids`` [N] (any integers; equal for samples of one prompt) is needed by
@@ -85,7 +86,8 @@ def _prompt_mean_weights(mask: Tensor, lengths: Tensor, group_ids: Tensor | None
     if group_ids.shape != lengths.shape:
         raise ValueError(f"group_ids must be [N] = {tuple(lengths.shape)}, got {tuple(group_ids.shape)}")
     _, inverse = torch.unique(group_ids, return_inverse=True)
-    group_tokens = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=mask.dtype,
-                               device=mask.device).index_add_(0, inverse, lengths)
+    group_tokens = torch.zeros(
+        int(inverse.max()) + 1 if inverse.numel() else 0, dtype=mask.dtype, device=mask.device
+    ).index_add_(0, inverse, lengths)
     num_groups = (group_tokens > 0).sum().clamp(min=1).to(mask.dtype)
     return mask / (num_groups * group_tokens[inverse].clamp(min=1.0)).unsqueeze(1)

@@ -33,7 +33,8 @@ def broadcast_trajectory_advantages(traj_advantages: Tensor, step_to_traj: Tenso
     """
     if step_to_traj.dim() != 1 or step_masks.dim() != 2 or step_masks.shape[0] != step_to_traj.shape[0]:
         raise ValueError(
-            f"step_to_traj [S] and step_masks [S, T] do not line up: {tuple(step_to_traj.shape)}, {tuple(step_masks.shape)}"
+            "step_to_traj [S] and step_masks [S, T] do not line up: "
+            f"{tuple(step_to_traj.shape)}, {tuple(step_masks.shape)}"
         )
     if step_to_traj.numel() and (step_to_traj.min() < 0 or step_to_traj.max() >= traj_advantages.shape[0]):
         raise ValueError(f"step_to_traj indexes outside the {traj_advantages.shape[0]} trajectories")

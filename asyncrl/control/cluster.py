@@ -30,8 +30,11 @@ def ray_init_kwargs(control: ControlConfig) -> dict:
     if control.ray_address is None:
         # Logical CPUs beyond the physical ones let learner ranks and generators co-exist on a
         # small machine; real placement is by affinity where benchmarks need it.
-        return {"address": "local", "num_cpus": max(os.cpu_count() or 2, 8),
-                "object_store_memory": control.ray_object_store_mb * 1024 * 1024}
+        return {
+            "address": "local",
+            "num_cpus": max(os.cpu_count() or 2, 8),
+            "object_store_memory": control.ray_object_store_mb * 1024 * 1024,
+        }
     return {"address": control.ray_address}
 
 
@@ -51,8 +54,12 @@ def connect_ray(control: ControlConfig, env_vars: dict[str, str]) -> None:
         ) from e
     if control.ray_address is not None:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        log.info("attached to Ray cluster at %s: %d node(s), resources %s", control.ray_address, len(nodes),
-                 ray.cluster_resources())
+        log.info(
+            "attached to Ray cluster at %s: %d node(s), resources %s",
+            control.ray_address,
+            len(nodes),
+            ray.cluster_resources(),
+        )
 
 
 def probe(address: str | None, timeout_s: float = 5.0) -> None:
@@ -91,8 +98,11 @@ def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> 
     while True:
         dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
         states = {name: actor_state(handle) for name, (handle, _) in placed.items()}
-        lost = [name for name, (_, node) in placed.items()
-                if node in dead_nodes or states[name][0] != "ALIVE" or states[name][1] != node]
+        lost = [
+            name
+            for name, (_, node) in placed.items()
+            if node in dead_nodes or states[name][0] != "ALIVE" or states[name][1] != node
+        ]
         if (lost and all(placed[name][1] in dead_nodes for name in lost)) or time.monotonic() >= deadline:
             break
         time.sleep(1.0)

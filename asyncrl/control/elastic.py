@@ -15,9 +15,10 @@ Weights are read from the location the trainer announces. On one host that is a 
 cluster, and so is the model when it is a local directory of the trainer's host: give
 ``--ray-address ray://HEAD:10001`` and the generator attaches to the cluster through Ray
 Client (a driver with no raylet on its own host; nothing is shared but the network), or
-``auto``/``HEAD:PORT`` on a host that joined the cluster with ``ray start``. A generator that cannot load the announced weights stops
-admitting work and says why (``stats()["weights_blocked"]``) instead of generating groups
-that would only be dropped as stale.
+``auto``/``HEAD:PORT`` on a host that joined the cluster with ``ray start``. A generator
+that cannot load the announced weights stops admitting work and says why
+(``stats()["weights_blocked"]``) instead of generating groups that would only be dropped as
+stale.
 """
 
 from __future__ import annotations
@@ -44,9 +45,16 @@ def job_config(queue):
     return config_from_dict(json.loads(state["config"])), str(state["model_path"])
 
 
-def run_elastic_generator(redis_url: str, run: str, *, password: str | None = None,
-                          generator_id: str | None = None, max_groups: int | None = None,
-                          poll_s: float = 1.0, ray_address: str | None = None) -> dict:
+def run_elastic_generator(
+    redis_url: str,
+    run: str,
+    *,
+    password: str | None = None,
+    generator_id: str | None = None,
+    max_groups: int | None = None,
+    poll_s: float = 1.0,
+    ray_address: str | None = None,
+) -> dict:
     """Generate for `run` until stopped (or `max_groups` produced); return the final stats."""
     from asyncrl.queue import RolloutQueue
     from asyncrl.rollout.generator import GeneratorActor
@@ -60,8 +68,16 @@ def run_elastic_generator(redis_url: str, run: str, *, password: str | None = No
     generator_id = generator_id or f"elastic-{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    gen = GeneratorActor(cfg, model_path=model_path, generator_id=generator_id, redis_url=redis_url,
-                         run=run, password=password, autostart=True, model_package=model_package)
+    gen = GeneratorActor(
+        cfg,
+        model_path=model_path,
+        generator_id=generator_id,
+        redis_url=redis_url,
+        run=run,
+        password=password,
+        autostart=True,
+        model_package=model_package,
+    )
     log.info("%s joined run %r (model %s)", generator_id, run, model_path)
     try:
         while not stop.wait(poll_s):
@@ -114,6 +130,12 @@ def _client_init(ray_address: str, tries: int = 4, pause_s: float = 5.0) -> None
         except ConnectionError as e:  # ConnectionAbortedError from the client server
             if attempt == tries:
                 raise
-            log.warning("Ray Client at %s refused this generator (%s); trying again in %.0f s (%d/%d)",
-                        ray_address, str(e).strip().splitlines()[-1][:200], pause_s, attempt, tries)
+            log.warning(
+                "Ray Client at %s refused this generator (%s); trying again in %.0f s (%d/%d)",
+                ray_address,
+                str(e).strip().splitlines()[-1][:200],
+                pause_s,
+                attempt,
+                tries,
+            )
             time.sleep(pause_s)

@@ -91,7 +91,7 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
     ckpt = checkpoint_dir(run_dir, step)
     cfg = load_config(run_dir / "config.yaml")
     model_path = resolve_model(cfg, run_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     state = model.state_dict()
     # The checkpoint holds {"model", "optim"}; only the model's entries are asked for.
     dcp.load({"model": state}, checkpoint_id=str(ckpt / "dcp"))
@@ -99,7 +99,10 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
 
     def write(file: Path) -> None:
         # Tied weights are one tensor under two names: safetensors stores each name's own copy.
-        save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(file),
-                  metadata={"format": "pt", "step": str(n)})
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in state.items()},
+            str(file),
+            metadata={"format": "pt", "step": str(n)},
+        )
 
     return _assemble(Path(out) if out is not None else run_dir / HF_DIR / f"step_{n}", model_path, write)

@@ -56,8 +56,15 @@ def pid_running(pid: int) -> bool:
 class TrainJob:
     """One run directory, trained by one `asyncrl train` subprocess at a time."""
 
-    def __init__(self, config_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
-                 run_dir: str | Path, run_name: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        config_path: str | Path,
+        overrides: list[str] | tuple[str, ...] = (),
+        *,
+        run_dir: str | Path,
+        run_name: str,
+        env: dict[str, str] | None = None,
+    ):
         self.config_path = Path(config_path)
         self.overrides = list(overrides)
         self.run_dir = Path(run_dir)
@@ -77,17 +84,31 @@ class TrainJob:
         with self.log_path.open("a") as log:
             log.write(f"\n===== {' '.join(args)}\n")
         # Its own session: signals go to the job's process group, never to the caller's.
-        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], cwd=ROOT,
-                                     env=self.env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                     stdout=self.log_path.open("a"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.cli", "train", *args],
+            cwd=ROOT,
+            env=self.env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log_path.open("a"),
+            stderr=subprocess.STDOUT,
+        )
         self._seen[self.proc.pid] = psutil.Process(self.proc.pid).create_time()
         return self
 
     def start(self) -> TrainJob:
         """A fresh run (ledger on, dashboard off unless an override turns it on)."""
-        return self._spawn([str(self.config_path), f"control.run_dir={self.run_dir}",
-                            f"control.run_name={self.run_name}", "queue.ledger=true",
-                            "monitor.dashboard=false", "monitor.console=false", *self.overrides])
+        return self._spawn(
+            [
+                str(self.config_path),
+                f"control.run_dir={self.run_dir}",
+                f"control.run_name={self.run_name}",
+                "queue.ledger=true",
+                "monitor.dashboard=false",
+                "monitor.console=false",
+                *self.overrides,
+            ]
+        )
 
     def resume(self, *overrides: str) -> TrainJob:
         """`asyncrl train --resume run_dir` (the run's saved config, plus `overrides`)."""
@@ -132,14 +153,17 @@ class TrainJob:
                 for gen, raw in r.hgetall(keys.generators(self.run_name)).items():
                     beat, gen = unpack_small(raw), gen.decode()
                     noted = r.hlen(keys.inflight(self.run_name, gen))
-                    parts.append(f"generator {gen}: heartbeat {time.time() - beat.get('heartbeat', 0):.1f}s "
-                                 f"ago, version {beat.get('version')}, groups {beat.get('groups')}, "
-                                 f"{noted} prompts noted in flight")
+                    parts.append(
+                        f"generator {gen}: heartbeat {time.time() - beat.get('heartbeat', 0):.1f}s "
+                        f"ago, version {beat.get('version')}, groups {beat.get('groups')}, "
+                        f"{noted} prompts noted in flight"
+                    )
         except (redis.RedisError, RuntimeError, ValueError) as e:  # a diagnosis must not raise
             parts.append(f"(Redis state unreadable: {e})")
         lines = []
-        for is_retry, run in itertools.groupby(self.log_tail(400_000).splitlines(),
-                                               key=lambda line: bool(_RETRY_LINE.search(line))):
+        for is_retry, run in itertools.groupby(
+            self.log_tail(400_000).splitlines(), key=lambda line: bool(_RETRY_LINE.search(line))
+        ):
             if is_retry:
                 lines.append(f"... {sum(1 for _ in run)} Redis retry warnings ...")
             else:
@@ -213,11 +237,14 @@ class TrainJob:
             if step >= n:
                 return step
             if not self.running():
-                raise JobDied(f"job {self.run_name!r} exited ({self.proc.returncode}) at step {step} "
-                              f"before step {n}:\n{self.diagnosis()}")
+                raise JobDied(
+                    f"job {self.run_name!r} exited ({self.proc.returncode}) at step {step} "
+                    f"before step {n}:\n{self.diagnosis()}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {self.run_name!r} at step {step}, not {n}, after {timeout}s:\n"
-                                   f"{self.diagnosis()}")
+                raise TimeoutError(
+                    f"job {self.run_name!r} at step {step}, not {n}, after {timeout}s:\n{self.diagnosis()}"
+                )
             time.sleep(0.25)
 
     # ------------------------------------------------------------------ Redis faults
@@ -249,9 +276,14 @@ class TrainJob:
         for proc in self._redis_procs:
             proc.poll()  # reap an earlier restart's server if that was the one killed
         time.sleep(down_s)
-        proc = subprocess.Popen([find_redis_server(), str(redis_dir / "redis.conf")], cwd=redis_dir,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [find_redis_server(), str(redis_dir / "redis.conf")],
+            cwd=redis_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self._redis_procs.append(proc)
         self._seen[proc.pid] = psutil.Process(proc.pid).create_time()
         deadline = time.monotonic() + timeout

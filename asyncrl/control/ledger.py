@@ -31,8 +31,11 @@ class Ledger:
     @property
     def summary(self) -> dict[str, int]:
         return {
-            "produced": len(self.produced), "trained": len(self.trained), "dropped_stale": len(self.dropped),
-            "dead_lettered": len(self.dead_lettered), "queued": len(self.queued),
+            "produced": len(self.produced),
+            "trained": len(self.trained),
+            "dropped_stale": len(self.dropped),
+            "dead_lettered": len(self.dead_lettered),
+            "queued": len(self.queued),
             "double_trained": sum(c - 1 for c in Counter(self.trained).values() if c > 1),
             "lost": len(self.produced - set(self.trained) - self.dropped - self.dead_lettered - self.queued),
         }

@@ -53,14 +53,21 @@ class LoopState:
     """Queue entry ids consumed since the last checkpoint."""
 
     def to_extra(self) -> dict[str, Any]:
-        return {"step": self.step, "version": self.version, "published_version": self.published_version,
-                "trained_ids": list(self.trained_ids)}
+        return {
+            "step": self.step,
+            "version": self.version,
+            "published_version": self.published_version,
+            "trained_ids": list(self.trained_ids),
+        }
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> LoopState:
-        return cls(step=int(extra["step"]), version=int(extra["version"]),
-                   published_version=int(extra.get("published_version", extra["version"])),
-                   trained_ids=list(extra.get("trained_ids", [])))
+        return cls(
+            step=int(extra["step"]),
+            version=int(extra["version"]),
+            published_version=int(extra.get("published_version", extra["version"])),
+            trained_ids=list(extra.get("trained_ids", [])),
+        )
 
 
 class StopFlag:
@@ -83,8 +90,7 @@ class StopFlag:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        log.warning("received %s: finishing this step, checkpointing and shutting down",
-                    signal.Signals(signum).name)
+        log.warning("received %s: finishing this step, checkpointing and shutting down", signal.Signals(signum).name)
         self.event.set()
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
 
@@ -96,8 +102,16 @@ class StopFlag:
 class TrainLoop:
     """Drives one run. Holds handles only; every decision is a small method of its own."""
 
-    def __init__(self, cfg: Config, runtime, metrics_logger, *, state: LoopState | None = None,
-                 stop: StopFlag | None = None, progress=None):
+    def __init__(
+        self,
+        cfg: Config,
+        runtime,
+        metrics_logger,
+        *,
+        state: LoopState | None = None,
+        stop: StopFlag | None = None,
+        progress=None,
+    ):
         self.cfg = cfg
         self.rt = runtime
         self.queue = runtime.queue
@@ -129,11 +143,13 @@ class TrainLoop:
         c = self.cfg.control
         self.queue.set_state(
             status="running",
-            started_at=time.time(), alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
+            started_at=time.time(),
+            alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
             alert_masked_frac=self.cfg.monitor.alert_masked_frac,
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
             # What `asyncrl generate` needs to join this job from another process.
-            config=json.dumps(self.cfg.to_dict()), model_path=self.rt.model_path,
+            config=json.dumps(self.cfg.to_dict()),
+            model_path=self.rt.model_path,
             trainer_step=self.state.step,
         )
         # After a resume the weights are the checkpoint's: generators must run them, and
@@ -226,7 +242,8 @@ class TrainLoop:
         self.state.published_version = version
         if overlap:
             self._inflight_publish = threading.Thread(
-                target=self._apply_and_announce, args=(path, version), name=f"publish-v{version}", daemon=True)
+                target=self._apply_and_announce, args=(path, version), name=f"publish-v{version}", daemon=True
+            )
             self._inflight_publish.start()
         else:
             self._apply_and_announce(path, version)
@@ -308,9 +325,14 @@ class TrainLoop:
         counters = self.queue.counters()
         gen_tokens = sum(g.num_tokens for g in groups)
         out = {
-            "time/wait_data": t_wait, "time/train": t_train, "time/sync": t_sync, "time/step": t_step,
-            "sync/seconds": t_sync, "sync/apply_s": self.last_apply_s,
-            "queue/depth": float(self.queue.depth()), "queue/pending": float(self.queue.pending()),
+            "time/wait_data": t_wait,
+            "time/train": t_train,
+            "time/sync": t_sync,
+            "time/step": t_step,
+            "sync/seconds": t_sync,
+            "sync/apply_s": self.last_apply_s,
+            "queue/depth": float(self.queue.depth()),
+            "queue/pending": float(self.queue.pending()),
             "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
             "queue/dead_lettered": float(counters.get("dead_lettered", 0)),
             "learner/version": float(self.state.version),
@@ -344,8 +366,12 @@ class TrainLoop:
 
         c = self.cfg.control
         for old in prune(self.ckpt_root, c.keep_checkpoints, c.keep_every):
-            log.info("deleted checkpoint %s (control.keep_checkpoints=%d, keep_every=%d)", old.name,
-                     c.keep_checkpoints, c.keep_every)
+            log.info(
+                "deleted checkpoint %s (control.keep_checkpoints=%d, keep_every=%d)",
+                old.name,
+                c.keep_checkpoints,
+                c.keep_every,
+            )
         return path
 
     def export_hf(self, name: str) -> Path:
@@ -383,4 +409,3 @@ class TrainLoop:
                 self._inflight_publish.join()
             self.stop.restore()
         return self.state
-

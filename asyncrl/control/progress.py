@@ -1,4 +1,8 @@
-"""The console view of a run: a rich progress bar with the numbers people watch."""
+"""The console view of a run: a rich progress bar with the numbers people watch.
+
+Only on a terminal: redirected to a file or a CI log, a live bar is redrawn into a mess of
+truncated lines ("train ━━━━ 20… 0:0…"), so there it shows nothing and the console sink's
+plain metrics line every `monitor.console_every` steps is the progress."""
 
 from __future__ import annotations
 
@@ -10,9 +14,16 @@ class StepProgress:
     """step i/N, reward, staleness and tokens/s, refreshed after every trainer step."""
 
     def __init__(self, total_steps: int, *, start: int = 0, console: Console | None = None):
+        console = console or Console(stderr=True)
+        self.live = console.is_terminal
         self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"), console=console or Console(stderr=True),
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            disable=not self.live,
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start, info="")
 

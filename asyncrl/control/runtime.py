@@ -111,8 +111,13 @@ class Runtime(contextlib.ExitStack):
         else:
             self.redis_url = q.redis_url
         self.queue = RolloutQueue.connect(
-            self.redis_url, self.cfg.control.run_name, password=q.password, consumer="learner-0",
-            maxlen=q.maxlen, max_record_bytes=q.max_record_bytes, claim_idle_s=q.claim_idle_s,
+            self.redis_url,
+            self.cfg.control.run_name,
+            password=q.password,
+            consumer="learner-0",
+            maxlen=q.maxlen,
+            max_record_bytes=q.max_record_bytes,
+            claim_idle_s=q.claim_idle_s,
             retry_deadline_s=q.retry_deadline_s,
         )
         self.callback(self.queue.close)
@@ -139,17 +144,24 @@ class Runtime(contextlib.ExitStack):
     def _start_learner(self) -> None:
         from asyncrl.learner import LearnerGroup
 
-        self.learner = LearnerGroup(self.cfg, self.model_path,
-                                    collective_timeout_s=self.cfg.learner.collective_timeout_s,
-                                    model_package=self.model_package)
+        self.learner = LearnerGroup(
+            self.cfg,
+            self.model_path,
+            collective_timeout_s=self.cfg.learner.collective_timeout_s,
+            model_package=self.model_package,
+        )
         self.callback(self.learner.shutdown)
 
     def _start_weight_sync(self) -> None:
         from asyncrl.sync import build_weight_sync
 
         self.weight_sync = build_weight_sync(
-            self.cfg.sync, queue=self.queue, run=self.cfg.control.run_name, learner=self.learner,
-            model_package=self.model_package)
+            self.cfg.sync,
+            queue=self.queue,
+            run=self.cfg.control.run_name,
+            learner=self.learner,
+            model_package=self.model_package,
+        )
         self.callback(self.weight_sync.close)
 
     def _create_generators(self) -> None:
@@ -187,8 +199,12 @@ class Runtime(contextlib.ExitStack):
         """name -> (actor handle, node id it was started on): learner ranks and generators."""
         out = {}
         if self.learner is not None:
-            out.update({f"learner rank {r}": (a, info["node_id"])
-                        for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info))})
+            out.update(
+                {
+                    f"learner rank {r}": (a, info["node_id"])
+                    for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info))
+                }
+            )
         out.update({f"gen-{i}": (g, node) for i, (g, node) in enumerate(zip(self.generators, self.generator_nodes))})
         return out
 

@@ -30,14 +30,26 @@ def _f(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def run_summary(rows: Sequence[Mapping], *, startup_s: float, wall_s: float, counters: Mapping[str, int],
-                max_staleness: int, status: str, run_dir: Path, checkpoint: Path | None,
-                hf_dir: Path | None, dashboard_url: str | None, resume_cmd: str) -> str:
+def run_summary(
+    rows: Sequence[Mapping],
+    *,
+    startup_s: float,
+    wall_s: float,
+    counters: Mapping[str, int],
+    max_staleness: int,
+    status: str,
+    run_dir: Path,
+    checkpoint: Path | None,
+    hf_dir: Path | None,
+    dashboard_url: str | None,
+    resume_cmd: str,
+) -> str:
     steps = int(rows[-1]["step"]) if rows else 0
     wait, train, sync = (_sum(rows, f"time/{k}") for k in ("wait_data", "train", "sync"))
     first, last = rows[:WINDOW], rows[-WINDOW:]
-    stale_max = max((r["staleness/max"] for r in rows if isinstance(r.get("staleness/max"), (int, float))),
-                    default=None)
+    stale_max = max(
+        (r["staleness/max"] for r in rows if isinstance(r.get("staleness/max"), (int, float))), default=None
+    )
     lines = [
         f"run {status}: {steps} steps in {wall_s:.1f} s "
         f"(start-up {startup_s:.1f} s, waiting for data {wait:.1f} s, training {train:.1f} s, "
@@ -49,7 +61,8 @@ def run_summary(rows: Sequence[Mapping], *, startup_s: float, wall_s: float, cou
         f"  staleness       mean {_f(_mean(rows, 'staleness/mean'), '.2f')}, max {_f(stale_max, '.0f')} "
         f"(bound {max_staleness})",
         "  groups          produced {0}, trained {1}, dropped as stale {2}, dead-lettered {3}".format(
-            *(counters.get(k, 0) for k in ("groups_produced", "groups_trained", "dropped_stale", "dead_lettered"))),
+            *(counters.get(k, 0) for k in ("groups_produced", "groups_trained", "dropped_stale", "dead_lettered"))
+        ),
         f"  checkpoint      {checkpoint or '-'}",
         f"  model (HF)      {hf_dir or '-'}",
         f"  metrics         {run_dir / 'metrics.jsonl'}",

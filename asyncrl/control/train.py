@@ -51,16 +51,20 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
                     log.info("resumed from %s at step %d, policy version %d", ckpt, state.step, state.version)
             else:
                 rt.write_config()
-            logger = build_metrics_logger(cfg.monitor, rt.redis_url, cfg.control.run_name, run_dir,
-                                          cfg.to_dict(), password=cfg.queue.password)
+            logger = build_metrics_logger(
+                cfg.monitor, rt.redis_url, cfg.control.run_name, run_dir, cfg.to_dict(), password=cfg.queue.password
+            )
             rt.callback(logger.close)
             dashboard_url = _start_dashboard(cfg, rt)
             _announce(cfg, rt, dashboard_url)
             loop = TrainLoop(cfg, rt, logger, state=state, stop=stop)
             loop.prepare()
             rt.launch_generators()
-            log.info("start-up: %s seconds after start (ready: %s)", rt.startup.get("generators"),
-                     ", ".join(f"{k} {v}s" for k, v in rt.startup.items()))
+            log.info(
+                "start-up: %s seconds after start (ready: %s)",
+                rt.startup.get("generators"),
+                ", ".join(f"{k} {v}s" for k, v in rt.startup.items()),
+            )
             loop.on_step = on_step
             first_step = state.step
             try:
@@ -73,15 +77,26 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             except Exception as e:
                 rt.report_lost_actors(e)
                 raise
-            print(_summary(cfg, rt, run_dir, first_step, "stopped" if stop.is_set else "finished",
-                           dashboard_url, time.perf_counter() - t0), flush=True)
+            print(
+                _summary(
+                    cfg,
+                    rt,
+                    run_dir,
+                    first_step,
+                    "stopped" if stop.is_set else "finished",
+                    dashboard_url,
+                    time.perf_counter() - t0,
+                ),
+                flush=True,
+            )
             return state
     finally:
         stop.restore()
 
 
-def _summary(cfg: Config, rt, run_dir: Path, first_step: int, status: str, dashboard_url: str | None,
-             wall_s: float) -> str:
+def _summary(
+    cfg: Config, rt, run_dir: Path, first_step: int, status: str, dashboard_url: str | None, wall_s: float
+) -> str:
     """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
     from asyncrl.control.export import HF_DIR
     from asyncrl.control.summary import run_summary
@@ -91,10 +106,19 @@ def _summary(cfg: Config, rt, run_dir: Path, first_step: int, status: str, dashb
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     rows = [r for r in rows if r.get("step", 0) > first_step]  # a resumed run appends to the file
     hf = run_dir / HF_DIR / "final"
-    return run_summary(rows, startup_s=rt.startup.get("generators", 0.0), wall_s=wall_s,
-                       counters=rt.queue.counters(), max_staleness=0 if cfg.control.mode == "sync" else cfg.control.max_staleness, status=status,
-                       run_dir=run_dir, checkpoint=latest_checkpoint(run_dir), hf_dir=hf if hf.is_dir() else None,
-                       dashboard_url=dashboard_url, resume_cmd=f"asyncrl train --resume {run_dir}")
+    return run_summary(
+        rows,
+        startup_s=rt.startup.get("generators", 0.0),
+        wall_s=wall_s,
+        counters=rt.queue.counters(),
+        max_staleness=0 if cfg.control.mode == "sync" else cfg.control.max_staleness,
+        status=status,
+        run_dir=run_dir,
+        checkpoint=latest_checkpoint(run_dir),
+        hf_dir=hf if hf.is_dir() else None,
+        dashboard_url=dashboard_url,
+        resume_cmd=f"asyncrl train --resume {run_dir}",
+    )
 
 
 def _start_dashboard(cfg: Config, rt) -> str | None:
@@ -104,8 +128,7 @@ def _start_dashboard(cfg: Config, rt) -> str | None:
     from asyncrl.monitor.dashboard.app import serve_in_thread
 
     m = cfg.monitor
-    kwargs = dict(run=cfg.control.run_name, host=m.dashboard_host, token=m.dashboard_token,
-                  password=cfg.queue.password)
+    kwargs = dict(run=cfg.control.run_name, host=m.dashboard_host, token=m.dashboard_token, password=cfg.queue.password)
     try:
         server = serve_in_thread(rt.redis_url, port=m.dashboard_port, **kwargs)
     except OSError:
@@ -117,11 +140,13 @@ def _start_dashboard(cfg: Config, rt) -> str | None:
 def _announce(cfg: Config, rt, dashboard_url: str | None) -> None:
     run = cfg.control.run_name
     log.info("run %r in %s; Redis at %s", run, rt.run_dir, redact_url(rt.redis_url))
-    log.info("metrics: %s, Redis stream asyncrl:%s:metrics%s", rt.run_dir / "metrics.jsonl", run,
-             f", wandb ({cfg.monitor.wandb}) in {rt.run_dir / 'wandb'}" if cfg.monitor.wandb != "disabled" else "")
+    log.info(
+        "metrics: %s, Redis stream asyncrl:%s:metrics%s",
+        rt.run_dir / "metrics.jsonl",
+        run,
+        f", wandb ({cfg.monitor.wandb}) in {rt.run_dir / 'wandb'}" if cfg.monitor.wandb != "disabled" else "",
+    )
     if dashboard_url:
         log.info("dashboard: %s  (token required)" if cfg.monitor.dashboard_token else "dashboard: %s", dashboard_url)
     else:
         log.info("dashboard: asyncrl dashboard --redis %s --run %s", redact_url(rt.redis_url), run)
-
-

@@ -114,7 +114,9 @@ def _outcome_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]:
     adv = estimator(
         torch.tensor([r.sample.reward for r in valid], dtype=torch.float64),
         torch.tensor([r.group_index for r in valid], dtype=torch.long),
-        mask, params=_advantage_params(algo), token_rewards=token_rewards,
+        mask,
+        params=_advantage_params(algo),
+        token_rewards=token_rewards,
     )
     it = iter(adv)
     for k, r in enumerate(rows):
@@ -227,12 +229,13 @@ def build_minibatches(
         members = [i for i, src in enumerate(sources) if lo <= rows[src[0]].group_index < hi]
         masks = _padded([fields[i]["loss_mask"].numpy() for i in members])
         group_ids = torch.tensor([rows[sources[i][0]].group_index for i in members], dtype=torch.long)
-        weights = reduction_weights(masks, algo.loss_reduction, constant=algo.reduction_constant,
-                                    group_ids=group_ids)
-        minibatches.append([
-            _train_sequence(fields[i], weights[j], [rows[k] for k in sources[i]], groups)
-            for j, i in enumerate(members)
-        ])
+        weights = reduction_weights(masks, algo.loss_reduction, constant=algo.reduction_constant, group_ids=group_ids)
+        minibatches.append(
+            [
+                _train_sequence(fields[i], weights[j], [rows[k] for k in sources[i]], groups)
+                for j, i in enumerate(members)
+            ]
+        )
     metrics["batch/num_loss_tokens"] = float(sum(f["loss_mask"].sum() for f in fields))
     metrics["batch/num_sequences"] = float(len(fields))
     return minibatches, metrics
@@ -265,4 +268,3 @@ def _metrics(rows: list[_Row], advs: list[np.ndarray]) -> dict[str, float]:
         "advantages/mean": float(masked_adv.mean()) if masked_adv.size else 0.0,
         "advantages/abs_mean": float(np.abs(masked_adv).mean()) if masked_adv.size else 0.0,
     }
-

@@ -55,8 +55,14 @@ _PER_TOKEN = ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards"
 
 _GROUP_FIELDS = {"schema", "group_id", "prompt_id", "prompt_ids", "env", "metadata", "samples"}
 _SAMPLE_FIELDS = set(_SAMPLE_ARRAYS) | {
-    "reward", "behavior_version", "stop_reason", "generator_id", "timings", "error",
-    "trajectory_id", "step_index",
+    "reward",
+    "behavior_version",
+    "stop_reason",
+    "generator_id",
+    "timings",
+    "error",
+    "trajectory_id",
+    "step_index",
 }
 _ARRAY_FIELDS = {"dtype", "shape", "data"}
 
@@ -239,9 +245,16 @@ def _unpack(data: bytes, max_bytes: int) -> Any:
         raise RecordError("oversize", f"{len(data)} bytes > max_bytes={max_bytes}")
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext,
-            max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=max_bytes,
-            max_map_len=max_bytes, max_ext_len=max_bytes,
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_reject_ext,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=max_bytes,
+            max_map_len=max_bytes,
+            max_ext_len=max_bytes,
         )
     except RecordError:
         raise

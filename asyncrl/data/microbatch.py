@@ -31,8 +31,7 @@ import torch
 from asyncrl.types import TrainSequence
 
 # Per-token fields a TrainSequence carries into the learner (all aligned to input_ids).
-SEQUENCE_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights",
-                   "token_versions")
+SEQUENCE_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
 INTEGER_FIELDS = ("input_ids", "token_versions")
 PADDING_KEY = "is_padding"
 
@@ -108,8 +107,10 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
         for k, s in enumerate(seqs):
             arr = np.asarray(s[name])
             if arr.shape != (len(s["input_ids"]),):
-                raise ValueError(f"collate: field {name!r} of sequence {k} has shape {arr.shape}, "
-                                 f"input_ids has ({len(s['input_ids'])},)")
+                raise ValueError(
+                    f"collate: field {name!r} of sequence {k} has shape {arr.shape}, "
+                    f"input_ids has ({len(s['input_ids'])},)"
+                )
             rows[k, : len(arr)] = arr
         out[name] = torch.from_numpy(rows)
     return out
@@ -120,8 +121,7 @@ def field_dtypes(mb: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
     return {name: t.dtype for name, t in mb.items() if isinstance(t, torch.Tensor)}
 
 
-def padding_microbatch(fields: dict[str, torch.dtype], *, pad_token_id: int,
-                       length: int = 1) -> dict[str, Any]:
+def padding_microbatch(fields: dict[str, torch.dtype], *, pad_token_id: int, length: int = 1) -> dict[str, Any]:
     """A [1, length] micro-batch that carries every field in `fields` and trains on nothing.
 
     input_ids are pad tokens; every other field is 0, so loss_mask and reduction_weights are
@@ -145,8 +145,14 @@ def plan_microbatches(lengths_per_rank: list[list[int]], budget: int) -> tuple[l
     return plans, max(1, max((len(p) for p in plans), default=0))
 
 
-def build_rank_microbatches(seqs: list[dict[str, np.ndarray]], plan: list[list[int]], count: int,
-                            fields: dict[str, torch.dtype], *, pad_token_id: int) -> list[dict[str, Any]]:
+def build_rank_microbatches(
+    seqs: list[dict[str, np.ndarray]],
+    plan: list[list[int]],
+    count: int,
+    fields: dict[str, torch.dtype],
+    *,
+    pad_token_id: int,
+) -> list[dict[str, Any]]:
     """Collate one rank's micro-batches per `plan`, then add padding ones up to `count`."""
     if len(plan) > count:
         raise ValueError(f"plan has {len(plan)} micro-batches, more than the common count {count}")

@@ -25,11 +25,20 @@ from asyncrl.config import Config, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint, fsdp, optim, step
 
+
 class LearnerActor:
     """One data-parallel rank. Construct cheaply; `setup()` joins the group and loads the model."""
 
-    def __init__(self, cfg: Config, model_path: str, *, rank: int, world_size: int,
-                 collective_timeout_s: float = 300.0, model_package: list | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        *,
+        rank: int,
+        world_size: int,
+        collective_timeout_s: float = 300.0,
+        model_package: list | None = None,
+    ) -> None:
         self.cfg, self.model_path, self.model_package = cfg, model_path, model_package
         self.rank, self.world_size = rank, world_size
         self.collective_timeout_s = collective_timeout_s
@@ -62,29 +71,43 @@ class LearnerActor:
         np.random.seed(lc.seed + self.rank)
         self.device = fsdp.pick_device(lc.gpus_per_rank)
         backend = fsdp.pick_backend(lc.backend, self.device)
-        fsdp.init_distributed(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
-                              master_port=master_port, backend=backend, timeout_s=self.collective_timeout_s)
+        fsdp.init_distributed(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,
+            timeout_s=self.collective_timeout_s,
+        )
         mesh = fsdp.build_mesh(self.device, self.world_size)
         self.model = fsdp.load_sharded_model(self.model_path, mesh, device=self.device, dtype=lc.dtype)
         self.reference = None
         if self.cfg.algo.kl_coef > 0:
-            self.reference = fsdp.load_sharded_model(self.model_path, mesh, device=self.device, dtype=lc.dtype,
-                                                     trainable=False)
+            self.reference = fsdp.load_sharded_model(
+                self.model_path, mesh, device=self.device, dtype=lc.dtype, trainable=False
+            )
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
         self.logprob_fn = loss.token_logprobs
         self.microbatch_loss = loss.microbatch_loss
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
-        return {"rank": self.rank, "device": str(self.device), "backend": backend, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "threads": torch.get_num_threads(),
-                "cores": sorted(os.sched_getaffinity(0))}
+        return {
+            "rank": self.rank,
+            "device": str(self.device),
+            "backend": backend,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "threads": torch.get_num_threads(),
+            "cores": sorted(os.sched_getaffinity(0)),
+        }
 
     # ------------------------------------------------------------------ helpers
 
-    def _microbatches(self, plan: list[list[dict[str, np.ndarray]]], count: int,
-                      fields: dict[str, str]) -> list[dict[str, Any]]:
+    def _microbatches(
+        self, plan: list[list[dict[str, np.ndarray]]], count: int, fields: dict[str, str]
+    ) -> list[dict[str, Any]]:
         flat = [seq for mb in plan for seq in mb]
         index, k = [], 0
         for mb in plan:
@@ -95,19 +118,31 @@ class LearnerActor:
 
     # ------------------------------------------------------------------ endpoints
 
-    def store_proximal(self, key: int, plan: list[list[dict[str, np.ndarray]]], count: int,
-                       fields: dict[str, str]) -> float:
+    def store_proximal(
+        self, key: int, plan: list[list[dict[str, np.ndarray]]], count: int, fields: dict[str, str]
+    ) -> float:
         """Old (proximal) logprobs of a later mini-batch, taken now, before this step's first
         update: with several mini-batches per step they all share the step's starting policy."""
         t0 = time.perf_counter()
         mbs = self._microbatches(plan, count, fields)
-        step.add_prepass_logprobs(self.model, None, mbs, temperature=self.cfg.rollout.temperature,
-                                  logprob_fn=self.logprob_fn, device=self.device)
+        step.add_prepass_logprobs(
+            self.model,
+            None,
+            mbs,
+            temperature=self.cfg.rollout.temperature,
+            logprob_fn=self.logprob_fn,
+            device=self.device,
+        )
         self._proximal[key] = [mb["old_logprobs"] for mb in mbs]
         return time.perf_counter() - t0
 
-    def train_minibatch(self, plan: list[list[dict[str, np.ndarray]]], count: int,
-                        fields: dict[str, str], proximal_key: int | None = None) -> dict[str, Any]:
+    def train_minibatch(
+        self,
+        plan: list[list[dict[str, np.ndarray]]],
+        count: int,
+        fields: dict[str, str],
+        proximal_key: int | None = None,
+    ) -> dict[str, Any]:
         """Pre-pass (reference logprobs), then one optimizer step over `count` micro-batches.
 
         Old logprobs come from `store_proximal(proximal_key, ...)`, or, with no key (one
@@ -116,36 +151,56 @@ class LearnerActor:
         temperature = self.cfg.rollout.temperature
         t0 = time.perf_counter()
         mbs = self._microbatches(plan, count, fields)
-        step.add_prepass_logprobs(None, self.reference, mbs, temperature=temperature,
-                                  logprob_fn=self.logprob_fn, device=self.device)
+        step.add_prepass_logprobs(
+            None, self.reference, mbs, temperature=temperature, logprob_fn=self.logprob_fn, device=self.device
+        )
         if proximal_key is not None:
             for mb, old in zip(mbs, self._proximal.pop(proximal_key)):
                 mb["old_logprobs"] = old
         t1 = time.perf_counter()
-        loss_fn = functools.partial(self.microbatch_loss, algo=self.cfg.algo, temperature=temperature,
-                                    num_microbatches=count * self.world_size,
-                                    old_from_current=proximal_key is None)
-        stats = step.train_step(self.model, self.optimizer, self.scheduler, mbs, loss_fn,
-                                world_size=self.world_size, grad_clip=self.cfg.learner.grad_clip,
-                                device=self.device)
+        loss_fn = functools.partial(
+            self.microbatch_loss,
+            algo=self.cfg.algo,
+            temperature=temperature,
+            num_microbatches=count * self.world_size,
+            old_from_current=proximal_key is None,
+        )
+        stats = step.train_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            mbs,
+            loss_fn,
+            world_size=self.world_size,
+            grad_clip=self.cfg.learner.grad_clip,
+            device=self.device,
+        )
         self.version += 1
         self.step_count += 1
         real = sum(int(mb["loss_mask"].numel()) for mb in mbs if not mb[mbatch.PADDING_KEY])
         tokens = sum(len(s["input_ids"]) for p in plan for s in p)
         return {
             "metrics": {k: (m.reduce, m.total, m.count) for k, m in stats.metrics.items()},
-            "grad_norm": stats.grad_norm, "lr": stats.lr, "version": self.version,
-            "tokens": tokens, "padded_tokens": real, "microbatches": count,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "version": self.version,
+            "tokens": tokens,
+            "padded_tokens": real,
+            "microbatches": count,
             "padding_microbatches": count - len(plan),
-            "seconds_prepass": t1 - t0, "seconds_forward_backward": stats.seconds_forward_backward,
+            "seconds_prepass": t1 - t0,
+            "seconds_forward_backward": stats.seconds_forward_backward,
             "seconds_optimizer": stats.seconds_optimizer,
         }
 
-    def logprobs(self, plan: list[list[dict[str, np.ndarray]]], count: int, temperature: float) -> list[list[np.ndarray]]:
+    def logprobs(
+        self, plan: list[list[dict[str, np.ndarray]]], count: int, temperature: float
+    ) -> list[list[np.ndarray]]:
         mbs = self._microbatches(plan, count, {"input_ids": "int64"})
         lengths = [[len(s["input_ids"]) for s in mb] for mb in plan] + [[]] * (count - len(plan))
-        return step.sequence_logprobs(self.model, mbs, lengths, temperature=temperature,
-                                      logprob_fn=self.logprob_fn, device=self.device)
+        return step.sequence_logprobs(
+            self.model, mbs, lengths, temperature=temperature, logprob_fn=self.logprob_fn, device=self.device
+        )
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective; the full HF-named state dict on rank 0, {} on the others."""
@@ -159,7 +214,11 @@ class LearnerActor:
         if self.rank == 0:
             tmp = f"{path}.tmp-{os.getpid()}"
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt", "version": str(self.version)})
+            save_file(
+                {k: v.contiguous() for k, v in state.items()},
+                tmp,
+                metadata={"format": "pt", "version": str(self.version)},
+            )
             os.replace(tmp, path)
         return self.version
 
@@ -171,13 +230,21 @@ class LearnerActor:
         return self.version, (safetensors_blob(state) if self.rank == 0 else None)
 
     def save(self, directory: str) -> int:
-        checkpoint.save_rank_state(directory, self.model, self.optimizer, self.scheduler, rank=self.rank,
-                                   step=self.step_count, version=self.version)
+        checkpoint.save_rank_state(
+            directory,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            rank=self.rank,
+            step=self.step_count,
+            version=self.version,
+        )
         return self.version
 
     def load(self, directory: str) -> int:
-        self.step_count, self.version = checkpoint.load_rank_state(directory, self.model, self.optimizer,
-                                                                   self.scheduler, rank=self.rank)
+        self.step_count, self.version = checkpoint.load_rank_state(
+            directory, self.model, self.optimizer, self.scheduler, rank=self.rank
+        )
         return self.version
 
     def get_version(self) -> int:

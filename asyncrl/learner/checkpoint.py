@@ -49,8 +49,13 @@ def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {
         "torch": torch.get_rng_state().numpy().tobytes(),
-        "numpy": [np_state[0], np_state[1].astype(np.uint32).tobytes(), int(np_state[2]), int(np_state[3]),
-                  float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            np_state[1].astype(np.uint32).tobytes(),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -71,8 +76,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- rank side
 
 
-def save_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, *, rank: int, step: int, version: int) -> None:
+def save_rank_state(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    rank: int,
+    step: int,
+    version: int,
+) -> None:
     """Collective: every rank writes its model/optimizer shards via DCP plus its own msgpack file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -83,8 +96,9 @@ def save_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: to
     rank_file(directory, rank).write_bytes(msgpack.packb(record, use_bin_type=True))
 
 
-def load_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, *, rank: int) -> tuple[int, int]:
+def load_rank_state(
+    directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, rank: int
+) -> tuple[int, int]:
     """Collective: restore shards (resharding if the world size changed), scheduler and RNG;
     return (step, version)."""
     import torch.distributed.checkpoint as dcp
@@ -170,8 +184,10 @@ def prune(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1")
     root = Path(root)
-    done = sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()),
-                  key=lambda p: int(p.name.removeprefix("step_")))
+    done = sorted(
+        (p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()),
+        key=lambda p: int(p.name.removeprefix("step_")),
+    )
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     removed = []
     for path in done[:-keep_last]:

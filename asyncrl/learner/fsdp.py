@@ -42,8 +42,9 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def init_distributed(*, rank: int, world_size: int, master_port: int, backend: str, timeout_s: float,
-                     master_addr: str = "127.0.0.1") -> None:
+def init_distributed(
+    *, rank: int, world_size: int, master_port: int, backend: str, timeout_s: float, master_addr: str = "127.0.0.1"
+) -> None:
     """Join the rank's process group over TCP. `timeout_s` bounds every collective, so a dead
     peer turns into an error on the survivors instead of a hang."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
@@ -94,8 +95,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     return model
 
 
-def load_sharded_model(model_path: str, mesh: DeviceMesh, *, device: torch.device, dtype: str,
-                       trainable: bool = True) -> nn.Module:
+def load_sharded_model(
+    model_path: str, mesh: DeviceMesh, *, device: torch.device, dtype: str, trainable: bool = True
+) -> nn.Module:
     """Load the HF causal LM in float32 (master weights), shard it with FSDP2 over `mesh`.
 
     A frozen model (the KL reference) gets requires_grad=False, so it holds no gradients and

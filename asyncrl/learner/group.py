@@ -68,8 +68,15 @@ def combine_minibatch_metrics(per_minibatch: list[dict[str, MetricValue]]) -> di
 class LearnerGroup:
     """N LearnerActor ranks forming one torch.distributed group; see the module docstring."""
 
-    def __init__(self, cfg: Config, model_path: str, *, num_ranks: int | None = None,
-                 collective_timeout_s: float = 300.0, model_package: list | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        *,
+        num_ranks: int | None = None,
+        collective_timeout_s: float = 300.0,
+        model_package: list | None = None,
+    ) -> None:
         import ray
         from transformers import AutoConfig
 
@@ -92,8 +99,13 @@ class LearnerGroup:
             remote = ray.remote(LearnerActor)
             self.actors = [
                 remote.options(max_restarts=0, **placement.rank_options(self._pg, order[r])).remote(
-                    cfg, model_path, rank=r, world_size=self.num_ranks, collective_timeout_s=collective_timeout_s,
-                    model_package=model_package)
+                    cfg,
+                    model_path,
+                    rank=r,
+                    world_size=self.num_ranks,
+                    collective_timeout_s=collective_timeout_s,
+                    model_package=model_package,
+                )
                 for r in range(self.num_ranks)
             ]
             # Rank 0's node picks the address and port: the driver's loopback is nobody else's.
@@ -119,8 +131,9 @@ class LearnerGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._broken = f"{what} timed out"
-                raise LearnerError(f"learner {what} timed out: ranks {sorted(rank_of[r] for r in pending)} "
-                                   f"did not answer")
+                raise LearnerError(
+                    f"learner {what} timed out: ranks {sorted(rank_of[r] for r in pending)} did not answer"
+                )
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
             for ref in ready:
                 try:
@@ -135,8 +148,10 @@ class LearnerGroup:
                     dead = self._dead_rank(pending, rank_of) if _LOST_PEER.search(str(e)) else None
                     if dead is not None:  # the root cause: the others only lost their peer
                         self._broken = f"rank {dead} died"
-                        raise LearnerError(f"learner rank {dead} died during {what} (rank {rank_of[ref]} "
-                                           f"then failed in its collective: {type(e).__name__})") from e
+                        raise LearnerError(
+                            f"learner rank {dead} died during {what} (rank {rank_of[ref]} "
+                            f"then failed in its collective: {type(e).__name__})"
+                        ) from e
                     raise
         return ray.get(refs)
 
@@ -171,8 +186,9 @@ class LearnerGroup:
                     continue
         return None
 
-    def _call(self, method: str, per_rank_args: list[tuple] | None = None, *, what: str | None = None,
-              **kwargs: Any) -> list:
+    def _call(
+        self, method: str, per_rank_args: list[tuple] | None = None, *, what: str | None = None, **kwargs: Any
+    ) -> list:
         args = per_rank_args or [()] * self.num_ranks
         refs = [getattr(a, method).remote(*args[r], **kwargs) for r, a in enumerate(self.actors)]
         return self._gather(refs, what or method)
@@ -182,8 +198,9 @@ class LearnerGroup:
         sequences, the common count, and where each (rank, micro-batch, row) came from."""
         lengths = [len(s["input_ids"]) for s in sequences]
         shares = mbatch.deal_to_ranks(lengths, self.num_ranks)
-        plans, count = mbatch.plan_microbatches([[lengths[i] for i in share] for share in shares],
-                                                self.micro_batch_tokens)
+        plans, count = mbatch.plan_microbatches(
+            [[lengths[i] for i in share] for share in shares], self.micro_batch_tokens
+        )
         per_rank, origin = [], []
         for share, plan in zip(shares, plans):
             per_rank.append([[sequences[share[i]] for i in mb] for mb in plan])
@@ -202,47 +219,49 @@ class LearnerGroup:
 
     def train_step(self, minibatches: list[list[TrainSequence]]) -> dict[str, float]:
         """One optimizer step (one policy version) per mini-batch; merged metrics as floats."""
-        validate_minibatches(minibatches, self.cfg.algo, max_positions=self.max_positions,
-                             vocab_size=self.vocab_size)
+        validate_minibatches(minibatches, self.cfg.algo, max_positions=self.max_positions, vocab_size=self.vocab_size)
         t0 = time.perf_counter()
         per_mb, results = [], []
         plans = [self._plan([mbatch.seq_fields(s) for s in mb])[:2] for mb in minibatches]
         several = len(minibatches) > 1
         if several:  # every mini-batch's proximal policy is the weights before the first update
             for j, (per_rank, count) in enumerate(plans):
-                self._call("store_proximal", [(j, p, count, FIELD_DTYPES) for p in per_rank],
-                           what="train_step")
+                self._call("store_proximal", [(j, p, count, FIELD_DTYPES) for p in per_rank], what="train_step")
         for j, (per_rank, count) in enumerate(plans):
             key = j if several else None
-            out = self._call("train_minibatch", [(p, count, FIELD_DTYPES, key) for p in per_rank],
-                             what="train_step")
+            out = self._call("train_minibatch", [(p, count, FIELD_DTYPES, key) for p in per_rank], what="train_step")
             per_mb.append(merge_metrics([{k: MetricValue(*v) for k, v in r["metrics"].items()} for r in out]))
             results.append(out)
             self._version = out[0]["version"]
         seconds = time.perf_counter() - t0
         return self._step_metrics(per_mb, results, seconds)
 
-    def _step_metrics(self, per_mb: list[dict[str, MetricValue]], results: list[list[dict]],
-                      seconds: float) -> dict[str, float]:
+    def _step_metrics(
+        self, per_mb: list[dict[str, MetricValue]], results: list[list[dict]], seconds: float
+    ) -> dict[str, float]:
         metrics = combine_minibatch_metrics(per_mb)
         flat = [r for out in results for r in out]
         tokens = sum(r["tokens"] for r in flat)
         padded = sum(r["padded_tokens"] for r in flat)
-        metrics.update({
-            "learner/grad_norm": float(np.mean([out[0]["grad_norm"] for out in results])),
-            "learner/lr": float(results[-1][0]["lr"]),
-            "learner/version": float(self._version),
-            "learner/train_tokens": float(tokens),
-            "learner/microbatches": float(np.mean([out[0]["microbatches"] for out in results])),
-            "learner/padding_microbatches": float(sum(r["padding_microbatches"] for r in flat)),
-            "learner/padding_frac": 1.0 - tokens / padded if padded else 0.0,
-            "throughput/train_tokens_per_s": tokens / max(seconds, 1e-9),
-            "time/learner_step": seconds,
-            # Slowest rank per phase: the others wait for it at the next collective.
-            "time/learner_prepass": sum(max(r["seconds_prepass"] for r in out) for out in results),
-            "time/learner_forward_backward": sum(max(r["seconds_forward_backward"] for r in out) for out in results),
-            "time/learner_optimizer": sum(max(r["seconds_optimizer"] for r in out) for out in results),
-        })
+        metrics.update(
+            {
+                "learner/grad_norm": float(np.mean([out[0]["grad_norm"] for out in results])),
+                "learner/lr": float(results[-1][0]["lr"]),
+                "learner/version": float(self._version),
+                "learner/train_tokens": float(tokens),
+                "learner/microbatches": float(np.mean([out[0]["microbatches"] for out in results])),
+                "learner/padding_microbatches": float(sum(r["padding_microbatches"] for r in flat)),
+                "learner/padding_frac": 1.0 - tokens / padded if padded else 0.0,
+                "throughput/train_tokens_per_s": tokens / max(seconds, 1e-9),
+                "time/learner_step": seconds,
+                # Slowest rank per phase: the others wait for it at the next collective.
+                "time/learner_prepass": sum(max(r["seconds_prepass"] for r in out) for out in results),
+                "time/learner_forward_backward": sum(
+                    max(r["seconds_forward_backward"] for r in out) for out in results
+                ),
+                "time/learner_optimizer": sum(max(r["seconds_optimizer"] for r in out) for out in results),
+            }
+        )
         return metrics
 
     def compute_logprobs(self, sequences: list[TrainSequence], temperature: float) -> list[np.ndarray]:

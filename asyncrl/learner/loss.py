@@ -45,7 +45,9 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Ten
     logp = log_softmax(logits / T) at the target token, the engine's ``processed_logprobs``.
     """
     if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
-        raise ValueError(f"logits must be [B, L, V] and input_ids [B, L]; got {tuple(logits.shape)}, {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"logits must be [B, L, V] and input_ids [B, L]; got {tuple(logits.shape)}, {tuple(input_ids.shape)}"
+        )
     shifted = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
     return torch.nn.functional.pad(shifted, (1, 0), value=0.0)
 
@@ -81,13 +83,16 @@ def required_fields(algo: AlgoConfig, *, old_from_current: bool = False) -> tupl
     return tuple(fields)
 
 
-def _check_fields(mb: dict[str, Tensor], algo: AlgoConfig, shape: torch.Size, *,
-                  old_from_current: bool = False) -> None:
+def _check_fields(
+    mb: dict[str, Tensor], algo: AlgoConfig, shape: torch.Size, *, old_from_current: bool = False
+) -> None:
     for name in required_fields(algo, old_from_current=old_from_current):
         if name not in mb or mb[name] is None:
-            raise ValueError(f"micro-batch is missing field {name!r}, needed by algo={algo.policy_loss!r} "
-                             f"(kl_coef={algo.kl_coef}, rollout_kl_coef={algo.rollout_kl_coef}, "
-                             f"correction={'on' if algo.correction.enabled else 'off'})")
+            raise ValueError(
+                f"micro-batch is missing field {name!r}, needed by algo={algo.policy_loss!r} "
+                f"(kl_coef={algo.kl_coef}, rollout_kl_coef={algo.rollout_kl_coef}, "
+                f"correction={'on' if algo.correction.enabled else 'off'})"
+            )
         if mb[name].shape != shape:
             raise ValueError(f"micro-batch field {name!r} has shape {tuple(mb[name].shape)}, expected {tuple(shape)}")
 
@@ -95,9 +100,18 @@ def _check_fields(mb: dict[str, Tensor], algo: AlgoConfig, shape: torch.Size, *,
 # Metric names the algo functions return -> the namespace they are reported under.
 # Fractions of rows (sequences with a loss token) merge over rows, the rest over loss tokens.
 _DRIFT_ROWS = {"geo_seq_masked_frac", "product_seq_masked_frac", "outlier_seq_masked_frac", "tis_seq_capped_frac"}
-_DRIFT = {"tis_ratio_mean", "tis_ratio_min", "tis_ratio_max", "tis_capped_frac", "masked_frac",
-          "geo_masked_frac", "product_masked_frac", "outlier_masked_frac", "token_masked_frac",
-          "extra_masked_frac"} | _DRIFT_ROWS
+_DRIFT = {
+    "tis_ratio_mean",
+    "tis_ratio_min",
+    "tis_ratio_max",
+    "tis_capped_frac",
+    "masked_frac",
+    "geo_masked_frac",
+    "product_masked_frac",
+    "outlier_masked_frac",
+    "token_masked_frac",
+    "extra_masked_frac",
+} | _DRIFT_ROWS
 
 
 def _metric(name: str, value: Tensor, count: Tensor) -> tuple[str, MetricValue]:
@@ -159,8 +173,14 @@ def microbatch_loss(
         old = logp.detach() if old_from_current else mb["old_logprobs"].to(dtype)
         adv = mb["advantages"].to(dtype)
     per_token, algo_metrics = corrected_policy_loss(
-        get_policy_loss(algo.policy_loss), logp, old, rollout, adv, mask,
-        params=policy_loss_params(algo), correction=correction_params(algo),
+        get_policy_loss(algo.policy_loss),
+        logp,
+        old,
+        rollout,
+        adv,
+        mask,
+        params=policy_loss_params(algo),
+        correction=correction_params(algo),
         sequence_level=algo.policy_loss in SEQUENCE_LEVEL_LOSSES,
     )
     policy = (weights * per_token).sum()
@@ -173,7 +193,8 @@ def microbatch_loss(
     n_rows = (mask > 0).any(dim=1).sum().to(dtype)
     metrics: dict[str, MetricValue] = dict(
         _metric(k, v, n_rows if k in _DRIFT_ROWS else n_tokens if k in _DRIFT else kept)
-        for k, v in algo_metrics.items() if has_tokens or not k.endswith(("_max", "_min"))
+        for k, v in algo_metrics.items()
+        if has_tokens or not k.endswith(("_max", "_min"))
     )
     metrics["loss/policy"] = MetricValue("sum", policy.detach())
 

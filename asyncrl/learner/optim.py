@@ -46,12 +46,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: LearnerConfig) ->
     if not trainable:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     # foreach: one multi-tensor kernel per op instead of a Python loop over (DTensor) shards.
-    return torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                             foreach=True)
+    return torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=True)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: LearnerConfig, *,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LearnerConfig, *, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR applying `lr_factor`; `total_steps` counts optimizer steps (policy versions)."""
     lr_factor(0, warmup_steps=cfg.warmup_steps, total_steps=total_steps, schedule=cfg.lr_schedule)  # name errors now
 

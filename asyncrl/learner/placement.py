@@ -39,14 +39,16 @@ def reserve_ranks(lc: LearnerConfig, num_ranks: int, timeout_s: float = 120.0):
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     bundle = rank_bundle(lc)
-    pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=lc.placement,
-                         name=f"asyncrl-learner-{time.time_ns()}")
+    pg = placement_group(
+        [dict(bundle) for _ in range(num_ranks)], strategy=lc.placement, name=f"asyncrl-learner-{time.time_ns()}"
+    )
     if not pg.wait(timeout_s):
         remove_placement_group(pg)
         raise PlacementError(
             f"learner: Ray could not place {num_ranks} rank(s) of {bundle} with learner.placement="
             f"{lc.placement!r} in {timeout_s:.0f} s; the cluster has {ray.available_resources()} free "
-            f"(learner.resources / cpus_per_rank / gpus_per_rank must fit on its nodes)")
+            f"(learner.resources / cpus_per_rank / gpus_per_rank must fit on its nodes)"
+        )
     nodes = placement_group_table(pg)["bundles_to_node_id"]
     here = ray.get_runtime_context().get_node_id()
     # Stable sort: bundles on the driver's node first, so rank 0 lands there if it can.
@@ -57,8 +59,11 @@ def reserve_ranks(lc: LearnerConfig, num_ranks: int, timeout_s: float = 120.0):
 def rank_options(pg, bundle_index: int) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=bundle_index)}
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle_index
+        )
+    }
 
 
 def release(pg) -> None:

@@ -52,8 +52,15 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def add_prepass_logprobs(model: nn.Module | None, reference: nn.Module | None, microbatches: list[dict[str, Any]],
-                         *, temperature: float, logprob_fn: LogprobFn, device: torch.device) -> None:
+def add_prepass_logprobs(
+    model: nn.Module | None,
+    reference: nn.Module | None,
+    microbatches: list[dict[str, Any]],
+    *,
+    temperature: float,
+    logprob_fn: LogprobFn,
+    device: torch.device,
+) -> None:
     """Fill mb['old_logprobs'] (the proximal policy: `model`'s current weights; skipped when
     `model` is None) and, with a reference model, mb['ref_logprobs'], in place. Runs on
     padding micro-batches too: every forward is an FSDP all-gather, so all ranks must run
@@ -79,9 +86,17 @@ def _grad_norm(model: nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-               microbatches: list[dict[str, Any]], loss_fn: LossFn, *, world_size: int, grad_clip: float,
-               device: torch.device) -> StepStats:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    microbatches: list[dict[str, Any]],
+    loss_fn: LossFn,
+    *,
+    world_size: int,
+    grad_clip: float,
+    device: torch.device,
+) -> StepStats:
     """Accumulate gradients over `microbatches`, clip, take one AdamW step and one lr step.
 
     Per micro-batch: loss_mb = loss_fn(logits, mb) = sum_t w_t * term_t; backward of
@@ -102,13 +117,25 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: An
     lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
     scheduler.step()
-    return StepStats(metrics=_to_float(merge_metrics(parts)), grad_norm=grad_norm, lr=lr,
-                     seconds_forward_backward=t1 - t0, seconds_optimizer=time.perf_counter() - t1)
+    return StepStats(
+        metrics=_to_float(merge_metrics(parts)),
+        grad_norm=grad_norm,
+        lr=lr,
+        seconds_forward_backward=t1 - t0,
+        seconds_optimizer=time.perf_counter() - t1,
+    )
 
 
 @torch.no_grad()
-def sequence_logprobs(model: nn.Module, microbatches: list[dict[str, Any]], lengths: list[list[int]], *,
-                      temperature: float, logprob_fn: LogprobFn, device: torch.device) -> list[list[Any]]:
+def sequence_logprobs(
+    model: nn.Module,
+    microbatches: list[dict[str, Any]],
+    lengths: list[list[int]],
+    *,
+    temperature: float,
+    logprob_fn: LogprobFn,
+    device: torch.device,
+) -> list[list[Any]]:
     """Per micro-batch, per real row: token logprobs trimmed to the row's length (numpy)."""
     out = []
     for mb, lens in zip(microbatches, lengths):

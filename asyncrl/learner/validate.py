@@ -23,8 +23,9 @@ def _where(j: int, i: int, seq: TrainSequence) -> str:
     return f"mini-batch {j}, sequence {i} (group_id={seq.group_id!r}, sample_index={seq.sample_index})"
 
 
-def _check_sequence(j: int, i: int, seq: TrainSequence, algo: AlgoConfig, max_positions: int,
-                    vocab_size: int | None) -> None:
+def _check_sequence(
+    j: int, i: int, seq: TrainSequence, algo: AlgoConfig, max_positions: int, vocab_size: int | None
+) -> None:
     if not isinstance(seq, TrainSequence):
         raise ValueError(f"mini-batch {j}, sequence {i}: expected a TrainSequence, got {type(seq).__name__}")
     where = _where(j, i, seq)
@@ -48,7 +49,9 @@ def _check_sequence(j: int, i: int, seq: TrainSequence, algo: AlgoConfig, max_po
     for name in ("loss_mask", "advantages", "reduction_weights"):
         arr = np.asarray(getattr(seq, name), dtype=np.float64)
         if not np.isfinite(arr).all():
-            raise ValueError(f"{where}: field {name!r} has NaN/inf at positions {np.flatnonzero(~np.isfinite(arr))[:8].tolist()}")
+            raise ValueError(
+                f"{where}: field {name!r} has NaN/inf at positions {np.flatnonzero(~np.isfinite(arr))[:8].tolist()}"
+            )
     if (np.asarray(seq.reduction_weights) < 0).any():
         raise ValueError(f"{where}: field 'reduction_weights' has negative entries")
     if algo.needs_rollout_logprobs:
@@ -66,8 +69,9 @@ def _check_sequence(j: int, i: int, seq: TrainSequence, algo: AlgoConfig, max_po
             )
 
 
-def validate_minibatches(minibatches: list[list[TrainSequence]], algo: AlgoConfig, *, max_positions: int,
-                         vocab_size: int | None = None) -> None:
+def validate_minibatches(
+    minibatches: list[list[TrainSequence]], algo: AlgoConfig, *, max_positions: int, vocab_size: int | None = None
+) -> None:
     """Raise ValueError naming the field and sequence of the first problem; return None if fine."""
     if not isinstance(minibatches, (list, tuple)) or not minibatches:
         raise ValueError("train_step needs a non-empty list of mini-batches (each a list of TrainSequence)")

@@ -9,10 +9,17 @@ stopped at any time, for a live run or a finished one.
 """
 
 from asyncrl.monitor.metrics import CATALOGUE, MetricSpec, evaluate_alerts, spec, staleness_summary
-from asyncrl.monitor.sinks import (ConsoleSink, MetricsLogger, RedisSink, WandbSink,
-                                   build_metrics_logger)
+from asyncrl.monitor.sinks import ConsoleSink, MetricsLogger, RedisSink, WandbSink, build_metrics_logger
 
 __all__ = [
-    "CATALOGUE", "ConsoleSink", "MetricSpec", "MetricsLogger", "RedisSink", "WandbSink",
-    "build_metrics_logger", "evaluate_alerts", "spec", "staleness_summary",
+    "CATALOGUE",
+    "ConsoleSink",
+    "MetricSpec",
+    "MetricsLogger",
+    "RedisSink",
+    "WandbSink",
+    "build_metrics_logger",
+    "evaluate_alerts",
+    "spec",
+    "staleness_summary",
 ]

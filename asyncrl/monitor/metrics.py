@@ -54,7 +54,12 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     # Staleness of the groups trained this step: policy_version - behavior_version.
     _m("staleness/mean", "mean", "mean staleness of trained groups", "versions"),
     _m("staleness/max", "max", "max staleness of trained groups", "versions"),
-    _m("staleness/p50", "max", "median staleness (linear interpolation); max across parts is an upper bound", "versions"),
+    _m(
+        "staleness/p50",
+        "max",
+        "median staleness (linear interpolation); max across parts is an upper bound",
+        "versions",
+    ),
     _m("staleness/p90", "max", "90th percentile staleness (linear interpolation)", "versions"),
     _m("staleness/ahead", "sum", "groups made by weights newer than the learner's (only after a resume)", "groups"),
     # staleness/frac_{k} is matched by pattern below (k = 0 .. max_staleness).
@@ -88,7 +93,12 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     # Where a trainer step's wall time goes (max over ranks: the slowest rank sets the pace).
     _m("time/wait_data", "max", "seconds waiting for enough fresh rollouts", "s"),
     _m("time/train", "max", "seconds in forward/backward/optimizer", "s"),
-    _m("time/sync", "max", "learner seconds publishing weights (async: the export; sync mode: until the engines run them)", "s"),
+    _m(
+        "time/sync",
+        "max",
+        "learner seconds publishing weights (async: the export; sync mode: until the engines run them)",
+        "s",
+    ),
     _m("time/step", "max", "wall seconds of the whole trainer step", "s"),
     _m("sync/seconds", "max", "learner seconds of this step's weight publish (same as time/sync)", "s"),
     _m("sync/apply_s", "max", "seconds the engines took to apply the last publish (pause, load, resume)", "s"),
@@ -248,31 +258,42 @@ def evaluate_alerts(
 
     kl = latest.get("drift/rollout_kl")
     if kl is not None and kl > thresholds.rollout_kl:
-        add("rollout_kl", kl, thresholds.rollout_kl,
-            f"rollout KL {kl:.4g} > {thresholds.rollout_kl:.4g}: train and rollout policies disagree")
+        add(
+            "rollout_kl",
+            kl,
+            thresholds.rollout_kl,
+            f"rollout KL {kl:.4g} > {thresholds.rollout_kl:.4g}: train and rollout policies disagree",
+        )
     masked = latest.get("drift/masked_frac")
     if masked is not None and masked > thresholds.masked_frac:
-        add("masked_frac", masked, thresholds.masked_frac,
-            f"{masked:.1%} of tokens masked > {thresholds.masked_frac:.1%}: correction is discarding data")
+        add(
+            "masked_frac",
+            masked,
+            thresholds.masked_frac,
+            f"{masked:.1%} of tokens masked > {thresholds.masked_frac:.1%}: correction is discarding data",
+        )
     smax = latest.get("staleness/max")
     if smax is not None and max_staleness:
         bound = thresholds.staleness_frac * max_staleness
         if smax >= bound:
-            add("staleness", smax, bound,
-                f"max staleness {smax:g} reached {bound:g} (max_staleness={max_staleness})")
+            add("staleness", smax, bound, f"max staleness {smax:g} reached {bound:g} (max_staleness={max_staleness})")
     for gid, gen in sorted(generators.items()):
         version = gen.get("version")
         if policy_version is not None and max_staleness is not None and version is not None:
             lag = policy_version - int(version)
             if lag > max_staleness:
-                add("generator_lag", float(lag), float(max_staleness),
+                add(
+                    "generator_lag",
+                    float(lag),
+                    float(max_staleness),
                     f"generator {gid} is {lag} versions behind (v{version} < v{policy_version}); "
-                    f"its rollouts exceed max_staleness={max_staleness}", gid)
+                    f"its rollouts exceed max_staleness={max_staleness}",
+                    gid,
+                )
         heartbeat = gen.get("heartbeat")
         if heartbeat is not None and now - float(heartbeat) > heartbeat_timeout_s:
             age = now - float(heartbeat)
-            add("generator_heartbeat", age, heartbeat_timeout_s,
-                f"generator {gid}: no heartbeat for {age:.0f} s", gid)
+            add("generator_heartbeat", age, heartbeat_timeout_s, f"generator {gid}: no heartbeat for {age:.0f} s", gid)
     return alerts
 
 

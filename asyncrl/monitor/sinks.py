@@ -45,8 +45,9 @@ class RedisSink:
     100k entries of ~60 metrics is ~150 MB at worst, ~10^5 steps of history.
     """
 
-    def __init__(self, redis: Any, run: str, *, source: str = "trainer", maxlen: int = 100_000,
-                 password: str | None = None):
+    def __init__(
+        self, redis: Any, run: str, *, source: str = "trainer", maxlen: int = 100_000, password: str | None = None
+    ):
         if maxlen < 1:
             raise ValueError(f"RedisSink maxlen={maxlen}: must be >= 1")
         self._key = keys.metrics(run)  # validates the run name
@@ -56,8 +57,9 @@ class RedisSink:
         if isinstance(redis, str):
             import redis as redis_lib
 
-            self._client = redis_lib.Redis.from_url(redis, password=password, socket_timeout=5,
-                                                    socket_connect_timeout=5)
+            self._client = redis_lib.Redis.from_url(
+                redis, password=password, socket_timeout=5, socket_connect_timeout=5
+            )
             self._owns_client = True
         else:
             self._client = redis
@@ -91,8 +93,9 @@ class WandbSink:
         import wandb
 
         Path(dir).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(mode=mode, project=project, name=run_name, config=dict(config), dir=str(dir),
-                              reinit="create_new")
+        self.run = wandb.init(
+            mode=mode, project=project, name=run_name, config=dict(config), dir=str(dir), reinit="create_new"
+        )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(clean(metrics), step=int(step))
@@ -189,8 +192,13 @@ class MetricsLogger:
             self.failures[name] = self.failures.get(name, 0) + 1
             if id(sink) not in self._warned:
                 self._warned.add(id(sink))
-                log.warning("metrics sink %s failed in %s(): %s: %s (further failures are counted, not logged)",
-                            name, what, type(e).__name__, e)
+                log.warning(
+                    "metrics sink %s failed in %s(): %s: %s (further failures are counted, not logged)",
+                    name,
+                    what,
+                    type(e).__name__,
+                    e,
+                )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for sink in self.sinks:
@@ -201,8 +209,15 @@ class MetricsLogger:
             self._guard(sink, "close")
 
 
-def build_metrics_logger(monitor_cfg: Any, redis_client: Any, run: str, run_dir: str | Path,
-                         config_dict: Mapping[str, Any], *, password: str | None = None) -> MetricsLogger:
+def build_metrics_logger(
+    monitor_cfg: Any,
+    redis_client: Any,
+    run: str,
+    run_dir: str | Path,
+    config_dict: Mapping[str, Any],
+    *,
+    password: str | None = None,
+) -> MetricsLogger:
     """The sinks a MonitorConfig asks for. run_dir/metrics.jsonl is always written; Redis is
     always on (the dashboard reads it) if a client is given.
 
@@ -214,11 +229,16 @@ def build_metrics_logger(monitor_cfg: Any, redis_client: Any, run: str, run_dir:
         sinks.append(RedisSink(redis_client, run, password=password))
     if monitor_cfg.wandb != "disabled":
         try:
-            sinks.append(WandbSink(monitor_cfg.wandb, monitor_cfg.wandb_project, run, config_dict,
-                                   Path(run_dir) / "wandb"))
+            sinks.append(
+                WandbSink(monitor_cfg.wandb, monitor_cfg.wandb_project, run, config_dict, Path(run_dir) / "wandb")
+            )
         except Exception as e:
-            log.warning("wandb sink (mode=%s) could not start, continuing without it: %s: %s",
-                        monitor_cfg.wandb, type(e).__name__, e)
+            log.warning(
+                "wandb sink (mode=%s) could not start, continuing without it: %s: %s",
+                monitor_cfg.wandb,
+                type(e).__name__,
+                e,
+            )
     if monitor_cfg.console:
         sinks.append(ConsoleSink(every=monitor_cfg.console_every))
     return MetricsLogger(sinks)

@@ -64,9 +64,13 @@ def open_client(url: str, *, password: str | None = None, socket_timeout: float 
     # reply was lost without telling the caller (a re-sent XREADGROUP hides the entries the
     # lost reply delivered), and it cut a longer outage short for calls not wrapped in ours.
     # Retrier is the one retry layer, and its on_retry hooks repair what a lost reply did.
-    kwargs: dict[str, Any] = dict(socket_connect_timeout=5.0, socket_timeout=socket_timeout,
-                                  socket_keepalive=True, health_check_interval=30,
-                                  retry=Retry(NoBackoff(), 0))
+    kwargs: dict[str, Any] = dict(
+        socket_connect_timeout=5.0,
+        socket_timeout=socket_timeout,
+        socket_keepalive=True,
+        health_check_interval=30,
+        retry=Retry(NoBackoff(), 0),
+    )
     if password is not None:
         kwargs["password"] = password
     return redis.Redis.from_url(url, **kwargs)
@@ -81,8 +85,9 @@ class Retrier:
         self.first_wait = first_wait
         self.max_wait = max_wait
 
-    def __call__(self, fn: Callable[..., Any], *args: Any, on_retry: Callable[[], None] | None = None,
-                 **kwargs: Any) -> Any:
+    def __call__(
+        self, fn: Callable[..., Any], *args: Any, on_retry: Callable[[], None] | None = None, **kwargs: Any
+    ) -> Any:
         give_up = time.monotonic() + self.deadline_s
         wait = self.first_wait
         attempt = 0

@@ -1,20 +1,21 @@
 """Redis key layout of one run. Every component names keys through this module only.
 
-    asyncrl:runs                      set    names of runs this Redis holds
-    asyncrl:{run}:rollouts            stream rollout groups, field b"d" = msgpack record
-    asyncrl:{run}:deadletter          stream malformed records: b"reason", b"d" (raw bytes), b"source_id"
-    asyncrl:{run}:metrics             stream field b"d" = msgpack {"step", "time", "source", "metrics": {name: float}}
-    asyncrl:{run}:state               hash   policy_version, weights_version, weights_location,
-                                             trainer_step, checkpoint_step, max_staleness,
-                                             groups_per_step, status, ...
-    asyncrl:{run}:counters            hash   groups_started, groups_produced, dropped_stale,
-                                             dead_lettered, duplicates, groups_trained, ...
-    asyncrl:{run}:dropped             set    group ids dropped as too stale
-    asyncrl:{run}:produced            set    every group id put (only with queue.ledger on)
-    asyncrl:{run}:inflight:{gen}      hash   a generator's admitted, unfinished prompts (re-issued on restart)
-    asyncrl:{run}:engine_pids         hash   generator id -> msgpack {"host", "pids", "segments", "started"} (reaped on restart)
-    asyncrl:{run}:incarnation:{gen}   int    how many times this generator id has started in the run
-    asyncrl:{run}:generators          hash   generator id -> msgpack {"version", "heartbeat", ...}
+asyncrl:runs                      set    names of runs this Redis holds
+asyncrl:{run}:rollouts            stream rollout groups, field b"d" = msgpack record
+asyncrl:{run}:deadletter          stream malformed records: b"reason", b"d" (raw bytes), b"source_id"
+asyncrl:{run}:metrics             stream field b"d" = msgpack {"step", "time", "source", "metrics": {name: float}}
+asyncrl:{run}:state               hash   policy_version, weights_version, weights_location,
+                                         trainer_step, checkpoint_step, max_staleness,
+                                         groups_per_step, status, ...
+asyncrl:{run}:counters            hash   groups_started, groups_produced, dropped_stale,
+                                         dead_lettered, duplicates, groups_trained, ...
+asyncrl:{run}:dropped             set    group ids dropped as too stale
+asyncrl:{run}:produced            set    every group id put (only with queue.ledger on)
+asyncrl:{run}:inflight:{gen}      hash   a generator's admitted, unfinished prompts (re-issued on restart)
+asyncrl:{run}:engine_pids         hash   generator id -> msgpack {"host", "pids", "segments", "started"}
+                                         (its predecessor's processes, reaped on restart)
+asyncrl:{run}:incarnation:{gen}   int    how many times this generator id has started in the run
+asyncrl:{run}:generators          hash   generator id -> msgpack {"version", "heartbeat", ...}
 """
 
 from __future__ import annotations

@@ -69,9 +69,19 @@ def _text(x: bytes | str) -> str:
 class RolloutQueue(RunState):
     """Producer and consumer side of one run's rollout stream (plus RunState's run-level state)."""
 
-    def __init__(self, client: redis.Redis, run: str, retry: Retrier, *, consumer: str, maxlen: int,
-                 max_record_bytes: int, claim_idle_s: float, seen_capacity: int = 100_000,
-                 ledger: bool = False):
+    def __init__(
+        self,
+        client: redis.Redis,
+        run: str,
+        retry: Retrier,
+        *,
+        consumer: str,
+        maxlen: int,
+        max_record_bytes: int,
+        claim_idle_s: float,
+        seen_capacity: int = 100_000,
+        ledger: bool = False,
+    ):
         super().__init__(client, run, retry)
         self.consumer = consumer
         self.maxlen = maxlen
@@ -90,9 +100,19 @@ class RolloutQueue(RunState):
         self._seen_capacity = seen_capacity
 
     @classmethod
-    def connect(cls, url: str, run: str, *, password: str | None = None, consumer: str = "learner-0",
-                maxlen: int = 4096, max_record_bytes: int = DEFAULT_MAX_BYTES, claim_idle_s: float = 300.0,
-                retry_deadline_s: float = 30.0, ledger: bool = False) -> RolloutQueue:
+    def connect(
+        cls,
+        url: str,
+        run: str,
+        *,
+        password: str | None = None,
+        consumer: str = "learner-0",
+        maxlen: int = 4096,
+        max_record_bytes: int = DEFAULT_MAX_BYTES,
+        claim_idle_s: float = 300.0,
+        retry_deadline_s: float = 30.0,
+        ledger: bool = False,
+    ) -> RolloutQueue:
         """Connect, create the consumer group (and stream) if missing, register the run.
 
         claim_idle_s: another consumer's pending entry idle this long is presumed orphaned
@@ -102,8 +122,16 @@ class RolloutQueue(RunState):
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         client = open_client(url, password=password)
         retry = Retrier(redact_url(url), deadline_s=retry_deadline_s)
-        q = cls(client, run, retry, consumer=consumer, maxlen=maxlen, max_record_bytes=max_record_bytes,
-                claim_idle_s=claim_idle_s, ledger=ledger)
+        q = cls(
+            client,
+            run,
+            retry,
+            consumer=consumer,
+            maxlen=maxlen,
+            max_record_bytes=max_record_bytes,
+            claim_idle_s=claim_idle_s,
+            ledger=ledger,
+        )
         retry(client.ping)
         try:
             retry(client.xgroup_create, q._k_stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
@@ -122,8 +150,9 @@ class RolloutQueue(RunState):
         """Append one group; waits while the queue is full (see module docstring). Returns the entry id."""
         return self.put_many([group], timeout=timeout, inflight_of=inflight_of)[0]
 
-    def put_many(self, groups: list[RolloutGroup], timeout: float = 60.0, *,
-                 inflight_of: str | None = None) -> list[str]:
+    def put_many(
+        self, groups: list[RolloutGroup], timeout: float = 60.0, *, inflight_of: str | None = None
+    ) -> list[str]:
         """Append groups in as few round trips as room allows; same waiting policy as put().
 
         inflight_of: the generator that admitted these groups' prompts (RunState.admit_prompt);
@@ -138,12 +167,12 @@ class RolloutQueue(RunState):
         wait = 0.002
         while len(ids) < len(records):
             chunk, size = [], 0
-            for rec in records[len(ids):]:
+            for rec in records[len(ids) :]:
                 if chunk and size + len(rec) > _PUT_CHUNK_BYTES:
                     break
                 chunk.append(rec)
                 size += len(rec)
-            batch = groups[len(ids):len(ids) + len(chunk)]
+            batch = groups[len(ids) : len(ids) + len(chunk)]
             script_keys = [self._k_stream, self._k_counters, self._k_produced]
             args = [self.maxlen, "1" if self.ledger else "0", len(chunk), *chunk, *[g.group_id for g in batch]]
             if inflight_of is not None:
@@ -157,7 +186,9 @@ class RolloutQueue(RunState):
             if time.monotonic() + wait > deadline:
                 raise QueueFull(
                     f"queue {self._k_stream} stayed full (maxlen={self.maxlen} un-acked entries) for "
-                    f"{timeout}s; {len(ids)}/{len(records)} groups added", ids)
+                    f"{timeout}s; {len(ids)}/{len(records)} groups added",
+                    ids,
+                )
             time.sleep(wait)
             wait = min(wait * 2, 0.25)
         return ids
@@ -191,8 +222,15 @@ class RolloutQueue(RunState):
             # A read whose reply was lost still moved entries into our pending list: re-scan it.
             self._own_cursor = "0"
 
-        resp = self._retry(self._r.xreadgroup, keys.CONSUMER_GROUP, self.consumer, {self._k_stream: start},
-                           count=count, block=block_ms, on_retry=rewind)
+        resp = self._retry(
+            self._r.xreadgroup,
+            keys.CONSUMER_GROUP,
+            self.consumer,
+            {self._k_stream: start},
+            count=count,
+            block=block_ms,
+            on_retry=rewind,
+        )
         return resp[0][1] if resp else []
 
     def _read_own_pending(self, want: int) -> list:
@@ -214,8 +252,15 @@ class RolloutQueue(RunState):
         self._next_claim = now + max(self.claim_idle_s / 2, 0.05)
         cursor, out = "0-0", []
         while len(out) < want:
-            resp = self._retry(self._r.xautoclaim, self._k_stream, keys.CONSUMER_GROUP, self.consumer,
-                               int(self.claim_idle_s * 1000), start_id=cursor, count=want)
+            resp = self._retry(
+                self._r.xautoclaim,
+                self._k_stream,
+                keys.CONSUMER_GROUP,
+                self.consumer,
+                int(self.claim_idle_s * 1000),
+                start_id=cursor,
+                count=want,
+            )
             cursor, entries = _text(resp[0]), resp[1]
             out += [e for e in entries if e and _text(e[0]) not in self._held]
             if cursor == "0-0":
@@ -282,8 +327,9 @@ class RolloutQueue(RunState):
         """XACK + XDEL: the trainer calls this once a checkpoint covering these entries is durable."""
         if not ids:
             return 0
-        acked, _ = self._transaction(lambda pipe: (
-            pipe.xack(self._k_stream, keys.CONSUMER_GROUP, *ids), pipe.xdel(self._k_stream, *ids)))
+        acked, _ = self._transaction(
+            lambda pipe: (pipe.xack(self._k_stream, keys.CONSUMER_GROUP, *ids), pipe.xdel(self._k_stream, *ids))
+        )
         self._held.difference_update(ids)
         return int(acked)
 
@@ -295,8 +341,9 @@ class RolloutQueue(RunState):
 
     def depth(self) -> int:
         """Entries queued and not yet delivered (acked entries are deleted, so XLEN - pending)."""
-        length, pend = self._transaction(lambda pipe: (
-            pipe.xlen(self._k_stream), pipe.xpending(self._k_stream, keys.CONSUMER_GROUP)))
+        length, pend = self._transaction(
+            lambda pipe: (pipe.xlen(self._k_stream), pipe.xpending(self._k_stream, keys.CONSUMER_GROUP))
+        )
         return int(length) - int(pend["pending"])
 
     def produced_ids(self) -> set[str]:

@@ -41,9 +41,17 @@ def unpack_small(data: bytes) -> Any:
 
     if len(data) > MAX_SMALL_RECORD:
         raise ValueError(f"record of {len(data)} bytes > {MAX_SMALL_RECORD}")
-    return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext,
-                           max_bin_len=MAX_SMALL_RECORD, max_str_len=MAX_SMALL_RECORD,
-                           max_array_len=65536, max_map_len=65536, max_ext_len=0)
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        ext_hook=no_ext,
+        max_bin_len=MAX_SMALL_RECORD,
+        max_str_len=MAX_SMALL_RECORD,
+        max_array_len=65536,
+        max_map_len=65536,
+        max_ext_len=0,
+    )
 
 
 def _to_text(name: str, value: Any) -> str:
@@ -125,8 +133,9 @@ class RunState:
 
     def set_weights(self, location: str, version: int) -> None:
         """Where the weights of `version` were published (a path or object ref), in one write."""
-        self._retry(self._r.hset, self._k_state,
-                    mapping={"weights_location": str(location), "weights_version": int(version)})
+        self._retry(
+            self._r.hset, self._k_state, mapping={"weights_location": str(location), "weights_version": int(version)}
+        )
 
     def weights(self) -> tuple[str | None, int]:
         """(location, version) of the last published weights; (None, -1) before the first."""
@@ -212,8 +221,14 @@ class RunState:
         admitted only to groups that will still be within the staleness bound when trained.
         """
         args = [1, prompt_id, note] + ([int(weights_version)] if weights_version is not None else [])
-        return self._retry(self._try_admit, keys=[self._k_state, self._k_counters,
-                                                  keys.inflight(self.run, generator_id)], args=args) == 1
+        return (
+            self._retry(
+                self._try_admit,
+                keys=[self._k_state, self._k_counters, keys.inflight(self.run, generator_id)],
+                args=args,
+            )
+            == 1
+        )
 
     def inflight_prompts(self, generator_id: str) -> dict[str, bytes]:
         """The generator's admitted prompts whose groups are not in the stream yet: id -> note."""
@@ -223,8 +238,7 @@ class RunState:
     def release_inflight(self, generator_id: str) -> int:
         """Hand back the admission of every prompt the generator still has noted, and forget
         them (a clean stop). Returns how many."""
-        return int(self._retry(self._release_inflight,
-                               keys=[self._k_counters, keys.inflight(self.run, generator_id)]))
+        return int(self._retry(self._release_inflight, keys=[self._k_counters, keys.inflight(self.run, generator_id)]))
 
     def engine_record(self, generator_id: str) -> dict[str, Any] | None:
         """What the generator's last incarnation left for a successor (see set_engine_record)."""
@@ -236,8 +250,9 @@ class RunState:
         if record is None:
             self._retry(self._r.hdel, keys.engine_pids(self.run), generator_id)
         else:
-            self._retry(self._r.hset, keys.engine_pids(self.run), generator_id,
-                        msgpack.packb(record, use_bin_type=True))
+            self._retry(
+                self._r.hset, keys.engine_pids(self.run), generator_id, msgpack.packb(record, use_bin_type=True)
+            )
 
     # ------------------------------------------------------------------ metrics
 
@@ -249,8 +264,13 @@ class RunState:
                 raise TypeError(f"metric {name!r}={value!r}: names must be str and values numbers")
             clean[name] = float(value)
         record = {"step": int(step), "time": time.time(), "source": str(source), "metrics": clean}
-        entry = self._retry(self._r.xadd, self._k_metrics, {keys.RECORD_FIELD: msgpack.packb(record, use_bin_type=True)},
-                            maxlen=self.metrics_maxlen, approximate=True)
+        entry = self._retry(
+            self._r.xadd,
+            self._k_metrics,
+            {keys.RECORD_FIELD: msgpack.packb(record, use_bin_type=True)},
+            maxlen=self.metrics_maxlen,
+            approximate=True,
+        )
         return entry.decode()
 
     def read_metrics(self, since_id: str = "0", count: int = 1000) -> list[tuple[str, dict[str, Any]]]:

@@ -29,7 +29,6 @@ from urllib.parse import quote
 
 import redis
 
-
 log = logging.getLogger("asyncrl.queue")
 
 
@@ -72,8 +71,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """One redis-server child process with its data in `dir`."""
 
-    def __init__(self, dir: str | Path, *, port: int | None = None, password: str | None = None,
-                 aof: bool = False, bind: str = "127.0.0.1", start_timeout: float = 15.0):
+    def __init__(
+        self,
+        dir: str | Path,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        aof: bool = False,
+        bind: str = "127.0.0.1",
+        start_timeout: float = 15.0,
+    ):
         if password is not None and (not password or any(c in password for c in '"\\\n\r')):
             raise ValueError("EmbeddedRedis password must be non-empty, without quotes, backslashes or newlines")
         self.dir = Path(dir).resolve()  # redis-server runs with cwd=dir: relative paths would break
@@ -177,8 +184,11 @@ class EmbeddedRedis:
                 self.port = free_port(self.host)
             conf = self._write_config()
             self._proc = subprocess.Popen(
-                [self.binary, str(conf)], cwd=self.dir,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [self.binary, str(conf)],
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
                 # Its own session: a Ctrl-C to the trainer's process group must not kill Redis
                 # before the trainer has checkpointed; we stop it by PID.
                 start_new_session=True,
@@ -194,8 +204,9 @@ class EmbeddedRedis:
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.start_timeout
-        client = redis.Redis(host=self.host, port=self.port, password=self.password,
-                             socket_connect_timeout=0.5, socket_timeout=1.0)
+        client = redis.Redis(
+            host=self.host, port=self.port, password=self.password, socket_connect_timeout=0.5, socket_timeout=1.0
+        )
         try:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:

@@ -23,8 +23,9 @@ def pin_to_cores(cpu_affinity: str) -> list[int]:
         return []
     absent = [c for c in cores if c >= (os.cpu_count() or 1)]
     if absent:
-        raise ValueError(f"rollout.cpu_affinity={cpu_affinity!r}: this machine has no cores {absent} "
-                         f"(it has {os.cpu_count()})")
+        raise ValueError(
+            f"rollout.cpu_affinity={cpu_affinity!r}: this machine has no cores {absent} (it has {os.cpu_count()})"
+        )
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that exited meanwhile
             os.sched_setaffinity(int(tid), cores)

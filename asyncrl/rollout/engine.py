@@ -154,8 +154,11 @@ def _executor_kwargs(user_kwargs: dict) -> dict:
     as they are."""
     from vllm.platforms import current_platform
 
-    if (not current_platform.is_cpu() or "distributed_executor_backend" in user_kwargs
-            or int(user_kwargs.get("tensor_parallel_size", 1)) > 1):
+    if (
+        not current_platform.is_cpu()
+        or "distributed_executor_backend" in user_kwargs
+        or int(user_kwargs.get("tensor_parallel_size", 1)) > 1
+    ):
         return {}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return {"distributed_executor_backend": "uni"}
@@ -166,7 +169,8 @@ def engine_args(rollout: RolloutConfig, model_path: str):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
-    kwargs = dict(_executor_kwargs(rollout.engine_kwargs),
+    kwargs = dict(
+        _executor_kwargs(rollout.engine_kwargs),
         model=model_path,
         dtype="float32",
         max_model_len=rollout.engine_max_model_len,
@@ -208,8 +212,11 @@ class RolloutEngine:
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
         llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path))
-        pids = [[p.pid, p.create_time()] for p in me.children(recursive=True)
-                if p.pid not in before and not _is_resource_tracker(p)]
+        pids = [
+            [p.pid, p.create_time()]
+            for p in me.children(recursive=True)
+            if p.pid not in before and not _is_resource_tracker(p)
+        ]
         engine = cls(llm, rollout, model_path, pids)
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
@@ -222,8 +229,14 @@ class RolloutEngine:
         await self.llm.update_weight_version(str(version))
         self.version = version
 
-    def sampling_params(self, n: int, request_id: str, max_tokens: int | None = None,
-                        temperature: float | None = None, ignore_eos: bool = False):
+    def sampling_params(
+        self,
+        n: int,
+        request_id: str,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        ignore_eos: bool = False,
+    ):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -241,9 +254,16 @@ class RolloutEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def generate(self, prompt_ids: list[int], n: int, request_id: str, *,
-                       max_tokens: int | None = None, temperature: float | None = None,
-                       ignore_eos: bool = False) -> list[Completion]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        request_id: str,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
         """Sample ``n`` completions of ``prompt_ids``; returns them in sample order.
 
         ``ignore_eos`` samples exactly ``max_tokens`` tokens (tests and benchmarks)."""
@@ -253,8 +273,7 @@ class RolloutEngine:
         final = None
         self._requests.add(request_id)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                               params, request_id):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
                 final = out
         finally:
             self._requests.discard(request_id)
@@ -265,12 +284,21 @@ class RolloutEngine:
         for c in sorted(final.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
             if c.logprobs is not None:
-                logps = [next(iter(step.values())).logprob if len(step) == 1 else step[t].logprob
-                         for t, step in zip(ids, c.logprobs)]
+                logps = [
+                    next(iter(step.values())).logprob if len(step) == 1 else step[t].logprob
+                    for t, step in zip(ids, c.logprobs)
+                ]
             else:
                 logps = [0.0] * len(ids)
-            out.append(Completion(ids, logps, token_versions(c.weight_versions, len(ids), self.version),
-                                  c.finish_reason or "abort", cached))
+            out.append(
+                Completion(
+                    ids,
+                    logps,
+                    token_versions(c.weight_versions, len(ids), self.version),
+                    c.finish_reason or "abort",
+                    cached,
+                )
+            )
         return out
 
     async def pause(self, clear_cache: bool) -> None:
@@ -286,8 +314,7 @@ class RolloutEngine:
     async def _rpc_load(self, path: str) -> None:
         await self.llm.collective_rpc("asyncrl_load_safetensors", args=(path,))
 
-    async def load_weights(self, path: str, version: int, inflight: str = "recompute",
-                           retries: int = 1) -> dict:
+    async def load_weights(self, path: str, version: int, inflight: str = "recompute", retries: int = 1) -> dict:
         """Pause (keep requests), load ``path``, label ``version``, drop stale caches, resume.
 
         A failed load is retried; if it keeps failing the last good weights are loaded back
@@ -317,8 +344,10 @@ class RolloutEngine:
                         log.warning("weight load %s (v%d) failed, attempt %d: %s", path, version, attempt + 1, e)
                 if error is not None:
                     await self._restore_last_good()
-                    raise WeightLoadError(f"loading {path} as version {version} failed after {retries + 1} "
-                                          f"attempts; still running version {self.version}: {error}") from error
+                    raise WeightLoadError(
+                        f"loading {path} as version {version} failed after {retries + 1} "
+                        f"attempts; still running version {self.version}: {error}"
+                    ) from error
                 t_load = time.perf_counter()
                 await self.set_version(version)
                 if recompute:
@@ -329,8 +358,14 @@ class RolloutEngine:
                 if not self.llm.errored:
                     await self.llm.resume_generation()
             t1 = time.perf_counter()
-            return {"version": version, "pause_s": t_pause - t0, "load_s": t_load - t_pause,
-                    "total_s": t1 - t0, "inflight": inflight, "requests_inflight": len(self._requests)}
+            return {
+                "version": version,
+                "pause_s": t_pause - t0,
+                "load_s": t_load - t_pause,
+                "total_s": t1 - t0,
+                "inflight": inflight,
+                "requests_inflight": len(self._requests),
+            }
 
     def _keep(self, path: str) -> str:
         """Hard-link ``path`` to ``keep_path`` and return the path that will stay loadable."""
@@ -344,8 +379,9 @@ class RolloutEngine:
             os.replace(tmp, self.keep_path)
             return self.keep_path
         except OSError as e:  # another filesystem: fall back to the published file itself
-            log.warning("cannot keep %s as %s (%s); a failed update restores from the original", path,
-                        self.keep_path, e)
+            log.warning(
+                "cannot keep %s as %s (%s); a failed update restores from the original", path, self.keep_path, e
+            )
             return path
 
     def drop_kept(self) -> None:
@@ -401,5 +437,6 @@ class RolloutEngine:
         # reached it too) never unlinks its segments; nobody opens them by name any more.
         leaked = unlink_segments(self.shm_segments)
         if leaked:
-            log.warning("engine shutdown: deleted %d shared-memory segments its processes left: %s",
-                        len(leaked), leaked)
+            log.warning(
+                "engine shutdown: deleted %d shared-memory segments its processes left: %s", len(leaked), leaked
+            )

@@ -53,7 +53,6 @@ import threading
 import time
 import zlib
 from collections import deque
-from typing import Any
 
 import msgpack
 import numpy as np
@@ -77,6 +76,8 @@ WEIGHTS_POLL_S = 0.1
 trainer doing several steps a second outruns a once-a-second poll by more than the
 staleness bound, and every group the generator made would be dropped as stale."""
 ADMISSION_POLL_S = 0.05
+RATE_WINDOW_S = 10.0
+"""tokens_per_s in stats() and the heartbeat is the rate over about this long."""
 
 
 WEIGHTS_RETRY_S = 30.0
@@ -90,19 +91,34 @@ class GeneratorFailed(RuntimeError):
 class GeneratorActor:
     """One engine, one environment, one prompt stream; produces RolloutGroups until stopped."""
 
-    def __init__(self, cfg: Config, model_path: str, generator_id: str, redis_url: str, run: str,
-                 password: str | None = None, autostart: bool = False, exit_on_failure: bool = False,
-                 model_package: dict | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        generator_id: str,
+        redis_url: str,
+        run: str,
+        password: str | None = None,
+        autostart: bool = False,
+        exit_on_failure: bool = False,
+        model_package: dict | None = None,
+    ):
         from transformers import AutoTokenizer
 
         from asyncrl.queue.replay import RolloutQueue
         from asyncrl.sync.model_ship import local_model
 
         self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
-        self.queue = RolloutQueue.connect(redis_url, run, password=password, consumer=generator_id,
-                                          maxlen=cfg.queue.maxlen, ledger=cfg.queue.ledger,
-                                          claim_idle_s=cfg.queue.claim_idle_s,
-                                          retry_deadline_s=cfg.queue.retry_deadline_s)
+        self.queue = RolloutQueue.connect(
+            redis_url,
+            run,
+            password=password,
+            consumer=generator_id,
+            maxlen=cfg.queue.maxlen,
+            ledger=cfg.queue.ledger,
+            claim_idle_s=cfg.queue.claim_idle_s,
+            retry_deadline_s=cfg.queue.retry_deadline_s,
+        )
         self.exit_on_failure = exit_on_failure
         self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
         predecessor_was_generating = self._reap_predecessor()
@@ -114,12 +130,24 @@ class GeneratorActor:
         # and group ids never repeat within a run.
         incarnation = self.incarnation = self.queue.next_incarnation(generator_id)
         prefix = f"{generator_id}.{incarnation}"
-        self.prompts = open_prompts(self.rollout.prompts, self.env, id_prefix=prefix,
-                                    seed=self.rollout.seed + zlib.crc32(prefix.encode()))
-        self.counts = {"groups": 0, "samples": 0, "tokens": 0, "prompts_skipped": 0, "reward_errors": 0,
-                       "group_errors": 0, "reissued": 0, "weight_updates": 0, "weight_update_errors": 0,
-                       "admission_calls": 0, "admission_s": 0.0}
+        self.prompts = open_prompts(
+            self.rollout.prompts, self.env, id_prefix=prefix, seed=self.rollout.seed + zlib.crc32(prefix.encode())
+        )
+        self.counts = {
+            "groups": 0,
+            "samples": 0,
+            "tokens": 0,
+            "prompts_skipped": 0,
+            "reward_errors": 0,
+            "group_errors": 0,
+            "reissued": 0,
+            "weight_updates": 0,
+            "weight_update_errors": 0,
+            "admission_calls": 0,
+            "admission_s": 0.0,
+        }
         self._started_at = time.time()
+        self._rate_samples: deque = deque()  # (time, tokens so far), for the recent rate
         self._retry: deque = deque()  # admitted prompts to run again (predecessor's, or failed here)
         self._samples_drawn = 0  # request ids of sample() calls
         self._weights_failed: tuple[str, int, float] | None = None  # (location, version, when)
@@ -150,8 +178,9 @@ class GeneratorActor:
                 log.warning("%s: could not load published weights v%d: %s", generator_id, version, e)
             self._call(self._warm_up())
         self._load_predecessor_inflight()
-        log.info("%s: incarnation %d, %d prompts re-issued from a predecessor", generator_id, incarnation,
-                 len(self._retry))
+        log.info(
+            "%s: incarnation %d, %d prompts re-issued from a predecessor", generator_id, incarnation, len(self._retry)
+        )
         # A crashed generator's successor (Ray restart, or the same id started again) goes on
         # where it stopped without waiting for start(): Ray re-runs __init__ with the original
         # arguments, so an actor created with autostart=False would otherwise sit idle forever
@@ -167,8 +196,12 @@ class GeneratorActor:
         import ray
 
         actor = ray.remote(cls).options(
-            num_cpus=cfg.rollout.cpus_per_generator, num_gpus=cfg.rollout.gpus_per_generator,
-            max_restarts=-1, max_task_retries=0, max_concurrency=8, resources=cfg.rollout.resources or None,
+            num_cpus=cfg.rollout.cpus_per_generator,
+            num_gpus=cfg.rollout.gpus_per_generator,
+            max_restarts=-1,
+            max_task_retries=0,
+            max_concurrency=8,
+            resources=cfg.rollout.resources or None,
         )
         return actor.remote(cfg, exit_on_failure=True, **kwargs)
 
@@ -179,12 +212,14 @@ class GeneratorActor:
 
     def start(self) -> None:
         """Begin generating in the background (idempotent)."""
+
         async def begin():
             if self._main is None or self._main.done():
                 self._stopping = False
                 self.failure = None
                 self._main = asyncio.ensure_future(self._run())
                 self._main.add_done_callback(self._main_done)
+
         self._call(begin())
         self._generating = True
         self._record_engine()
@@ -201,14 +236,22 @@ class GeneratorActor:
     def version(self) -> int:
         return self.engine.version
 
-    def sample(self, prompt_ids: list[int], n: int = 1, max_tokens: int | None = None,
-               temperature: float | None = None, ignore_eos: bool = False) -> list[dict]:
+    def sample(
+        self,
+        prompt_ids: list[int],
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        ignore_eos: bool = False,
+    ) -> list[dict]:
         """Sample outside the loop (tests, benchmarks): [{"token_ids", "logprobs", "versions", "finish_reason"}]."""
         self._samples_drawn += 1
         request_id = f"{self.generator_id}.{self.incarnation}:sample:{self._samples_drawn}"
-        outs = self._call(self.engine.generate(list(prompt_ids), n, request_id,
-                                               max_tokens=max_tokens, temperature=temperature,
-                                               ignore_eos=ignore_eos))
+        outs = self._call(
+            self.engine.generate(
+                list(prompt_ids), n, request_id, max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos
+            )
+        )
         return [vars(c) for c in outs]
 
     def pid(self) -> int:
@@ -220,12 +263,28 @@ class GeneratorActor:
     def stats(self) -> dict:
         """Counts so far; raises GeneratorFailed if the generation loop died (not stopped)."""
         if self.failure is not None:
-            raise GeneratorFailed(f"{self.generator_id}: generation loop died: "
-                                  f"{type(self.failure).__name__}: {self.failure}") from self.failure
-        elapsed = max(time.time() - self._started_at, 1e-9)
-        return {**self.counts, "version": self.engine.version, "inflight": len(self._tasks),
-                "tokens_per_s": self.counts["tokens"] / elapsed, "generator_id": self.generator_id,
-                "weights_blocked": self._weights_blocked}
+            raise GeneratorFailed(
+                f"{self.generator_id}: generation loop died: {type(self.failure).__name__}: {self.failure}"
+            ) from self.failure
+        return {
+            **self.counts,
+            "version": self.engine.version,
+            "inflight": len(self._tasks),
+            "tokens_per_s": self._recent_tokens_per_s(),
+            "generator_id": self.generator_id,
+            "weights_blocked": self._weights_blocked,
+        }
+
+    def _recent_tokens_per_s(self) -> float:
+        """Tokens/s over the last RATE_WINDOW_S (an average since start would climb for minutes
+        after start-up and hide a slowdown); since start until a window has passed."""
+        now, tokens = time.time(), self.counts["tokens"]
+        samples = self._rate_samples
+        samples.append((now, tokens))
+        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
+            samples.popleft()
+        t0, k0 = samples[0] if now - samples[0][0] >= 1.0 else (self._started_at, 0)
+        return (tokens - k0) / max(now - t0, 1e-9)
 
     def shutdown(self) -> None:
         """Stop without draining, abort requests, shut the engine down (its /dev/shm segments go too)."""
@@ -246,13 +305,13 @@ class GeneratorActor:
         return self.engine.llm.vllm_config.parallel_config.world_size
 
     def transfer_init(self, init_info: dict) -> None:
-        self._call(self.engine.llm.collective_rpc("init_weight_transfer_engine",
-                                                  kwargs={"init_info": init_info}))
+        self._call(self.engine.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
 
     def transfer_begin(self) -> None:
         async def begin():
             await self.engine.pause(clear_cache=self.cfg.sync.inflight == "recompute")
             await self.engine.llm.start_weight_update()
+
         self._call(begin())
 
     def transfer_receive(self, update_info: dict) -> None:
@@ -266,6 +325,7 @@ class GeneratorActor:
                 await self.engine.llm.reset_prefix_cache(reset_running_requests=True)
             await self.engine.llm.resume_generation()
             self.counts["weight_updates"] += 1
+
         self._call(finish())
 
     # ------------------------------------------------------------------ crash recovery
@@ -281,15 +341,20 @@ class GeneratorActor:
                 log.warning("%s: reaped %d orphaned engine processes %s", self.generator_id, len(reaped), reaped)
             removed = unlink_segments(record.get("segments", []))  # after the reap: nobody maps them
             if removed:
-                log.warning("%s: deleted %d leaked shared-memory segments %s", self.generator_id, len(removed),
-                            removed)
+                log.warning("%s: deleted %d leaked shared-memory segments %s", self.generator_id, len(removed), removed)
         return bool(record.get("started", False))
 
     def _record_engine(self) -> None:
         """What a successor needs after a crash: our engine's PIDs, and whether we were generating."""
-        self.queue.set_engine_record(self.generator_id, {
-            "host": socket.gethostname(), "pids": self.engine.engine_pids, "segments": self.engine.shm_segments,
-            "started": self._generating})
+        self.queue.set_engine_record(
+            self.generator_id,
+            {
+                "host": socket.gethostname(),
+                "pids": self.engine.engine_pids,
+                "segments": self.engine.shm_segments,
+                "started": self._generating,
+            },
+        )
 
     def _load_predecessor_inflight(self) -> None:
         for prompt_id, raw in self.queue.inflight_prompts(self.generator_id).items():
@@ -340,8 +405,10 @@ class GeneratorActor:
     def _busy(self) -> bool:
         """All generation slots taken, or too many finished groups still waiting to be put
         (a full queue), which must stop us drawing more rather than pile them up in memory."""
-        return (self._slots_taken >= self.rollout.max_inflight_groups
-                or len(self._tasks) >= 2 * self.rollout.max_inflight_groups)
+        return (
+            self._slots_taken >= self.rollout.max_inflight_groups
+            or len(self._tasks) >= 2 * self.rollout.max_inflight_groups
+        )
 
     async def _admit_next(self):
         """Draw a prompt and wait until admission lets it start; None if skipped or stopping."""
@@ -354,8 +421,9 @@ class GeneratorActor:
                 await asyncio.sleep(HEARTBEAT_S)
                 continue
             t0 = time.perf_counter()
-            admitted = await asyncio.to_thread(self.queue.admit_prompt, self.generator_id, item[0], note,
-                                               self.engine.version)
+            admitted = await asyncio.to_thread(
+                self.queue.admit_prompt, self.generator_id, item[0], note, self.engine.version
+            )
             self.counts["admission_calls"] += 1
             self.counts["admission_s"] += time.perf_counter() - t0
             if admitted:
@@ -399,8 +467,9 @@ class GeneratorActor:
             raise
         except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
             self.counts["group_errors"] += 1
-            log.warning("%s: prompt %s failed (%s: %s); re-issuing it", self.generator_id, prompt_id,
-                        type(e).__name__, e)
+            log.warning(
+                "%s: prompt %s failed (%s: %s); re-issuing it", self.generator_id, prompt_id, type(e).__name__, e
+            )
             if not self._stopping:
                 self._retry.append(item)
             return
@@ -440,12 +509,19 @@ class GeneratorActor:
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(metadata, inflight=self.cfg.sync.inflight)
         if self.cfg.sync.inflight == "keep" and any(
-                s.token_versions is not None and len(set(s.token_versions.tolist())) > 1 for s in samples):
+            s.token_versions is not None and len(set(s.token_versions.tolist())) > 1 for s in samples
+        ):
             meta["stale_kv"] = True  # tokens after a mid-request update attended to older weights' KV
         # One group per prompt: a prompt re-issued after a crash that had in fact been put
         # carries the same id, so the queue drops the duplicate instead of training it twice.
-        return RolloutGroup(group_id=prompt_id, prompt_id=prompt_id, prompt_ids=np.asarray(ids, np.int32),
-                            samples=samples, env=self.rollout.env, metadata=meta)
+        return RolloutGroup(
+            group_id=prompt_id,
+            prompt_id=prompt_id,
+            prompt_ids=np.asarray(ids, np.int32),
+            samples=samples,
+            env=self.rollout.env,
+            metadata=meta,
+        )
 
     def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
         response = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
@@ -469,8 +545,7 @@ class GeneratorActor:
             error=error,
         )
 
-    async def _multi_turn_samples(self, prompt_id: str, text: str, metadata: dict,
-                                  ids: list[int]) -> list[Sample]:
+    async def _multi_turn_samples(self, prompt_id: str, text: str, metadata: dict, ids: list[int]) -> list[Sample]:
         budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
 
         async def one(k: int):
@@ -483,8 +558,15 @@ class GeneratorActor:
                 return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
 
             env = make_env(self.rollout.env, self.rollout.env_kwargs)  # episode state is per trajectory
-            return await run_trajectory(env, text, metadata, policy, self.tokenizer.encode,
-                                        lambda t: self.tokenizer.decode(t, skip_special_tokens=True), budget)
+            return await run_trajectory(
+                env,
+                text,
+                metadata,
+                policy,
+                self.tokenizer.encode,
+                lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
+                budget,
+            )
 
         trajectories = await asyncio.gather(*(one(k) for k in range(self.rollout.n_samples)))
         if self.cfg.algo.stepwise:
@@ -498,10 +580,18 @@ class GeneratorActor:
         which a trainer doing several steps a second has then moved past the staleness bound."""
         t0 = time.perf_counter()
         prompt = self.tokenizer.encode(next(self.prompts)[1])
-        await asyncio.gather(*(self.engine.generate(prompt, self.rollout.n_samples,
-                                                    f"{self.generator_id}.{self.incarnation}:warmup:{k}",
-                                                    max_tokens=self.rollout.max_tokens, ignore_eos=True)
-                               for k in range(self.rollout.max_inflight_groups)))
+        await asyncio.gather(
+            *(
+                self.engine.generate(
+                    prompt,
+                    self.rollout.n_samples,
+                    f"{self.generator_id}.{self.incarnation}:warmup:{k}",
+                    max_tokens=self.rollout.max_tokens,
+                    ignore_eos=True,
+                )
+                for k in range(self.rollout.max_inflight_groups)
+            )
+        )
         log.info("%s: engine warmed up in %.1f s", self.generator_id, time.perf_counter() - t0)
 
     async def _update(self, location: str, version: int) -> dict:
@@ -509,16 +599,22 @@ class GeneratorActor:
             return {"version": self.engine.version, "skipped": True}
         pids, path, t0 = self.engine.engine_pids, location, time.perf_counter()
         try:  # a ray-object:// location is fetched to a local file first (sync/objstore.py)
-            path = await asyncio.to_thread(objstore.fetch, location, version, self.cfg.sync.shm_dir,
-                                           f"{self.run}-{self.generator_id}")
+            path = await asyncio.to_thread(
+                objstore.fetch, location, version, self.cfg.sync.shm_dir, f"{self.run}-{self.generator_id}"
+            )
             fetch_s = time.perf_counter() - t0
             info = await self.engine.load_weights(path, version, inflight=self.cfg.sync.inflight)
         except (WeightLoadError, OSError) as e:
             self.counts["weight_update_errors"] += 1
             # Generating on the old weights would only make groups that are dropped as stale.
             if self._weights_blocked is None:
-                log.error("%s: stopped admitting work: cannot load the announced weights v%d (%s): %s",
-                          self.generator_id, version, location, e)
+                log.error(
+                    "%s: stopped admitting work: cannot load the announced weights v%d (%s): %s",
+                    self.generator_id,
+                    version,
+                    location,
+                    e,
+                )
             self._weights_blocked = f"cannot load the announced weights v{version} ({location}): {e}"
             raise
         finally:
@@ -539,9 +635,16 @@ class GeneratorActor:
                 if time.monotonic() - last_beat >= HEARTBEAT_S:
                     last_beat = time.monotonic()
                     s = self.stats()
-                    await asyncio.to_thread(self.queue.heartbeat, self.generator_id,
-                                            {"version": s["version"], "groups": s["groups"],
-                                             "tokens_per_s": s["tokens_per_s"], "inflight": s["inflight"]})
+                    await asyncio.to_thread(
+                        self.queue.heartbeat,
+                        self.generator_id,
+                        {
+                            "version": s["version"],
+                            "groups": s["groups"],
+                            "tokens_per_s": s["tokens_per_s"],
+                            "inflight": s["inflight"],
+                        },
+                    )
                 location, version = await asyncio.to_thread(self.queue.weights)
                 if location is not None and version > self.engine.version and self._may_try(location, version):
                     try:

@@ -41,8 +41,9 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 
         state = path / "state.json"
         if not state.exists():
-            raise ValueError(f"rollout.prompts={str(path)!r}: a directory must be a saved datasets "
-                             f"directory (state.json missing)")
+            raise ValueError(
+                f"rollout.prompts={str(path)!r}: a directory must be a saved datasets directory (state.json missing)"
+            )
         rows: list[dict[str, Any]] = []
         for entry in json.loads(state.read_text())["_data_files"]:
             with pa.memory_map(str(path / entry["filename"])) as source:
@@ -64,8 +65,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"rollout.prompts={str(path)!r}: expected .jsonl, .parquet or a datasets directory")
 
 
-def file_prompts(path: str | Path, seed: int = 0,
-                 id_prefix: str = "") -> Iterator[tuple[str, str, dict[str, Any]]]:
+def file_prompts(path: str | Path, seed: int = 0, id_prefix: str = "") -> Iterator[tuple[str, str, dict[str, Any]]]:
     records = read_records(path)
     if not records:
         raise ValueError(f"rollout.prompts={str(path)!r} holds no records")

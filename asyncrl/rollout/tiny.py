@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    out = write_tiny_model(args.path, alphabet=args.alphabet, hidden_size=args.hidden_size,
-                           num_layers=args.layers, seed=args.seed)
+    out = write_tiny_model(
+        args.path, alphabet=args.alphabet, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed
+    )
     print(f"wrote tiny model to {out}")
 
 

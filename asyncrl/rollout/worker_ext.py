@@ -27,8 +27,12 @@ class WeightlessLayerWarningFilter(logging.Filter):
     every model would warn once per layer; any other layer that loads nothing stays loud."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple)
-                    and record.args and str(record.args[0]).endswith("RotaryEmbedding"))
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and isinstance(record.args, tuple)
+            and record.args
+            and str(record.args[0]).endswith("RotaryEmbedding")
+        )
 
 
 def quiet_weightless_layer_warnings() -> None:

@@ -45,8 +45,10 @@ def ship_model(path: str) -> dict | None:
     files = manifest(path)
     total = sum(files.values())
     if total > MAX_SHIP_BYTES:
-        raise ValueError(f"rollout.model={path!r}: {total / 1e9:.1f} GB is too large to ship through Ray's "
-                         f"object store; use a hub id or a path every node can read")
+        raise ValueError(
+            f"rollout.model={path!r}: {total / 1e9:.1f} GB is too large to ship through Ray's "
+            f"object store; use a hub id or a path every node can read"
+        )
     blobs = {name: (Path(path) / name).read_bytes() for name in files}
     log.info("model %s (%d files, %.1f MB) shipped through the object store", path, len(files), total / 1e6)
     return {"path": path, "manifest": files, "ref": [ray.put(blobs)]}
@@ -70,8 +72,9 @@ def local_model(path: str, package: dict | None) -> str:
     if _same_files(str(target), package["manifest"]):
         return str(target)
     blobs = ray.get(package["ref"][0])
-    staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=target.parent if target.parent.exists()
-                                    else _mkdir(target.parent)))
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{digest}-", dir=target.parent if target.parent.exists() else _mkdir(target.parent))
+    )
     try:
         for name, data in blobs.items():
             dest = (staging / name).resolve()

@@ -26,8 +26,6 @@ from asyncrl.sync.shm import ShmWeightSync
 log = logging.getLogger(__name__)
 
 
-
-
 def _node_address() -> str:
     import ray
 
@@ -70,8 +68,9 @@ class StateDictSource:
     def __init__(self, state_dict: dict):
         import torch
 
-        self.items = [(k, v.detach().to("cuda").contiguous()) for k, v in state_dict.items()
-                      if isinstance(v, torch.Tensor)]
+        self.items = [
+            (k, v.detach().to("cuda").contiguous()) for k, v in state_dict.items() if isinstance(v, torch.Tensor)
+        ]
 
     def metadata(self):
         from vllm.distributed.weight_transfer.base import ParamMeta
@@ -88,8 +87,9 @@ class StateDictSource:
 class NcclWeightSync(ShmWeightSync):
     """NCCL broadcast per generator; file paths and Redis bookkeeping as in ``ShmWeightSync``."""
 
-    def __init__(self, cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None,
-                 master_address: str | None = None):
+    def __init__(
+        self, cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None, master_address: str | None = None
+    ):
         import torch
 
         if not torch.cuda.is_available():
@@ -102,15 +102,17 @@ class NcclWeightSync(ShmWeightSync):
 
     def _transfer_for(self, handle, source):
         from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
         )
 
         key = id(handle)
         if key not in self._transfers:
             client = GeneratorClient(handle)
             world = 1 + int(_call(handle, "transfer_world_size"))
-            info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=free_port(""),
-                                       world_size=world, rank=0)
+            info = NCCLTrainerInitInfo(
+                master_address=self.master_address, master_port=free_port(""), world_size=world, rank=0
+            )
             engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
             self._transfers[key] = (engine, client)
         engine, client = self._transfers[key]
@@ -140,8 +142,7 @@ class NcclWeightSync(ShmWeightSync):
             save_state_dict(state_dict, path)
             self.queue.set_weights(path, version)
             self._delete_older(version)
-        return {"version": version, "seconds": time.perf_counter() - t0, "engines": len(self.engines),
-                "errors": errors}
+        return {"version": version, "seconds": time.perf_counter() - t0, "engines": len(self.engines), "errors": errors}
 
     def publish_file(self, path: str, version: int) -> dict:
         from safetensors.torch import load_file

@@ -61,7 +61,7 @@ def safetensors_blob(state_dict: dict) -> np.ndarray:
     out[8:start] = np.frombuffer(head, dtype=np.uint8)
     for off, t in parts:
         if t.numel():
-            out[start + off:start + off + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8).numpy()
+            out[start + off : start + off + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8).numpy()
     return out
 
 
@@ -95,8 +95,13 @@ def open_store(run: str, create: bool = False):
 
         # On the trainer's node: the store then shares the trainer's fate, not a generator host's.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        return ray.remote(WeightStore).options(name=store_name(run), namespace=NAMESPACE, num_cpus=0,
-                                               get_if_exists=True, scheduling_strategy=here).remote()
+        return (
+            ray.remote(WeightStore)
+            .options(
+                name=store_name(run), namespace=NAMESPACE, num_cpus=0, get_if_exists=True, scheduling_strategy=here
+            )
+            .remote()
+        )
     return ray.get_actor(store_name(run), namespace=NAMESPACE)
 
 
@@ -110,16 +115,19 @@ def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
     import ray
 
     if not ray.is_initialized():
-        raise OSError(f"weights v{version} are in the job's Ray object store ({location}) and this generator "
-                      f"is not attached to its Ray cluster: start it with --ray-address ray://HEAD:10001")
-    run = location[len(SCHEME):].rsplit("/", 1)[0]
+        raise OSError(
+            f"weights v{version} are in the job's Ray object store ({location}) and this generator "
+            f"is not attached to its Ray cluster: start it with --ray-address ray://HEAD:10001"
+        )
+    run = location[len(SCHEME) :].rsplit("/", 1)[0]
     try:
         ref = ray.get(open_store(run).get.remote(version), timeout=60)
     except Exception as e:  # noqa: BLE001 - any Ray failure is a failed load with its reason
         raise OSError(f"weights v{version}: the run's weight store is unreachable: {e}") from e
     if ref is None:
-        raise OSError(f"weights v{version} are no longer held by the run's weight store (a newer version "
-                      f"replaced them)")
+        raise OSError(
+            f"weights v{version} are no longer held by the run's weight store (a newer version replaced them)"
+        )
     blob = ray.get(ref[0], timeout=300)
     # A unique name per fetch: the trainer's push and the heartbeat's poll may fetch one
     # version at once, and neither may delete or replace the file the other is loading.
@@ -139,8 +147,16 @@ def discard(path: str, location: str) -> None:
 class ObjectStoreWeightSync:
     """Publishes each version as one Ray object; see the module docstring."""
 
-    def __init__(self, cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None, learner=None,
-                 model_package: dict | None = None):
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        *,
+        queue=None,
+        run: str,
+        engines: list | None = None,
+        learner=None,
+        model_package: dict | None = None,
+    ):
         self.cfg, self.queue, self.run, self.learner = cfg, queue, run, learner
         self.engines: list = list(engines or [])
         self.version: int | None = None
@@ -185,10 +201,15 @@ class ObjectStoreWeightSync:
         errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
         self.version = version
         applied = [r for r in results if isinstance(r, dict)]
-        return {"version": version, "start": start, "apply_s": time.perf_counter() - start,
-                "engines": len(self.engines), "errors": errors,
-                "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0),
-                "fetch_s": max((r.get("fetch_s", 0.0) for r in applied), default=0.0)}
+        return {
+            "version": version,
+            "start": start,
+            "apply_s": time.perf_counter() - start,
+            "engines": len(self.engines),
+            "errors": errors,
+            "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0),
+            "fetch_s": max((r.get("fetch_s", 0.0) for r in applied), default=0.0),
+        }
 
     def close(self) -> None:
         import ray

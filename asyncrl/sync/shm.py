@@ -52,8 +52,18 @@ def call_engines(handles: list, method: str, *args) -> list:
     return results
 
 
-SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-                      "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 
 
 def save_state_dict(state_dict: dict, path: str) -> int:
@@ -139,9 +149,14 @@ class ShmWeightSync:
         if not errors:
             self._delete_older(version)
         applied = [r for r in results if isinstance(r, dict)]
-        return {"version": version, "start": start, "apply_s": time.perf_counter() - start,
-                "engines": len(self.engines), "errors": errors,
-                "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0)}
+        return {
+            "version": version,
+            "start": start,
+            "apply_s": time.perf_counter() - start,
+            "engines": len(self.engines),
+            "errors": errors,
+            "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0),
+        }
 
     def _delete_older(self, version: int) -> None:
         for old in glob.glob(os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v*.safetensors")):

@@ -37,8 +37,15 @@ def resolve_backend(backend: str, multinode: bool = False) -> str:
             raise ValueError(f"sync.backend={backend!r}: must be one of {', '.join(map(repr, BACKENDS))}")
 
 
-def build_weight_sync(cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None, learner=None,
-                      model_package: dict | None = None):
+def build_weight_sync(
+    cfg: SyncConfig,
+    *,
+    queue=None,
+    run: str,
+    engines: list | None = None,
+    learner=None,
+    model_package: dict | None = None,
+):
     match resolve_backend(cfg.backend, multinode=cfg.backend == "auto" and cluster_is_multinode()):
         case "shm":
             from asyncrl.sync.shm import ShmWeightSync
@@ -51,5 +58,6 @@ def build_weight_sync(cfg: SyncConfig, *, queue=None, run: str, engines: list | 
         case "object_store":
             from asyncrl.sync.objstore import ObjectStoreWeightSync
 
-            return ObjectStoreWeightSync(cfg, queue=queue, run=run, engines=engines, learner=learner,
-                                         model_package=model_package)
+            return ObjectStoreWeightSync(
+                cfg, queue=queue, run=run, engines=engines, learner=learner, model_package=model_package
+            )

@@ -37,8 +37,6 @@ def unshare_permitted() -> bool:
         return False
 
 
-
-
 def private_host_command(*argv: str, hide: tuple[str, ...] = ()) -> list[str]:
     """argv run as if on another host: its own empty /dev/shm and /tmp (and the `hide` paths)."""
     mounts = " && ".join(f"mount -t tmpfs tmpfs {p}" for p in ("/dev/shm", "/tmp", *hide))
@@ -95,8 +93,9 @@ class TwoNodes:
         self.node2 = _start_node2(self.node2_argv, self.env, self.node2_log)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            fresh = [n["NodeID"] for n in ray.nodes()
-                     if n.get("Alive") and "node2" in n["Resources"] and n["NodeID"] != old]
+            fresh = [
+                n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node2" in n["Resources"] and n["NodeID"] != old
+            ]
             if fresh:
                 self.node2_id = fresh[0]
                 return self.node2_id
@@ -105,8 +104,9 @@ class TwoNodes:
 
 
 def _start_node2(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(private_host_command(*argv), env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        private_host_command(*argv), env=env, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -131,8 +131,14 @@ def _wait_for_nodes(ray, count: int, timeout_s: float) -> list[dict]:
 
 
 @contextlib.contextmanager
-def two_node_cluster(log_dir: Path, *, pythonpath: str | None = None, head_cpus: int = 8, node2_cpus: int = 6,
-                     object_store_bytes: int = 300_000_000):
+def two_node_cluster(
+    log_dir: Path,
+    *,
+    pythonpath: str | None = None,
+    head_cpus: int = 8,
+    node2_cpus: int = 6,
+    object_store_bytes: int = 300_000_000,
+):
     import ray
 
     head_tmp = tempfile.mkdtemp(prefix="rmn-", dir="/tmp")
@@ -142,28 +148,66 @@ def two_node_cluster(log_dir: Path, *, pythonpath: str | None = None, head_cpus:
     node2 = cluster = None
     try:
         out = subprocess.run(
-            [RAY, "start", "--head", f"--port={port}", f"--ray-client-server-port={client_port}",
-             f"--num-cpus={head_cpus}", f"--object-store-memory={object_store_bytes}", "--include-dashboard=false",
-             f"--temp-dir={head_tmp}", "--disable-usage-stats", '--resources={"node1": 1}'],
-            env=env, capture_output=True, text=True, timeout=180)
+            [
+                RAY,
+                "start",
+                "--head",
+                f"--port={port}",
+                f"--ray-client-server-port={client_port}",
+                f"--num-cpus={head_cpus}",
+                f"--object-store-memory={object_store_bytes}",
+                "--include-dashboard=false",
+                f"--temp-dir={head_tmp}",
+                "--disable-usage-stats",
+                '--resources={"node1": 1}',
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"ray start --head failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
-        node2_argv = [RAY, "start", f"--address={ip}:{port}", f"--num-cpus={node2_cpus}",
-                      f"--object-store-memory={object_store_bytes}", '--resources={"node2": 4}',
-                      "--disable-usage-stats", "--block"]
+        node2_argv = [
+            RAY,
+            "start",
+            f"--address={ip}:{port}",
+            f"--num-cpus={node2_cpus}",
+            f"--object-store-memory={object_store_bytes}",
+            '--resources={"node2": 4}',
+            "--disable-usage-stats",
+            "--block",
+        ]
         node2_log = Path(log_dir) / "node2.log"
         node2 = _start_node2(node2_argv, env, node2_log)
         if ray.is_initialized():  # e.g. the test session's local Ray: a driver talks to one cluster
             ray.shutdown()
-        ray.init(address=f"{ip}:{port}", _temp_dir=head_tmp, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": env["PYTHONPATH"],
-                                           "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"],
-                                           "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}})
+        ray.init(
+            address=f"{ip}:{port}",
+            _temp_dir=head_tmp,
+            include_dashboard=False,
+            log_to_driver=True,
+            runtime_env={
+                "env_vars": {
+                    "PYTHONPATH": env["PYTHONPATH"],
+                    "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"],
+                    "TOKENIZERS_PARALLELISM": "false",
+                    "VLLM_LOGGING_LEVEL": "WARNING",
+                }
+            },
+        )
         nodes = _wait_for_nodes(ray, 2, 120)
-        cluster = TwoNodes(f"{ip}:{port}", f"ray://127.0.0.1:{client_port}",
-                           next(n["NodeID"] for n in nodes if "node1" in n["Resources"]),
-                           next(n["NodeID"] for n in nodes if "node2" in n["Resources"]), node2, env,
-                           node2_argv, node2_log, head_tmp)
+        cluster = TwoNodes(
+            f"{ip}:{port}",
+            f"ray://127.0.0.1:{client_port}",
+            next(n["NodeID"] for n in nodes if "node1" in n["Resources"]),
+            next(n["NodeID"] for n in nodes if "node2" in n["Resources"]),
+            node2,
+            env,
+            node2_argv,
+            node2_log,
+            head_tmp,
+        )
         yield cluster
     finally:
         with contextlib.suppress(Exception):

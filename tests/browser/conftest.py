@@ -34,8 +34,6 @@ def chromium():
     pw.stop()
 
 
-
-
 @pytest.fixture
 def serve_dashboard():
     """serve_dashboard(app) -> base URL; runs uvicorn in a thread until the test ends."""
@@ -45,8 +43,7 @@ def serve_dashboard():
 
     def start(app) -> str:
         port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name=f"dashboard-{port}", daemon=True)
         thread.start()

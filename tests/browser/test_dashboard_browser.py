@@ -1,6 +1,6 @@
 """The dashboard in a real headless Chromium: live data written during the test shows up on the page.
 
-    ASYNCRL_SAVE_SCREENSHOT=1 .venv/bin/python -m pytest tests/browser -q   # also writes docs/dashboard.png
+ASYNCRL_SAVE_SCREENSHOT=1 .venv/bin/python -m pytest tests/browser -q   # also writes docs/dashboard.png
 """
 
 from __future__ import annotations
@@ -31,18 +31,31 @@ def _history_step(step: int) -> dict[str, float]:
     stale = [0] * 4 + [1] * 3 + ([2] if step % 3 == 0 else [1])
     return {
         **staleness_summary(stale, max_staleness=2),
-        "reward/mean": round(0.2 + 0.6 * (1 - math.exp(-step / 8)), 4), "reward/std": 0.25,
+        "reward/mean": round(0.2 + 0.6 * (1 - math.exp(-step / 8)), 4),
+        "reward/std": 0.25,
         "response/length_mean": 12.0 + (step % 5),
-        "queue/depth": 6.0 + (step % 4), "queue/pending": 8.0, "queue/dropped_stale": float(step // 6),
+        "queue/depth": 6.0 + (step % 4),
+        "queue/pending": 8.0,
+        "queue/dropped_stale": float(step // 6),
         "queue/dead_lettered": 0.0,
-        "drift/rollout_kl": 0.004 + 0.0005 * (step % 4), "drift/abs_logp_diff": 0.03,
-        "drift/tis_ratio_mean": 1.0 + 0.01 * (step % 3), "drift/tis_ratio_max": 1.8 + 0.1 * (step % 3),
-        "drift/tis_capped_frac": 0.01, "drift/masked_frac": 0.03 + 0.005 * (step % 3),
-        "drift/geo_masked_frac": 0.02, "drift/product_masked_frac": 0.01, "drift/outlier_masked_frac": 0.0,
-        "policy/clip_frac": 0.08, "throughput/gen_tokens_per_s": 2400.0 + 40 * (step % 5),
+        "drift/rollout_kl": 0.004 + 0.0005 * (step % 4),
+        "drift/abs_logp_diff": 0.03,
+        "drift/tis_ratio_mean": 1.0 + 0.01 * (step % 3),
+        "drift/tis_ratio_max": 1.8 + 0.1 * (step % 3),
+        "drift/tis_capped_frac": 0.01,
+        "drift/masked_frac": 0.03 + 0.005 * (step % 3),
+        "drift/geo_masked_frac": 0.02,
+        "drift/product_masked_frac": 0.01,
+        "drift/outlier_masked_frac": 0.0,
+        "policy/clip_frac": 0.08,
+        "throughput/gen_tokens_per_s": 2400.0 + 40 * (step % 5),
         "throughput/train_tokens_per_s": 1500.0 + 30 * (step % 4),
-        "time/wait_data": 0.3, "time/train": 1.2, "time/sync": 0.08,
-        "loss/policy": -0.02, "loss/total": -0.02, "learner/version": float(step + 1),
+        "time/wait_data": 0.3,
+        "time/train": 1.2,
+        "time/sync": 0.08,
+        "loss/policy": -0.02,
+        "loss/total": -0.02,
+        "learner/version": float(step + 1),
     }
 
 
@@ -54,13 +67,31 @@ def _generator(version: int, age: float = 1.0, groups: int = 10, tps: float = 12
 def live_run(redis_url):
     """Run 'demo' 20 steps in (policy version 20, max_staleness 2), two generators; and a finished run."""
     client = redis.Redis.from_url(redis_url)
-    client.hset(keys.state(RUN), mapping={
-        "policy_version": 20, "weights_version": 20, "max_staleness": 2, "groups_per_step": 8, "status": "running",
-        "started_at": time.time() - 600, "config": json.dumps({"control": {"max_staleness": 2}}),
-        "alert_rollout_kl": 0.05, "alert_masked_frac": 0.2, "alert_staleness_frac": 1.0,
-    })
-    client.hset(keys.counters(RUN), mapping={"groups_started": 184, "groups_produced": 176, "groups_trained": 160,
-                                             "dropped_stale": 3, "dead_lettered": 0})
+    client.hset(
+        keys.state(RUN),
+        mapping={
+            "policy_version": 20,
+            "weights_version": 20,
+            "max_staleness": 2,
+            "groups_per_step": 8,
+            "status": "running",
+            "started_at": time.time() - 600,
+            "config": json.dumps({"control": {"max_staleness": 2}}),
+            "alert_rollout_kl": 0.05,
+            "alert_masked_frac": 0.2,
+            "alert_staleness_frac": 1.0,
+        },
+    )
+    client.hset(
+        keys.counters(RUN),
+        mapping={
+            "groups_started": 184,
+            "groups_produced": 176,
+            "groups_trained": 160,
+            "dropped_stale": 3,
+            "dead_lettered": 0,
+        },
+    )
     client.hset(keys.generators(RUN), mapping={"gen-0": _generator(20, groups=90), "gen-1": _generator(19, groups=86)})
     sink = RedisSink(client, RUN)
     for step in range(20):
@@ -88,8 +119,13 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
 
     # Now the run moves on while the page is open: step 20 with drift above the KL alert,
     # policy version 21, and a third generator joining (elastic).
-    step20 = {**_history_step(20), "reward/mean": 0.875, "drift/rollout_kl": 0.0625,
-              "throughput/gen_tokens_per_s": 12345.0, "learner/version": 21.0}
+    step20 = {
+        **_history_step(20),
+        "reward/mean": 0.875,
+        "drift/rollout_kl": 0.0625,
+        "throughput/gen_tokens_per_s": 12345.0,
+        "learner/version": 21.0,
+    }
     RedisSink(live_run, RUN).log(20, step20)
     live_run.hset(keys.state(RUN), mapping={"policy_version": 21, "weights_version": 21})
     live_run.hset(keys.counters(RUN), mapping={"groups_trained": 168})
@@ -106,8 +142,10 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
     badge = page.locator('.badge.alert[data-kind="rollout_kl"]')
     assert badge.count() == 1 and "rollout KL 0.0625 > 0.05" in badge.inner_text()
     # Generators: versions and lag against the new policy version 21.
-    rows = {r.get_attribute("data-generator"): r.locator("td").all_inner_texts()
-            for r in page.locator("#gen-table tbody tr").all()}
+    rows = {
+        r.get_attribute("data-generator"): r.locator("td").all_inner_texts()
+        for r in page.locator("#gen-table tbody tr").all()
+    }
     assert set(rows) == {"gen-0", "gen-1", "gen-2"}
     assert rows["gen-2"][1:4] == ["ok", "21", "0"]
     assert rows["gen-1"][2:4] == ["19", "2"]

@@ -17,8 +17,7 @@ from asyncrl.control.job import TrainJob
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 # Small steps so a fault lands between two checkpoints within seconds.
-FAST = ["control.checkpoint_every=3", "control.groups_per_step=4", "rollout.n_samples=4",
-        "control.batch_timeout_s=240"]
+FAST = ["control.checkpoint_every=3", "control.groups_per_step=4", "rollout.n_samples=4", "control.batch_timeout_s=240"]
 
 
 @pytest.fixture

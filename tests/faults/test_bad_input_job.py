@@ -74,10 +74,17 @@ def _queued_samples(job) -> list:
 def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     (tmp_path / "flaky_env.py").write_text(ENV_MODULE)
     dashboard_port = free_port()
-    job = train_job("hostile", "control.total_steps=1000", "rollout.env=flaky_env:FlakyCopy",
-                    "learner.num_ranks=2", f"queue.password={PASSWORD}", "monitor.dashboard=true",
-                    f"monitor.dashboard_port={dashboard_port}", "learner.collective_timeout_s=60",
-                    env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
+    job = train_job(
+        "hostile",
+        "control.total_steps=1000",
+        "rollout.env=flaky_env:FlakyCopy",
+        "learner.num_ranks=2",
+        f"queue.password={PASSWORD}",
+        "monitor.dashboard=true",
+        f"monitor.dashboard_port={dashboard_port}",
+        "learner.collective_timeout_s=60",
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
+    )
     job.start()
     job.wait_for_step(2, timeout=500)
 
@@ -118,8 +125,11 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     with job.client() as r:
         assert r.config_get("bind") == {"bind": "127.0.0.1"}
         assert r.config_get("protected-mode") == {"protected-mode": "yes"}
-    listening = [c.laddr for c in psutil.Process(job.pid).net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == dashboard_port]
+    listening = [
+        c.laddr
+        for c in psutil.Process(job.pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == dashboard_port
+    ]
     assert [a.ip for a in listening] == ["127.0.0.1"], listening
     with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/", timeout=10) as resp:
         assert resp.status == 200

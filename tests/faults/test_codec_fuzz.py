@@ -30,8 +30,10 @@ GOOD_EVERY = 25
 
 
 def _group(gid: str, n_samples: int = 2, length: int = 5) -> RolloutGroup:
-    samples = [Sample(list(range(3, 3 + length)), [-0.1 * (k + 1)] * length, [1] * length, float(k), 0,
-                      generator_id="g0") for k in range(n_samples)]
+    samples = [
+        Sample(list(range(3, 3 + length)), [-0.1 * (k + 1)] * length, [1] * length, float(k), 0, generator_id="g0")
+        for k in range(n_samples)
+    ]
     return RolloutGroup(gid, f"p-{gid}", [1, 2, 3], samples, env="copy", metadata={"target": "abc"})
 
 
@@ -141,8 +143,10 @@ def test_10k_hostile_records_are_dead_lettered_and_the_consumer_keeps_serving(re
         q.ack([entry for entry, _ in batch])
         got += batch
     t_read = time.perf_counter() - t0 - t_write
-    print(f"{N_BAD} hostile + {N_BAD // GOOD_EVERY} good records: written in {t_write:.1f}s, "
-          f"consumed in {t_read:.1f}s; reasons {sorted(set(expected_reasons))}")
+    print(
+        f"{N_BAD} hostile + {N_BAD // GOOD_EVERY} good records: written in {t_write:.1f}s, "
+        f"consumed in {t_read:.1f}s; reasons {sorted(set(expected_reasons))}"
+    )
 
     assert [g.group_id for _, g in got] == unique
     assert q.get_batch(1, 0, timeout=0.2) == []
@@ -152,23 +156,39 @@ def test_10k_hostile_records_are_dead_lettered_and_the_consumer_keeps_serving(re
     assert all(e["source_id"] for e in dead)
     assert q.counters()["dead_lettered"] == len(expected_reasons)
     # Every reason the codec documents for these mutations shows up.
-    assert {"bad_msgpack", "ext_type", "unknown_schema", "missing_field", "unknown_field", "bad_type",
-            "bad_dtype", "bad_shape", "length_mismatch", "nonfinite_logprob", "empty_group",
-            "bad_mask"} <= set(expected_reasons)
+    assert {
+        "bad_msgpack",
+        "ext_type",
+        "unknown_schema",
+        "missing_field",
+        "unknown_field",
+        "bad_type",
+        "bad_dtype",
+        "bad_shape",
+        "length_mismatch",
+        "nonfinite_logprob",
+        "empty_group",
+        "bad_mask",
+    } <= set(expected_reasons)
     assert raw.xlen(keys.rollouts(run)) == 0  # everything acked or dead-lettered
 
     # Still alive: a good record put now is served.
     q.put(_group("after-the-storm"))
-    (entry, group), = q.get_batch(1, min_version=0, timeout=5.0)
+    ((entry, group),) = q.get_batch(1, min_version=0, timeout=5.0)
     assert group.group_id == "after-the-storm" and group.samples[0].reward == 0.0
     q.ack([entry])
     q.close()
     raw.close()
 
 
-@pytest.mark.parametrize("payload", [
-    pickle.dumps(_Evil()), b"cos\nsystem\n(S'true'\ntR.", pickle.dumps({"group_id": "g", "samples": []}),
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pickle.dumps(_Evil()),
+        b"cos\nsystem\n(S'true'\ntR.",
+        pickle.dumps({"group_id": "g", "samples": []}),
+    ],
+)
 def test_pickles_are_bad_msgpack_and_never_unpickled(payload, capsys):
     with pytest.raises(RecordError) as e:
         decode_group(payload)

@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 from asyncrl.config import Config, ConfigError, config_from_dict, load_config
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
-FIELDS = {
-    f.name: [g.name for g in dataclasses.fields(f.default_factory())] for f in dataclasses.fields(Config)
-}
+FIELDS = {f.name: [g.name for g in dataclasses.fields(f.default_factory())] for f in dataclasses.fields(Config)}
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.lists(st.integers(), max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.lists(st.integers(), max_size=3),
 )
 # Mostly real section/field names, so the fuzz reaches the type checks and cross-field rules.
 keys = st.one_of(st.sampled_from(sorted({k for v in FIELDS.values() for k in v})), st.text(max_size=8))

@@ -63,8 +63,10 @@ def test_diagnosis_shows_the_runs_redis_state_and_folds_retry_warnings(tmp_path)
     job = TrainJob(ROOT_CFG, run_dir=tmp_path / "d", run_name="d")
     retry = "Redis at redis://127.0.0.1:1/0: ConnectionError: refused.; retry {} in 0.05s"
     job.log_path.parent.mkdir(parents=True)
-    job.log_path.write_text("\n".join(["step 9 trained", *[retry.format(i) for i in range(1, 41)],
-                                       "generator loop died", retry.format(1)]) + "\n")
+    job.log_path.write_text(
+        "\n".join(["step 9 trained", *[retry.format(i) for i in range(1, 41)], "generator loop died", retry.format(1)])
+        + "\n"
+    )
     with EmbeddedRedis(tmp_path / "d" / "redis") as server:
         q = RolloutQueue.connect(server.url, "d")
         q.set_state(trainer_step=10)
@@ -77,6 +79,8 @@ def test_diagnosis_shows_the_runs_redis_state_and_folds_retry_warnings(tmp_path)
     assert "'trainer_step': '10'" in text and "'groups_started': 1" in text
     assert "stream length 0, pending 0" in text
     assert "generator gen-0: heartbeat" in text and "version 9, groups 40, 1 prompts noted in flight" in text
-    assert text.endswith("log tail:\nstep 9 trained\n... 40 Redis retry warnings ...\n"
-                         "generator loop died\n... 1 Redis retry warnings ...")
+    assert text.endswith(
+        "log tail:\nstep 9 trained\n... 40 Redis retry warnings ...\n"
+        "generator loop died\n... 1 Redis retry warnings ..."
+    )
     assert "(Redis state unreadable" in job.diagnosis()  # the server is gone: said, not raised

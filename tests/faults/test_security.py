@@ -14,9 +14,16 @@ import asyncrl
 
 PACKAGE = Path(asyncrl.__file__).resolve().parent
 UNSAFE_MODULE_CALLS = {
-    ("pickle", "loads"), ("pickle", "load"), ("cloudpickle", "loads"), ("cloudpickle", "load"),
-    ("dill", "loads"), ("dill", "load"), ("marshal", "loads"), ("marshal", "load"),
-    ("shelve", "open"), ("jsonpickle", "decode"),
+    ("pickle", "loads"),
+    ("pickle", "load"),
+    ("cloudpickle", "loads"),
+    ("cloudpickle", "load"),
+    ("dill", "loads"),
+    ("dill", "load"),
+    ("marshal", "loads"),
+    ("marshal", "load"),
+    ("shelve", "open"),
+    ("jsonpickle", "decode"),
 }
 
 

@@ -27,16 +27,44 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs t
 
 def _make_ca_and_cert(d: Path) -> tuple[Path, Path, Path]:
     """A CA, and a server cert for 127.0.0.1 signed by it (SAN set: hostname checks pass)."""
+
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
-        "-days", "1", "-subj", "/CN=asyncrl-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=127.0.0.1")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=asyncrl-test-ca",
+    )
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.pem", "-days", "1", "-extfile", "san.ext")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    )
     return d / "ca.pem", d / "server.pem", d / "server.key"
 
 
@@ -70,8 +98,7 @@ class TLSProxy:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ctx))
+        server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ctx))
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         self.loop.run_forever()
@@ -87,8 +114,9 @@ class TLSProxy:
         self._thread.join(10)
 
 
-def test_rediss_url_with_the_ca_round_trips_a_group_and_an_untrusted_client_is_refused(redis_server, redis_url,
-                                                                                         tmp_path):
+def test_rediss_url_with_the_ca_round_trips_a_group_and_an_untrusted_client_is_refused(
+    redis_server, redis_url, tmp_path
+):
     ca, cert, key = _make_ca_and_cert(tmp_path)
     with TLSProxy(cert, key, redis_server.port) as proxy:
         url = f"rediss://127.0.0.1:{proxy.port}/0?ssl_ca_certs={quote(str(ca), safe='')}"

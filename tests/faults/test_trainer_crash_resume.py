@@ -16,8 +16,13 @@ STEPS, CKPT, GROUPS = 18, 5, 16
 
 
 def test_sigkill_between_step_and_checkpoint_then_resume_trains_each_group_exactly_once(train_job):
-    job = train_job("crash", f"control.total_steps={STEPS}", f"control.checkpoint_every={CKPT}",
-                    f"control.groups_per_step={GROUPS}", "rollout.n_samples=8")
+    job = train_job(
+        "crash",
+        f"control.total_steps={STEPS}",
+        f"control.checkpoint_every={CKPT}",
+        f"control.groups_per_step={GROUPS}",
+        "rollout.n_samples=8",
+    )
     job.start()
     killed_at = job.wait_for_step(2 * CKPT + 2, timeout=500)
     job.signal(signal.SIGKILL)

@@ -1,6 +1,6 @@
 """NCCL weight sync (vLLM weight-transfer API) from this process to a GeneratorActor's engine on GPU.
 
-    .venv/bin/python -m pytest tests/gpu/test_nccl_sync.py -q     # skipped without CUDA
+.venv/bin/python -m pytest tests/gpu/test_nccl_sync.py -q     # skipped without CUDA
 """
 
 from __future__ import annotations
@@ -8,8 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_nccl_publish_switches_engine_weights_and_version(tiny_model_dir, redis_server):
@@ -34,7 +37,7 @@ def test_nccl_publish_switches_engine_weights_and_version(tiny_model_dir, redis_
         prompt = [5, 6, 7, 8]
         out = gen.sample(prompt, 1, 8, 1.0, True)[0]
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1: -1]
+            logits = model(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1 : -1]
         ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out["token_ids"])[:, None])[:, 0]
         assert out["versions"] == [1] * 8
         assert float((ref - torch.tensor(out["logprobs"])).abs().max()) < 1e-3

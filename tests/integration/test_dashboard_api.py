@@ -20,14 +20,30 @@ RUN = "demo"
 
 def _step_metrics(step: int) -> dict[str, float]:
     return {
-        "reward/mean": 0.1 * step, "response/length_mean": 10.0 + step,
-        "staleness/mean": 0.5, "staleness/max": 1.0, "staleness/p50": 0.5, "staleness/p90": 1.0,
-        "staleness/frac_0": 0.5, "staleness/frac_1": 0.5, "staleness/frac_2": 0.0,
-        "queue/depth": 4.0 + step, "queue/dropped_stale": float(step), "queue/dead_lettered": 1.0,
-        "drift/rollout_kl": 0.001 * step, "drift/abs_logp_diff": 0.01, "drift/tis_ratio_mean": 1.01,
-        "drift/tis_ratio_max": 1.9, "drift/masked_frac": 0.02, "policy/clip_frac": 0.1,
-        "throughput/gen_tokens_per_s": 1200.0, "throughput/train_tokens_per_s": 800.0,
-        "time/wait_data": 0.2, "time/train": 1.5, "time/sync": 0.05, "learner/version": float(step + 1),
+        "reward/mean": 0.1 * step,
+        "response/length_mean": 10.0 + step,
+        "staleness/mean": 0.5,
+        "staleness/max": 1.0,
+        "staleness/p50": 0.5,
+        "staleness/p90": 1.0,
+        "staleness/frac_0": 0.5,
+        "staleness/frac_1": 0.5,
+        "staleness/frac_2": 0.0,
+        "queue/depth": 4.0 + step,
+        "queue/dropped_stale": float(step),
+        "queue/dead_lettered": 1.0,
+        "drift/rollout_kl": 0.001 * step,
+        "drift/abs_logp_diff": 0.01,
+        "drift/tis_ratio_mean": 1.01,
+        "drift/tis_ratio_max": 1.9,
+        "drift/masked_frac": 0.02,
+        "policy/clip_frac": 0.1,
+        "throughput/gen_tokens_per_s": 1200.0,
+        "throughput/train_tokens_per_s": 800.0,
+        "time/wait_data": 0.2,
+        "time/train": 1.5,
+        "time/sync": 0.05,
+        "learner/version": float(step + 1),
     }
 
 
@@ -36,18 +52,39 @@ def filled(redis_url):
     """Run 'demo' at policy version 10 (max_staleness 2) with 10 steps, 3 generators; a second run 'other'."""
     client = redis.Redis.from_url(redis_url)
     now = time.time()
-    client.hset(keys.state(RUN), mapping={
-        "policy_version": 10, "weights_version": 10, "max_staleness": 2, "groups_per_step": 8,
-        "status": "running", "started_at": now - 120, "config": json.dumps({"control": {"max_staleness": 2}}),
-        "alert_rollout_kl": 0.005, "alert_masked_frac": 0.2, "alert_staleness_frac": 1.0,
-    })
-    client.hset(keys.counters(RUN), mapping={"groups_started": 96, "groups_produced": 90, "groups_trained": 80,
-                                             "dropped_stale": 3, "dead_lettered": 1})
-    client.hset(keys.generators(RUN), mapping={
-        "gen-0": msgpack.packb({"version": 10, "heartbeat": now - 1, "groups": 40, "tokens_per_s": 700.5}),
-        "gen-1": msgpack.packb({"version": 7, "heartbeat": now - 2, "groups": 30, "tokens_per_s": 500.0}),
-        "gen-2": msgpack.packb({"version": 9, "heartbeat": now - 60, "groups": 20, "tokens_per_s": 0.0}),
-    })
+    client.hset(
+        keys.state(RUN),
+        mapping={
+            "policy_version": 10,
+            "weights_version": 10,
+            "max_staleness": 2,
+            "groups_per_step": 8,
+            "status": "running",
+            "started_at": now - 120,
+            "config": json.dumps({"control": {"max_staleness": 2}}),
+            "alert_rollout_kl": 0.005,
+            "alert_masked_frac": 0.2,
+            "alert_staleness_frac": 1.0,
+        },
+    )
+    client.hset(
+        keys.counters(RUN),
+        mapping={
+            "groups_started": 96,
+            "groups_produced": 90,
+            "groups_trained": 80,
+            "dropped_stale": 3,
+            "dead_lettered": 1,
+        },
+    )
+    client.hset(
+        keys.generators(RUN),
+        mapping={
+            "gen-0": msgpack.packb({"version": 10, "heartbeat": now - 1, "groups": 40, "tokens_per_s": 700.5}),
+            "gen-1": msgpack.packb({"version": 7, "heartbeat": now - 2, "groups": 30, "tokens_per_s": 500.0}),
+            "gen-2": msgpack.packb({"version": 9, "heartbeat": now - 60, "groups": 20, "tokens_per_s": 0.0}),
+        },
+    )
     sink = RedisSink(client, RUN)
     for step in range(10):
         sink.log(step, _step_metrics(step))
@@ -79,8 +116,13 @@ def test_summary_has_state_counters_and_latest(api):
     assert s["policy_version"] == 10 and s["weights_version"] == 10 and s["max_staleness"] == 2
     assert s["status"] == "running" and s["step"] == 9 and s["groups_per_step"] == 8
     assert 119 < s["uptime_s"] < 200
-    assert s["counters"] == {"groups_started": 96, "groups_produced": 90, "groups_trained": 80,
-                             "dropped_stale": 3, "dead_lettered": 1}
+    assert s["counters"] == {
+        "groups_started": 96,
+        "groups_produced": 90,
+        "groups_trained": 80,
+        "dropped_stale": 3,
+        "dead_lettered": 1,
+    }
     assert s["latest"]["reward/mean"] == pytest.approx(0.9)
     assert s["latest"]["queue/depth"] == 13.0
     assert s["latest"]["drift/rollout_kl"] == pytest.approx(0.009)
@@ -120,8 +162,14 @@ def test_series_values_names_and_since(api, filled):
     assert api.get(f"/api/run/{RUN}/series", params={"since": last}).json()["series"] == {}
     RedisSink(filled, RUN).log(10, {"reward/mean": 0.95})
     new = api.get(f"/api/run/{RUN}/series", params={"since": last}).json()
-    assert new["series"] == {"reward/mean": {"step": [10], "time": new["series"]["reward/mean"]["time"],
-                                             "value": [0.95], "source": ["trainer"]}}
+    assert new["series"] == {
+        "reward/mean": {
+            "step": [10],
+            "time": new["series"]["reward/mean"]["time"],
+            "value": [0.95],
+            "source": ["trainer"],
+        }
+    }
     bad = api.get(f"/api/run/{RUN}/series", params={"since": "yesterday"})
     assert bad.status_code == 400 and "stream id" in bad.json()["message"]
 
@@ -166,7 +214,10 @@ def test_prometheus_metrics(api):
 def test_unknown_run_is_404_with_message(api):
     r = api.get("/api/run/nope/summary")
     assert r.status_code == 404
-    assert r.json() == {"error": "Unknown run", "message": "run 'nope' not found in this Redis (known runs: demo, other)"}
+    assert r.json() == {
+        "error": "Unknown run",
+        "message": "run 'nope' not found in this Redis (known runs: demo, other)",
+    }
     page = api.get("/run/nope")
     assert page.status_code == 404 and "text/html" in page.headers["content-type"]
     assert "run &#x27;nope&#x27; not found" in page.text and "Traceback" not in page.text

@@ -25,9 +25,9 @@ import torch
 
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.control.job import pid_running
+from asyncrl.queue import keys
 from asyncrl.rollout.engine import shm_segments_of
 from asyncrl.rollout.envs.synthetic import positional_credit
-from asyncrl.queue import keys
 from asyncrl.rollout.generator import GeneratorActor
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -54,13 +54,22 @@ def prompts_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cfg(prompts_file):
     c = Config()
-    c.rollout = RolloutConfig(n_samples=N, max_tokens=8, temperature=TEMPERATURE, env="copy",
-                              prompts=prompts_file, max_prompt_tokens=64, max_inflight_groups=4,
-                              engine_max_model_len=256, engine_max_num_seqs=32, seed=3,
-                              # vLLM's multiprocess executor, whose /dev/shm message queues are
-                              # what the crash and shutdown tests check are never leaked (the
-                              # CPU default, one engine process, has none).
-                              engine_kwargs={"distributed_executor_backend": "mp"})
+    c.rollout = RolloutConfig(
+        n_samples=N,
+        max_tokens=8,
+        temperature=TEMPERATURE,
+        env="copy",
+        prompts=prompts_file,
+        max_prompt_tokens=64,
+        max_inflight_groups=4,
+        engine_max_model_len=256,
+        engine_max_num_seqs=32,
+        seed=3,
+        # vLLM's multiprocess executor, whose /dev/shm message queues are
+        # what the crash and shutdown tests check are never leaked (the
+        # CPU default, one engine process, has none).
+        engine_kwargs={"distributed_executor_backend": "mp"},
+    )
     c.queue.maxlen = 3  # small, so put() blocks and in-flight prompts pile up for the kill test
     c.queue.put_timeout_s = 1.0  # a full queue outlasts many timeouts: groups must be held, not lost
     c.queue.ledger = True
@@ -83,8 +92,9 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def gen(ray_session, redis_server, tiny_model_dir, cfg):
-    handle = GeneratorActor.remote_actor(cfg, model_path=tiny_model_dir, generator_id="g0",
-                                         redis_url=redis_server.url, run=RUN, autostart=False)
+    handle = GeneratorActor.remote_actor(
+        cfg, model_path=tiny_model_dir, generator_id="g0", redis_url=redis_server.url, run=RUN, autostart=False
+    )
     assert ray_session.get(handle.version.remote(), timeout=300) == 0
     yield handle
     import ray
@@ -104,8 +114,7 @@ def wait_for_actor(ray, handle, timeout: float, not_pid: int | None = None) -> i
             pid = ray.get(handle.pid.remote(), timeout=30)
             if pid != not_pid:
                 return pid
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError,
-                ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
         if time.time() > deadline:
             raise TimeoutError(f"actor not back within {timeout}s")
@@ -200,8 +209,9 @@ def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_sessio
     assert stats["prompts_skipped"] >= 1 or queue.counters().get("prompts_skipped", 0) >= 0
 
 
-def test_publish_during_generation_switches_versions_and_matches_hf(ray_session, gen, hf_model, tokenizer,
-                                                                   queue, tmp_path):
+def test_publish_during_generation_switches_versions_and_matches_hf(
+    ray_session, gen, hf_model, tokenizer, queue, tmp_path
+):
     from asyncrl.config import SyncConfig
     from asyncrl.sync import build_weight_sync
 
@@ -251,8 +261,7 @@ def test_publish_during_generation_switches_versions_and_matches_hf(ray_session,
         sync.close()
 
 
-def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_session, gen, hf_model, tokenizer,
-                                                                     tmp_path):
+def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_session, gen, hf_model, tokenizer, tmp_path):
     """A file with a wrong shape: the load fails twice (one retry), the kept copy of v2 is loaded
     back (the published v2 file itself was deleted by the previous test's sync.close()), and the
     engine goes on generating v2's greedy tokens, labelled 2."""
@@ -283,8 +292,9 @@ def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_sessio
     assert ray.get(gen.version.remote()) == 2
 
 
-def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_can(ray_session, gen, hf_model,
-                                                                                   queue, tmp_path):
+def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_can(
+    ray_session, gen, hf_model, queue, tmp_path
+):
     """After the failed loads above it says why and admits no work, though admission is open
     (it would only make groups on stale weights); once good weights load it admits again."""
     from asyncrl.sync.shm import save_state_dict
@@ -330,8 +340,11 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     ray.get(gen.start.remote())
     # maxlen=3 and nobody reading: 3 groups land, the other 3 wait in put() (still in flight).
     deadline = time.time() + 180
-    while time.time() < deadline and not (queue.counters().get("groups_started", 0) == started + 6
-                                           and r.xlen(keys.rollouts(RUN)) == 3 and r.hlen(inflight) == 3):
+    while time.time() < deadline and not (
+        queue.counters().get("groups_started", 0) == started + 6
+        and r.xlen(keys.rollouts(RUN)) == 3
+        and r.hlen(inflight) == 3
+    ):
         time.sleep(0.2)
     queued = {g.prompt_id for g in queue.queued_groups()}
     inflight_before = {k.decode() for k in r.hkeys(inflight)}
@@ -369,8 +382,7 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     assert int(r.get(keys.incarnation(RUN, "g0"))) == 2
 
 
-def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(ray_session, gen, queue,
-                                                                             redis_server):
+def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(ray_session, gen, queue, redis_server):
     """Redis refuses XADD (an ACL, as an out-of-memory server would refuse writes): the put
     fails with a Redis error, not a connection error, so no retry helps. The actor must say
     why and exit, rather than live on one group short; Ray restarts it, and the successor

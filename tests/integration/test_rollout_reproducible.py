@@ -31,10 +31,18 @@ CORE = (os.cpu_count() or 1) - 1
 @pytest.fixture(scope="module")
 def cfg():
     c = Config()
-    c.rollout = RolloutConfig(n_samples=N, max_tokens=4, temperature=1.0, env="countdown_chat",
-                              env_kwargs={"start_min": 2, "start_max": 5, "max_turns": 3},
-                              max_inflight_groups=2, engine_max_model_len=256, engine_max_num_seqs=16,
-                              seed=11, cpu_affinity=str(CORE))
+    c.rollout = RolloutConfig(
+        n_samples=N,
+        max_tokens=4,
+        temperature=1.0,
+        env="countdown_chat",
+        env_kwargs={"start_min": 2, "start_max": 5, "max_turns": 3},
+        max_inflight_groups=2,
+        engine_max_model_len=256,
+        engine_max_num_seqs=16,
+        seed=11,
+        cpu_affinity=str(CORE),
+    )
     c.algo.stepwise = True
     c.sync.inflight = "keep"
     c.queue.ledger = True
@@ -46,8 +54,12 @@ def gens(ray_session, redis_server, tiny_model_dir, cfg):
     from asyncrl.rollout.generator import GeneratorActor
 
     ray = ray_session
-    handles = [GeneratorActor.remote_actor(cfg, model_path=tiny_model_dir, generator_id="g0",
-                                           redis_url=redis_server.url, run=run) for run in RUNS]
+    handles = [
+        GeneratorActor.remote_actor(
+            cfg, model_path=tiny_model_dir, generator_id="g0", redis_url=redis_server.url, run=run
+        )
+        for run in RUNS
+    ]
     try:
         assert ray.get([h.version.remote() for h in handles], timeout=400) == [0, 0]
         yield handles
@@ -130,8 +142,10 @@ def test_two_fresh_runs_give_identical_multi_turn_groups(ray_session, gens, queu
             np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-6)
         check_step_wise_group(ga, tokenizer)
     # Different prompts across the groups (the stream is not stuck on one).
-    assert len({g.metadata["start"] for g in a.values()}) > 1 or len({tuple(g.samples[0].response_ids)
-                                                                     for g in a.values()}) > 1
+    assert (
+        len({g.metadata["start"] for g in a.values()}) > 1
+        or len({tuple(g.samples[0].response_ids) for g in a.values()}) > 1
+    )
 
 
 def test_engine_processes_run_on_the_configured_cores(ray_session, gens):
@@ -163,8 +177,7 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
-    sync = build_weight_sync(SyncConfig(backend="shm", inflight="keep"), queue=queues[0], run=RUNS[0],
-                             engines=[gen])
+    sync = build_weight_sync(SyncConfig(backend="shm", inflight="keep"), queue=queues[0], run=RUNS[0], engines=[gen])
     try:
         prompt = tokenizer.encode("ab=")
         running = [gen.sample.remote(prompt, 1, 150, 1.0, True) for _ in range(3)]

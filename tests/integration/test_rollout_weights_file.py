@@ -1,6 +1,6 @@
 """The /dev/shm weight file: ``save_state_dict`` writes safetensors the reference reader loads exactly.
 
-    .venv/bin/python -m pytest tests/integration/test_rollout_weights_file.py -q
+.venv/bin/python -m pytest tests/integration/test_rollout_weights_file.py -q
 """
 
 from __future__ import annotations

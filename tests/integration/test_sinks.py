@@ -85,8 +85,15 @@ def child_process_names() -> list[str]:
 def test_console_line():
     out = io.StringIO()
     sink = ConsoleSink(every=2, console=Console(file=out, width=200, color_system=None))
-    m = {"reward/mean": 0.5, "staleness/mean": 0.25, "staleness/max": 1.0, "drift/rollout_kl": 0.0123,
-         "throughput/gen_tokens_per_s": 1234.4, "throughput/train_tokens_per_s": 800.0, "time/step": 1.5}
+    m = {
+        "reward/mean": 0.5,
+        "staleness/mean": 0.25,
+        "staleness/max": 1.0,
+        "drift/rollout_kl": 0.0123,
+        "throughput/gen_tokens_per_s": 1234.4,
+        "throughput/train_tokens_per_s": 800.0,
+        "time/step": 1.5,
+    }
     sink.log(1, m)  # skipped: every=2
     sink.log(2, m)
     assert out.getvalue().strip() == (

@@ -26,18 +26,31 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def demo_config(tmp_path: Path, name: str, *overrides: str):
-    return load_config(ROOT / "configs" / "demo.yaml", [
-        f"control.run_name={name}", f"control.run_dir={tmp_path / name}", "monitor.console=false",
-        "monitor.dashboard=false", "queue.ledger=true", *overrides,
-    ])
+    return load_config(
+        ROOT / "configs" / "demo.yaml",
+        [
+            f"control.run_name={name}",
+            f"control.run_dir={tmp_path / name}",
+            "monitor.console=false",
+            "monitor.dashboard=false",
+            "queue.ledger=true",
+            *overrides,
+        ],
+    )
 
 
 def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(ray_session, tmp_path, capsys):
     """Reward rises; every trained group is within max_staleness; drift metrics reach Redis; an
     elastic generator that joins mid-run gets its groups trained and its leaving stalls nothing;
     the ledger balances."""
-    cfg = demo_config(tmp_path, "e2e", "control.total_steps=400", "control.max_staleness=2",
-                      "control.checkpoint_every=10", "control.keep_checkpoints=2")
+    cfg = demo_config(
+        tmp_path,
+        "e2e",
+        "control.total_steps=400",
+        "control.max_staleness=2",
+        "control.checkpoint_every=10",
+        "control.keep_checkpoints=2",
+    )
     rewards: list[float] = []
     seen: dict = {"elastic": None, "left_at": None}
     log_path = tmp_path / "elastic.log"
@@ -47,9 +60,23 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
         step = loop.state.step
         if step == 2:  # join mid-run, from another process, knowing only Redis
             seen["elastic"] = subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url,
-                 "--run", cfg.control.run_name, "--id", "elastic-1", "--max-groups", "6"],
-                stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                [
+                    sys.executable,
+                    "-m",
+                    "asyncrl.cli",
+                    "generate",
+                    "--redis",
+                    loop.rt.redis_url,
+                    "--run",
+                    cfg.control.run_name,
+                    "--id",
+                    "elastic-1",
+                    "--max-groups",
+                    "6",
+                ],
+                stdout=log_path.open("w"),
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
             )
         proc = seen["elastic"]
         if proc is not None and seen["left_at"] is None and proc.poll() is not None:
@@ -86,8 +113,16 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
         names = set()
         for _, rec in q.read_metrics(count=100_000):
             names |= set(rec["metrics"])
-        for name in ("drift/rollout_kl", "drift/abs_logp_diff", "drift/tis_ratio_mean", "drift/masked_frac",
-                     "staleness/max", "reward/mean", "throughput/train_tokens_per_s", "time/wait_data"):
+        for name in (
+            "drift/rollout_kl",
+            "drift/abs_logp_diff",
+            "drift/tis_ratio_mean",
+            "drift/masked_frac",
+            "staleness/max",
+            "reward/mean",
+            "throughput/train_tokens_per_s",
+            "time/wait_data",
+        ):
             assert name in names, f"{name} never logged"
         ledger = audit(q, state.trained_ids).check()
         assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0
@@ -103,13 +138,23 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     # a Hugging Face folder from the learners that `asyncrl export` rebuilds from the checkpoint.
     rows = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, state.step + 1)) and "reward/mean" in rows[-1]
-    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith(f"hf/step_{state.step}")
     assert_same_hf_model(tmp_path / "e2e" / "hf" / "final", tmp_path / "e2e" / "hf" / f"step_{state.step}")
-    bad = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e"), "--step", "3"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e"), "--step", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "no complete checkpoint of step 3 (there are: " in bad.stderr, bad.stderr
 
 
@@ -127,8 +172,15 @@ def assert_same_hf_model(a: Path, b: Path) -> None:
 
 
 def _final_params(tmp_path, name, *overrides):
-    cfg = demo_config(tmp_path, name, "control.total_steps=3", "control.groups_per_step=4",
-                      "rollout.n_samples=4", "control.checkpoint_every=3", *overrides)
+    cfg = demo_config(
+        tmp_path,
+        name,
+        "control.total_steps=3",
+        "control.groups_per_step=4",
+        "rollout.n_samples=4",
+        "control.checkpoint_every=3",
+        *overrides,
+    )
     out = {}
 
     def on_step(loop, metrics):
@@ -157,15 +209,24 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
     """With max_staleness > 0 the engines load weights in a background thread while the
     learner trains on; if that load fails, the error is raised in the loop at the next step,
     the run is marked failed, and the policy version never claims the failed weights."""
-    cfg = demo_config(tmp_path, "pubfail", "control.total_steps=8", "control.max_staleness=1",
-                      "control.groups_per_step=4", "rollout.n_samples=4", "control.checkpoint_every=8")
+    cfg = demo_config(
+        tmp_path,
+        "pubfail",
+        "control.total_steps=8",
+        "control.max_staleness=1",
+        "control.groups_per_step=4",
+        "rollout.n_samples=4",
+        "control.checkpoint_every=8",
+    )
     steps: list[int] = []
 
     def on_step(loop, metrics):
         steps.append(loop.state.step)
         if loop.state.step == 1:
+
             def broken(path: str, version: int) -> dict:
                 raise RuntimeError(f"injected: engines could not load v{version}")
+
             loop.rt.weight_sync.publish_file = broken
 
     with pytest.raises(RuntimeError, match="injected: engines could not load v2"):
@@ -198,10 +259,22 @@ def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
     run_dir = tmp_path / "sigint"
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs" / "demo.yaml"),
-         f"control.run_dir={run_dir}", "control.run_name=sigint", "control.total_steps=1000",
-         "monitor.dashboard=false", "control.checkpoint_every=100"],
-        cwd=ROOT, stdout=(tmp_path / "train.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "train",
+            str(ROOT / "configs" / "demo.yaml"),
+            f"control.run_dir={run_dir}",
+            "control.run_name=sigint",
+            "control.total_steps=1000",
+            "monitor.dashboard=false",
+            "control.checkpoint_every=100",
+        ],
+        cwd=ROOT,
+        stdout=(tmp_path / "train.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 300

@@ -19,10 +19,9 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.ledger import audit
 from asyncrl.control.train import latest_checkpoint, train
+from asyncrl.testing.twonode import client_server_logs, private_host_command
 
 ROOT = Path(__file__).resolve().parents[2]
-
-from asyncrl.testing.twonode import client_server_logs, private_host_command
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,14 +32,26 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
     from asyncrl.sync.objstore import ObjectStoreWeightSync
 
     run_dir = two_nodes.shared_dir / "mn"
-    cfg = load_config(ROOT / "configs" / "demo.yaml", [
-        "control.run_name=mn", f"control.run_dir={run_dir}", "monitor.console=false", "monitor.dashboard=false",
-        "queue.ledger=true", "control.total_steps=3000", "control.max_staleness=2", "control.checkpoint_every=20",
-        # A path in the head's private /tmp: the second node and the elastic generator get the
-        # model through Ray, as weights version 0.
-        f"rollout.model={tiny_model_dir}", "rollout.resources={node2: 1}",
-        "learner.num_ranks=2", "learner.placement=STRICT_SPREAD", "learner.collective_timeout_s=120",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "demo.yaml",
+        [
+            "control.run_name=mn",
+            f"control.run_dir={run_dir}",
+            "monitor.console=false",
+            "monitor.dashboard=false",
+            "queue.ledger=true",
+            "control.total_steps=3000",
+            "control.max_staleness=2",
+            "control.checkpoint_every=20",
+            # A path in the head's private /tmp: the second node and the elastic generator get the
+            # model through Ray, as weights version 0.
+            f"rollout.model={tiny_model_dir}",
+            "rollout.resources={node2: 1}",
+            "learner.num_ranks=2",
+            "learner.placement=STRICT_SPREAD",
+            "learner.collective_timeout_s=120",
+        ],
+    )
     rewards: list[float] = []
     seen: dict = {"elastic": None, "left_at": None}
     log_path = two_nodes.shared_dir / "elastic.log"
@@ -51,14 +62,36 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
         step = loop.state.step
         if step == 1:
             seen["ranks"] = [info["node_id"] for info in loop.rt.learner.rank_info]
-            seen["generators"] = ray.get([g.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                                          for g in loop.rt.generators])
+            seen["generators"] = ray.get(
+                [
+                    g.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                    for g in loop.rt.generators
+                ]
+            )
         if step == 1:  # a third host: its own /dev/shm and /tmp, and the run dir hidden too
             seen["elastic"] = subprocess.Popen(
-                private_host_command(sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url,
-                                     "--run", cfg.control.run_name, "--id", "elastic-3", "--max-groups", "4",
-                                     "--ray-address", two_nodes.client_address, hide=(str(two_nodes.shared_dir),)),
-                stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=two_nodes.env)
+                private_host_command(
+                    sys.executable,
+                    "-m",
+                    "asyncrl.cli",
+                    "generate",
+                    "--redis",
+                    loop.rt.redis_url,
+                    "--run",
+                    cfg.control.run_name,
+                    "--id",
+                    "elastic-3",
+                    "--max-groups",
+                    "4",
+                    "--ray-address",
+                    two_nodes.client_address,
+                    hide=(str(two_nodes.shared_dir),),
+                ),
+                stdout=log_path.open("w"),
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=two_nodes.env,
+            )
         proc = seen["elastic"]
         if proc is not None and seen["left_at"] is None and proc.poll() is not None:
             seen["left_at"] = step
@@ -74,8 +107,9 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
             seen["elastic"].terminate()  # it leaves cleanly on SIGTERM
     loop = holder["loop"]
     proc = seen["elastic"]
-    assert proc is not None and proc.wait(timeout=120) == 0, (
-        log_path.read_text()[-3000:] + client_server_logs(two_nodes.temp_dir))
+    assert proc is not None and proc.wait(timeout=120) == 0, log_path.read_text()[-3000:] + client_server_logs(
+        two_nodes.temp_dir
+    )
 
     assert isinstance(loop.rt.weight_sync, ObjectStoreWeightSync)  # sync.backend=auto on two nodes
     assert seen["ranks"] == [two_nodes.head_node_id, two_nodes.node2_id]
@@ -101,7 +135,8 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
 
 
 def test_losing_the_second_host_names_what_was_lost_and_the_resumed_run_balances_its_ledger(
-        two_nodes, tiny_model_dir, caplog):
+    two_nodes, tiny_model_dir, caplog
+):
     """The second node's raylet is SIGKILLed mid-run (a host crash): the run fails with an error
     naming learner rank 1, reports each actor the node took and what Ray does about it (the
     generator restarts once a node with its resources exists; a rank does not); a fresh second
@@ -114,12 +149,23 @@ def test_losing_the_second_host_names_what_was_lost_and_the_resumed_run_balances
     run_dir = two_nodes.shared_dir / "crash"
 
     def config(total_steps: int):
-        return load_config(ROOT / "configs" / "demo.yaml", [
-            "control.run_name=crash", f"control.run_dir={run_dir}", "monitor.console=false",
-            "monitor.dashboard=false", "queue.ledger=true", f"control.total_steps={total_steps}",
-            "control.checkpoint_every=5", f"rollout.model={tiny_model_dir}", "rollout.resources={node2: 1}",
-            "learner.num_ranks=2", "learner.placement=STRICT_SPREAD", "learner.collective_timeout_s=60",
-        ])
+        return load_config(
+            ROOT / "configs" / "demo.yaml",
+            [
+                "control.run_name=crash",
+                f"control.run_dir={run_dir}",
+                "monitor.console=false",
+                "monitor.dashboard=false",
+                "queue.ledger=true",
+                f"control.total_steps={total_steps}",
+                "control.checkpoint_every=5",
+                f"rollout.model={tiny_model_dir}",
+                "rollout.resources={node2: 1}",
+                "learner.num_ranks=2",
+                "learner.placement=STRICT_SPREAD",
+                "learner.collective_timeout_s=60",
+            ],
+        )
 
     killed: dict = {}
 

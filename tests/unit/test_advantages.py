@@ -1,6 +1,6 @@
 """Advantage estimators against hand-computed values.
 
-    .venv/bin/python -m pytest tests/unit/test_advantages.py -q
+.venv/bin/python -m pytest tests/unit/test_advantages.py -q
 """
 
 from __future__ import annotations
@@ -83,16 +83,26 @@ def test_reinforce_pp_token_rewards_skip_unmasked_gaps():
     mask = torch.tensor([[1, 0, 1]], dtype=D)
     token_rewards = torch.tensor([[1.0, 9.0, 2.0]], dtype=D)  # the 9 sits on an observation token
     # returns with gamma 0.5: [1 + 0.5 * 2, -, 2] = [2, 0, 2]; mean 2, std 0 -> all 0
-    adv = ADVANTAGE_REGISTRY["reinforce_pp"](torch.zeros(1, dtype=D), torch.zeros(1, dtype=torch.long), mask,
-                                             params=AdvantageParams(gamma=0.5), token_rewards=token_rewards)
+    adv = ADVANTAGE_REGISTRY["reinforce_pp"](
+        torch.zeros(1, dtype=D),
+        torch.zeros(1, dtype=torch.long),
+        mask,
+        params=AdvantageParams(gamma=0.5),
+        token_rewards=token_rewards,
+    )
     assert torch.equal(adv, torch.zeros(1, 3, dtype=D))
 
 
 def test_gae_by_hand():
     mask = torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=D)
     values = torch.tensor([[0.5, 0.2, 0.4], [0.5, 99.0, 0.4]], dtype=D)
-    adv = ADVANTAGE_REGISTRY["gae"](torch.tensor([1.0, 1.0], dtype=D), torch.tensor([0, 0]), mask,
-                                    params=AdvantageParams(gamma=1.0, lam=0.5), values=values)
+    adv = ADVANTAGE_REGISTRY["gae"](
+        torch.tensor([1.0, 1.0], dtype=D),
+        torch.tensor([0, 0]),
+        mask,
+        params=AdvantageParams(gamma=1.0, lam=0.5),
+        values=values,
+    )
     # Row 0: deltas [-0.3, 0.2, 0.6] -> A = [-0.3 + 0.5 * 0.5, 0.2 + 0.5 * 0.6, 0.6] = [-0.05, 0.5, 0.6]
     # Row 1: the unmasked middle token is skipped: delta0 = 0 + 0.4 - 0.5 = -0.1, A0 = -0.1 + 0.5 * 0.6
     expected = torch.tensor([[-0.05, 0.5, 0.6], [0.2, 0.0, 0.6]], dtype=D)

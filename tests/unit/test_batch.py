@@ -1,6 +1,6 @@
 """Driver-side batch assembly: advantages, whole-group mini-batches, reduction weights, layout.
 
-    .venv/bin/python -m pytest tests/unit/test_batch.py -q
+.venv/bin/python -m pytest tests/unit/test_batch.py -q
 """
 
 from __future__ import annotations
@@ -19,17 +19,30 @@ A = 0.5 / math.sqrt(0.5)  # grpo: rewards {1, 0} -> mean 0.5, sample std sqrt(0.
 
 def sample(resp, reward, mask=None, lp=None, version=3, **kw):
     n = len(resp)
-    return Sample(response_ids=resp, rollout_logprobs=lp if lp is not None else -0.1 * np.ones(n),
-                  loss_mask=mask if mask is not None else np.ones(n), reward=reward, behavior_version=version, **kw)
+    return Sample(
+        response_ids=resp,
+        rollout_logprobs=lp if lp is not None else -0.1 * np.ones(n),
+        loss_mask=mask if mask is not None else np.ones(n),
+        reward=reward,
+        behavior_version=version,
+        **kw,
+    )
 
 
 def make_groups():
-    g0 = RolloutGroup("g0", "p0", np.array([5, 6]), [
-        sample([7, 8, 9], 1.0, lp=np.array([-0.1, -0.2, -0.3]), token_versions=np.array([3, 4, 4])),
-        sample([7], 0.0, version=4),
-        sample([8, 8], float("nan"), error="reward function timed out"),
-    ])
-    g1 = RolloutGroup("g1", "p1", np.array([4]), [sample([3, 3], 2.0), sample([2, 2, 2], 2.0, mask=np.array([1, 0, 1]))])
+    g0 = RolloutGroup(
+        "g0",
+        "p0",
+        np.array([5, 6]),
+        [
+            sample([7, 8, 9], 1.0, lp=np.array([-0.1, -0.2, -0.3]), token_versions=np.array([3, 4, 4])),
+            sample([7], 0.0, version=4),
+            sample([8, 8], float("nan"), error="reward function timed out"),
+        ],
+    )
+    g1 = RolloutGroup(
+        "g1", "p1", np.array([4]), [sample([3, 3], 2.0), sample([2, 2, 2], 2.0, mask=np.array([1, 0, 1]))]
+    )
     g2 = RolloutGroup("g2", "p2", np.array([4, 4, 4]), [sample([1], 0.5), sample([2], 1.5)])
     return [g0, g1, g2]
 
@@ -101,10 +114,15 @@ def test_a_batch_where_every_reward_failed_trains_on_nothing_and_says_so():
 
 
 def test_reinforce_pp_mixes_token_rewards_and_outcome_rewards():
-    g = RolloutGroup("g", "p", np.array([1]), [
-        sample([2, 3], 0.0, token_rewards=np.array([1.0, 0.0])),   # returns (gamma 1): [1, 0]
-        sample([4, 5], 2.0),                                        # outcome on the last token: [2, 2]
-    ])
+    g = RolloutGroup(
+        "g",
+        "p",
+        np.array([1]),
+        [
+            sample([2, 3], 0.0, token_rewards=np.array([1.0, 0.0])),  # returns (gamma 1): [1, 0]
+            sample([4, 5], 2.0),  # outcome on the last token: [2, 2]
+        ],
+    )
     (mb,), _ = build_minibatches([g], AlgoConfig(advantage_estimator="reinforce_pp"), num_minibatches=1)
     returns = np.array([1.0, 0.0, 2.0, 2.0])
     expected = (returns - returns.mean()) / returns.std(ddof=1)

@@ -27,8 +27,14 @@ def test_keeps_the_newest_and_every_kth_and_what_latest_names(tmp_path):
     (tmp_path / LATEST).write_text("step_000100\n")
     removed = prune(tmp_path, keep_last=3, keep_every=40)
     assert names(tmp_path) == ["step_000040", "step_000080", "step_000090", "step_000100"]
-    assert sorted(p.name for p in removed) == ["step_000010", "step_000020", "step_000030", "step_000050",
-                                               "step_000060", "step_000070"]
+    assert sorted(p.name for p in removed) == [
+        "step_000010",
+        "step_000020",
+        "step_000030",
+        "step_000050",
+        "step_000060",
+        "step_000070",
+    ]
     assert prune(tmp_path, keep_last=3, keep_every=40) == []  # idempotent
 
     # `latest` pointing at an older checkpoint (a resume from it) protects it.

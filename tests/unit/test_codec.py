@@ -1,6 +1,6 @@
 """The rollout-group codec: exact round trips, the wire layout, and every rejection reason.
 
-    .venv/bin/python -m pytest tests/unit/test_codec.py -q
+.venv/bin/python -m pytest tests/unit/test_codec.py -q
 """
 
 from __future__ import annotations
@@ -18,15 +18,37 @@ from asyncrl.types import RolloutGroup, Sample
 
 def full_group() -> RolloutGroup:
     s0 = Sample(
-        response_ids=[5, 6, 7], rollout_logprobs=[-0.5, -1.25, 0.0], loss_mask=[1, 1, 0], reward=0.75,
-        behavior_version=4, stop_reason="length", token_versions=[4, 5, 5], token_rewards=[0.0, 0.5, 0.25],
-        generator_id="gen-1", timings={"generate_s": 0.125, "reward_s": 2}, error=None,
-        prompt_ids=[9, 8], trajectory_id=2, step_index=3,
+        response_ids=[5, 6, 7],
+        rollout_logprobs=[-0.5, -1.25, 0.0],
+        loss_mask=[1, 1, 0],
+        reward=0.75,
+        behavior_version=4,
+        stop_reason="length",
+        token_versions=[4, 5, 5],
+        token_rewards=[0.0, 0.5, 0.25],
+        generator_id="gen-1",
+        timings={"generate_s": 0.125, "reward_s": 2},
+        error=None,
+        prompt_ids=[9, 8],
+        trajectory_id=2,
+        step_index=3,
     )
-    s1 = Sample(response_ids=[], rollout_logprobs=[], loss_mask=[], reward=float("nan"), behavior_version=6,
-                error="reward function raised ZeroDivisionError")
-    return RolloutGroup(group_id="g-1", prompt_id="p-7", prompt_ids=[1, 2, 3, 4], samples=[s0, s1],
-                        env="arith", metadata={"answer": "42", "tags": [1, 2.5, None, b"\x00"], "nested": {"k": True}})
+    s1 = Sample(
+        response_ids=[],
+        rollout_logprobs=[],
+        loss_mask=[],
+        reward=float("nan"),
+        behavior_version=6,
+        error="reward function raised ZeroDivisionError",
+    )
+    return RolloutGroup(
+        group_id="g-1",
+        prompt_id="p-7",
+        prompt_ids=[1, 2, 3, 4],
+        samples=[s0, s1],
+        env="arith",
+        metadata={"answer": "42", "tags": [1, 2.5, None, b"\x00"], "nested": {"k": True}},
+    )
 
 
 def record(group: RolloutGroup | None = None) -> dict:
@@ -82,33 +104,46 @@ def mutate_sample(field, value, i=0):
     return pack(rec)
 
 
-@pytest.mark.parametrize("data, reason", [
-    (encode_group(full_group())[:-7], "bad_msgpack"),
-    (b"\xc1\x00\x01", "bad_msgpack"),
-    (pack([1, 2, 3]), "bad_type"),
-    (pack({**record(), "schema": 2}), "unknown_schema"),
-    (pack({**record(), "schema": True}), "unknown_schema"),
-    (pack({k: v for k, v in record().items() if k != "group_id"}), "missing_field"),
-    (pack({**record(), "extra": 1}), "unknown_field"),
-    (pack({**record(), "samples": []}), "empty_group"),
-    (pack({**record(), "group_id": 7}), "bad_type"),
-    (mutate_sample("rollout_logprobs", {"dtype": "<f4", "shape": [2], "data": b"\0" * 8}), "length_mismatch"),
-    (mutate_sample("token_versions", {"dtype": "<i4", "shape": [4], "data": b"\0" * 16}), "length_mismatch"),
-    (mutate_sample("token_rewards", {"dtype": "<f4", "shape": [1], "data": b"\0" * 4}), "length_mismatch"),
-    (mutate_sample("loss_mask", {"dtype": "|u1", "shape": [2], "data": b"\1\1"}), "length_mismatch"),
-    (mutate_sample("rollout_logprobs", {"dtype": "<f4", "shape": [3], "data": np.array([0, np.nan, 0], "<f4").tobytes()}), "nonfinite_logprob"),
-    (mutate_sample("rollout_logprobs", {"dtype": "<f4", "shape": [3], "data": np.array([0, 0, -np.inf], "<f4").tobytes()}), "nonfinite_logprob"),
-    (mutate_sample("reward", float("inf")), "nonfinite_reward"),
-    (mutate_sample("rollout_logprobs", {"dtype": "<f8", "shape": [3], "data": b"\0" * 24}), "bad_dtype"),
-    (mutate_sample("response_ids", {"dtype": "O", "shape": [3], "data": b"\0" * 3}), "bad_dtype"),
-    (mutate_sample("response_ids", {"dtype": "<i4", "shape": [3], "data": b"\0" * 11}), "bad_shape"),
-    (mutate_sample("response_ids", {"dtype": "<i4", "shape": [3, 1], "data": b"\0" * 12}), "bad_shape"),
-    (mutate_sample("loss_mask", {"dtype": "|u1", "shape": [3], "data": b"\1\2\0"}), "bad_mask"),
-    (mutate_sample("behavior_version", True), "bad_type"),
-    (mutate_sample("behavior_version", -1), "bad_type"),
-    (mutate_sample("timings", {"t": "slow"}), "bad_type"),
-    (mutate_sample("stop_reason", None), "bad_type"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (encode_group(full_group())[:-7], "bad_msgpack"),
+        (b"\xc1\x00\x01", "bad_msgpack"),
+        (pack([1, 2, 3]), "bad_type"),
+        (pack({**record(), "schema": 2}), "unknown_schema"),
+        (pack({**record(), "schema": True}), "unknown_schema"),
+        (pack({k: v for k, v in record().items() if k != "group_id"}), "missing_field"),
+        (pack({**record(), "extra": 1}), "unknown_field"),
+        (pack({**record(), "samples": []}), "empty_group"),
+        (pack({**record(), "group_id": 7}), "bad_type"),
+        (mutate_sample("rollout_logprobs", {"dtype": "<f4", "shape": [2], "data": b"\0" * 8}), "length_mismatch"),
+        (mutate_sample("token_versions", {"dtype": "<i4", "shape": [4], "data": b"\0" * 16}), "length_mismatch"),
+        (mutate_sample("token_rewards", {"dtype": "<f4", "shape": [1], "data": b"\0" * 4}), "length_mismatch"),
+        (mutate_sample("loss_mask", {"dtype": "|u1", "shape": [2], "data": b"\1\1"}), "length_mismatch"),
+        (
+            mutate_sample(
+                "rollout_logprobs", {"dtype": "<f4", "shape": [3], "data": np.array([0, np.nan, 0], "<f4").tobytes()}
+            ),
+            "nonfinite_logprob",
+        ),
+        (
+            mutate_sample(
+                "rollout_logprobs", {"dtype": "<f4", "shape": [3], "data": np.array([0, 0, -np.inf], "<f4").tobytes()}
+            ),
+            "nonfinite_logprob",
+        ),
+        (mutate_sample("reward", float("inf")), "nonfinite_reward"),
+        (mutate_sample("rollout_logprobs", {"dtype": "<f8", "shape": [3], "data": b"\0" * 24}), "bad_dtype"),
+        (mutate_sample("response_ids", {"dtype": "O", "shape": [3], "data": b"\0" * 3}), "bad_dtype"),
+        (mutate_sample("response_ids", {"dtype": "<i4", "shape": [3], "data": b"\0" * 11}), "bad_shape"),
+        (mutate_sample("response_ids", {"dtype": "<i4", "shape": [3, 1], "data": b"\0" * 12}), "bad_shape"),
+        (mutate_sample("loss_mask", {"dtype": "|u1", "shape": [3], "data": b"\1\2\0"}), "bad_mask"),
+        (mutate_sample("behavior_version", True), "bad_type"),
+        (mutate_sample("behavior_version", -1), "bad_type"),
+        (mutate_sample("timings", {"t": "slow"}), "bad_type"),
+        (mutate_sample("stop_reason", None), "bad_type"),
+    ],
+)
 def test_rejections_carry_a_specific_reason(data, reason):
     assert reason_of(data) == reason
 

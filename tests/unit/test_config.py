@@ -1,6 +1,6 @@
 """Config rules: every bad value is rejected with a message naming the field.
 
-    .venv/bin/python -m pytest tests/unit/test_config.py -q
+.venv/bin/python -m pytest tests/unit/test_config.py -q
 """
 
 from __future__ import annotations
@@ -152,8 +152,11 @@ def test_import_path_policy_loss():
 
 
 def test_cross_section_rules():
-    rejects(["control.groups_per_step=3", "learner.mini_batches_per_step=2", "control.max_staleness=5"],
-            "control.groups_per_step", "learner.mini_batches_per_step")
+    rejects(
+        ["control.groups_per_step=3", "learner.mini_batches_per_step=2", "control.max_staleness=5"],
+        "control.groups_per_step",
+        "learner.mini_batches_per_step",
+    )
     rejects(["sync.sync_every=4", "control.max_staleness=1"], "control.max_staleness")
     rejects(["rollout.max_prompt_tokens=250", "rollout.max_tokens=16"], "rollout.engine_max_model_len")
     rejects(["monitor.dashboard_host=0.0.0.0"], "monitor.dashboard_token")
@@ -199,8 +202,13 @@ def test_registry_keys_equal_the_config_name_tuples():
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "maxrl"])
 def test_one_sample_per_prompt_with_a_group_baseline_is_rejected(estimator):
-    rejects([f"algo.advantage_estimator={estimator}", "rollout.n_samples=1"],
-            "rollout.n_samples=1", f"algo.advantage_estimator={estimator!r}", "n_samples >= 2", "reinforce_pp")
+    rejects(
+        [f"algo.advantage_estimator={estimator}", "rollout.n_samples=1"],
+        "rollout.n_samples=1",
+        f"algo.advantage_estimator={estimator!r}",
+        "n_samples >= 2",
+        "reinforce_pp",
+    )
     assert load_config(None, [f"algo.advantage_estimator={estimator}", "rollout.n_samples=2"]).rollout.n_samples == 2
 
 
@@ -231,8 +239,10 @@ def test_maxrl_warns_when_rewards_can_be_negative(caplog):
 def test_new_policy_losses_and_their_settings_load():
     for loss in ("importance_sampling", "rollout_is", "dppo"):
         assert load_config(None, [f"algo.policy_loss={loss}"]).algo.policy_loss == loss
-    cfg = load_config(None, ["algo.policy_loss=dppo", "algo.dppo_mask=binary_kl", "algo.dppo_delta_low=0.05",
-                             "algo.dppo_delta_high=0.05"])
+    cfg = load_config(
+        None,
+        ["algo.policy_loss=dppo", "algo.dppo_mask=binary_kl", "algo.dppo_delta_low=0.05", "algo.dppo_delta_high=0.05"],
+    )
     assert (cfg.algo.dppo_mask, cfg.algo.dppo_delta_low) == ("binary_kl", 0.05)
     rejects(["algo.dppo_mask=tv"], "algo.dppo_mask='tv'", "binary_tv")
     rejects(["algo.dppo_delta_high=0"], "algo.dppo_delta_high=0.0", "> 0")
@@ -241,8 +251,11 @@ def test_new_policy_losses_and_their_settings_load():
 
 
 def test_rollout_anchored_losses_need_engine_logprobs():
-    for overrides in (["algo.policy_loss=rollout_is"], ["algo.policy_loss=dppo"],
-                      ["algo.policy_loss=cispo", "algo.cispo_anchor=rollout"]):
+    for overrides in (
+        ["algo.policy_loss=rollout_is"],
+        ["algo.policy_loss=dppo"],
+        ["algo.policy_loss=cispo", "algo.cispo_anchor=rollout"],
+    ):
         cfg = load_config(None, overrides + ["rollout.logprobs=false"])
         assert cfg.rollout.logprobs is True and cfg.algo.needs_rollout_logprobs
     assert not load_config(None, ["algo.policy_loss=cispo"]).algo.needs_rollout_logprobs
@@ -250,8 +263,9 @@ def test_rollout_anchored_losses_need_engine_logprobs():
 
 def test_cispo_rollout_anchor_rejects_tis(caplog):
     base = ["algo.policy_loss=cispo", "algo.cispo_anchor=rollout"]
-    rejects(base + ["algo.correction.tis=token"], "algo.correction.tis='token'", "algo.cispo_anchor='rollout'",
-            "tis='none'")
+    rejects(
+        base + ["algo.correction.tis=token"], "algo.correction.tis='token'", "algo.cispo_anchor='rollout'", "tis='none'"
+    )
     cfg = load_config(None, base + ["algo.correction.token_mask_low=0.5", "algo.correction.token_mask_high=2"])
     assert cfg.algo.correction.token_mask and cfg.algo.correction.enabled
     with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
@@ -262,7 +276,10 @@ def test_cispo_rollout_anchor_rejects_tis(caplog):
 def test_token_mask_needs_both_bounds_in_order():
     rejects(["algo.correction.token_mask_low=0.5"], "algo.correction.token_mask_high=None", "both bounds")
     rejects(["algo.correction.token_mask_high=2"], "algo.correction.token_mask_low=None", "both bounds")
-    rejects(["algo.correction.token_mask_low=2", "algo.correction.token_mask_high=0.5"],
-            "algo.correction.token_mask_low=2.0", "algo.correction.token_mask_high=0.5")
+    rejects(
+        ["algo.correction.token_mask_low=2", "algo.correction.token_mask_high=0.5"],
+        "algo.correction.token_mask_low=2.0",
+        "algo.correction.token_mask_high=0.5",
+    )
     rejects(["algo.correction.token_mask_low=0", "algo.correction.token_mask_high=2"], "algo.correction.token_mask_low")
     assert not load_config(None, []).algo.correction.enabled

@@ -1,6 +1,6 @@
 """Off-policy correction (TIS, token and sequence masks, outlier mask, their order) against hand-computed values.
 
-    .venv/bin/python -m pytest tests/unit/test_correction.py -q
+.venv/bin/python -m pytest tests/unit/test_correction.py -q
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def test_outlier_token_masks_its_whole_sequence():
 
 def test_extra_mask_and_masks_combine():
     extra = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=D)
-    w, m, met = off_policy_correction(OLD, ROLLOUT, MASK, params=CorrectionParams(tis="token", geo_mask=True),
-                                      extra_mask=extra)
+    w, m, met = off_policy_correction(
+        OLD, ROLLOUT, MASK, params=CorrectionParams(tis="token", geo_mask=True), extra_mask=extra
+    )
     assert torch.equal(m, torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=D))
     assert math.isclose(met["extra_masked_frac"].item(), 1 / 3)
     assert math.isclose(met["masked_frac"].item(), 2 / 3)
@@ -79,8 +80,16 @@ def test_extra_mask_and_masks_combine():
 def test_garbage_in_padding_changes_nothing():
     old = OLD.clone()
     old[MASK == 0] = torch.tensor([1e9, -1e9, float("nan"), 3.0, 7.0, -2.0], dtype=D)
-    kw = dict(tis="token", geo_mask=True, product_mask=True, outlier_mask=True, outlier_low=0.1, outlier_high=10,
-              token_mask_low=0.4, token_mask_high=2.5)
+    kw = dict(
+        tis="token",
+        geo_mask=True,
+        product_mask=True,
+        outlier_mask=True,
+        outlier_low=0.1,
+        outlier_high=10,
+        token_mask_low=0.4,
+        token_mask_high=2.5,
+    )
     a = run(**kw)
     b = off_policy_correction(old, ROLLOUT, MASK, params=CorrectionParams(**kw))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -90,16 +99,25 @@ def test_garbage_in_padding_changes_nothing():
 def test_huge_log_ratio_stays_finite():
     old = torch.tensor([[1e4, -1e4]], dtype=D)
     for tis in ("token", "sequence"):
-        w, m, met = off_policy_correction(old, torch.zeros_like(old), torch.ones_like(old),
-                                          params=CorrectionParams(tis=tis, tis_cap=2.0, geo_mask=True))
+        w, m, met = off_policy_correction(
+            old,
+            torch.zeros_like(old),
+            torch.ones_like(old),
+            params=CorrectionParams(tis=tis, tis_cap=2.0, geo_mask=True),
+        )
         assert torch.isfinite(w).all() and all(torch.isfinite(v) for v in met.values())
     assert torch.equal(w, torch.ones_like(w))  # sequence: the +-20 clamps cancel, product 1
 
 
 def test_all_masked_input_gives_zero_metrics():
-    w, m, met = off_policy_correction(OLD, ROLLOUT, torch.zeros(3, 3, dtype=D),
-                                      params=CorrectionParams(tis="sequence", geo_mask=True, outlier_mask=True,
-                                                              token_mask_low=0.5, token_mask_high=2.0))
+    w, m, met = off_policy_correction(
+        OLD,
+        ROLLOUT,
+        torch.zeros(3, 3, dtype=D),
+        params=CorrectionParams(
+            tis="sequence", geo_mask=True, outlier_mask=True, token_mask_low=0.5, token_mask_high=2.0
+        ),
+    )
     assert torch.equal(m, torch.zeros(3, 3, dtype=D)) and torch.equal(w, torch.ones(3, 3, dtype=D))
     assert all(v.item() == 0.0 for v in met.values())
 
@@ -173,8 +191,9 @@ def test_order_token_mask_then_sequence_tis_then_sequence_mask():
 def test_outlier_mask_comes_first_and_each_row_is_counted_once():
     # The outlier mask [0.4, 2.5] drops row 1 (ratio 3) before the token mask sees it; the
     # token mask then drops only row 0's ratio-0.5 token, and the geometric mask row 0's rest.
-    kw = dict(outlier_mask=True, outlier_low=0.4, outlier_high=2.5, token_mask_low=0.6, token_mask_high=2.5,
-              geo_mask=True)
+    kw = dict(
+        outlier_mask=True, outlier_low=0.4, outlier_high=2.5, token_mask_low=0.6, token_mask_high=2.5, geo_mask=True
+    )
     _, m, met = run(**kw)
     assert m.sum() == 0
     assert math.isclose(met["outlier_masked_frac"].item(), 1 / 3)

@@ -1,6 +1,6 @@
 """Environments: partial-credit rewards, GSM8K extraction, registry errors, multi-turn trajectories.
 
-    .venv/bin/python -m pytest tests/unit/test_envs.py -q
+.venv/bin/python -m pytest tests/unit/test_envs.py -q
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from asyncrl.config import ENVIRONMENTS
 from asyncrl.rollout.envs import BUILTIN, RewardError, make_env, score
 from asyncrl.rollout.envs.gsm8k import extract_answer
 from asyncrl.rollout.envs.multiturn import (
-    Turn, run_trajectory, to_interleaved_sample, to_step_samples,
+    Turn,
+    run_trajectory,
+    to_interleaved_sample,
+    to_step_samples,
 )
 from asyncrl.rollout.tiny import DEFAULT_ALPHABET
 
@@ -63,13 +66,16 @@ def test_make_prompt_is_deterministic_per_seed():
     assert a[0][0][:-1] == a[0][1]["target"]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", 72.0),
-    ("The answer is $1,250.", 1250.0),
-    ("first 3 then -4.5", -4.5),
-    ("#### 1,000,000", 1_000_000.0),
-    ("no numbers here", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("Natalia sold 48/2 = 24 clips in May.\n#### 72", 72.0),
+        ("The answer is $1,250.", 1250.0),
+        ("first 3 then -4.5", -4.5),
+        ("#### 1,000,000", 1_000_000.0),
+        ("no numbers here", None),
+    ],
+)
 def test_gsm8k_extraction(text, expected):
     assert extract_answer(text) == expected
 
@@ -110,10 +116,16 @@ class _BadEnv:
         return self.value
 
 
-@pytest.mark.parametrize("value,match", [
-    ("raise", "ZeroDivisionError: boom"), (None, "returned None"), (float("nan"), "returned nan"),
-    ("1.0", "returned '1.0'"), (math.inf, "returned inf"),
-])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("raise", "ZeroDivisionError: boom"),
+        (None, "returned None"),
+        (float("nan"), "returned nan"),
+        ("1.0", "returned '1.0'"),
+        (math.inf, "returned inf"),
+    ],
+)
 def test_score_turns_bad_rewards_into_reward_error(value, match):
     with pytest.raises(RewardError, match=match):
         score(_BadEnv(value), "p", "r", {})

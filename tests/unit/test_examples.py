@@ -21,15 +21,19 @@ def test_custom_loss_by_import_path_goes_through_microbatch_loss():
     from asyncrl.config import load_config
     from asyncrl.learner.loss import microbatch_loss
 
-    algo = load_config(None, ["algo.policy_loss=examples.custom_loss:tanh_ratio_pg",
-                              "algo.correction.tis=token"]).algo
+    algo = load_config(None, ["algo.policy_loss=examples.custom_loss:tanh_ratio_pg", "algo.correction.tis=token"]).algo
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 7, (2, 5))
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.float64)
     adv = torch.tensor([[0, 1.0, 1.0, 1.0, 0], [0, 0, -1.0, -1.0, -1.0]], dtype=torch.float64)
-    mb = {"input_ids": ids, "loss_mask": mask, "advantages": adv, "reduction_weights": mask / mask.sum(),
-          "rollout_logprobs": torch.zeros(2, 5, dtype=torch.float64)}
+    mb = {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "advantages": adv,
+        "reduction_weights": mask / mask.sum(),
+        "rollout_logprobs": torch.zeros(2, 5, dtype=torch.float64),
+    }
     loss, metrics = microbatch_loss(logits, mb, algo, temperature=1.0, old_from_current=True)
     # At r = 1 the custom loss is -A_t; token TIS multiplies it by exp(old - rollout) = exp(logp)
     # (rollout logprobs are 0 here, so the cap of 2 never binds).

@@ -47,24 +47,35 @@ def make_groups(rng: np.random.Generator) -> list[RolloutGroup]:
             mask = np.ones(t, dtype=np.uint8)
             if t > 3:
                 mask[1] = 0  # an observation token inside the response
-            samples.append(Sample(
-                response_ids=rng.integers(1, VOCAB, t), rollout_logprobs=-rng.uniform(0.5, 3.0, t) * mask,
-                loss_mask=mask, reward=float(rng.integers(0, 2) + 0.5 * i), behavior_version=3,
-            ))
+            samples.append(
+                Sample(
+                    response_ids=rng.integers(1, VOCAB, t),
+                    rollout_logprobs=-rng.uniform(0.5, 3.0, t) * mask,
+                    loss_mask=mask,
+                    reward=float(rng.integers(0, 2) + 0.5 * i),
+                    behavior_version=3,
+                )
+            )
         groups.append(RolloutGroup(f"g{g}", f"p{g}", rng.integers(1, VOCAB, plen), samples))
     return groups
 
 
 # Losses whose ratio is already against the rollout policy take masks, not TIS.
-ROLLOUT_MASKS = CorrectionConfig(token_mask_low=0.8, token_mask_high=1.3, outlier_mask=True, outlier_low=0.5,
-                                 outlier_high=2.0)
+ROLLOUT_MASKS = CorrectionConfig(
+    token_mask_low=0.8, token_mask_high=1.3, outlier_mask=True, outlier_low=0.5, outlier_high=2.0
+)
 
 
 def algo_for(term: str, reduction: str, policy_loss: str = "ppo", **extra) -> AlgoConfig:
     coefs = {"kl_ref": ("kl_coef", 0.3), "rollout_kl": ("rollout_kl_coef", 0.7), "entropy": ("entropy_coef", 0.05)}
-    kwargs = dict(loss_reduction=reduction, policy_loss=policy_loss, eps_clip_low=0.1, eps_clip_high=0.15,
-                  correction=CorrectionConfig(tis="sequence" if policy_loss == "gmpo" else "token", tis_cap=1.5),
-                  reduction_constant=8.0 if reduction == "seq_mean_token_sum_norm" else None)
+    kwargs = dict(
+        loss_reduction=reduction,
+        policy_loss=policy_loss,
+        eps_clip_low=0.1,
+        eps_clip_high=0.15,
+        correction=CorrectionConfig(tis="sequence" if policy_loss == "gmpo" else "token", tis_cap=1.5),
+        reduction_constant=8.0 if reduction == "seq_mean_token_sum_norm" else None,
+    )
     kwargs.update(extra)
     if term in coefs:
         name, value = coefs[term]
@@ -140,16 +151,35 @@ def test_every_term_is_invariant_to_microbatching_and_dp(groups, term, reduction
     assert rel_diff((rank0 + rank1) / 2, whole) <= 1e-6
 
 
-@pytest.mark.parametrize("policy_loss, extra", [
-    ("dual_clip", {}), ("gspo", {}), ("sapo", {}), ("cispo", {}), ("gmpo", {}),
-    ("importance_sampling", {}),
-    ("rollout_is", dict(eps_clip_low=0.9, eps_clip_high=3.0, correction=ROLLOUT_MASKS)),
-    ("dppo", dict(dppo_mask="binary_tv", dppo_delta_low=0.05, dppo_delta_high=0.05, correction=ROLLOUT_MASKS)),
-    ("dppo", dict(dppo_mask="binary_kl", dppo_delta_low=0.01, dppo_delta_high=0.01, correction=ROLLOUT_MASKS)),
-    ("cispo", dict(cispo_anchor="rollout", cispo_eps_high=0.5, correction=ROLLOUT_MASKS)),
-    ("ppo", dict(correction=CorrectionConfig(tis="sequence", tis_cap=1.5, token_mask_low=0.8, token_mask_high=1.3,
-                                             geo_mask=True, geo_mask_low=0.8, geo_mask_high=1.25))),
-])
+@pytest.mark.parametrize(
+    "policy_loss, extra",
+    [
+        ("dual_clip", {}),
+        ("gspo", {}),
+        ("sapo", {}),
+        ("cispo", {}),
+        ("gmpo", {}),
+        ("importance_sampling", {}),
+        ("rollout_is", dict(eps_clip_low=0.9, eps_clip_high=3.0, correction=ROLLOUT_MASKS)),
+        ("dppo", dict(dppo_mask="binary_tv", dppo_delta_low=0.05, dppo_delta_high=0.05, correction=ROLLOUT_MASKS)),
+        ("dppo", dict(dppo_mask="binary_kl", dppo_delta_low=0.01, dppo_delta_high=0.01, correction=ROLLOUT_MASKS)),
+        ("cispo", dict(cispo_anchor="rollout", cispo_eps_high=0.5, correction=ROLLOUT_MASKS)),
+        (
+            "ppo",
+            dict(
+                correction=CorrectionConfig(
+                    tis="sequence",
+                    tis_cap=1.5,
+                    token_mask_low=0.8,
+                    token_mask_high=1.3,
+                    geo_mask=True,
+                    geo_mask_low=0.8,
+                    geo_mask_high=1.25,
+                )
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("reduction", ["token_mean", "prompt_mean"])
 def test_other_policy_losses_and_masks_are_invariant(groups, policy_loss, extra, reduction):
     reduction = "sequence_mean" if policy_loss == "gmpo" else reduction

@@ -1,6 +1,6 @@
 """KL estimators against hand-computed values, and the rollout-KL gradient against its derivative.
 
-    .venv/bin/python -m pytest tests/unit/test_kl.py -q
+.venv/bin/python -m pytest tests/unit/test_kl.py -q
 """
 
 from __future__ import annotations
@@ -77,8 +77,14 @@ def test_rollout_kl_gradient_through_microbatch_loss_matches_analytic(estimator)
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]], dtype=D)
     w = torch.tensor([[0.0, 0.5, 0.2, 0.3]], dtype=D)
     rollout = torch.tensor([[0.0, -1.0, -2.5, -0.3]], dtype=D)
-    mb = {"input_ids": ids, "loss_mask": mask, "reduction_weights": w, "rollout_logprobs": rollout,
-          "old_logprobs": rollout, "advantages": torch.zeros(1, 4, dtype=D)}
+    mb = {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "reduction_weights": w,
+        "rollout_logprobs": rollout,
+        "old_logprobs": rollout,
+        "advantages": torch.zeros(1, 4, dtype=D),
+    }
     algo = AlgoConfig(rollout_kl_coef=coef, rollout_kl_estimator=estimator)
     loss, metrics = microbatch_loss(logits, mb, algo, temperature=temp)
     loss.backward()
@@ -90,6 +96,8 @@ def test_rollout_kl_gradient_through_microbatch_loss_matches_analytic(estimator)
     for t in range(1, 4):
         logp = logp_all[0, t - 1, ids[0, t]].item()
         onehot = torch.nn.functional.one_hot(ids[0, t], 5).to(D)
-        expected[0, t - 1] = coef * w[0, t].item() * deriv(logp - rollout[0, t].item()) * (onehot - logp_all[0, t - 1].exp()) / temp
+        expected[0, t - 1] = (
+            coef * w[0, t].item() * deriv(logp - rollout[0, t].item()) * (onehot - logp_all[0, t - 1].exp()) / temp
+        )
     assert torch.allclose(logits.grad, expected, atol=1e-12)
     assert metrics["loss/rollout_kl"].reduce == "sum"

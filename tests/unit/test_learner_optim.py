@@ -22,7 +22,7 @@ def test_lr_factor_warmup_then_each_schedule():
     assert lr_factor(4, schedule="linear", **kw) == 1.0
     assert lr_factor(9, schedule="linear", **kw) == pytest.approx(0.5)
     assert lr_factor(14, schedule="linear", **kw) == 0.0
-    assert lr_factor(40, schedule="linear", **kw) == 0.0          # clipped past the end
+    assert lr_factor(40, schedule="linear", **kw) == 0.0  # clipped past the end
     assert lr_factor(9, schedule="cosine", **kw) == pytest.approx(0.5)
     assert lr_factor(6, schedule="cosine", **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.2)))
     with pytest.raises(ValueError, match="lr_schedule='step'"):
@@ -47,9 +47,17 @@ def test_scheduler_drives_adamw_lr():
 
 def _seq(n=6, **over) -> TrainSequence:
     m = np.ones(n, dtype=np.float32)
-    fields = dict(input_ids=np.arange(n, dtype=np.int32) + 4, loss_mask=m, rollout_logprobs=-m, advantages=m,
-                  reduction_weights=m / n, token_versions=np.zeros(n, dtype=np.int32), behavior_version=0,
-                  group_id="g7", sample_index=2)
+    fields = dict(
+        input_ids=np.arange(n, dtype=np.int32) + 4,
+        loss_mask=m,
+        rollout_logprobs=-m,
+        advantages=m,
+        reduction_weights=m / n,
+        token_versions=np.zeros(n, dtype=np.int32),
+        behavior_version=0,
+        group_id="g7",
+        sample_index=2,
+    )
     fields.update(over)
     return TrainSequence(**fields)
 
@@ -60,8 +68,11 @@ def test_validation_names_field_and_sequence():
     nan = _seq(rollout_logprobs=np.array([-1, -1, np.nan, -1, -1, -1], dtype=np.float32))
     # Without rollout-KL or a correction the loss never reads rollout logprobs: accepted.
     validate_minibatches([[nan]], plain, max_positions=8)
-    with pytest.raises(ValueError, match=r"mini-batch 0, sequence 1 \(group_id='g7', sample_index=2\): field "
-                                         r"'rollout_logprobs' is NaN/inf/positive on trained positions \[2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"mini-batch 0, sequence 1 \(group_id='g7', sample_index=2\): field "
+        r"'rollout_logprobs' is NaN/inf/positive on trained positions \[2\]",
+    ):
         validate_minibatches([[_seq(), nan]], rkl, max_positions=8)
     tis = AlgoConfig()
     tis.correction.tis = "token"
@@ -76,7 +87,8 @@ def test_validation_names_field_and_sequence():
     with pytest.raises(ValueError, match=r"input_ids outside \[0, 5\)"):
         validate_minibatches([[_seq()]], plain, max_positions=8, vocab_size=5)
     with pytest.raises(ValueError, match="field 'advantages' has NaN/inf at positions \\[0\\]"):
-        validate_minibatches([[_seq(advantages=np.array([np.inf, 1, 1, 1, 1, 1], dtype=np.float32))]], plain,
-                             max_positions=8)
+        validate_minibatches(
+            [[_seq(advantages=np.array([np.inf, 1, 1, 1, 1, 1], dtype=np.float32))]], plain, max_positions=8
+        )
     with pytest.raises(ValueError, match="mini-batch 1 is empty"):
         validate_minibatches([[_seq()], []], plain, max_positions=8)

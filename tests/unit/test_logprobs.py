@@ -1,6 +1,6 @@
 """Token log-probs and entropy from logits at a temperature.
 
-    .venv/bin/python -m pytest tests/unit/test_logprobs.py -q
+.venv/bin/python -m pytest tests/unit/test_logprobs.py -q
 """
 
 from __future__ import annotations

@@ -11,17 +11,23 @@ from asyncrl.learner.loss import microbatch_loss, token_logprobs
 
 def test_old_from_current_equals_a_separate_prepass_in_value_and_gradient():
     torch.manual_seed(0)
-    algo = load_config(None, ["algo.correction.tis=token", "algo.rollout_kl_coef=0.1",
-                              "algo.entropy_coef=0.01", "algo.eps_clip_high=0.28"]).algo
+    algo = load_config(
+        None,
+        ["algo.correction.tis=token", "algo.rollout_kl_coef=0.1", "algo.entropy_coef=0.01", "algo.eps_clip_high=0.28"],
+    ).algo
     B, L, V = 3, 7, 11
     logits = torch.randn(B, L, V, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, V, (B, L))
     mask = torch.ones(B, L, dtype=torch.float64)
     mask[:, :2] = 0
     mask[2, 5:] = 0
-    mb = {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(B, L, dtype=torch.float64),
-          "reduction_weights": mask / mask.sum(),
-          "rollout_logprobs": (token_logprobs(logits.detach(), ids, 0.7) + 0.05 * torch.randn(B, L)) * mask}
+    mb = {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "advantages": torch.randn(B, L, dtype=torch.float64),
+        "reduction_weights": mask / mask.sum(),
+        "rollout_logprobs": (token_logprobs(logits.detach(), ids, 0.7) + 0.05 * torch.randn(B, L)) * mask,
+    }
     with torch.no_grad():
         prepass = dict(mb, old_logprobs=token_logprobs(logits, ids, 0.7))
     loss_a, metrics_a = microbatch_loss(logits, prepass, algo, temperature=0.7)

@@ -1,6 +1,6 @@
 """Policy losses and microbatch_loss against hand-computed values.
 
-    .venv/bin/python -m pytest tests/unit/test_losses.py -q
+.venv/bin/python -m pytest tests/unit/test_losses.py -q
 """
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from asyncrl import config
-from asyncrl.algo import POLICY_LOSS_REGISTRY, CorrectionParams, PolicyLossParams, corrected_policy_loss, get_policy_loss
+from asyncrl.algo import (
+    POLICY_LOSS_REGISTRY,
+    CorrectionParams,
+    PolicyLossParams,
+    corrected_policy_loss,
+    get_policy_loss,
+)
 from asyncrl.algo.losses import takes_rollout_logprobs
 from asyncrl.config import AlgoConfig, CorrectionConfig
 from asyncrl.learner.loss import microbatch_loss, token_logprobs
@@ -57,7 +63,9 @@ def test_ppo_asymmetric_clip_and_effective_clip_fraction():
 def test_dual_clip_caps_negative_advantage_tokens():
     logp, old = t([[LN(5.0), LN(1.5)]]), torch.zeros(1, 2, dtype=D)
     adv, mask = t([[-1.0, -1.0]]), torch.ones(1, 2, dtype=D)
-    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["dual_clip"], logp, old, adv, mask, PolicyLossParams(dual_clip_c=3.0))
+    loss, grad, m = grad_wrt_logp(
+        POLICY_LOSS_REGISTRY["dual_clip"], logp, old, adv, mask, PolicyLossParams(dual_clip_c=3.0)
+    )
     assert torch.allclose(loss, t([[3.0, 1.5]]))  # ppo would give 5.0 on the first
     assert torch.allclose(grad, t([[0.0, 1.5]]))
     assert math.isclose(m["dual_clip_frac"].item(), 0.5)
@@ -79,7 +87,9 @@ def test_gspo_uses_the_sequence_ratio_with_token_gradients():
 def test_sapo_gate_value_and_unit_slope_at_ratio_one():
     logp, old = torch.zeros(1, 2, dtype=D), torch.zeros(1, 2, dtype=D)
     adv, mask = t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D)
-    loss, grad, _ = grad_wrt_logp(POLICY_LOSS_REGISTRY["sapo"], logp, old, adv, mask, PolicyLossParams(sapo_tau_pos=1.0, sapo_tau_neg=1.05))
+    loss, grad, _ = grad_wrt_logp(
+        POLICY_LOSS_REGISTRY["sapo"], logp, old, adv, mask, PolicyLossParams(sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    )
     assert torch.allclose(loss, t([[-2.0, 2.0 / 1.05]]))
     assert torch.allclose(grad, t([[-1.0, 1.0]]))  # f'(1) = 1 for any tau
 
@@ -87,7 +97,9 @@ def test_sapo_gate_value_and_unit_slope_at_ratio_one():
 def test_cispo_clips_the_weight_but_keeps_the_gradient():
     logp, old = t([[LN(2.0), 0.0]]), torch.zeros(1, 2, dtype=D)
     adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
-    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, PolicyLossParams(cispo_eps_high=0.5))
+    loss, grad, m = grad_wrt_logp(
+        POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, PolicyLossParams(cispo_eps_high=0.5)
+    )
     assert torch.allclose(loss, t([[-1.5, -1.0]]))
     assert torch.allclose(grad, t([[-1.5, -1.0]]))  # ppo would give 0 gradient on the first
     assert math.isclose(m["clip_frac"].item(), 0.5)
@@ -144,17 +156,27 @@ def test_clip_cov_bounds_are_strict():
     adv, mask = t([[2.0, 0.0, 0.0, -1.0]]), torch.ones(1, 4, dtype=D)
     fn = POLICY_LOSS_REGISTRY["clip_cov"]
     # cov = [2.625, -0.125, 0.125, 1.875] exactly; token 0 sits on ub: not eligible, token 3 is.
-    loss, m = fn(logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=2.625))
+    loss, m = fn(
+        logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=2.625)
+    )
     assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 0.0]]))
     # Token 3 on lb as well: nothing eligible, the PPO loss is untouched.
-    loss, m = fn(logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.875, clip_cov_ub=2.625))
+    loss, m = fn(
+        logp,
+        logp.clone(),
+        adv,
+        mask,
+        params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.875, clip_cov_ub=2.625),
+    )
     assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 1.0]]))
     assert m["clip_cov_frac"].item() == 0.0
 
 
 def test_cross_entropy_is_negative_logprob():
     logp = t([[-0.5, -2.0]])
-    loss, m = POLICY_LOSS_REGISTRY["cross_entropy"](logp, logp, torch.zeros(1, 2, dtype=D), t([[1.0, 0.0]]), params=PolicyLossParams())
+    loss, m = POLICY_LOSS_REGISTRY["cross_entropy"](
+        logp, logp, torch.zeros(1, 2, dtype=D), t([[1.0, 0.0]]), params=PolicyLossParams()
+    )
     assert torch.allclose(loss, t([[0.5, 0.0]]))
     assert math.isclose(m["nll"].item(), 0.5)
 
@@ -189,8 +211,9 @@ def dppo_case(p, q, adv, **kw):
     logp, behaviour = t([[LN(x) for x in p]]), t([[LN(x) for x in q]])
     adv, mask = t([adv]), torch.ones(1, len(p), dtype=D)
     garbage_old = torch.full_like(logp, -9.0)  # with rollout log-probs given, old is unused
-    return grad_wrt_logp(POLICY_LOSS_REGISTRY["dppo"], logp, garbage_old, adv, mask, PolicyLossParams(**kw),
-                         rollout=behaviour)
+    return grad_wrt_logp(
+        POLICY_LOSS_REGISTRY["dppo"], logp, garbage_old, adv, mask, PolicyLossParams(**kw), rollout=behaviour
+    )
 
 
 def test_dppo_binary_tv_masks_only_moves_past_delta_in_the_advantage_direction():
@@ -237,8 +260,9 @@ def test_dppo_binary_kl_keeps_a_kl_exactly_on_the_bound_and_never_masks_a_zero_a
     loss, _, m = dppo_case([0.9], [0.6], [1.0], dppo_mask="binary_kl", dppo_delta_high=exact)
     assert math.isclose(loss.item(), -1.5) and m["clip_frac"].item() == 0.0
     # A = 0 with a KL of ~1.5 in either direction: never masked (its loss is 0 anyway; no mask counted).
-    loss, _, m = dppo_case([0.99, 0.05], [0.3, 0.6], [0.0, 0.0], dppo_mask="binary_kl",
-                           dppo_delta_low=0.01, dppo_delta_high=0.01)
+    loss, _, m = dppo_case(
+        [0.99, 0.05], [0.3, 0.6], [0.0, 0.0], dppo_mask="binary_kl", dppo_delta_low=0.01, dppo_delta_high=0.01
+    )
     assert torch.equal(loss, t([[0.0, 0.0]])) and m["clip_frac"].item() == 0.0
 
 
@@ -257,8 +281,9 @@ def test_cispo_rollout_anchor_caps_the_rollout_ratio():
     # Against rollout the ratios are 2 (capped at 1.5) and 2 (capped): with the old anchor both are 1.
     assert torch.allclose(loss, t([[-1.5, -1.5]])) and torch.allclose(grad, t([[-1.5, -1.5]]))
     assert m["clip_frac"].item() == 1.0
-    loss, _, _ = grad_wrt_logp(POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask,
-                               PolicyLossParams(cispo_eps_high=0.5), rollout=rollout)
+    loss, _, _ = grad_wrt_logp(
+        POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, PolicyLossParams(cispo_eps_high=0.5), rollout=rollout
+    )
     assert torch.allclose(loss, t([[-1.0, -1.0]]))
     with pytest.raises(ValueError, match="cispo_anchor='rollout' needs rollout_logprobs"):
         POLICY_LOSS_REGISTRY["cispo"](logp, old, adv, mask, params=params)
@@ -272,16 +297,33 @@ def test_corrected_policy_loss_hands_rollout_logprobs_to_losses_that_take_them()
     logp, old, rollout = t([[LN(1.1), 0.0]]), torch.zeros(1, 2, dtype=D), t([[0.0, LN(2.0)]])
     adv, mask = torch.ones(1, 2, dtype=D), torch.ones(1, 2, dtype=D)
     p = PolicyLossParams()
-    loss, _ = corrected_policy_loss(POLICY_LOSS_REGISTRY["rollout_is"], logp, old, rollout, adv, mask,
-                                    params=p, correction=CorrectionParams())
+    loss, _ = corrected_policy_loss(
+        POLICY_LOSS_REGISTRY["rollout_is"], logp, old, rollout, adv, mask, params=p, correction=CorrectionParams()
+    )
     assert torch.allclose(loss, t([[-1.1 * LN(1.1), 0.0]]))  # ratio 0.5 to rollout: outside the band
     rollout_cispo = dataclasses.replace(p, cispo_anchor="rollout")
     with pytest.raises(ValueError, match="count it twice"):
-        corrected_policy_loss(POLICY_LOSS_REGISTRY["cispo"], logp, old, rollout, adv, mask,
-                              params=rollout_cispo, correction=CorrectionParams(tis="token"))
+        corrected_policy_loss(
+            POLICY_LOSS_REGISTRY["cispo"],
+            logp,
+            old,
+            rollout,
+            adv,
+            mask,
+            params=rollout_cispo,
+            correction=CorrectionParams(tis="token"),
+        )
     # Masks still compose with the rollout anchor: the token mask drops the ratio-0.5 token.
-    loss, m = corrected_policy_loss(POLICY_LOSS_REGISTRY["cispo"], logp, old, rollout, adv, mask, params=rollout_cispo,
-                                    correction=CorrectionParams(token_mask_low=0.9, token_mask_high=1.15))
+    loss, m = corrected_policy_loss(
+        POLICY_LOSS_REGISTRY["cispo"],
+        logp,
+        old,
+        rollout,
+        adv,
+        mask,
+        params=rollout_cispo,
+        correction=CorrectionParams(token_mask_low=0.9, token_mask_high=1.15),
+    )
     assert torch.allclose(loss, t([[-1.1, 0.0]]))
     assert math.isclose(m["token_masked_frac"].item(), 0.5)
     assert not takes_rollout_logprobs(POLICY_LOSS_REGISTRY["ppo"])
@@ -294,7 +336,9 @@ ALL = sorted(POLICY_LOSS_REGISTRY)
 @pytest.mark.parametrize("name", [n for n in ALL if n not in ("cross_entropy", "kl_cov")])
 def test_zero_advantages_give_zero_policy_gradient(name):
     logp, old = t([[-1.0, -0.5, -2.0]]), t([[-1.2, -0.4, -2.0]])
-    _, grad, _ = grad_wrt_logp(POLICY_LOSS_REGISTRY[name], logp, old, torch.zeros(1, 3, dtype=D), torch.ones(1, 3, dtype=D), PolicyLossParams())
+    _, grad, _ = grad_wrt_logp(
+        POLICY_LOSS_REGISTRY[name], logp, old, torch.zeros(1, 3, dtype=D), torch.ones(1, 3, dtype=D), PolicyLossParams()
+    )
     assert torch.equal(grad, torch.zeros(1, 3, dtype=D))
 
 
@@ -302,7 +346,11 @@ def test_zero_advantages_give_zero_policy_gradient(name):
 def test_garbage_padding_one_token_rows_and_all_masked_rows(name):
     """Row 0: two tokens + padding; row 1: one token; row 2: all masked. Garbage must not matter."""
     mask = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
-    logp, old, adv = t([[-1.0, -0.5, 0.0], [-0.7, 0.0, 0.0], [0, 0, 0]]), t([[-1.1, -0.3, 0.0], [-0.9, 0.0, 0.0], [0, 0, 0]]), t([[1.0, 1.0, 0], [-0.5, 0, 0], [0, 0, 0]])
+    logp, old, adv = (
+        t([[-1.0, -0.5, 0.0], [-0.7, 0.0, 0.0], [0, 0, 0]]),
+        t([[-1.1, -0.3, 0.0], [-0.9, 0.0, 0.0], [0, 0, 0]]),
+        t([[1.0, 1.0, 0], [-0.5, 0, 0], [0, 0, 0]]),
+    )
     params = PolicyLossParams(clip_cov_lb=-10.0, clip_cov_ratio=0.3)
     clean_loss, clean_grad, clean_m = grad_wrt_logp(POLICY_LOSS_REGISTRY[name], logp, old, adv, mask, params)
     junk = mask == 0
@@ -319,7 +367,9 @@ def test_garbage_padding_one_token_rows_and_all_masked_rows(name):
 def test_huge_log_ratio_gives_no_inf_or_nan(name):
     logp = t([[500.0, -500.0]]).requires_grad_(True)
     fn, old = POLICY_LOSS_REGISTRY[name], torch.zeros(1, 2, dtype=D)
-    loss, m = fn(logp, old, t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams(), **behaviour(fn, old))
+    loss, m = fn(
+        logp, old, t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams(), **behaviour(fn, old)
+    )
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
     assert all(torch.isfinite(v) for v in m.values())
@@ -340,18 +390,34 @@ def test_correction_goes_through_the_shared_helper():
     logp, old, rollout = torch.zeros(2, 2, dtype=D), torch.zeros(2, 2, dtype=D), t([[-LN(3.0), 0.0], [0.0, 0.0]])
     adv, mask = torch.ones(2, 2, dtype=D), torch.ones(2, 2, dtype=D)
     fn, p = POLICY_LOSS_REGISTRY["ppo"], PolicyLossParams()
-    loss, m = corrected_policy_loss(fn, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token", tis_cap=2.0))
+    loss, m = corrected_policy_loss(
+        fn, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token", tis_cap=2.0)
+    )
     assert torch.allclose(loss, t([[-2.0, -1.0], [-1.0, -1.0]]))
     assert math.isclose(m["tis_capped_frac"].item(), 0.25)
-    loss, m = corrected_policy_loss(fn, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(geo_mask=True))
+    loss, m = corrected_policy_loss(
+        fn, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(geo_mask=True)
+    )
     assert torch.allclose(loss, t([[0.0, 0.0], [-1.0, -1.0]]))
     assert math.isclose(m["masked_frac"].item(), 0.5)
     # GMPO: sequence TIS scales the whole sequence objective; token TIS is refused.
     gm = POLICY_LOSS_REGISTRY["gmpo"]
-    loss, _ = corrected_policy_loss(gm, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="sequence", tis_cap=5.0), sequence_level=True)
+    loss, _ = corrected_policy_loss(
+        gm,
+        logp,
+        old,
+        rollout,
+        adv,
+        mask,
+        params=p,
+        correction=CorrectionParams(tis="sequence", tis_cap=5.0),
+        sequence_level=True,
+    )
     assert torch.allclose(loss, t([[-3.0, -3.0], [-1.0, -1.0]]))
     with pytest.raises(ValueError, match="token TIS"):
-        corrected_policy_loss(gm, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token"), sequence_level=True)
+        corrected_policy_loss(
+            gm, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token"), sequence_level=True
+        )
     with pytest.raises(ValueError, match="rollout_logprobs"):
         corrected_policy_loss(fn, logp, old, None, adv, mask, params=p, correction=CorrectionParams(tis="token"))
 
@@ -365,7 +431,9 @@ def small_mb():
     ids = torch.tensor([[1, 2, 3, 4], [5, 0, 1, 0]])
     mask = t([[0, 0, 1, 1], [0, 1, 1, 0]])
     mb = {
-        "input_ids": ids, "loss_mask": mask, "reduction_weights": mask / 4,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "reduction_weights": mask / 4,
         "old_logprobs": t([[0, 0, -1.5, -2.0], [0, -1.0, -2.2, 0]]),
         "rollout_logprobs": t([[0, 0, -1.4, -2.1], [0, -1.1, -2.0, 0]]),
         "advantages": t([[0, 0, 1.0, 1.0], [0, -0.5, -0.5, 0]]),
@@ -384,8 +452,14 @@ def test_token_logprobs_alignment_and_temperature():
 
 def test_microbatch_loss_equals_the_hand_assembled_sum():
     logits, mb = small_mb()
-    algo = AlgoConfig(kl_coef=0.1, kl_estimator="k2", rollout_kl_coef=0.2, rollout_kl_estimator="k1",
-                      entropy_coef=0.01, correction=CorrectionConfig(tis="token", tis_cap=2.0))
+    algo = AlgoConfig(
+        kl_coef=0.1,
+        kl_estimator="k2",
+        rollout_kl_coef=0.2,
+        rollout_kl_estimator="k1",
+        entropy_coef=0.01,
+        correction=CorrectionConfig(tis="token", tis_cap=2.0),
+    )
     loss, m = microbatch_loss(logits, mb, algo, temperature=1.0)
     lp = token_logprobs(logits, mb["input_ids"], 1.0)
     mask, w = mb["loss_mask"], mb["reduction_weights"]
@@ -408,13 +482,16 @@ def test_microbatch_loss_equals_the_hand_assembled_sum():
     assert {"policy/clip_frac", "drift/rollout_kl", "drift/masked_frac", "loss/rollout_kl", "loss/entropy"} <= set(m)
 
 
-@pytest.mark.parametrize("field, algo", [
-    ("ref_logprobs", AlgoConfig(kl_coef=0.1)),
-    ("rollout_logprobs", AlgoConfig(correction=CorrectionConfig(tis="token"))),
-    ("rollout_logprobs", AlgoConfig(rollout_kl_coef=0.1)),
-    ("advantages", AlgoConfig()),
-    ("reduction_weights", AlgoConfig(policy_loss="cross_entropy")),
-])
+@pytest.mark.parametrize(
+    "field, algo",
+    [
+        ("ref_logprobs", AlgoConfig(kl_coef=0.1)),
+        ("rollout_logprobs", AlgoConfig(correction=CorrectionConfig(tis="token"))),
+        ("rollout_logprobs", AlgoConfig(rollout_kl_coef=0.1)),
+        ("advantages", AlgoConfig()),
+        ("reduction_weights", AlgoConfig(policy_loss="cross_entropy")),
+    ],
+)
 def test_missing_fields_are_named(field, algo):
     logits, mb = small_mb()
     del mb[field]
@@ -444,8 +521,15 @@ def test_loss_params_mirror_the_config():
     for params_cls, section in ((PolicyLossParams, algo), (CorrectionParams, corr)):
         for f in dataclasses.fields(params_cls):
             assert getattr(section, f.name) == f.default, f.name
-    cfg = config.load_config(None, ["algo.eps_clip_high=0.28", "algo.kl_cov_coef=2.5",
-                                    "algo.correction.tis=sequence", "algo.correction.tis_cap=3.5"])
+    cfg = config.load_config(
+        None,
+        [
+            "algo.eps_clip_high=0.28",
+            "algo.kl_cov_coef=2.5",
+            "algo.correction.tis=sequence",
+            "algo.correction.tis_cap=3.5",
+        ],
+    )
     assert policy_loss_params(cfg.algo).eps_clip_high == 0.28
     assert policy_loss_params(cfg.algo).kl_cov_coef == 2.5
     assert (correction_params(cfg.algo).tis, correction_params(cfg.algo).tis_cap) == ("sequence", 3.5)
@@ -457,12 +541,26 @@ def test_correction_metrics_are_catalogued_and_row_fractions_merge_over_rows():
     logits, mb = small_mb()
     mb["rollout_logprobs"] = mb["rollout_logprobs"].clone()
     mb["rollout_logprobs"][1, 1] = -3.0  # row 1's token 1: ratio exp(2) = 7.4, outside every band
-    corr = CorrectionConfig(tis="sequence", tis_cap=2.0, outlier_mask=True, outlier_low=0.01, outlier_high=5.0,
-                            token_mask_low=0.5, token_mask_high=2.0, geo_mask=True, product_mask=True)
+    corr = CorrectionConfig(
+        tis="sequence",
+        tis_cap=2.0,
+        outlier_mask=True,
+        outlier_low=0.01,
+        outlier_high=5.0,
+        token_mask_low=0.5,
+        token_mask_high=2.0,
+        geo_mask=True,
+        product_mask=True,
+    )
     _, m = microbatch_loss(logits, mb, AlgoConfig(correction=corr), temperature=1.0)
     drift = {k for k in m if k.startswith("drift/")}
-    assert {"drift/outlier_seq_masked_frac", "drift/token_masked_frac", "drift/tis_seq_capped_frac",
-            "drift/geo_seq_masked_frac", "drift/product_seq_masked_frac"} <= drift
+    assert {
+        "drift/outlier_seq_masked_frac",
+        "drift/token_masked_frac",
+        "drift/tis_seq_capped_frac",
+        "drift/geo_seq_masked_frac",
+        "drift/product_seq_masked_frac",
+    } <= drift
     assert all(M.is_known(k) for k in drift), sorted(k for k in drift if not M.is_known(k))
     # Two rows carry loss tokens (4 tokens): row fractions count rows, token fractions tokens.
     assert m["drift/outlier_seq_masked_frac"].count.item() == 2

@@ -13,10 +13,17 @@ from asyncrl.types import merge_metrics
 def test_staleness_summary_hand_computed():
     # n = 4, sorted [0, 1, 1, 2]: p50 at pos 1.5 -> 1 + .5*(1-1) = 1; p90 at pos 2.7 -> 1 + .7*(2-1) = 1.7
     out = M.staleness_summary([1, 0, 2, 1], max_staleness=2)
-    assert out == pytest.approx({
-        "staleness/mean": 1.0, "staleness/max": 2.0, "staleness/p50": 1.0, "staleness/p90": 1.7,
-        "staleness/frac_0": 0.25, "staleness/frac_1": 0.5, "staleness/frac_2": 0.25,
-    })
+    assert out == pytest.approx(
+        {
+            "staleness/mean": 1.0,
+            "staleness/max": 2.0,
+            "staleness/p50": 1.0,
+            "staleness/p90": 1.7,
+            "staleness/frac_0": 0.25,
+            "staleness/frac_1": 0.5,
+            "staleness/frac_2": 0.25,
+        }
+    )
 
 
 def test_staleness_summary_reports_empty_bins_and_sums_to_one():
@@ -31,17 +38,23 @@ def test_staleness_summary_reports_empty_bins_and_sums_to_one():
 
 def test_staleness_summary_on_policy():
     assert M.staleness_summary([0, 0], max_staleness=0) == {
-        "staleness/mean": 0.0, "staleness/max": 0.0, "staleness/p50": 0.0, "staleness/p90": 0.0,
+        "staleness/mean": 0.0,
+        "staleness/max": 0.0,
+        "staleness/p50": 0.0,
+        "staleness/p90": 0.0,
         "staleness/frac_0": 1.0,
     }
 
 
-@pytest.mark.parametrize("values, bound, message", [
-    ([], 1, "empty"),
-    ([0, -1], 1, "future policy version"),
-    ([0, 3], 2, "exceeds max_staleness=2"),
-    ([0], -1, "max_staleness=-1"),
-])
+@pytest.mark.parametrize(
+    "values, bound, message",
+    [
+        ([], 1, "empty"),
+        ([0, -1], 1, "future policy version"),
+        ([0, 3], 2, "exceeds max_staleness=2"),
+        ([0], -1, "max_staleness=-1"),
+    ],
+)
 def test_staleness_summary_rejects_bad_input(values, bound, message):
     with pytest.raises(ValueError, match=message):
         M.staleness_summary(values, max_staleness=bound)
@@ -60,7 +73,8 @@ def test_percentile_matches_linear_interpolation():
 def test_catalogue_covers_the_data_contract():
     contract = """staleness/mean staleness/max staleness/p50 staleness/p90 staleness/ahead queue/depth queue/pending
     queue/dropped_stale queue/dead_lettered drift/rollout_kl drift/abs_logp_diff drift/tis_ratio_mean
-    drift/tis_ratio_max drift/tis_ratio_min drift/tis_capped_frac drift/masked_frac drift/geo_masked_frac drift/product_masked_frac
+    drift/tis_ratio_max drift/tis_ratio_min drift/tis_capped_frac drift/masked_frac drift/geo_masked_frac
+    drift/product_masked_frac
     drift/outlier_masked_frac drift/tis_seq_capped_frac drift/geo_seq_masked_frac drift/product_seq_masked_frac
     drift/outlier_seq_masked_frac drift/token_masked_frac policy/clip_frac policy/entropy throughput/gen_tokens_per_s
     throughput/train_tokens_per_s throughput/samples_per_s time/wait_data time/train time/sync time/step
@@ -79,10 +93,12 @@ def test_catalogue_covers_the_data_contract():
 
 def test_parts_merge_by_their_catalogue_reduction():
     # Two micro-batches of 100 and 300 tokens: mean is token-weighted, max is max, sum adds up.
-    a = M.as_metric_values({"drift/rollout_kl": 0.02, "drift/tis_ratio_max": 1.5,
-                            "throughput/train_tokens_per_s": 100.0}, count=100)
-    b = M.as_metric_values({"drift/rollout_kl": 0.05, "drift/tis_ratio_max": 3.0,
-                            "throughput/train_tokens_per_s": 250.0}, count=300)
+    a = M.as_metric_values(
+        {"drift/rollout_kl": 0.02, "drift/tis_ratio_max": 1.5, "throughput/train_tokens_per_s": 100.0}, count=100
+    )
+    b = M.as_metric_values(
+        {"drift/rollout_kl": 0.05, "drift/tis_ratio_max": 3.0, "throughput/train_tokens_per_s": 250.0}, count=300
+    )
     out = M.finish(merge_metrics([a, b]))
     assert out["drift/rollout_kl"] == pytest.approx((0.02 * 100 + 0.05 * 300) / 400)  # 0.0425
     assert out["drift/tis_ratio_max"] == 3.0
@@ -98,8 +114,13 @@ def test_clean_keeps_numbers_only():
 
 
 def _alerts(latest, **kw):
-    args = dict(thresholds=M.Thresholds(rollout_kl=0.05, masked_frac=0.2, staleness_frac=1.0),
-                max_staleness=2, policy_version=10, generators={}, now=1000.0)
+    args = dict(
+        thresholds=M.Thresholds(rollout_kl=0.05, masked_frac=0.2, staleness_frac=1.0),
+        max_staleness=2,
+        policy_version=10,
+        generators={},
+        now=1000.0,
+    )
     args.update(kw)
     return {a["kind"]: a for a in M.evaluate_alerts(latest, **args)}
 
@@ -120,12 +141,13 @@ def test_alerts_fire_only_past_their_thresholds():
 
 def test_generator_alerts_lag_and_heartbeat():
     gens = {
-        "g-ok": {"version": 8, "heartbeat": 995.0},      # lag 2 = max_staleness: fine
-        "g-old": {"version": 7, "heartbeat": 999.0},     # lag 3 > 2
-        "g-dead": {"version": 10, "heartbeat": 980.0},   # 20 s without heartbeat
+        "g-ok": {"version": 8, "heartbeat": 995.0},  # lag 2 = max_staleness: fine
+        "g-old": {"version": 7, "heartbeat": 999.0},  # lag 3 > 2
+        "g-dead": {"version": 10, "heartbeat": 980.0},  # 20 s without heartbeat
     }
-    alerts = M.evaluate_alerts({}, thresholds=M.Thresholds(), max_staleness=2, policy_version=10,
-                               generators=gens, now=1000.0)
+    alerts = M.evaluate_alerts(
+        {}, thresholds=M.Thresholds(), max_staleness=2, policy_version=10, generators=gens, now=1000.0
+    )
     by = {(a["kind"], a["subject"]): a for a in alerts}
     assert set(by) == {("generator_lag", "g-old"), ("generator_heartbeat", "g-dead")}
     assert by[("generator_lag", "g-old")]["value"] == 3.0

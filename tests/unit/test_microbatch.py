@@ -15,9 +15,15 @@ def _seq(ids, *, rollout=-1.0, adv=0.5, version=3) -> TrainSequence:
     ids = np.asarray(ids, dtype=np.int32)
     mask = np.ones(len(ids), dtype=np.float32)
     mask[0] = 0
-    return TrainSequence(input_ids=ids, loss_mask=mask, rollout_logprobs=mask * rollout,
-                         advantages=mask * adv, reduction_weights=mask * 0.25,
-                         token_versions=np.full(len(ids), version, dtype=np.int32), behavior_version=version)
+    return TrainSequence(
+        input_ids=ids,
+        loss_mask=mask,
+        rollout_logprobs=mask * rollout,
+        advantages=mask * adv,
+        reduction_weights=mask * 0.25,
+        token_versions=np.full(len(ids), version, dtype=np.int32),
+        behavior_version=version,
+    )
 
 
 def test_deal_balances_tokens_longest_first():
@@ -70,7 +76,7 @@ def test_collate_right_pads_every_field():
 def test_padding_microbatches_carry_every_field_with_zero_mask():
     seqs = [mbatch.seq_fields(_seq([5, 6, 7, 8])), mbatch.seq_fields(_seq([9, 8]))]
     real = mbatch.collate(seqs, pad_token_id=0)
-    real["old_logprobs"] = torch.full((2, 4), -1.5)       # added by the pre-pass on ranks
+    real["old_logprobs"] = torch.full((2, 4), -1.5)  # added by the pre-pass on ranks
     fields = mbatch.field_dtypes(real)
     pad = mbatch.padding_microbatch(fields, pad_token_id=2)
     assert set(pad) - {mbatch.PADDING_KEY} == set(real)

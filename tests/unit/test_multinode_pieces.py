@@ -35,8 +35,12 @@ def test_safetensors_blob_is_the_file_safetensors_reads(tmp_path):
 
     from asyncrl.sync.objstore import safetensors_blob
 
-    state = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.zeros(0),
-             "d": torch.randn(4, 4).to(torch.bfloat16).t()}  # non-contiguous
+    state = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.zeros(0),
+        "d": torch.randn(4, 4).to(torch.bfloat16).t(),
+    }  # non-contiguous
     path = tmp_path / "w.safetensors"
     path.write_bytes(safetensors_blob(state).tobytes())
     back = load_file(str(path))

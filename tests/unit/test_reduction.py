@@ -1,6 +1,6 @@
 """Reduction weights against hand-computed values.
 
-    .venv/bin/python -m pytest tests/unit/test_reduction.py -q
+.venv/bin/python -m pytest tests/unit/test_reduction.py -q
 """
 
 from __future__ import annotations
@@ -43,18 +43,25 @@ def test_prompt_mean_gives_every_prompt_one_share():
     # and 4 (row 4, a one-token row alone). G = 3 prompts with tokens.
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0], [0, 1, 0]], dtype=torch.float64)
     w = reduction_weights(mask, "prompt_mean", group_ids=torch.tensor([7, 7, 9, 9, 4]))
-    expected = torch.tensor([[1 / 12] * 3, [1 / 12, 0, 0], [1 / 6, 1 / 6, 0], [0, 0, 0], [0, 1 / 3, 0]],
-                            dtype=torch.float64)
+    expected = torch.tensor(
+        [[1 / 12] * 3, [1 / 12, 0, 0], [1 / 6, 1 / 6, 0], [0, 0, 0], [0, 1 / 3, 0]], dtype=torch.float64
+    )
     assert torch.allclose(w, expected)
     for ids in ([7, 7, 9, 9, 4], [4, 4, 7, 7, 9]):  # each prompt sums to 1/G whatever its ids
         w = reduction_weights(mask, "prompt_mean", group_ids=torch.tensor(ids))
-        assert torch.allclose(torch.stack([w[:2].sum(), w[2:4].sum(), w[4].sum()]), torch.full((3,), 1 / 3, dtype=torch.float64))
+        assert torch.allclose(
+            torch.stack([w[:2].sum(), w[2:4].sum(), w[4].sum()]), torch.full((3,), 1 / 3, dtype=torch.float64)
+        )
     # A prompt whose samples all failed (no loss tokens) does not dilute the others.
     w = reduction_weights(MASK, "prompt_mean", group_ids=torch.tensor([0, 0, 1]))
     assert torch.allclose(w, MASK / 4)
     # One prompt: prompt_mean is token_mean.
-    assert torch.allclose(reduction_weights(MASK, "prompt_mean", group_ids=torch.zeros(3)), reduction_weights(MASK, "token_mean"))
-    assert torch.equal(reduction_weights(torch.zeros(2, 3), "prompt_mean", group_ids=torch.tensor([0, 1])), torch.zeros(2, 3))
+    assert torch.allclose(
+        reduction_weights(MASK, "prompt_mean", group_ids=torch.zeros(3)), reduction_weights(MASK, "token_mean")
+    )
+    assert torch.equal(
+        reduction_weights(torch.zeros(2, 3), "prompt_mean", group_ids=torch.tensor([0, 1])), torch.zeros(2, 3)
+    )
 
 
 def test_prompt_mean_needs_group_ids():

@@ -8,20 +8,40 @@ from asyncrl.control.summary import run_summary
 
 
 def rows(n: int):
-    return [{"step": s, "reward/mean": s / 10, "response/length_mean": 8.0 - s / 10, "staleness/mean": 1.0,
-             "staleness/max": 2.0 if s == 7 else 1.0, "time/wait_data": 0.5, "time/train": 0.25,
-             "time/sync": 0.125} for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "reward/mean": s / 10,
+            "response/length_mean": 8.0 - s / 10,
+            "staleness/mean": 1.0,
+            "staleness/max": 2.0 if s == 7 else 1.0,
+            "time/wait_data": 0.5,
+            "time/train": 0.25,
+            "time/sync": 0.125,
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def test_summary_of_a_finished_run():
-    text = run_summary(rows(20), startup_s=30.0, wall_s=45.25, counters={
-        "groups_produced": 330, "groups_trained": 320, "dropped_stale": 6, "dead_lettered": 1},
-        max_staleness=2, status="finished", run_dir=Path("/r"), checkpoint=Path("/r/checkpoints/step_000020"),
-        hf_dir=Path("/r/hf/final"), dashboard_url="http://127.0.0.1:8470/", resume_cmd="asyncrl train --resume /r")
+    text = run_summary(
+        rows(20),
+        startup_s=30.0,
+        wall_s=45.25,
+        counters={"groups_produced": 330, "groups_trained": 320, "dropped_stale": 6, "dead_lettered": 1},
+        max_staleness=2,
+        status="finished",
+        run_dir=Path("/r"),
+        checkpoint=Path("/r/checkpoints/step_000020"),
+        hf_dir=Path("/r/hf/final"),
+        dashboard_url="http://127.0.0.1:8470/",
+        resume_cmd="asyncrl train --resume /r",
+    )
     lines = text.splitlines()
     # 20 steps x (0.5 + 0.25 + 0.125) s; reward: mean of steps 1-10 = 0.55, of 11-20 = 1.55.
-    assert lines[0] == ("run finished: 20 steps in 45.2 s (start-up 30.0 s, waiting for data 10.0 s, "
-                        "training 5.0 s, weight sync 2.5 s)")
+    assert lines[0] == (
+        "run finished: 20 steps in 45.2 s (start-up 30.0 s, waiting for data 10.0 s, training 5.0 s, weight sync 2.5 s)"
+    )
     assert "0.550 (first 10 steps) -> 1.550 (last 10)" in lines[1]
     assert "7.5 -> 6.5 tokens" in lines[2]
     assert "mean 1.00, max 2 (bound 2)" in lines[3]
@@ -31,9 +51,19 @@ def test_summary_of_a_finished_run():
 
 
 def test_summary_of_a_run_stopped_before_its_first_step():
-    text = run_summary([], startup_s=12.0, wall_s=13.0, counters={}, max_staleness=0, status="stopped",
-                       run_dir=Path("/r"), checkpoint=None, hf_dir=None, dashboard_url=None,
-                       resume_cmd="asyncrl train --resume /r")
+    text = run_summary(
+        [],
+        startup_s=12.0,
+        wall_s=13.0,
+        counters={},
+        max_staleness=0,
+        status="stopped",
+        run_dir=Path("/r"),
+        checkpoint=None,
+        hf_dir=None,
+        dashboard_url=None,
+        resume_cmd="asyncrl train --resume /r",
+    )
     assert text.splitlines()[0].startswith("run stopped: 0 steps in 13.0 s")
     assert "reward          - (first 0 steps) -> - (last 0)" in text
     assert "checkpoint      -" in text and "dashboard" not in text

@@ -25,8 +25,18 @@ def _load_simulate():
 
 sim = _load_simulate()
 # Every group takes exactly 1 s and a generator runs a whole batch at full speed.
-BASE = sim.Scenario(generators=1, slots=8, parallel=8, gen_samples=[1.0], train_step=0.3, sync=0.05,
-                    sync_pause=0.1, groups_per_step=8, max_staleness=0, steps=60)
+BASE = sim.Scenario(
+    generators=1,
+    slots=8,
+    parallel=8,
+    gen_samples=[1.0],
+    train_step=0.3,
+    sync=0.05,
+    sync_pause=0.1,
+    groups_per_step=8,
+    max_staleness=0,
+    steps=60,
+)
 
 
 def test_synchronous_step_is_generate_then_train_then_publish_and_load():
@@ -51,9 +61,21 @@ def test_async_training_bound_runs_at_the_learners_pace():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_staleness_never_exceeds_the_bound_with_long_tails(seed):
-    sc = sim.Scenario(generators=4, slots=6, parallel=3, gen_mean=1.0, gen_cv=2.0, gen_samples=[],
-                      train_step=0.2, sync=0.02, sync_pause=0.05, groups_per_step=8, max_staleness=1,
-                      steps=80, seed=seed)
+    sc = sim.Scenario(
+        generators=4,
+        slots=6,
+        parallel=3,
+        gen_mean=1.0,
+        gen_cv=2.0,
+        gen_samples=[],
+        train_step=0.2,
+        sync=0.02,
+        sync_pause=0.05,
+        groups_per_step=8,
+        max_staleness=1,
+        steps=80,
+        seed=seed,
+    )
     r = sim.simulate(sc)
     assert r.staleness_max <= 1
     assert sum(r.staleness_hist.values()) == pytest.approx(1.0)

@@ -1,6 +1,6 @@
 """Step-wise trajectories: advantage broadcast on each step's own mask, and prefix merging.
 
-    .venv/bin/python -m pytest tests/unit/test_stepwise.py -q
+.venv/bin/python -m pytest tests/unit/test_stepwise.py -q
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ D = torch.float64
 def test_earlier_steps_get_the_advantage_at_their_own_positions():
     """SkyRL #1492: a 3-step trajectory, right-aligned (prompt left-padded, response at the end)."""
     # Padded [S, 8]: each step's response occupies different positions.
-    masks = torch.tensor([
-        [0, 0, 0, 0, 0, 0, 1, 1],      # step 0: short response at the far right
-        [0, 0, 0, 0, 1, 1, 1, 0],      # step 1
-        [0, 0, 1, 1, 0, 0, 0, 0],      # step 2 (last)
-        [0, 0, 0, 0, 0, 1, 1, 1],      # another trajectory's only step
-    ], dtype=D)
+    masks = torch.tensor(
+        [
+            [0, 0, 0, 0, 0, 0, 1, 1],  # step 0: short response at the far right
+            [0, 0, 0, 0, 1, 1, 1, 0],  # step 1
+            [0, 0, 1, 1, 0, 0, 0, 0],  # step 2 (last)
+            [0, 0, 0, 0, 0, 1, 1, 1],  # another trajectory's only step
+        ],
+        dtype=D,
+    )
     traj_adv = torch.tensor([0.7, -1.2], dtype=D)
     adv = broadcast_trajectory_advantages(traj_adv, torch.tensor([0, 0, 0, 1]), masks)
     expected = masks * torch.tensor([[0.7], [0.7], [0.7], [-1.2]], dtype=D)
@@ -43,13 +46,17 @@ def test_broadcast_rejects_misaligned_input():
 
 
 def seq(ids, mask, adv):
-    return {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=D), "advantages": torch.tensor(adv, dtype=D)}
+    return {
+        "input_ids": torch.tensor(ids),
+        "loss_mask": torch.tensor(mask, dtype=D),
+        "advantages": torch.tensor(adv, dtype=D),
+    }
 
 
 def test_merge_consecutive_prefix_steps_keeps_loss_mask_on_generated_tokens_only():
-    s0 = seq([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, 0.5, 0.5])              # prompt 1 2, gen 3 4
+    s0 = seq([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, 0.5, 0.5])  # prompt 1 2, gen 3 4
     s1 = seq([1, 2, 3, 4, 9, 9, 5], [0, 0, 0, 0, 0, 0, 1], [0] * 6 + [0.5])  # + observation 9 9, gen 5
-    s2 = seq([7, 7, 6], [0, 0, 1], [0, 0, 0.5])                          # context reset: not a prefix
+    s2 = seq([7, 7, 6], [0, 0, 1], [0, 0, 0.5])  # context reset: not a prefix
     merged, sources = merge_prefix_steps([s0, s1, s2])
     assert sources == [[0, 1], [2]]
     assert merged[0]["input_ids"].tolist() == [1, 2, 3, 4, 9, 9, 5]
@@ -62,8 +69,16 @@ def test_merge_consecutive_prefix_steps_keeps_loss_mask_on_generated_tokens_only
 
 def step(prompt, resp, reward, traj, idx, version=4):
     n = len(resp)
-    return Sample(response_ids=resp, rollout_logprobs=-0.1 * np.arange(1, n + 1), loss_mask=np.ones(n), reward=reward,
-                  behavior_version=version, prompt_ids=np.array(prompt), trajectory_id=traj, step_index=idx)
+    return Sample(
+        response_ids=resp,
+        rollout_logprobs=-0.1 * np.arange(1, n + 1),
+        loss_mask=np.ones(n),
+        reward=reward,
+        behavior_version=version,
+        prompt_ids=np.array(prompt),
+        trajectory_id=traj,
+        step_index=idx,
+    )
 
 
 def test_build_minibatches_stepwise_broadcast_and_merge():

@@ -1,6 +1,6 @@
 """vLLM's per-reload warning for weightless rotary layers is dropped; every other layer's stays.
 
-    .venv/bin/python -m pytest tests/unit/test_worker_ext_logging.py -q
+.venv/bin/python -m pytest tests/unit/test_worker_ext_logging.py -q
 """
 
 from __future__ import annotations
@@ -21,4 +21,6 @@ def test_only_rotary_embedding_reload_warnings_are_dropped(caplog):
         logger.warning("%s: Failed to load weights", "QKVParallelLinear")
         logger.warning("reload of %s took %d ms", "RotaryEmbedding", 3)
     assert [r.getMessage() for r in caplog.records] == [
-        "QKVParallelLinear: Failed to load weights", "reload of RotaryEmbedding took 3 ms"]
+        "QKVParallelLinear: Failed to load weights",
+        "reload of RotaryEmbedding took 3 ms",
+    ]

@@ -30,8 +30,15 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import (FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse,
-                                 Response, StreamingResponse)
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -78,9 +85,13 @@ async def _unknown_run(request: Request, exc: Exception) -> Response:
 
 async def _redis_down(request: Request, exc: Exception) -> Response:
     url = request.app.state.redis_display
-    return _error(request, 503, "Redis unreachable",
-                  f"cannot read run data from {url}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
-                  f"Is the trainer's redis-server running, and is --redis right?")
+    return _error(
+        request,
+        503,
+        "Redis unreachable",
+        f"cannot read run data from {url}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
+        f"Is the trainer's redis-server running, and is --redis right?",
+    )
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -107,9 +118,12 @@ class TokenAuth:
         bearer = header[7:].strip() if header.lower().startswith("bearer ") else None
         given = query or bearer or request.cookies.get(TOKEN_COOKIE)
         if given is None:
-            response = _error(request, 401, "Token required",
-                              "this dashboard needs its access token: open it with ?token=... "
-                              "or send 'Authorization: Bearer ...'")
+            response = _error(
+                request,
+                401,
+                "Token required",
+                "this dashboard needs its access token: open it with ?token=... or send 'Authorization: Bearer ...'",
+            )
             await response(scope, receive, send)
             return
         if not hmac.compare_digest(given.encode(), self.token):
@@ -164,9 +178,18 @@ def _runs_listing(client: redis.Redis) -> list[dict[str, Any]]:
     for run in data.list_runs(client):
         snap = data.run_snapshot(client, run, now)
         s = snap["summary"]
-        out.append({"run": run, "status": s["status"], "policy_version": s["policy_version"], "step": s["step"],
-                    "started_at": s["started_at"], "generators": len(snap["generators"]),
-                    "alerts": len(snap["alerts"]), "reward_mean": s["latest"].get("reward/mean")})
+        out.append(
+            {
+                "run": run,
+                "status": s["status"],
+                "policy_version": s["policy_version"],
+                "step": s["step"],
+                "started_at": s["started_at"],
+                "generators": len(snap["generators"]),
+                "alerts": len(snap["alerts"]),
+                "reward_mean": s["latest"].get("reward/mean"),
+            }
+        )
     return out
 
 
@@ -184,8 +207,13 @@ async def api_summary(request: Request) -> Response:
 
 async def api_generators(request: Request) -> Response:
     snap = await _snapshot(request)
-    return JSONResponse({"policy_version": snap["summary"]["policy_version"],
-                         "max_staleness": snap["summary"]["max_staleness"], "generators": snap["generators"]})
+    return JSONResponse(
+        {
+            "policy_version": snap["summary"]["policy_version"],
+            "max_staleness": snap["summary"]["max_staleness"],
+            "generators": snap["generators"],
+        }
+    )
 
 
 async def api_alerts(request: Request) -> Response:
@@ -243,8 +271,9 @@ async def api_stream(request: Request) -> Response:
                 return
             await asyncio.sleep(interval)
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 # ----------------------------------------------------------------------------- prometheus
@@ -287,10 +316,20 @@ def prometheus_text(client: redis.Redis) -> str:
             labels = {"run": run, "generator": g["id"]}
             add("asyncrl_generator_version", "gauge", "policy version a generator runs", labels, g["version"])
             add("asyncrl_generator_lag", "gauge", "policy_version - generator version", labels, g["lag"])
-            add("asyncrl_generator_heartbeat_age_seconds", "gauge", "seconds since the last heartbeat",
-                labels, g["heartbeat_age_s"])
-            add("asyncrl_generator_up", "gauge", "1 if the heartbeat is fresh", labels,
-                0.0 if g["status"] == "gone" else 1.0)
+            add(
+                "asyncrl_generator_heartbeat_age_seconds",
+                "gauge",
+                "seconds since the last heartbeat",
+                labels,
+                g["heartbeat_age_s"],
+            )
+            add(
+                "asyncrl_generator_up",
+                "gauge",
+                "1 if the heartbeat is fresh",
+                labels,
+                0.0 if g["status"] == "gone" else 1.0,
+            )
     lines = []
     for name, (kind, help_text, samples) in families.items():
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
@@ -313,8 +352,14 @@ def _display_url(redis_url: str) -> str:
     return f"{scheme}{sep}{rest}"
 
 
-def create_app(redis_url: str, *, run: str | None, password: str | None = None, token: str | None = None,
-               stream_interval: float = STREAM_INTERVAL_S) -> Starlette:
+def create_app(
+    redis_url: str,
+    *,
+    run: str | None,
+    password: str | None = None,
+    token: str | None = None,
+    stream_interval: float = STREAM_INTERVAL_S,
+) -> Starlette:
     """The dashboard app. `password` is the Redis password (if not in the URL); `token` guards the app."""
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis_url={redis_url!r}: must start with redis://, rediss:// or unix://")
@@ -352,8 +397,14 @@ def _check_host(host: str, token: str | None) -> None:
         raise ValueError(f"host={host!r} is reachable from other machines: set a token (--token) to bind it")
 
 
-def serve(redis_url: str, run: str | None = None, host: str = "127.0.0.1", port: int = 8470,
-          token: str | None = None, password: str | None = None) -> None:
+def serve(
+    redis_url: str,
+    run: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8470,
+    token: str | None = None,
+    password: str | None = None,
+) -> None:
     """Run the dashboard with uvicorn until interrupted. Refuses a non-loopback host without a token."""
     _check_host(host, token)
     import uvicorn
@@ -363,8 +414,14 @@ def serve(redis_url: str, run: str | None = None, host: str = "127.0.0.1", port:
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-def serve_in_thread(redis_url: str, run: str | None = None, host: str = "127.0.0.1", port: int = 8470,
-                    token: str | None = None, password: str | None = None):
+def serve_in_thread(
+    redis_url: str,
+    run: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8470,
+    token: str | None = None,
+    password: str | None = None,
+):
     """Start the dashboard on a daemon thread (the trainer's own copy); returns the uvicorn
     Server, whose `should_exit = True` stops it. Port 0 picks a free port. Off the main
     thread uvicorn leaves signal handling to the caller (the trainer owns SIGINT/SIGTERM)."""

@@ -125,8 +125,9 @@ def read_counters(client: Any, run: str) -> dict[str, int]:
     return out
 
 
-def read_generators(client: Any, run: str, *, now: float, policy_version: int | None,
-                    max_staleness: int | None) -> list[dict[str, Any]]:
+def read_generators(
+    client: Any, run: str, *, now: float, policy_version: int | None, max_staleness: int | None
+) -> list[dict[str, Any]]:
     """Each generator: id, version, lag (policy_version - version), heartbeat age, groups, tok/s, status.
 
     status: 'ok', 'lagging' (lag > max_staleness: everything it makes would be dropped) or 'gone'
@@ -151,11 +152,18 @@ def read_generators(client: Any, run: str, *, now: float, policy_version: int | 
             status = "lagging"
         else:
             status = "ok"
-        out.append({
-            "id": _text(gid), "version": version, "lag": lag, "heartbeat": heartbeat,
-            "heartbeat_age_s": age, "groups": rec.get("groups"),
-            "tokens_per_s": _json_float(rec.get("tokens_per_s")), "status": status,
-        })
+        out.append(
+            {
+                "id": _text(gid),
+                "version": version,
+                "lag": lag,
+                "heartbeat": heartbeat,
+                "heartbeat_age_s": age,
+                "groups": rec.get("groups"),
+                "tokens_per_s": _json_float(rec.get("tokens_per_s")),
+                "status": status,
+            }
+        )
     return sorted(out, key=lambda g: g["id"])
 
 
@@ -187,8 +195,9 @@ def _matches(name: str, wanted: list[str] | None) -> bool:
     return any(name.startswith(w[:-1]) if w.endswith("*") else name == w for w in wanted)
 
 
-def read_series(client: Any, run: str, names: Iterable[str] | None, *, since: str | None = None,
-                limit: int = SERIES_LIMIT) -> dict[str, Any]:
+def read_series(
+    client: Any, run: str, names: Iterable[str] | None, *, since: str | None = None, limit: int = SERIES_LIMIT
+) -> dict[str, Any]:
     """Points of the named metrics in stream entries after stream id `since` (exclusive).
 
     `names`: exact names or prefixes ending in '*' ('staleness/*'); None = all.
@@ -222,8 +231,9 @@ def thresholds_of(state: dict[str, Any]) -> Thresholds:
     return Thresholds(
         rollout_kl=state.get("alert_rollout_kl") if state.get("alert_rollout_kl") is not None else d.rollout_kl,
         masked_frac=state.get("alert_masked_frac") if state.get("alert_masked_frac") is not None else d.masked_frac,
-        staleness_frac=(state.get("alert_staleness_frac") if state.get("alert_staleness_frac") is not None
-                        else d.staleness_frac),
+        staleness_frac=(
+            state.get("alert_staleness_frac") if state.get("alert_staleness_frac") is not None else d.staleness_frac
+        ),
     )
 
 
@@ -239,8 +249,11 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
     thresholds = thresholds_of(state)
     alerts = evaluate_alerts(
         {k: v for k, v in latest.items() if v is not None},
-        thresholds=thresholds, max_staleness=max_staleness, policy_version=policy_version,
-        generators={g["id"]: g for g in generators}, now=now,
+        thresholds=thresholds,
+        max_staleness=max_staleness,
+        policy_version=policy_version,
+        generators={g["id"]: g for g in generators},
+        now=now,
     )
     started = state.get("started_at")
     summary = {
@@ -254,8 +267,11 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
         "uptime_s": (now - started) if started is not None else None,
         "step": step,
         "counters": read_counters(client, run),
-        "thresholds": {"rollout_kl": thresholds.rollout_kl, "masked_frac": thresholds.masked_frac,
-                       "staleness_frac": thresholds.staleness_frac},
+        "thresholds": {
+            "rollout_kl": thresholds.rollout_kl,
+            "masked_frac": thresholds.masked_frac,
+            "staleness_frac": thresholds.staleness_frac,
+        },
         "latest": latest,
         "config": state.get("config"),
     }

@@ -37,9 +37,7 @@ class Environment:
     multi_turn = False
 
     def make_prompt(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
-        raise NotImplementedError(
-            f"{type(self).__name__} does not make prompts; set rollout.prompts to a prompt file"
-        )
+        raise NotImplementedError(f"{type(self).__name__} does not make prompts; set rollout.prompts to a prompt file")
 
     def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
         raise NotImplementedError(f"{type(self).__name__}.reward is not implemented")
@@ -72,8 +70,7 @@ def resolve_env_class(name: str) -> type:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
-            f"environment {name!r}: not a built-in ({', '.join(BUILTIN)}) nor an import path "
-            f"'package.module:Class'"
+            f"environment {name!r}: not a built-in ({', '.join(BUILTIN)}) nor an import path 'package.module:Class'"
         )
     try:
         module = importlib.import_module(module_name)

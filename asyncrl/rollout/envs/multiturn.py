@@ -71,9 +71,15 @@ class Trajectory:
 Policy = Callable[[list[int]], Awaitable[Turn]]
 
 
-async def run_trajectory(env: MultiTurnEnvironment, prompt: str, metadata: dict[str, Any],
-                         policy: Policy, encode: Callable[[str], list[int]],
-                         decode: Callable[[list[int]], str], max_context_tokens: int) -> Trajectory:
+async def run_trajectory(
+    env: MultiTurnEnvironment,
+    prompt: str,
+    metadata: dict[str, Any],
+    policy: Policy,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    max_context_tokens: int,
+) -> Trajectory:
     """Alternate policy turns and env steps until done, max_turns, or the context is full."""
     traj = Trajectory(prompt_ids=encode(env.reset(prompt, metadata)))
     context = list(traj.prompt_ids)
@@ -95,19 +101,21 @@ def to_step_samples(traj: Trajectory, trajectory_id: int, generator_id: str = ""
     samples, context = [], list(traj.prompt_ids)
     for k, turn in enumerate(traj.turns):
         n = len(turn.token_ids)
-        samples.append(Sample(
-            response_ids=np.asarray(turn.token_ids, np.int32),
-            rollout_logprobs=np.asarray(turn.logprobs, np.float32),
-            loss_mask=np.ones(n, np.uint8),
-            reward=traj.total_reward,
-            behavior_version=min(turn.versions) if turn.versions else 0,
-            stop_reason=turn.finish_reason,
-            token_versions=np.asarray(turn.versions, np.int32),
-            generator_id=generator_id,
-            prompt_ids=np.asarray(context, np.int32),
-            trajectory_id=trajectory_id,
-            step_index=k,
-        ))
+        samples.append(
+            Sample(
+                response_ids=np.asarray(turn.token_ids, np.int32),
+                rollout_logprobs=np.asarray(turn.logprobs, np.float32),
+                loss_mask=np.ones(n, np.uint8),
+                reward=traj.total_reward,
+                behavior_version=min(turn.versions) if turn.versions else 0,
+                stop_reason=turn.finish_reason,
+                token_versions=np.asarray(turn.versions, np.int32),
+                generator_id=generator_id,
+                prompt_ids=np.asarray(context, np.int32),
+                trajectory_id=trajectory_id,
+                step_index=k,
+            )
+        )
         context = context + list(turn.token_ids) + traj.observation_ids[k]
     return samples
 

@@ -40,8 +40,14 @@ class _StringTask(Environment):
     # some prompts make the model ramble; synchronous trainers wait for those every step.
     LONG_TAIL_BUDGETS = ((0.9, 8), (0.1, 48))
 
-    def __init__(self, min_len: int = 3, max_len: int = 5, alphabet: str = "abcde",
-                 length_penalty: float = 0.05, long_tail: bool = False):
+    def __init__(
+        self,
+        min_len: int = 3,
+        max_len: int = 5,
+        alphabet: str = "abcde",
+        length_penalty: float = 0.05,
+        long_tail: bool = False,
+    ):
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
         if not alphabet or self.separator in alphabet:
