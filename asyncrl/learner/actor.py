@@ -171,7 +171,6 @@ class LearnerActor:
             self.scheduler,
             mbs,
             loss_fn,
-            world_size=self.world_size,
             grad_clip=self.cfg.learner.grad_clip,
             device=self.device,
         )

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def pick_device(gpus_per_rank: float) -> torch.device:
@@ -80,7 +80,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
-    """fully_shard each decoder block, then the root (in place); return the model.
+    """fully_shard each decoder block, then the root (in place); return the model. Gradients
+    are summed over the ranks (divide factor 1, as torchtitan does), not averaged.
 
     The last block keeps its parameters gathered after forward (reshard_after_forward=False):
     backward starts with it, so freeing and re-gathering them would only add a copy.
@@ -92,6 +93,14 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
+    # Sum gradients over the DP ranks instead of FSDP's default mean: the loss of each rank is
+    # already its share of the whole mini-batch's loss (reduction weights over all ranks). A
+    # custom factor makes FSDP reduce with PREMUL_SUM, which gloo lacks; forcing SUM
+    # collectives then scales by 1, i.e. not at all, on gloo and NCCL alike.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 

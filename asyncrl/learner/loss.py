@@ -2,7 +2,7 @@
 
     logits = model(mb["input_ids"]).logits                        # [B, L, V]
     loss, metrics = microbatch_loss(logits, mb, cfg.algo, temperature=cfg.rollout.temperature)
-    (loss * world_size).backward()                                # FSDP averages gradients over ranks
+    loss.backward()                                               # FSDP sums the ranks' gradients
 
 The return value is this micro-batch's contribution
 
@@ -10,8 +10,8 @@ The return value is this micro-batch's contribution
 
 with w = ``mb["reduction_weights"]`` computed by the driver over the whole mini-batch
 (``asyncrl.data.batch``). Summed over all micro-batches and ranks it is exactly the
-mini-batch loss, so the gradient does not depend on the micro-batching (the learner
-multiplies by world_size to undo FSDP's mean all-reduce). Every term uses the same w: a
+mini-batch loss, so the gradient does not depend on the micro-batching (FSDP sums the
+ranks' gradients: asyncrl.learner.fsdp sets its divide factor to 1). Every term uses the same w: a
 term normalised inside the micro-batch would be amplified by the number of micro-batches
 (SkyRL PR #1296's review finding for KL and entropy).
 

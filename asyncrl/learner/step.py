@@ -1,15 +1,14 @@
 """One optimizer step over a rank's micro-batches, as plain functions over a model.
 
     add_prepass_logprobs(model, reference, microbatches, temperature=1.0, logprob_fn=token_logprobs)
-    stats = train_step(model, optimizer, scheduler, microbatches, loss_fn, world_size=2, grad_clip=1.0)
+    stats = train_step(model, optimizer, scheduler, microbatches, loss_fn, grad_clip=1.0)
 
 `loss_fn(logits, mb) -> (loss, metrics)` returns the micro-batch's share of the mini-batch
 loss, sum_t w_t * term_t, with the reduction weights w computed over the whole mini-batch
 (all ranks). Summed over micro-batches (gradient accumulation) and ranks, that is the
-mini-batch loss. FSDP2 *averages* gradients over the DP ranks in its reduce-scatter, so the
-loss is multiplied by world_size before backward to turn that mean back into a sum
-(the bug of SkyRL PR #1296). Hence the gradient does not depend on how the mini-batch is
-cut into ranks and micro-batches.
+mini-batch loss, and FSDP sums the ranks' gradients (``fsdp.shard_model`` sets its divide
+factor to 1; its default mean is what SkyRL PR #1296 had to compensate). Hence the gradient
+does not depend on how the mini-batch is cut into ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -93,15 +92,14 @@ def train_step(
     microbatches: list[dict[str, Any]],
     loss_fn: LossFn,
     *,
-    world_size: int,
     grad_clip: float,
     device: torch.device,
 ) -> StepStats:
     """Accumulate gradients over `microbatches`, clip, take one AdamW step and one lr step.
 
-    Per micro-batch: loss_mb = loss_fn(logits, mb) = sum_t w_t * term_t; backward of
-    world_size * loss_mb (DP mean all-reduce compensation). Padding micro-batches run the
-    same forward/backward (collectives) and contribute exactly 0; their metrics are dropped.
+    Per micro-batch: backward of loss_mb = loss_fn(logits, mb) = sum_t w_t * term_t. Padding
+    micro-batches run the same forward/backward (collectives) and contribute exactly 0; their
+    metrics are dropped.
     """
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
@@ -109,7 +107,7 @@ def train_step(
     for mb in microbatches:
         tensors = tensors_on(mb, device)
         loss, metrics = loss_fn(policy_logits(model, tensors["input_ids"]), tensors)
-        (loss * world_size).backward()
+        loss.backward()
         if not mb.get(PADDING_KEY, False):
             parts.append(metrics)
     t1 = time.perf_counter()
