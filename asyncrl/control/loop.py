@@ -298,7 +298,7 @@ class TrainLoop:
         self.state.unacked += ids
         self.queue.incr("groups_trained", len(groups))
         # The policy version trails the trainer while a publish is in flight; supervisors
-        # (asyncrl.control.job) and the dashboard read the trainer's own step here.
+        # (asyncrl.testing.job) and the dashboard read the trainer's own step here.
         self.queue.set_state(trainer_step=self.state.step)
 
         t_sync = 0.0

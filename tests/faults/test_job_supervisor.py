@@ -9,8 +9,8 @@ import time
 import msgpack
 import pytest
 
-from asyncrl.control.job import JobDied, TrainJob
 from asyncrl.queue.server import EmbeddedRedis
+from asyncrl.testing.job import JobDied, TrainJob
 
 ROOT_CFG = "configs/demo.yaml"
 

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from asyncrl.config import Config, RolloutConfig
-from asyncrl.control.job import pid_running
 from asyncrl.queue import keys
 from asyncrl.rollout.engine import shm_segments_of
 from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.rollout.generator import GeneratorActor
+from asyncrl.testing.job import pid_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.control.job import pid_running
 from asyncrl.control.ledger import audit
 from asyncrl.control.train import train
+from asyncrl.testing.job import pid_running
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
