@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -178,6 +179,15 @@ class AlgoConfig:
 
 
 @dataclass
+class RewardFnConfig:
+    """One reward function of rollout.rewards."""
+
+    fn: str
+    """Import path 'package.module:function'."""
+    weight: float = 1.0
+
+
+@dataclass
 class RolloutConfig:
     """Generators: the vLLM engines, sampling, environment and prompts."""
 
@@ -193,6 +203,10 @@ class RolloutConfig:
     env: str = "copy"
     """A built-in environment (ENVIRONMENTS) or an import path 'package.module:Class'."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    rewards: list[RewardFnConfig] = field(default_factory=list)
+    """Reward functions by import path, summed with their weights, in place of the
+    environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
+    TRL's signature: fn(prompts, completions, **columns) -> list[float | None]."""
     prompts: str | None = None
     """jsonl / parquet / a local datasets directory; None lets the environment make prompts."""
     max_prompt_tokens: int = 192
@@ -424,6 +438,11 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if isinstance(value, dict):
             return dict(value)
         raise ConfigError(f"{path}={value!r}: expected a mapping")
+    if origin is list:
+        if isinstance(value, (list, tuple)):
+            (arg,) = get_args(tp)
+            return [_coerce(f"{path}[{i}]", v, arg) for i, v in enumerate(value)]
+        raise ConfigError(f"{path}={value!r}: expected a list")
     if origin is tuple:
         args = get_args(tp)
         if isinstance(value, (list, tuple)) and len(value) == len(args):
@@ -445,6 +464,16 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     for key in data:
         if key not in names:
             raise ConfigError(f"{_where(prefix, key)}: unknown field; {cls.__name__} has: {', '.join(sorted(names))}")
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    for key in required:
+        if key not in data:
+            raise ConfigError(
+                f"{prefix or 'config root'}: missing field {key!r} ({cls.__name__} needs: {', '.join(required)})"
+            )
     kwargs = {}
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else key
@@ -702,6 +731,12 @@ def _validate_rollout(r: RolloutConfig) -> None:
     if r.top_k == 0 or r.top_k < -1:
         raise ConfigError(f"rollout.top_k={r.top_k!r}: must be -1 (off) or >= 1")
     _one_of("rollout.env", r.env, ENVIRONMENTS, import_path_ok=True)
+    for i, spec in enumerate(r.rewards):
+        if not _is_import_path(spec.fn):
+            raise ConfigError(f"rollout.rewards[{i}].fn={spec.fn!r}: must be an import path 'package.module:function'")
+        _check_import_path(f"rollout.rewards[{i}].fn", spec.fn)
+        if not math.isfinite(spec.weight):
+            raise ConfigError(f"rollout.rewards[{i}].weight={spec.weight!r}: must be a finite number")
     if r.max_prompt_tokens + r.max_tokens > r.engine_max_model_len:
         raise ConfigError(
             f"rollout.max_prompt_tokens + rollout.max_tokens = {r.max_prompt_tokens + r.max_tokens} "

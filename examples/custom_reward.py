@@ -1,6 +1,9 @@
-"""A custom verifiable reward, found by import path.
+"""A custom verifiable reward, found by import path: an environment class, or plain reward
+functions with TRL's signature.
 
     PYTHONPATH=. asyncrl train configs/demo.yaml rollout.env=examples.custom_reward:EchoFirstEnv
+    PYTHONPATH=. asyncrl train configs/demo.yaml \
+        'rollout.rewards=[{fn: examples.custom_reward:exact_copy}, {fn: examples.custom_reward:brevity, weight: 0.1}]'
 
 The environment makes its own prompts ("abc>") and rewards a response whose first
 character repeats the prompt's first one, with partial credit for a short answer. Any
@@ -32,3 +35,16 @@ class EchoFirstEnv(Environment):
         hit = 1.0 if response[0] == metadata["first"] else 0.0
         brevity = 0.2 if len(response) <= 2 else 0.0
         return hit + brevity
+
+
+# Reward functions as TRL users write them: batched lists in, one float (or None) per completion
+# out; the prompt's metadata fields (here the copy task's "target") arrive as keyword lists.
+
+
+def exact_copy(prompts, completions, target, **_):
+    return [1.0 if c.strip() == t else 0.0 for c, t in zip(completions, target)]
+
+
+def brevity(prompts, completions, **_):
+    """1 for an answer of at most 3 characters, None (no opinion) for an empty one."""
+    return [None if not c.strip() else float(len(c.strip()) <= 3) for c in completions]

@@ -64,6 +64,7 @@ from asyncrl.rollout.affinity import pin_to_cores
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes, unlink_segments
 from asyncrl.rollout.envs import RewardError, make_env, score
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
+from asyncrl.rollout.envs.reward_fns import WeightedRewards
 from asyncrl.rollout.prompts import open_prompts
 from asyncrl.sync import objstore
 from asyncrl.types import RolloutGroup, Sample
@@ -123,6 +124,8 @@ class GeneratorActor:
         self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
         predecessor_was_generating = self._reap_predecessor()
         self.env = make_env(self.rollout.env, self.rollout.env_kwargs)
+        if self.rollout.rewards:  # TRL-style reward functions in place of the environment's reward
+            self.env = WeightedRewards(self.env, self.rollout.rewards)
         model_path = local_model(model_path, model_package)  # another node: the shipped copy
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with

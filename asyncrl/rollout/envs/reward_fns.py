@@ -1,0 +1,71 @@
+"""Plain reward functions in place of an environment's reward, as TRL users write them.
+
+    rollout:
+      env: copy                                  # still makes (or reads) the prompts
+      rewards:
+        - {fn: my_pkg.rewards:exact_match, weight: 1.0}
+        - {fn: my_pkg.rewards:short_answer, weight: 0.2}
+
+    def exact_match(prompts, completions, **columns) -> list[float]:   # TRL's signature
+        return [1.0 if c.strip() == t else 0.0 for c, t in zip(completions, columns["target"])]
+
+Each function gets one sample at a time as lists of length 1: ``prompts=[prompt]``,
+``completions=[response]`` and every metadata field of the prompt (the dataset's other
+columns, e.g. ``answer``) as ``name=[value]``. The sample's reward is sum_i weight_i *
+fn_i(...)[0]; a function may return None for "does not apply" (TRL's convention), which adds
+nothing. A function that raises or returns a non-number fails that sample only (see
+``score``), as an environment's reward would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from asyncrl.rollout.envs.base import Environment
+
+
+def resolve_function(path: str) -> Callable:
+    """'package.module:function' -> the callable (ValueError saying what is wrong)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function {path!r}: not an import path 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except ImportError as e:
+        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: {e}") from e
+    except AttributeError:
+        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+class WeightedRewards(Environment):
+    """An environment's prompts with the weighted sum of reward functions as its reward."""
+
+    def __init__(self, base: Environment, specs: Sequence[Any]):
+        if base.multi_turn:
+            raise ValueError(
+                f"rollout.rewards replaces a single-turn reward; {type(base).__name__} is multi-turn "
+                f"(its rewards come from step())"
+            )
+        self.base = base
+        self.fns = [(spec.fn, resolve_function(spec.fn), float(spec.weight)) for spec in specs]
+
+    def make_prompt(self, rng):
+        return self.base.make_prompt(rng)
+
+    def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+        total = 0.0
+        for path, fn, weight in self.fns:
+            out = fn(prompts=[prompt], completions=[response], **{k: [v] for k, v in metadata.items()})
+            value = out[0] if isinstance(out, (list, tuple)) else out
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{path} returned {value!r}, expected a finite number (or None)")
+            total += weight * float(value)
+        return total
