@@ -220,6 +220,9 @@ class RolloutConfig:
     logprobs: bool = True
     """Record per-token rollout logprobs (needed by every off-policy correction)."""
     seed: int = 0
+    heartbeat_timeout_s: float = 60.0
+    """A generator whose last heartbeat (one a second) is older than this is killed and
+    restarted by the trainer (its admitted prompts are re-issued by the successor)."""
     cpus_per_generator: float = 1.0
     gpus_per_generator: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
@@ -333,6 +336,9 @@ class ControlConfig:
     run_dir: str = "runs/demo"
     seed: int = 0
     batch_timeout_s: float = 600.0
+    """After this long without a full batch the trainer checks its generators: it waits on
+    (saying why, once a minute) while any can run, alive or being restarted, and fails with a
+    checkpoint and the resume command when none can."""
     ray_address: str | None = None
     ray_object_store_mb: int = 512
 
@@ -726,6 +732,10 @@ def _validate_rollout(r: RolloutConfig) -> None:
     _at_least("rollout.max_inflight_groups", r.max_inflight_groups, 1)
     _at_least("rollout.max_prompt_tokens", r.max_prompt_tokens, 1)
     _positive("rollout.temperature", r.temperature)
+    if r.heartbeat_timeout_s < 5:
+        raise ConfigError(
+            f"rollout.heartbeat_timeout_s={r.heartbeat_timeout_s!r}: must be >= 5 (generators beat once a second)"
+        )
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p!r}: must be in (0, 1]")
     if r.top_k == 0 or r.top_k < -1:

@@ -23,80 +23,27 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
+from asyncrl.control.state import LoopState, StopFlag
 
 log = logging.getLogger(__name__)
 
 LEARNER_CHECK_S = 5.0
-"""While waiting for data, how often the learner ranks' liveness is read from Ray's GCS."""
+"""While waiting for data, how often the learner ranks' liveness and the generators'
+heartbeats are checked."""
+WAIT_LOG_S = 60.0
+"""Past control.batch_timeout_s, a trainer still waiting for its generators says so this often."""
 
 
-@dataclass
-class LoopState:
-    """What a checkpoint must restore for the loop to go on exactly where it stopped."""
-
-    step: int = 0
-    version: int = 0
-    published_version: int = 0
-    trained_ids: list[str] = field(default_factory=list)
-    """Group ids trained into the current weights (the exactly-once ledger)."""
-    unacked: list[str] = field(default_factory=list)
-    """Queue entry ids consumed since the last checkpoint."""
-
-    def to_extra(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "version": self.version,
-            "published_version": self.published_version,
-            "trained_ids": list(self.trained_ids),
-        }
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> LoopState:
-        return cls(
-            step=int(extra["step"]),
-            version=int(extra["version"]),
-            published_version=int(extra.get("published_version", extra["version"])),
-            trained_ids=list(extra.get("trained_ids", [])),
-        )
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints and exits. A second
-    signal restores the default handler, so a third press kills at once."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        log.warning("received %s: finishing this step, checkpointing and shutting down", signal.Signals(signum).name)
-        self.event.set()
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-
-    @property
-    def is_set(self) -> bool:
-        return self.event.is_set()
+class NoGenerators(TimeoutError):
+    """No full batch within control.batch_timeout_s, and no generator left that could make one."""
 
 
 class TrainLoop:
@@ -130,6 +77,9 @@ class TrainLoop:
         self.group_seconds: list[float] = []
         """Generation time of each trained group (its slowest sample): bench/simulate.py's input."""
         self._counters_seen: dict[str, int] = {}
+        from asyncrl.control.watchdog import GeneratorWatchdog
+
+        self.watchdog = GeneratorWatchdog(runtime.generators, self.queue, cfg.rollout.heartbeat_timeout_s)
         self._inflight_publish: threading.Thread | None = None
         self._publish_error: BaseException | None = None
         self.last_apply_s = 0.0
@@ -181,17 +131,33 @@ class TrainLoop:
         """Block until a full step's groups are here (or stop was asked for)."""
         want = self.cfg.control.groups_per_step
         items: list = []
-        deadline = time.monotonic() + self.cfg.control.batch_timeout_s
-        next_check = time.monotonic() + LEARNER_CHECK_S
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.control.batch_timeout_s
+        next_check = t0 + LEARNER_CHECK_S
         while len(items) < want and not self.stop.is_set:
-            if time.monotonic() > next_check:  # a rank lost meanwhile (its node died) ends the wait
-                self.learner.check_alive()
+            if time.monotonic() > next_check:
+                self.learner.check_alive()  # a rank lost meanwhile (its node died) ends the wait
+                self.watchdog.check()  # a hung generator is killed, and Ray restarts it
                 next_check = time.monotonic() + LEARNER_CHECK_S
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no full batch within control.batch_timeout_s={self.cfg.control.batch_timeout_s}s "
-                    f"({len(items)}/{want} groups): are the generators alive? counters={self.queue.counters()}"
+                # Wait on while any generator can still produce (alive, or being restarted by
+                # Ray); a multi-day run must not die of one slow restart.
+                runnable = self.watchdog.runnable()
+                if not runnable:
+                    raise NoGenerators(
+                        f"no full batch for {time.monotonic() - t0:.0f} s ({len(items)}/{want} groups) and no "
+                        f"generator can run (own ones dead, no elastic heartbeat within "
+                        f"rollout.heartbeat_timeout_s={self.cfg.rollout.heartbeat_timeout_s:g}); "
+                        f"counters={self.queue.counters()}"
+                    )
+                log.warning(
+                    "no full batch for %.0f s (%d/%d groups); waiting for %s",
+                    time.monotonic() - t0,
+                    len(items),
+                    want,
+                    ", ".join(runnable),
                 )
+                deadline = time.monotonic() + WAIT_LOG_S
             items += self.queue.get_batch(want - len(items), self._min_version(), timeout=1.0)
             self._release_lost_admissions()
         return items
@@ -401,6 +367,16 @@ class TrainLoop:
             if self.state.step > 0:
                 self.export_hf("final")
             self.queue.set_state(status="stopped" if self.stop.is_set else "finished")
+        except NoGenerators:
+            # The learners are fine: keep what they trained, so the run resumes from here.
+            self.checkpoint()
+            self.queue.set_state(status="failed")
+            log.error(
+                "no generator can run; checkpointed step %d. Resume once generators can run: asyncrl train --resume %s",
+                self.state.step,
+                self.rt.run_dir,
+            )
+            raise
         except BaseException:
             self.queue.set_state(status="failed")
             raise

@@ -30,9 +30,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
     """Run one job to `control.total_steps` (or until SIGINT/SIGTERM); return the LoopState."""
-    from asyncrl.control.loop import LoopState, StopFlag, TrainLoop
+    from asyncrl.control.loop import TrainLoop
     from asyncrl.control.progress import StepProgress
     from asyncrl.control.runtime import Runtime
+    from asyncrl.control.state import LoopState, StopFlag
     from asyncrl.monitor.sinks import build_metrics_logger
 
     t0 = time.perf_counter()

@@ -83,7 +83,8 @@ def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
     """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped.
 
     SIGTERM first: vLLM's engine processes unlink their /dev/shm segments when terminated,
-    not when killed.
+    not when killed. SIGCONT after it: a stopped (hung, SIGSTOPped) process would otherwise
+    hold the SIGTERM pending until the SIGKILL.
     """
     import psutil
 
@@ -91,6 +92,7 @@ def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)
     _, still = psutil.wait_procs(alive, timeout=timeout_s)
     for p in still:
         with contextlib.suppress(psutil.Error):

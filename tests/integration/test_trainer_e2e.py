@@ -306,3 +306,49 @@ def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
     assert not leaked, leaked
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
     assert ckpts and (ckpts[-1] / ".complete").exists(), "no checkpoint written on SIGINT"
+
+
+def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path, caplog):
+    """The generator actor and its engine are SIGSTOPped mid-run: the trainer waits on past its
+    (short) batch timeout, saying why, kills the generator once its heartbeat is older than
+    rollout.heartbeat_timeout_s, Ray restarts it, the successor re-issues the prompts its
+    predecessor had admitted, and the run finishes with every group trained exactly once."""
+    import logging
+
+    import ray
+
+    cfg = demo_config(
+        tmp_path,
+        "hung",
+        "control.total_steps=24",
+        "control.checkpoint_every=8",
+        "rollout.heartbeat_timeout_s=8",
+        "control.batch_timeout_s=4",
+    )
+    stopped: dict = {}
+
+    def on_step(loop, metrics):
+        if loop.state.step == 6 and not stopped:
+            gen = loop.rt.generators[0]
+            pids = [ray.get(gen.pid.remote()), *(p for p, _ in ray.get(gen.engine_pids.remote()))]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            stopped["pids"] = pids
+
+    caplog.set_level(logging.WARNING, logger="asyncrl")
+    state = train(cfg, on_step=on_step)
+    assert state.step == 24 and stopped
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("gen-0: no heartbeat for ") for m in messages), messages[-20:]
+    assert any("waiting for gen-0 (" in m for m in messages), messages[-20:]  # past the 4 s timeout
+    assert not any(pid_running(pid) for pid in stopped["pids"])  # killed by Ray, or reaped by the successor
+
+    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue.server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path / "hung" / "redis", aof=True) as server:
+        q = RolloutQueue.connect(server.url, cfg.control.run_name, ledger=True)
+        ledger = audit(q, state.trained_ids).check()
+        assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0, ledger.summary
+        assert int(q.counters().get("groups_trained", 0)) == 24 * cfg.control.groups_per_step
+        q.close()

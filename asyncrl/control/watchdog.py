@@ -1,0 +1,81 @@
+"""Generators that stopped making progress: restart the hung ones, and tell whether any can run.
+
+    dog = GeneratorWatchdog(rt.generators, queue, timeout_s=cfg.rollout.heartbeat_timeout_s)
+    dog.check()           # while the trainer waits for data: kill (so Ray restarts) the hung ones
+    dog.runnable()        # ["gen-0 (RESTARTING)", "elastic-3 (heartbeat 2 s ago)"] or [] if none can
+
+A generator heartbeats every second from its own event loop. One whose last heartbeat is
+older than `timeout_s` (a wedged engine, a SIGSTOPped process, a swapping host) is killed
+through Ray, which restarts it (generators have max_restarts=-1); the successor reaps the
+old engine processes and re-issues the prompts its predecessor had admitted, so nothing is
+lost and nothing is trained twice. A successor gets `timeout_s` to come up before it can be
+judged hung itself, and an actor Ray is still (re)creating is never killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+STARTING = ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY")
+
+
+class GeneratorWatchdog:
+    def __init__(self, generators: list, queue, timeout_s: float):
+        self.generators = generators  # the run's own actors, gen-0 .. gen-N-1 (a live list)
+        self.queue = queue
+        self.timeout_s = timeout_s
+        self.restarts: dict[str, int] = {}
+        self._starting_at: dict[str, float] = {}
+
+    def _own(self) -> dict[str, object]:
+        return {f"gen-{i}": handle for i, handle in enumerate(self.generators)}
+
+    def check(self) -> list[str]:
+        """Kill every own generator whose heartbeat is older than the timeout; return their ids."""
+        import ray
+
+        from asyncrl.control.cluster import actor_state
+
+        now, killed = time.time(), []
+        beats = self.queue.generators()
+        for gid, handle in self._own().items():
+            beat = (beats.get(gid) or {}).get("heartbeat")
+            if beat is None or now - float(beat) <= self.timeout_s:
+                continue
+            if now - self._starting_at.get(gid, float("-inf")) <= self.timeout_s:
+                continue  # a successor coming up has not had its first beat yet
+            if actor_state(handle)[0] != "ALIVE":
+                self._starting_at[gid] = now  # Ray is (re)creating it: judge it once it is up
+                continue
+            log.warning(
+                "%s: no heartbeat for %.0f s (rollout.heartbeat_timeout_s=%g): killing it; Ray restarts it "
+                "and the successor re-issues the prompts it had admitted",
+                gid,
+                now - float(beat),
+                self.timeout_s,
+            )
+            ray.kill(handle, no_restart=False)
+            self._starting_at[gid] = now
+            self.restarts[gid] = self.restarts.get(gid, 0) + 1
+            killed.append(gid)
+        return killed
+
+    def runnable(self) -> list[str]:
+        """Generators that can still produce data, each with why: own actors alive or being
+        (re)started by Ray, and elastic ones whose heartbeat is fresh."""
+        from asyncrl.control.cluster import actor_state
+
+        now, out = time.time(), []
+        for gid, handle in self._own().items():
+            state = actor_state(handle)[0]
+            if state == "ALIVE" or state in STARTING:
+                out.append(f"{gid} ({state})")
+        own = set(self._own())
+        for gid, info in self.queue.generators().items():
+            beat = info.get("heartbeat")
+            if gid not in own and beat is not None and now - float(beat) <= self.timeout_s:
+                out.append(f"{gid} (heartbeat {now - float(beat):.0f} s ago)")
+        return out
