@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    verbose = "debug logging, and every Ray worker's and vLLM engine's output on the console"
+    p.add_argument("-v", "--verbose", action="store_true", help=verbose)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="run a training job (async or sync mode)")
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     t.add_argument("--resume", metavar="RUN_DIR", help="resume from RUN_DIR's last checkpoint")
     t.add_argument("--check", action="store_true", help="validate the config, print it, and exit")
+    # Also after the subcommand (`asyncrl train cfg.yaml --verbose`); SUPPRESS keeps `asyncrl -v train`.
+    t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     g = sub.add_parser("generate", help="join a running job as an elastic generator")
     g.add_argument("--redis", required=True, help="the job's Redis URL")
@@ -90,6 +93,8 @@ def _cmd_train(args) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.verbose:
+        cfg.monitor.verbose = True
     if args.check:
         import yaml
 

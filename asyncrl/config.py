@@ -354,6 +354,10 @@ class MonitorConfig:
     wandb_project: str = "asyncrl"
     console: bool = True
     console_every: int = 10
+    verbose: bool = False
+    """Stream every Ray worker's output (vLLM engines included) to the console, as Ray does by
+    default. Off: it stays in Ray's worker logs, linked from run_dir/logs/ray, and the console
+    shows asyncrl's own lines (`asyncrl train --verbose` turns it on)."""
     """Print a metrics line every this many steps (the progress bar updates every step)."""
     dashboard: bool = True
     """`asyncrl train` serves the dashboard itself on dashboard_host:dashboard_port."""

@@ -38,14 +38,17 @@ def ray_init_kwargs(control: ControlConfig) -> dict:
     return {"address": control.ray_address}
 
 
-def connect_ray(control: ControlConfig, env_vars: dict[str, str]) -> None:
-    """``ray.init`` for this run; ClusterUnavailable (naming the address) if there is no cluster."""
+def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bool = True) -> None:
+    """``ray.init`` for this run; ClusterUnavailable (naming the address) if there is no cluster.
+    Not `verbose`: workers' output stays in Ray's log files and Ray's own INFO lines are muted."""
     import ray
 
     kwargs = ray_init_kwargs(control)
+    if not verbose:
+        kwargs["logging_level"] = logging.WARNING
     try:
         probe(control.ray_address)
-        ray.init(include_dashboard=False, runtime_env={"env_vars": env_vars}, log_to_driver=True, **kwargs)
+        ray.init(include_dashboard=False, runtime_env={"env_vars": env_vars}, log_to_driver=verbose, **kwargs)
     except (ConnectionError, TimeoutError, OSError) as e:
         raise ClusterUnavailable(
             f"control.ray_address={control.ray_address!r}: no Ray cluster answers there ({e}). Start one "

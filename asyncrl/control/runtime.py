@@ -138,8 +138,25 @@ class Runtime(contextlib.ExitStack):
         }
         from asyncrl.control.cluster import connect_ray
 
-        connect_ray(c, env_vars)
+        connect_ray(c, env_vars, verbose=self.cfg.monitor.verbose)
         self.callback(ray.shutdown)
+        self._link_ray_logs()
+
+    def _link_ray_logs(self) -> None:
+        """run_dir/logs/ray -> this Ray session's log directory (worker and engine output)."""
+        import ray
+
+        try:
+            session = Path(ray._private.worker._global_node.get_session_dir_path())
+        except AttributeError:  # a client or an attached driver without a local node
+            return
+        link = self.run_dir / "logs" / "ray"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to(session / "logs", target_is_directory=True)
+        if not self.cfg.monitor.verbose:
+            log.info("Ray worker and vLLM engine logs: %s (asyncrl train --verbose streams them here)", link)
 
     def _start_learner(self) -> None:
         from asyncrl.learner import LearnerGroup

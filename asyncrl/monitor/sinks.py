@@ -165,7 +165,8 @@ class ConsoleSink:
         from rich.console import Console
 
         self._every = every
-        self._console = console or Console(highlight=False)
+        # soft_wrap: a log file or CI console (80 columns by default) gets one line per step.
+        self._console = console or Console(highlight=False, soft_wrap=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if step % self._every == 0:

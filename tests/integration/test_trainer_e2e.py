@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -270,6 +271,7 @@ def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
             "control.total_steps=1000",
             "monitor.dashboard=false",
             "control.checkpoint_every=100",
+            "monitor.console_every=1",
         ],
         cwd=ROOT,
         stdout=(tmp_path / "train.log").open("w"),
@@ -306,6 +308,18 @@ def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
     assert not leaked, leaked
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
     assert ckpts and (ckpts[-1] / ".complete").exists(), "no checkpoint written on SIGINT"
+
+    # A console people can read: asyncrl's own lines and the summary; no Ray worker or vLLM
+    # output (it is in the Ray logs linked from the run dir), no progress bar redrawn into a file.
+    console = (tmp_path / "train.log").read_text()
+    assert "run stopped: " in console and "resume          asyncrl train --resume" in console
+    step_lines = [line for line in console.splitlines() if re.match(r"step \d+  reward", line)]
+    # One line per step (rich wraps at 80 columns where there is no terminal, unless told not to).
+    assert step_lines and all(re.search(r" step [\d.]+s$", line.rstrip()) for line in step_lines), console
+    for noise in ("(GeneratorActor pid=", "(LearnerActor pid=", "Triton is not installed", "━"):
+        assert noise not in console, (noise, console[-3000:])
+    worker_logs = [p for p in (run_dir / "logs" / "ray").iterdir() if p.name.startswith("worker-")]
+    assert any("Triton is not installed" in p.read_text(errors="replace") for p in worker_logs), worker_logs
 
 
 def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path, caplog):
