@@ -329,6 +329,14 @@ class ControlConfig:
     """Keep the newest this many complete checkpoints (older ones are deleted after each save)..."""
     keep_every: int = 0
     """...plus every checkpoint whose step is a multiple of this (0: none kept for good)."""
+    eval_every: int = 0
+    """Evaluate every this many steps on a held-out prompt set (0: never); logged as eval/*."""
+    eval_size: int = 32
+    """Held-out prompts per evaluation."""
+    eval_prompts: str | None = None
+    """A prompt file for evaluation (like rollout.prompts); None: the environment makes them."""
+    eval_temperature: float = 0.0
+    """0 = greedy."""
     export_every: int = 0
     """Write a Hugging Face folder to run_dir/hf/step_N every this many steps (0: only
     run_dir/hf/final, which every run writes when it ends)."""
@@ -793,6 +801,12 @@ def validate(cfg: Config) -> None:
     _at_least("control.keep_checkpoints", c.keep_checkpoints, 1)
     _at_least("control.keep_every", c.keep_every, 0)
     _at_least("control.export_every", c.export_every, 0)
+    _at_least("control.eval_every", c.eval_every, 0)
+    _at_least("control.eval_size", c.eval_size, 1)
+    if c.eval_temperature < 0:
+        raise ConfigError(f"control.eval_temperature={c.eval_temperature!r}: must be >= 0 (0 = greedy)")
+    if c.eval_prompts is not None and not Path(c.eval_prompts).exists():
+        raise ConfigError(f"control.eval_prompts={c.eval_prompts!r}: no such file or directory")
     if c.groups_per_step % lr.mini_batches_per_step:
         raise ConfigError(
             f"control.groups_per_step={c.groups_per_step} must be divisible by "

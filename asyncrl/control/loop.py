@@ -77,6 +77,7 @@ class TrainLoop:
         self.group_seconds: list[float] = []
         """Generation time of each trained group (its slowest sample): bench/simulate.py's input."""
         self._counters_seen: dict[str, int] = {}
+        self._evaluator = None
         from asyncrl.control.watchdog import GeneratorWatchdog
 
         self.watchdog = GeneratorWatchdog(runtime.generators, self.queue, cfg.rollout.heartbeat_timeout_s)
@@ -280,6 +281,8 @@ class TrainLoop:
             self.checkpoint()
         if c.export_every and self.state.step % c.export_every == 0:
             self.export_hf(f"step_{self.state.step}")
+        if c.eval_every and self.state.step % c.eval_every == 0 and self.rt.generators:
+            metrics.update(self.evaluate())
 
         metrics.update(self._step_metrics(groups, staleness, t_wait, t_train, t_sync, time.perf_counter() - t0))
         self.logger.log(self.state.step, metrics)
@@ -339,6 +342,23 @@ class TrainLoop:
                 c.keep_every,
             )
         return path
+
+    def evaluate(self) -> dict[str, float]:
+        """eval/* on the held-out set, through the run's own engines (asyncrl.control.evaluate)."""
+        if self._evaluator is None:
+            from asyncrl.control.evaluate import Evaluator
+
+            self._evaluator = Evaluator(self.cfg, self.rt.model_path)
+        t0 = time.perf_counter()
+        out = self._evaluator.run(self.rt.generators)
+        log.info(
+            "eval at step %d: reward %.3f over %d prompts (%.1f s)",
+            self.state.step,
+            out["eval/reward_mean"],
+            len(self._evaluator.prompts),
+            time.perf_counter() - t0,
+        )
+        return out
 
     def export_hf(self, name: str) -> Path:
         """The learners' weights as a Hugging Face folder, run_dir/hf/NAME."""

@@ -106,6 +106,12 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("reward/mean", "mean", "mean reward of trained samples"),
     _m("reward/std", "mean", "std of rewards of trained samples (mean across parts)"),
     _m("response/length_mean", "mean", "mean response length of trained samples", "tokens"),
+    # Evaluation (control.eval_every): the held-out set, greedy unless control.eval_temperature.
+    _m("eval/reward_mean", "mean", "mean reward on the held-out prompts"),
+    _m("eval/reward_std", "mean", "std of rewards on the held-out prompts"),
+    _m("eval/response_length_mean", "mean", "mean response length on the held-out prompts", "tokens"),
+    _m("eval/reward_errors", "sum", "held-out samples whose reward failed"),
+    _m("eval/prompts", "max", "held-out prompts evaluated"),
     # Loss terms (already weighted by the per-token reduction weights: parts add up).
     _m("loss/policy", "sum", "policy-gradient loss"),
     _m("loss/kl_ref", "sum", "KL-to-reference term (before kl_coef)"),

@@ -51,6 +51,8 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
         "control.max_staleness=2",
         "control.checkpoint_every=10",
         "control.keep_checkpoints=2",
+        "control.eval_every=20",
+        "control.eval_size=8",
     )
     rewards: list[float] = []
     seen: dict = {"elastic": None, "left_at": None}
@@ -139,6 +141,10 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     # a Hugging Face folder from the learners that `asyncrl export` rebuilds from the checkpoint.
     rows = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, state.step + 1)) and "reward/mean" in rows[-1]
+    # Evaluation every 20 steps on 8 held-out prompts (greedy), and only then.
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    assert [r["step"] for r in evals] == list(range(20, state.step + 1, 20)), [r["step"] for r in evals]
+    assert all(r["eval/prompts"] == 8 and -2.0 <= r["eval/reward_mean"] <= 1.0 for r in evals), evals
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e")],
         capture_output=True,

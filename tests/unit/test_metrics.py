@@ -78,7 +78,8 @@ def test_catalogue_covers_the_data_contract():
     drift/outlier_masked_frac drift/tis_seq_capped_frac drift/geo_seq_masked_frac drift/product_seq_masked_frac
     drift/outlier_seq_masked_frac drift/token_masked_frac policy/clip_frac policy/entropy throughput/gen_tokens_per_s
     throughput/train_tokens_per_s throughput/samples_per_s time/wait_data time/train time/sync time/step
-    sync/seconds sync/apply_s reward/mean reward/std response/length_mean loss/policy loss/kl_ref loss/rollout_kl
+    sync/seconds sync/apply_s reward/mean reward/std response/length_mean eval/reward_mean eval/reward_std
+    eval/response_length_mean eval/reward_errors eval/prompts loss/policy loss/kl_ref loss/rollout_kl
     loss/entropy loss/total learner/version learner/grad_norm learner/lr""".split()
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"

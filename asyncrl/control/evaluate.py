@@ -1,0 +1,73 @@
+"""Evaluation every `control.eval_every` steps: a fixed held-out prompt set, sampled by the
+run's own engines (greedy by default) and scored by the run's reward, logged as `eval/*`.
+
+    ev = Evaluator(cfg, model_path)            # draws the held-out prompts once
+    metrics = ev.run(rt.generators)            # {"eval/reward_mean": ..., ...}
+
+The set is `control.eval_size` prompts from `control.eval_prompts` (a prompt file like
+rollout.prompts), or, without one, from the environment with a seed of its own, so it is
+the same set at every evaluation and across a resume. Requests go to the generators round
+robin through `GeneratorActor.sample`, next to their training work; nothing is admitted,
+queued or trained, and the trainer waits for the answers (a few engine steps).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+
+from asyncrl.config import Config
+
+EVAL_SEED_OFFSET = 1_000_003
+"""Env-made eval prompts use seed + this: a stream of their own, not the generators'."""
+
+
+class Evaluator:
+    def __init__(self, cfg: Config, model_path: str):
+        from transformers import AutoTokenizer
+
+        from asyncrl.rollout.envs import make_env
+        from asyncrl.rollout.envs.reward_fns import WeightedRewards
+        from asyncrl.rollout.prompts import open_prompts
+
+        c, r = cfg.control, cfg.rollout
+        self.temperature = c.eval_temperature
+        self.max_tokens = r.max_tokens
+        self.env = make_env(r.env, r.env_kwargs)
+        if r.rewards:
+            self.env = WeightedRewards(self.env, r.rewards)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        stream = open_prompts(c.eval_prompts, self.env, seed=r.seed + EVAL_SEED_OFFSET, id_prefix="eval")
+        self.prompts = [
+            (text, meta, self.tokenizer.encode(text)) for _, text, meta in itertools.islice(stream, c.eval_size)
+        ]
+
+    def run(self, generators: list) -> dict[str, float]:
+        import ray
+
+        from asyncrl.rollout.envs import RewardError, score
+
+        refs = [
+            generators[i % len(generators)].sample.remote(ids, 1, self.max_tokens, self.temperature)
+            for i, (_, _, ids) in enumerate(self.prompts)
+        ]
+        rewards, lengths, errors = [], [], 0
+        for (text, meta, _), out in zip(self.prompts, ray.get(refs)):
+            completion = out[0]
+            lengths.append(len(completion["token_ids"]))
+            try:
+                rewards.append(
+                    score(
+                        self.env, text, self.tokenizer.decode(completion["token_ids"], skip_special_tokens=True), meta
+                    )
+                )
+            except RewardError:
+                errors += 1
+        return {
+            "eval/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+            "eval/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "eval/response_length_mean": statistics.fmean(lengths) if lengths else math.nan,
+            "eval/reward_errors": float(errors),
+            "eval/prompts": float(len(self.prompts)),
+        }
