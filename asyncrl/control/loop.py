@@ -314,6 +314,8 @@ class TrainLoop:
         out["staleness/ahead"] = float(sum(1 for s in staleness if s < 0))
         out.update(staleness_summary([max(0, s) for s in staleness], self.cfg.control.max_staleness))
         gens = self.queue.generators()
+        for news in self.watchdog.news(gens):
+            log.warning(news)
         for gid, info in gens.items():
             out[f"generator/{gid}/lag"] = float(self.state.version - int(info.get("version", 0)))
         tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]

@@ -29,6 +29,7 @@ class GeneratorWatchdog:
         self.timeout_s = timeout_s
         self.restarts: dict[str, int] = {}
         self._starting_at: dict[str, float] = {}
+        self._blocked: dict[str, str | None] = {}
 
     def _own(self) -> dict[str, object]:
         return {f"gen-{i}": handle for i, handle in enumerate(self.generators)}
@@ -62,6 +63,21 @@ class GeneratorWatchdog:
             self.restarts[gid] = self.restarts.get(gid, 0) + 1
             killed.append(gid)
         return killed
+
+    def news(self, beats: dict[str, dict]) -> list[str]:
+        """Warnings the user needs from the generators' heartbeats, each said once: a generator
+        that stopped admitting work (weights it cannot load), and when it admits again. Their
+        own logs stay in Ray's worker logs, out of the console."""
+        out = []
+        for gid, info in beats.items():
+            blocked = info.get("blocked")
+            if blocked != self._blocked.get(gid):
+                if blocked:
+                    out.append(f"{gid} stopped admitting work: {blocked}")
+                elif gid in self._blocked:
+                    out.append(f"{gid} admits work again")
+                self._blocked[gid] = blocked
+        return out
 
     def runnable(self) -> list[str]:
         """Generators that can still produce data, each with why: own actors alive or being

@@ -646,6 +646,8 @@ class GeneratorActor:
                             "groups": s["groups"],
                             "tokens_per_s": s["tokens_per_s"],
                             "inflight": s["inflight"],
+                            # why it admits nothing, if so: the trainer shows it on its console
+                            "blocked": s["weights_blocked"],
                         },
                     )
                 location, version = await asyncio.to_thread(self.queue.weights)

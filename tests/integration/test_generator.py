@@ -307,6 +307,8 @@ def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_
     ray.get(gen.start.remote())
     time.sleep(3)
     assert queue.counters().get("groups_started", 0) == started
+    # ...and says so in its heartbeat, which the trainer turns into a console warning.
+    assert "cannot load the announced weights v3" in (queue.generators()["g0"].get("blocked") or "")
     path = str(tmp_path / "good.safetensors")
     save_state_dict(perturbed_state(hf_model, seed=3), path)
     ray.get(gen.update_weights.remote(path, 3))
