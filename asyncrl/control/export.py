@@ -17,6 +17,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from asyncrl.learner.checkpoint import complete_checkpoints, replace_dir, step_of
+
 HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -39,13 +41,7 @@ def _assemble(out: Path, model_path: str, write_weights) -> Path:
         except OSError:  # the base model has none: the one its config implies
             generation = GenerationConfig.from_model_config(config)
         generation.save_pretrained(stage)
-        if out.exists():  # a re-export of the same step replaces it
-            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(trash)
-            stage.rename(out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            stage.rename(out)
+        replace_dir(stage, out)  # a re-export of the same step replaces it
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -59,17 +55,15 @@ def export_live(learner, model_path: str, out: str | Path) -> Path:
 
 def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
     """The complete checkpoint of `step` in the run, or its latest; FileNotFoundError naming what exists."""
-    from asyncrl.learner.checkpoint import COMPLETE_MARKER
-
     root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()) if root.is_dir() else []
+    done = complete_checkpoints(root)
     if not done:
         raise FileNotFoundError(f"{root}: no complete checkpoint to export")
     if step is None:
         return done[-1]
     path = root / f"step_{step:06d}"
     if path not in done:
-        have = ", ".join(str(int(p.name.removeprefix("step_"))) for p in done)
+        have = ", ".join(str(step_of(p)) for p in done)
         raise FileNotFoundError(f"{root}: no complete checkpoint of step {step} (there are: {have})")
     return path
 
@@ -95,7 +89,7 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
     state = model.state_dict()
     # The checkpoint holds {"model", "optim"}; only the model's entries are asked for.
     dcp.load({"model": state}, checkpoint_id=str(ckpt / "dcp"))
-    n = int(ckpt.name.removeprefix("step_"))
+    n = step_of(ckpt)
 
     def write(file: Path) -> None:
         # Tied weights are one tensor under two names: safetensors stores each name's own copy.

@@ -38,7 +38,7 @@ def run_summary(
     counters: Mapping[str, int],
     max_staleness: int,
     status: str,
-    run_dir: Path,
+    metrics: Path,
     checkpoint: Path | None,
     hf_dir: Path | None,
     dashboard_url: str | None,
@@ -65,7 +65,7 @@ def run_summary(
         ),
         f"  checkpoint      {checkpoint or '-'}",
         f"  model (HF)      {hf_dir or '-'}",
-        f"  metrics         {run_dir / 'metrics.jsonl'}",
+        f"  metrics         {metrics}",
     ]
     if dashboard_url:
         lines.append(f"  dashboard       {dashboard_url} (while this process runs)")

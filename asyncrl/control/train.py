@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    root = Path(run_dir) / "checkpoints"
-    steps = sorted(p for p in root.glob("step_*") if (p / ".complete").exists()) if root.exists() else []
+    from asyncrl.learner.checkpoint import complete_checkpoints
+
+    steps = complete_checkpoints(Path(run_dir) / "checkpoints")
     return steps[-1] if steps else None
 
 
@@ -80,10 +81,10 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
                 raise
             print(
                 _summary(
-                    cfg,
                     rt,
                     run_dir,
                     first_step,
+                    loop.max_staleness,
                     "stopped" if stop.is_set else "finished",
                     dashboard_url,
                     time.perf_counter() - t0,
@@ -96,7 +97,7 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
 
 
 def _summary(
-    cfg: Config, rt, run_dir: Path, first_step: int, status: str, dashboard_url: str | None, wall_s: float
+    rt, run_dir: Path, first_step: int, max_staleness: int, status: str, dashboard_url: str | None, wall_s: float
 ) -> str:
     """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
     from asyncrl.control.export import HF_DIR
@@ -112,9 +113,9 @@ def _summary(
         startup_s=rt.startup.get("generators", 0.0),
         wall_s=wall_s,
         counters=rt.queue.counters(),
-        max_staleness=0 if cfg.control.mode == "sync" else cfg.control.max_staleness,
+        max_staleness=max_staleness,
         status=status,
-        run_dir=run_dir,
+        metrics=path,
         checkpoint=latest_checkpoint(run_dir),
         hf_dir=hf if hf.is_dir() else None,
         dashboard_url=dashboard_url,
@@ -139,11 +140,13 @@ def _start_dashboard(cfg: Config, rt) -> str | None:
 
 
 def _announce(cfg: Config, rt, dashboard_url: str | None) -> None:
+    from asyncrl.monitor.sinks import METRICS_FILE
+
     run = cfg.control.run_name
     log.info("run %r in %s; Redis at %s", run, rt.run_dir, redact_url(rt.redis_url))
     log.info(
         "metrics: %s, Redis stream asyncrl:%s:metrics%s",
-        rt.run_dir / "metrics.jsonl",
+        rt.run_dir / METRICS_FILE,
         run,
         f", wandb ({cfg.monitor.wandb}) in {rt.run_dir / 'wandb'}" if cfg.monitor.wandb != "disabled" else "",
     )

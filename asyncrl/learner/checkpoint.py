@@ -138,6 +138,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_dir(staging: Path, final: Path) -> None:
+    """Rename a finished `staging` directory to `final`. An older `final` (a checkpoint or an
+    export of the same name) is moved aside first and deleted after, so a reader finds the old
+    directory or the new one under that name, never a half-written one."""
+    if final.exists():
+        trash = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, trash)
+        os.replace(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete ``step_N`` checkpoints under `root`, oldest first (by step number)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()), key=step_of)
+
+
 def publish(staging: Path, final: str | Path, extra: dict[str, Any]) -> Path:
     """Write `extra` and the marker into `staging`, rename it to `final`, point `latest` at it."""
     final = Path(final)
@@ -148,14 +173,7 @@ def publish(staging: Path, final: str | Path, extra: dict[str, Any]) -> Path:
     (staging / EXTRA_FILE).write_bytes(payload)
     (staging / COMPLETE_MARKER).write_text("ok\n")
     _fsync_dir(staging)
-    if final.exists():
-        # Replace an older checkpoint of the same name: move it aside first, then drop it.
-        trash = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, trash)
-        os.replace(staging, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, final)
+    replace_dir(staging, final)
     pointer = final.parent / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
     pointer.write_text(final.name + "\n")
     os.replace(pointer, final.parent / LATEST)
@@ -184,15 +202,10 @@ def prune(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1")
     root = Path(root)
-    done = sorted(
-        (p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()),
-        key=lambda p: int(p.name.removeprefix("step_")),
-    )
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     removed = []
-    for path in done[:-keep_last]:
-        step = int(path.name.removeprefix("step_"))
-        if path.name == latest or (keep_every > 0 and step % keep_every == 0):
+    for path in complete_checkpoints(root)[:-keep_last]:
+        if path.name == latest or (keep_every > 0 and step_of(path) % keep_every == 0):
             continue
         # Out of readers' sight first (the marker), then the bytes: a crash mid-delete leaves
         # no directory that looks complete but is not.
