@@ -76,6 +76,10 @@ def probe(address: str | None, timeout_s: float = 5.0) -> None:
         pass
 
 
+STARTING = ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY")
+"""Actor states in which Ray is (re)creating the actor: it is coming back, not hung or lost."""
+
+
 def actor_state(handle) -> tuple[str, str]:
     """(state, node id) of a Ray actor as the GCS has it: ALIVE, RESTARTING, PENDING_CREATION,
     DEAD... Read from the GCS directly (``ray.util.state`` would need the dashboard)."""
@@ -116,7 +120,7 @@ def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> 
         where = f"node {node[:12]} ({'dead' if node in dead_nodes else 'alive'})"
         if state == "ALIVE":
             fate = f"restarted by Ray on node {now_on[:12]}"
-        elif state in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY"):
+        elif state in STARTING:
             fate = "restarting: Ray re-creates it once a node with its resources is up"
         else:
             fate = "lost (not restartable: resume the run from its last checkpoint)"

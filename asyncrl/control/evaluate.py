@@ -27,16 +27,13 @@ class Evaluator:
     def __init__(self, cfg: Config, model_path: str):
         from transformers import AutoTokenizer
 
-        from asyncrl.rollout.envs import make_env
-        from asyncrl.rollout.envs.reward_fns import WeightedRewards
+        from asyncrl.rollout.envs.reward_fns import make_rollout_env
         from asyncrl.rollout.prompts import open_prompts
 
         c, r = cfg.control, cfg.rollout
         self.temperature = c.eval_temperature
         self.max_tokens = r.max_tokens
-        self.env = make_env(r.env, r.env_kwargs)
-        if r.rewards:
-            self.env = WeightedRewards(self.env, r.rewards)
+        self.env = make_rollout_env(r)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         stream = open_prompts(c.eval_prompts, self.env, seed=r.seed + EVAL_SEED_OFFSET, id_prefix="eval")
         self.prompts = [
@@ -46,7 +43,7 @@ class Evaluator:
     def run(self, generators: list) -> dict[str, float]:
         import ray
 
-        from asyncrl.rollout.envs import RewardError, score
+        from asyncrl.rollout.envs import score_completion
 
         refs = [
             generators[i % len(generators)].sample.remote(ids, 1, self.max_tokens, self.temperature)
@@ -54,15 +51,12 @@ class Evaluator:
         ]
         rewards, lengths, errors = [], [], 0
         for (text, meta, _), out in zip(self.prompts, ray.get(refs)):
-            completion = out[0]
-            lengths.append(len(completion["token_ids"]))
-            try:
-                rewards.append(
-                    score(
-                        self.env, text, self.tokenizer.decode(completion["token_ids"], skip_special_tokens=True), meta
-                    )
-                )
-            except RewardError:
+            token_ids = out[0]["token_ids"]
+            lengths.append(len(token_ids))
+            reward, error = score_completion(self.env, self.tokenizer, text, token_ids, meta)
+            if error is None:
+                rewards.append(reward)
+            else:
                 errors += 1
         return {
             "eval/reward_mean": statistics.fmean(rewards) if rewards else math.nan,

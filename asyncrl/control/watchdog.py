@@ -19,8 +19,6 @@ import time
 
 log = logging.getLogger(__name__)
 
-STARTING = ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY")
-
 
 class GeneratorWatchdog:
     def __init__(self, generators: list, queue, timeout_s: float):
@@ -82,7 +80,7 @@ class GeneratorWatchdog:
     def runnable(self) -> list[str]:
         """Generators that can still produce data, each with why: own actors alive or being
         (re)started by Ray, and elastic ones whose heartbeat is fresh."""
-        from asyncrl.control.cluster import actor_state
+        from asyncrl.control.cluster import STARTING, actor_state
 
         now, out = time.time(), []
         for gid, handle in self._own().items():

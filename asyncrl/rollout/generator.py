@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import socket
 import threading
@@ -62,9 +61,9 @@ from asyncrl.queue.replay import QueueFull
 from asyncrl.queue.runstate import unpack_small
 from asyncrl.rollout.affinity import pin_to_cores
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes, unlink_segments
-from asyncrl.rollout.envs import RewardError, make_env, score
+from asyncrl.rollout.envs import make_env, score_completion
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
-from asyncrl.rollout.envs.reward_fns import WeightedRewards
+from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import open_prompts
 from asyncrl.sync import objstore
 from asyncrl.types import RolloutGroup, Sample
@@ -123,9 +122,7 @@ class GeneratorActor:
         self.exit_on_failure = exit_on_failure
         self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
         predecessor_was_generating = self._reap_predecessor()
-        self.env = make_env(self.rollout.env, self.rollout.env_kwargs)
-        if self.rollout.rewards:  # TRL-style reward functions in place of the environment's reward
-            self.env = WeightedRewards(self.env, self.rollout.rewards)
+        self.env = make_rollout_env(self.rollout)
         model_path = local_model(model_path, model_package)  # another node: the shipped copy
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with
@@ -527,12 +524,8 @@ class GeneratorActor:
         )
 
     def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
-        response = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        error = None
-        try:
-            reward = score(self.env, prompt, response, metadata)
-        except RewardError as e:
-            reward, error = math.nan, str(e)
+        reward, error = score_completion(self.env, self.tokenizer, prompt, c.token_ids, metadata)
+        if error is not None:
             self.counts["reward_errors"] += 1
         n = len(c.token_ids)
         return Sample(

@@ -1,5 +1,13 @@
 """Environments: prompts and rewards. See ``base.py`` for the contract and the registry."""
 
-from asyncrl.rollout.envs.base import BUILTIN, Environment, RewardError, make_env, resolve_env_class, score
+from asyncrl.rollout.envs.base import (
+    BUILTIN,
+    Environment,
+    RewardError,
+    make_env,
+    resolve_env_class,
+    score,
+    score_completion,
+)
 
-__all__ = ["BUILTIN", "Environment", "RewardError", "make_env", "resolve_env_class", "score"]
+__all__ = ["BUILTIN", "Environment", "RewardError", "make_env", "resolve_env_class", "score", "score_completion"]

@@ -64,6 +64,19 @@ def score(env: Environment, prompt: str, response: str, metadata: dict[str, Any]
     return float(value)
 
 
+def score_completion(
+    env: Environment, tokenizer, prompt: str, token_ids, metadata: dict[str, Any]
+) -> tuple[float, str | None]:
+    """Decode a sampled completion the way the reward sees it and score it: (reward, None), or
+    (NaN, why) when the reward fails (the sample is then masked from the loss). Training and
+    evaluation both score through here, so they judge the same text."""
+    response = tokenizer.decode(token_ids, skip_special_tokens=True)
+    try:
+        return score(env, prompt, response, metadata), None
+    except RewardError as e:
+        return math.nan, str(e)
+
+
 def resolve_env_class(name: str) -> type:
     """A built-in name or 'package.module:Class' -> the class (ValueError with what is allowed)."""
     path = BUILTIN.get(name, name)

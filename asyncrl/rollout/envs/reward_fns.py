@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncrl.rollout.envs.base import Environment
+from asyncrl.rollout.envs.base import Environment, make_env
 
 
 def resolve_function(path: str) -> Callable:
@@ -69,3 +69,10 @@ class WeightedRewards(Environment):
                 raise ValueError(f"{path} returned {value!r}, expected a finite number (or None)")
             total += weight * float(value)
         return total
+
+
+def make_rollout_env(rollout) -> Environment:
+    """The environment a rollout config describes: ``rollout.env`` with its kwargs, its reward
+    replaced by ``rollout.rewards`` when those are given (generators and evaluation alike)."""
+    env = make_env(rollout.env, rollout.env_kwargs)
+    return WeightedRewards(env, rollout.rewards) if rollout.rewards else env
