@@ -2,6 +2,7 @@
 
     asyncrl train configs/demo.yaml control.max_staleness=2 learner.lr=3e-4
     asyncrl train --resume runs/demo
+    asyncrl train --help-config                  # every config field: type, default, description
     asyncrl generate --redis redis://127.0.0.1:6379/0 --run demo      # join a running job
     asyncrl generate --redis URL --run demo --ray-address ray://HEAD:10001   # from another host
     asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8470]
@@ -37,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     t.add_argument("--resume", metavar="RUN_DIR", help="resume from RUN_DIR's last checkpoint")
     t.add_argument("--check", action="store_true", help="validate the config, print it, and exit")
+    t.add_argument(
+        "--help-config",
+        action="store_true",
+        help="print every config section and field (type, default, description) and every policy loss, and exit",
+    )
     # Also after the subcommand (`asyncrl train cfg.yaml --verbose`); SUPPRESS keeps `asyncrl -v train`.
     t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
@@ -78,8 +84,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args) -> int:
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config import ConfigError, load_config, schema_text
 
+    if args.help_config:
+        print(schema_text(), end="")
+        return 0
     try:
         if args.resume:
             # With --resume the positional CONFIG slot holds the first override, if any.

@@ -31,7 +31,7 @@ Settings mapping (asyncrl config = TRL GRPOConfig):
                                       (generation batch = one optimizer step, steps_per_generation=1)
   algo.loss_reduction=token_mean      loss_type="dapo" (token mean over the whole batch)
   algo.rollout_kl_coef=0              beta=0 (no reference model)
-  algo.eps_clip_low/high=0.2/0.28     epsilon=0.2, epsilon_high=0.28, num_iterations=1
+  algo.policy_loss.eps_clip_low/high=0.2/0.28    epsilon=0.2, epsilon_high=0.28, num_iterations=1
   algo.correction tis=token cap 2     vllm_importance_sampling_mode="token_truncate", clip_max=2 (vLLM only)
   rollout.max_tokens                  max_completion_length (see the long tail below)
   rollout.temperature=1.0             temperature=1.0
@@ -245,8 +245,8 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
         f"control.groups_per_step={spec['prompts_per_step']}",
         f"learner.lr={spec['lr']}",
         f"learner.grad_clip={spec['grad_clip']}",
-        f"algo.eps_clip_low={spec['eps_clip_low']}",
-        f"algo.eps_clip_high={spec['eps_clip_high']}",
+        f"algo.policy_loss.eps_clip_low={spec['eps_clip_low']}",
+        f"algo.policy_loss.eps_clip_high={spec['eps_clip_high']}",
     ]
 
     def on_step(loop, m):

@@ -2,7 +2,7 @@
 
     from asyncrl.algo import get_policy_loss, get_advantage_estimator, kl_penalty
     adv = get_advantage_estimator("grpo")(rewards, group_ids, mask, params=AdvantageParams())
-    loss, metrics = get_policy_loss("ppo")(logp, old_logp, adv, mask, params=PolicyLossParams())
+    loss, metrics = get_policy_loss("ppo")(logp, old_logp, adv, mask, params=params_for("ppo"))
     kl = kl_penalty(logp, ref_logp, "k3")
 
 Registries (users extend both by import path, "package.module:function", so that every Ray
@@ -24,14 +24,10 @@ from asyncrl.algo.advantages import ADVANTAGE_REGISTRY, AdvantageParams, get_adv
 from asyncrl.algo.correction import CorrectionParams, off_policy_correction
 from asyncrl.algo.kl import KL_ESTIMATORS, kl_penalty
 from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits
-from asyncrl.algo.losses import (
-    POLICY_LOSS_REGISTRY,
-    PolicyLossParams,
-    corrected_policy_loss,
-    get_policy_loss,
-)
+from asyncrl.algo.losses import POLICY_LOSS_REGISTRY, corrected_policy_loss, get_policy_loss
 from asyncrl.algo.reduction import LOSS_REDUCTIONS, per_microbatch_token_mean_weights, reduction_weights
 from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
+from asyncrl.config.losses import LossParams, params_for
 
 __all__ = [
     "ADVANTAGE_REGISTRY",
@@ -40,12 +36,13 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_REDUCTIONS",
     "POLICY_LOSS_REGISTRY",
-    "PolicyLossParams",
+    "LossParams",
     "broadcast_trajectory_advantages",
     "corrected_policy_loss",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",
+    "params_for",
     "kl_penalty",
     "logprobs_from_logits",
     "merge_prefix_steps",

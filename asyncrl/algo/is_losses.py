@@ -16,13 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from asyncrl.algo.policy_common import PolicyLossParams, clean, log_ratio, masked_mean
+from asyncrl.algo.policy_common import clean, log_ratio, masked_mean
+from asyncrl.config.losses import DppoLoss, ImportanceSamplingLoss, RolloutIsLoss
 
 # 1 - p for a token the policy is certain of is 0; its log would be -inf.
 _ONE_MINUS_FLOOR = 1e-12
 
 
-def importance_sampling(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def importance_sampling(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: ImportanceSamplingLoss):
     """Plain importance-weighted policy gradient, no clip: loss_t = -exp(logp_t - old_t) A_t.
 
     Gradient -r_t A_t dlogp_t on every token, however far r_t has moved: use it where the
@@ -42,7 +43,7 @@ def rollout_is(
     adv: Tensor,
     mask: Tensor,
     *,
-    params: PolicyLossParams,
+    params: RolloutIsLoss,
     rollout_logp: Tensor | None = None,
 ):
     """Calibrated importance sampling against the behaviour (rollout) policy.
@@ -79,7 +80,7 @@ def dppo(
     adv: Tensor,
     mask: Tensor,
     *,
-    params: PolicyLossParams,
+    params: DppoLoss,
     rollout_logp: Tensor | None = None,
 ):
     """DPPO: a divergence trust region on the sampled token's probability instead of a ratio clip.

@@ -1,7 +1,7 @@
 """Policy losses: per-token loss [B, T] and metrics, in a registry users extend by import path.
 
     loss_fn = get_policy_loss("ppo")                      # or "my_pkg.losses:my_loss"
-    per_token, metrics = loss_fn(logp, old_logp, adv, mask, params=PolicyLossParams())
+    per_token, metrics = loss_fn(logp, old_logp, adv, mask, params=params_for("ppo", eps_clip_high=0.28))
     per_token, metrics = corrected_policy_loss(loss_fn, logp, old_logp, rollout_logp, adv, mask,
                                                params=..., correction=CorrectionParams(tis="token"))
 
@@ -41,16 +41,28 @@ from asyncrl.algo.is_losses import dppo, importance_sampling, rollout_is
 from asyncrl.algo.policy_common import (
     LOG_RATIO_CLAMP,
     PolicyLossFn,
-    PolicyLossParams,
     clean,
     clip_metrics,
     clipped_surrogate,
     log_ratio,
     masked_mean,
 )
+from asyncrl.config.losses import (
+    POLICY_LOSSES,
+    CispoLoss,
+    ClipCovLoss,
+    CrossEntropyLoss,
+    DualClipLoss,
+    GmpoLoss,
+    GspoLoss,
+    KlCovLoss,
+    LossParams,
+    PpoLoss,
+    SapoLoss,
+)
 
 
-def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PpoLoss):
     """PPO clipped surrogate with an asymmetric range [1 - eps_clip_low, 1 + eps_clip_high].
 
     loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),  r_t = exp(logp_t - old_t).
@@ -65,7 +77,7 @@ def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: Po
     return loss, metrics
 
 
-def dual_clip(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def dual_clip(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: DualClipLoss):
     """Dual-clip PPO: for A < 0 the loss is also capped at -c A (c = dual_clip_c > 1).
 
     loss_t = min(ppo_t, -c A_t) if A_t < 0 else ppo_t, so a huge ratio on a bad token cannot
@@ -85,7 +97,7 @@ def _sequence_mean_log_ratio(log_r: Tensor, mask: Tensor) -> Tensor:
     return (log_r * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
 
 
-def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: GspoLoss):
     """GSPO: the PPO clip applied to the length-normalised sequence ratio.
 
     s_i = exp(mean_t log r_i,t); per token s_i,t = sg(s_i) * pi_t / sg(pi_t) (same value,
@@ -105,7 +117,7 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: P
     return loss, metrics
 
 
-def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: SapoLoss):
     """SAPO: a smooth sigmoid gate instead of a hard clip.
 
     f(r) = (4 / tau) * sigmoid(tau (r - 1)), loss_t = -f(r_t) A_t with tau = tau_pos if A_t > 0
@@ -127,7 +139,7 @@ def cispo(
     adv: Tensor,
     mask: Tensor,
     *,
-    params: PolicyLossParams,
+    params: CispoLoss,
     rollout_logp: Tensor | None = None,
 ):
     """CISPO: clip the (stop-gradient) IS weight, never the token's gradient.
@@ -159,7 +171,7 @@ def cispo(
     }
 
 
-def gmpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def gmpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: GmpoLoss):
     """GMPO: maximise the geometric mean of the token ratios (clipped in log space).
 
     With sigma = sign(A_i) (one advantage per sequence, the mean of A over its tokens):
@@ -208,7 +220,7 @@ def _top_tokens(score: Tensor, eligible: Tensor, ratio: float, mask: Tensor) -> 
     return eligible & (rank.view_as(score) < k)
 
 
-def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: ClipCovLoss):
     """Clip-Cov: PPO loss, but up to clip_cov_ratio of the tokens, chosen among the eligible
     ones by covariance, get no gradient, which keeps policy entropy from collapsing.
 
@@ -232,7 +244,7 @@ def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, param
     return loss, metrics
 
 
-def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: KlCovLoss):
     """KL-Cov: -r A on every token, plus kl_cov_coef |logp - old| on the top kl_cov_ratio of
     tokens by covariance. Source: Cui et al. 2025 (arXiv:2505.22617).
     """
@@ -249,29 +261,31 @@ def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params:
     }
 
 
-def cross_entropy(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PolicyLossParams):
+def cross_entropy(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: CrossEntropyLoss):
     """Supervised fine-tuning: loss_t = -logp_t (old log-probs and advantages are unused)."""
     mask = mask.to(logp.dtype)
     return clean(-logp, mask), {"nll": masked_mean(-logp.detach(), mask)}
 
 
-POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
-    "ppo": ppo,
-    "dual_clip": dual_clip,
-    "gspo": gspo,
-    "sapo": sapo,
-    "cispo": cispo,
-    "gmpo": gmpo,
-    "clip_cov": clip_cov,
-    "kl_cov": kl_cov,
-    "cross_entropy": cross_entropy,
-    "importance_sampling": importance_sampling,
-    "rollout_is": rollout_is,
-    "dppo": dppo,
+# Keyed by the schema's names (asyncrl.config.losses): each built-in is the function of that name.
+_FUNCTIONS: dict[str, PolicyLossFn] = {
+    fn.__name__: fn
+    for fn in (
+        ppo,
+        dual_clip,
+        gspo,
+        sapo,
+        cispo,
+        gmpo,
+        clip_cov,
+        kl_cov,
+        cross_entropy,
+        importance_sampling,
+        rollout_is,
+        dppo,
+    )
 }
-
-# Losses whose objective is per sequence: a per-token TIS weight has no place in them.
-SEQUENCE_LEVEL_LOSSES = ("gmpo",)
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {name: _FUNCTIONS[name] for name in POLICY_LOSSES}
 
 
 def takes_rollout_logprobs(loss_fn: PolicyLossFn) -> bool:
@@ -322,7 +336,7 @@ def corrected_policy_loss(
     adv: Tensor,
     mask: Tensor,
     *,
-    params: PolicyLossParams,
+    params: LossParams,
     correction: CorrectionParams,
     extra_mask: Tensor | None = None,
     sequence_level: bool = False,
@@ -345,7 +359,12 @@ def corrected_policy_loss(
     weights = torch.ones_like(logp)
     combined = mask
     given_rollout = rollout_logp
-    if loss_fn is cispo and params.cispo_anchor == "rollout" and correction.tis != "none":
+    if (
+        loss_fn is cispo
+        and isinstance(params, CispoLoss)
+        and params.cispo_anchor == "rollout"
+        and correction.tis != "none"
+    ):
         raise ValueError("cispo_anchor='rollout' already weights by the rollout ratio: TIS would count it twice")
     if correction.enabled or extra_mask is not None:
         if correction.enabled and rollout_logp is None:

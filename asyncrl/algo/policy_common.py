@@ -1,4 +1,6 @@
-"""What every policy loss shares: its parameters and the masked, clamped ratio helpers.
+"""What every policy loss shares: the masked, clamped ratio helpers. Each loss's parameters
+are its model in ``asyncrl.config.losses`` (the one definition of their names, defaults and
+checks, torch-free); ``params_for("ppo", eps_clip_high=0.28)`` builds one.
 
 Kept apart from the loss modules (``losses.py``, ``is_losses.py``) so that both can use it
 and the registry in ``losses.py`` can import both without a cycle.
@@ -6,46 +8,16 @@ and the registry in ``losses.py`` can import both without a cycle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from asyncrl.config.losses import ClippedLoss
+
 LOG_RATIO_CLAMP = 20.0
 
 PolicyLossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
-
-CISPO_ANCHORS = ("old", "rollout")
-DPPO_MASKS = ("binary_tv", "binary_kl")
-
-
-@dataclass(frozen=True)
-class PolicyLossParams:
-    """The scalars policy losses need (mirrors the fields of ``asyncrl.config.AlgoConfig``)."""
-
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    dual_clip_c: float = 3.0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cispo_eps_high: float = 5.0
-    cispo_anchor: str = "old"
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-3
-    kl_cov_coef: float = 1.0
-    dppo_mask: str = "binary_tv"
-    dppo_delta_low: float = 0.2
-    dppo_delta_high: float = 0.2
-
-    def __post_init__(self) -> None:
-        # A typo here would otherwise fall through to a default branch and train silently.
-        if self.cispo_anchor not in CISPO_ANCHORS:
-            raise ValueError(f"cispo_anchor={self.cispo_anchor!r}: must be one of {', '.join(CISPO_ANCHORS)}")
-        if self.dppo_mask not in DPPO_MASKS:
-            raise ValueError(f"dppo_mask={self.dppo_mask!r}: must be one of {', '.join(DPPO_MASKS)}")
 
 
 def log_ratio(logp: Tensor, other_logp: Tensor, mask: Tensor) -> Tensor:
@@ -64,7 +36,7 @@ def clean(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask > 0, x, torch.zeros_like(x))
 
 
-def clipped_surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, params: PolicyLossParams):
+def clipped_surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, params: ClippedLoss):
     """-min(r A, clip(r) A) and the effective upper/lower clip indicators."""
     low, high = 1.0 - params.eps_clip_low, 1.0 + params.eps_clip_high
     unclipped = -adv * ratio

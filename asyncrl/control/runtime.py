@@ -17,11 +17,9 @@ train() logs it, so a slow start says where it went.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from asyncrl.config import Config
@@ -267,7 +265,7 @@ class Runtime(contextlib.ExitStack):
         # 0600: it may hold queue.password (resume reads it back from here).
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(yaml.safe_dump(json.loads(json.dumps(asdict(self.cfg))), sort_keys=False))
+            f.write(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         return path
 
 

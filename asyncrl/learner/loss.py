@@ -33,7 +33,7 @@ from torch import Tensor
 from asyncrl.algo.correction import CorrectionParams
 from asyncrl.algo.kl import kl_penalty
 from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits
-from asyncrl.algo.losses import SEQUENCE_LEVEL_LOSSES, PolicyLossParams, corrected_policy_loss, get_policy_loss
+from asyncrl.algo.losses import corrected_policy_loss, get_policy_loss
 from asyncrl.algo.reduction import per_microbatch_token_mean_weights
 from asyncrl.config import AlgoConfig
 from asyncrl.types import MetricValue
@@ -57,24 +57,17 @@ def token_entropy(logits: Tensor, temperature: float) -> Tensor:
     return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1], temperature), (1, 0), value=0.0)
 
 
-def policy_loss_params(algo: AlgoConfig) -> PolicyLossParams:
-    """The config's values for the algo layer, which takes no config objects; the field names
-    are shared, so a field added to one and not the other fails here (and in the unit tests)."""
-    return _mirror(PolicyLossParams, algo)
-
-
 def correction_params(algo: AlgoConfig) -> CorrectionParams:
-    return _mirror(CorrectionParams, algo.correction)
-
-
-def _mirror(params_cls, section):
-    return params_cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(params_cls)})
+    """The config's correction values for the algo layer; the field names are shared, so a
+    field added to one and not the other fails here (and in the unit tests)."""
+    c = algo.correction
+    return CorrectionParams(**{f.name: getattr(c, f.name) for f in dataclasses.fields(CorrectionParams)})
 
 
 def required_fields(algo: AlgoConfig, *, old_from_current: bool = False) -> tuple[str, ...]:
     """The micro-batch fields the configured loss reads."""
     fields = ["input_ids", "loss_mask", "reduction_weights"]
-    if algo.policy_loss != "cross_entropy":
+    if algo.policy_loss.type != "cross_entropy":
         fields += ["advantages"] if old_from_current else ["old_logprobs", "advantages"]
     if algo.needs_rollout_logprobs:
         fields.append("rollout_logprobs")
@@ -89,7 +82,7 @@ def _check_fields(
     for name in required_fields(algo, old_from_current=old_from_current):
         if name not in mb or mb[name] is None:
             raise ValueError(
-                f"micro-batch is missing field {name!r}, needed by algo={algo.policy_loss!r} "
+                f"micro-batch is missing field {name!r}, needed by algo.policy_loss={algo.policy_loss.type!r} "
                 f"(kl_coef={algo.kl_coef}, rollout_kl_coef={algo.rollout_kl_coef}, "
                 f"correction={'on' if algo.correction.enabled else 'off'})"
             )
@@ -167,21 +160,21 @@ def microbatch_loss(
     rollout = mb.get("rollout_logprobs")
     rollout = rollout.to(dtype) if rollout is not None else None
 
-    if algo.policy_loss == "cross_entropy":
+    if algo.policy_loss.type == "cross_entropy":
         old, adv = logp.detach(), torch.zeros_like(logp)
     else:
         old = logp.detach() if old_from_current else mb["old_logprobs"].to(dtype)
         adv = mb["advantages"].to(dtype)
     per_token, algo_metrics = corrected_policy_loss(
-        get_policy_loss(algo.policy_loss),
+        get_policy_loss(algo.policy_loss.type),
         logp,
         old,
         rollout,
         adv,
         mask,
-        params=policy_loss_params(algo),
+        params=algo.policy_loss,
         correction=correction_params(algo),
-        sequence_level=algo.policy_loss in SEQUENCE_LEVEL_LOSSES,
+        sequence_level=algo.policy_loss.sequence_level,
     )
     policy = (weights * per_token).sum()
     total = policy

@@ -64,7 +64,7 @@ def _check_sequence(
                 f"{where}: field 'rollout_logprobs' is NaN/inf/positive on trained positions "
                 f"{np.flatnonzero(bad)[:8].tolist()}; the configured loss needs it "
                 f"(algo.rollout_kl_coef={algo.rollout_kl_coef}, algo.correction enabled={algo.correction.enabled}, "
-                f"algo.policy_loss={algo.policy_loss!r}, algo.cispo_anchor={algo.cispo_anchor!r}). "
+                f"algo.policy_loss={algo.policy_loss.type!r}, rollout-anchored={algo.rollout_anchored}). "
                 f"Did the engine run with rollout.logprobs=true?"
             )
 

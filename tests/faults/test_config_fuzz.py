@@ -3,7 +3,6 @@ ConfigError that names the offending field; never a traceback from deep inside."
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import yaml
@@ -11,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.config import Config, ConfigError, config_from_dict, load_config
+from asyncrl.config.losses import LOSS_FIELDS, POLICY_LOSSES
 
-SECTIONS = [f.name for f in dataclasses.fields(Config)]
-FIELDS = {f.name: [g.name for g in dataclasses.fields(f.default_factory())] for f in dataclasses.fields(Config)}
+SECTIONS = list(Config.model_fields)
+FIELDS = {name: list(f.annotation.model_fields) for name, f in Config.model_fields.items()}
 scalars = st.one_of(
     st.none(),
     st.booleans(),
@@ -29,6 +29,12 @@ trees = st.one_of(
     st.dictionaries(st.sampled_from(SECTIONS), sections, max_size=4),
     st.dictionaries(st.text(max_size=6), scalars, max_size=3),
     scalars,
+)
+# algo.policy_loss trees: a loss name and any loss's knobs (often another loss's: an error to name).
+losses = st.dictionaries(
+    st.sampled_from(["type", *LOSS_FIELDS, "kwargs"]),
+    st.one_of(st.sampled_from(POLICY_LOSSES), scalars),
+    max_size=3,
 )
 
 
@@ -67,6 +73,17 @@ def test_random_override_strings(text):
         load_config(None, [text])
     except ConfigError as e:
         assert _names_a_field(str(e)) or "override" in str(e), str(e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(losses, st.sampled_from(POLICY_LOSSES), scalars))
+def test_random_policy_loss_sections(loss):
+    try:
+        cfg = config_from_dict({"algo": {"policy_loss": loss, "loss_reduction": "sequence_mean"}})
+    except ConfigError as e:
+        assert "algo.policy_loss" in str(e), str(e)
+    else:
+        assert cfg.algo.policy_loss.type in POLICY_LOSSES
 
 
 def test_yaml_file_that_is_not_a_mapping(tmp_path):

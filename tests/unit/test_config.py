@@ -24,12 +24,15 @@ def rejects(overrides: list[str], *fragments: str) -> str:
 
 def test_defaults_load():
     cfg = load_config(None, [])
-    assert cfg.algo.policy_loss == "ppo" and cfg.algo.loss_reduction == "token_mean"
+    assert cfg.algo.policy_loss.type == "ppo" and cfg.algo.loss_reduction == "token_mean"
 
 
 def test_gmpo_requires_sequence_mean():
     rejects(["algo.policy_loss=gmpo"], "algo.loss_reduction", "sequence_mean")
-    assert load_config(None, ["algo.policy_loss=gmpo", "algo.loss_reduction=sequence_mean"]).algo.policy_loss == "gmpo"
+    assert (
+        load_config(None, ["algo.policy_loss=gmpo", "algo.loss_reduction=sequence_mean"]).algo.policy_loss.type
+        == "gmpo"
+    )
 
 
 def test_gmpo_rejects_token_tis_but_takes_sequence_tis():
@@ -58,10 +61,11 @@ def test_seq_mean_token_sum_norm_needs_its_constant():
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("algo.eps_clip_low=-0.1", "algo.eps_clip_low"),
-        ("algo.eps_clip_high=-0.2", "algo.eps_clip_high"),
-        ("algo.eps_clip_low=1.0", "algo.eps_clip_low"),
-        ("algo.dual_clip_c=1.0", "algo.dual_clip_c"),
+        ("algo.policy_loss.eps_clip_low=-0.1", "algo.policy_loss.eps_clip_low=-0.1: must be > 0"),
+        ("algo.policy_loss.eps_clip_high=-0.2", "algo.policy_loss.eps_clip_high"),
+        ("algo.policy_loss.eps_clip_low=1.0", "algo.policy_loss.eps_clip_low=1.0: must be < 1"),
+        ("algo.policy_loss={type: dual_clip, dual_clip_c: 1.0}", "algo.policy_loss.dual_clip_c=1.0: must be > 1"),
+        ("queue.outage_deadline_s=0", "queue.outage_deadline_s=0: must be > 0"),
         ("algo.lam=1.5", "algo.lam"),
         ("algo.kl_coef=-1", "algo.kl_coef"),
         ("algo.entropy_coef=-0.1", "algo.entropy_coef"),
@@ -83,7 +87,7 @@ def test_out_of_range_values(override, field):
         ("algo.correction.geo_mask_low=1.0", "algo.correction.geo_mask_high=1.0"),
         ("algo.correction.product_mask_low=2.0", "algo.correction.product_mask_high=0.5"),
         ("algo.correction.outlier_low=100.0", "algo.correction.outlier_high=100.0"),
-        ("algo.clip_cov_lb=5.0", "algo.clip_cov_ub=1.0"),
+        ("algo.policy_loss={type: clip_cov, clip_cov_lb: 5.0}", "algo.policy_loss.clip_cov_ub=1.0"),
     ],
 )
 def test_low_must_be_below_high(low, high):
@@ -108,6 +112,8 @@ def test_unknown_names(override, field):
 
 def test_unknown_keys_name_the_path_and_the_known_fields():
     rejects(["algo.eps_clip=0.2"], "algo.eps_clip", "eps_clip_low")
+    rejects(["algo.kl_coeff=0.1"], "algo.kl_coeff: unknown field", "did you mean 'kl_coef'?")
+    rejects(["control.total_step=5"], "control.total_step", "did you mean 'total_steps'?")
     rejects(["algo.correction.tis_capp=2"], "algo.correction.tis_capp")
     rejects(["nosuch.x=1"], "nosuch", "algo")
 
@@ -146,7 +152,8 @@ def test_bad_override_syntax(override):
 
 
 def test_import_path_policy_loss():
-    assert load_config(None, ["algo.policy_loss=asyncrl.algo.losses:ppo"]).algo.policy_loss == "asyncrl.algo.losses:ppo"
+    loss = load_config(None, ["algo.policy_loss=asyncrl.algo.losses:ppo"]).algo.policy_loss
+    assert (loss.type, loss.kwargs) == ("asyncrl.algo.losses:ppo", {})
     rejects(["algo.policy_loss=no_such_package.losses:fn"], "algo.policy_loss", "no_such_package.losses")
     rejects(["algo.policy_loss=:ppo"], "algo.policy_loss", "package.module:name")
 
@@ -191,6 +198,7 @@ def test_registry_keys_equal_the_config_name_tuples():
     from asyncrl.algo import ADVANTAGE_REGISTRY, KL_ESTIMATORS, LOSS_REDUCTIONS, POLICY_LOSS_REGISTRY
 
     assert tuple(POLICY_LOSS_REGISTRY) == config.POLICY_LOSSES
+    assert all(fn.__name__ == name for name, fn in POLICY_LOSS_REGISTRY.items())
     assert tuple(ADVANTAGE_REGISTRY) == config.ADVANTAGE_ESTIMATORS
     assert tuple(KL_ESTIMATORS) == config.KL_ESTIMATORS
     assert tuple(LOSS_REDUCTIONS) == config.LOSS_REDUCTIONS
@@ -238,15 +246,15 @@ def test_maxrl_warns_when_rewards_can_be_negative(caplog):
 
 def test_new_policy_losses_and_their_settings_load():
     for loss in ("importance_sampling", "rollout_is", "dppo"):
-        assert load_config(None, [f"algo.policy_loss={loss}"]).algo.policy_loss == loss
-    cfg = load_config(
-        None,
-        ["algo.policy_loss=dppo", "algo.dppo_mask=binary_kl", "algo.dppo_delta_low=0.05", "algo.dppo_delta_high=0.05"],
+        assert load_config(None, [f"algo.policy_loss={loss}"]).algo.policy_loss.type == loss
+    dppo = ["algo.policy_loss=dppo", "algo.policy_loss.dppo_mask=binary_kl", "algo.policy_loss.dppo_delta_low=0.05"]
+    cfg = load_config(None, dppo)
+    assert (cfg.algo.policy_loss.dppo_mask, cfg.algo.policy_loss.dppo_delta_low) == ("binary_kl", 0.05)
+    rejects(["algo.policy_loss=dppo", "algo.policy_loss.dppo_mask=tv"], "algo.policy_loss.dppo_mask='tv'", "binary_tv")
+    rejects(
+        ["algo.policy_loss=dppo", "algo.policy_loss.dppo_delta_high=0"], "algo.policy_loss.dppo_delta_high=0", "> 0"
     )
-    assert (cfg.algo.dppo_mask, cfg.algo.dppo_delta_low) == ("binary_kl", 0.05)
-    rejects(["algo.dppo_mask=tv"], "algo.dppo_mask='tv'", "binary_tv")
-    rejects(["algo.dppo_delta_high=0"], "algo.dppo_delta_high=0.0", "> 0")
-    rejects(["algo.cispo_anchor=behaviour"], "algo.cispo_anchor='behaviour'", "'rollout'")
+    rejects(["algo.policy_loss={type: cispo, cispo_anchor: behaviour}"], "cispo_anchor='behaviour'", "'rollout'")
     assert load_config(None, ["algo.loss_reduction=prompt_mean"]).algo.loss_reduction == "prompt_mean"
 
 
@@ -254,7 +262,7 @@ def test_rollout_anchored_losses_need_engine_logprobs():
     for overrides in (
         ["algo.policy_loss=rollout_is"],
         ["algo.policy_loss=dppo"],
-        ["algo.policy_loss=cispo", "algo.cispo_anchor=rollout"],
+        ["algo.policy_loss=cispo", "algo.policy_loss.cispo_anchor=rollout"],
     ):
         cfg = load_config(None, overrides + ["rollout.logprobs=false"])
         assert cfg.rollout.logprobs is True and cfg.algo.needs_rollout_logprobs
@@ -262,9 +270,12 @@ def test_rollout_anchored_losses_need_engine_logprobs():
 
 
 def test_cispo_rollout_anchor_rejects_tis(caplog):
-    base = ["algo.policy_loss=cispo", "algo.cispo_anchor=rollout"]
+    base = ["algo.policy_loss=cispo", "algo.policy_loss.cispo_anchor=rollout"]
     rejects(
-        base + ["algo.correction.tis=token"], "algo.correction.tis='token'", "algo.cispo_anchor='rollout'", "tis='none'"
+        base + ["algo.correction.tis=token"],
+        "algo.correction.tis='token'",
+        "algo.policy_loss.cispo_anchor='rollout'",
+        "tis='none'",
     )
     cfg = load_config(None, base + ["algo.correction.token_mask_low=0.5", "algo.correction.token_mask_high=2"])
     assert cfg.algo.correction.token_mask and cfg.algo.correction.enabled
@@ -283,3 +294,95 @@ def test_token_mask_needs_both_bounds_in_order():
     )
     rejects(["algo.correction.token_mask_low=0", "algo.correction.token_mask_high=2"], "algo.correction.token_mask_low")
     assert not load_config(None, []).algo.correction.enabled
+
+
+# ----------------------------------------------------------------------------- issue 18: the schema
+
+
+def test_policy_loss_is_a_tagged_section_with_a_string_shorthand():
+    assert load_config(None, ["algo.policy_loss=sapo"]).algo.policy_loss.sapo_tau_neg == 1.05
+    cfg = load_config(None, ["algo.policy_loss={type: ppo, eps_clip_low: 0.1, eps_clip_high: 0.28}"])
+    assert (cfg.algo.policy_loss.eps_clip_low, cfg.algo.policy_loss.eps_clip_high) == (0.1, 0.28)
+    # A dotted override refines a loss given by name, or the default loss when none is given.
+    cfg = load_config(None, ["algo.policy_loss=sapo", "algo.policy_loss.sapo_tau_pos=2"])
+    assert (cfg.algo.policy_loss.type, cfg.algo.policy_loss.sapo_tau_pos) == ("sapo", 2.0)
+    cfg = load_config("configs/demo.yaml", ["algo.policy_loss.eps_clip_high=0.3"])
+    assert (cfg.algo.policy_loss.type, cfg.algo.policy_loss.eps_clip_high) == ("ppo", 0.3)
+    rejects(["algo.policy_loss=sapp"], "algo.policy_loss='sapp'", "did you mean 'sapo'")
+
+
+def test_a_flat_loss_knob_says_where_it_moved():
+    rejects(["algo.eps_clip_high=0.28"], "algo.eps_clip_high", "moved into algo.policy_loss", "ppo")
+    rejects(["algo.sapo_tau_pos=2"], "algo.sapo_tau_pos", "policy_loss: {type: sapo, sapo_tau_pos: ...}")
+
+
+def test_a_knob_of_another_loss_names_the_loss_and_its_fields():
+    rejects(
+        ["algo.policy_loss=ppo", "algo.policy_loss.sapo_tau_pos=2"],
+        "algo.policy_loss.sapo_tau_pos",
+        "policy loss 'ppo'",
+        "belongs to sapo",
+        "ppo takes: eps_clip_low, eps_clip_high",
+    )
+    rejects(["algo.policy_loss={type: cross_entropy, eps_clip_low: 0.1}"], "cross_entropy takes no settings")
+    rejects(["algo.policy_loss={type: sapo, tau: 1}"], "algo.policy_loss.tau", "unknown setting", "sapo_tau_pos")
+
+
+def test_custom_losses_take_kwargs():
+    cfg = load_config(None, ["algo.policy_loss={type: 'examples.custom_loss:tanh_ratio_pg', kwargs: {eps: 0.3}}"])
+    assert cfg.algo.policy_loss.kwargs == {"eps": 0.3} and not cfg.algo.policy_loss.rollout_anchored
+    rejects(
+        ["algo.policy_loss={type: 'examples.custom_loss:tanh_ratio_pg', eps: 0.3}"],
+        "algo.policy_loss.eps",
+        "algo.policy_loss.kwargs",
+    )
+
+
+def test_the_tree_round_trips_through_to_dict():
+    cfg = load_config("configs/demo.yaml", ["algo.policy_loss=dppo", "algo.policy_loss.dppo_delta_low=0.05"])
+    data = cfg.to_dict()
+    assert data["algo"]["policy_loss"] == {
+        "type": "dppo",
+        "dppo_mask": "binary_tv",
+        "dppo_delta_low": 0.05,
+        "dppo_delta_high": 0.2,
+    }
+    assert config.config_from_dict(data) == cfg
+
+
+def test_fields_other_branches_add_have_their_defaults():
+    cfg = load_config(None, [])
+    assert cfg.monitor.tensorboard is False and cfg.control.eval_split == "test"
+    r = cfg.rollout
+    assert (r.prompt_split, r.prompt_field, r.answer_field, r.chat_template) == ("train", "prompt", "answer", False)
+    assert cfg.queue.outage_deadline_s is None
+    assert load_config(None, ["queue.outage_deadline_s=5"]).queue.outage_deadline_s == 5.0
+
+
+def test_help_config_lists_sections_fields_and_losses():
+    text = config.schema_text()
+    assert "queue.outage_deadline_s" not in text  # fields are listed under their section
+    for fragment in (
+        "algo:  The RL objective",
+        "  outage_deadline_s: float | None = None  (> 0)",
+        "  tis: 'none' | 'token' | 'sequence' = 'none'",
+        "Truncated importance sampling weight",
+        "  type: sapo ",
+        "    sapo_tau_neg: float = 1.05  (> 0)",
+        "  type: package.module:function",
+    ):
+        assert fragment in text, fragment
+
+
+def test_config_parse_imports_no_torch_and_is_quick():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; t = time.perf_counter(); from asyncrl.config import load_config; "
+        "load_config('configs/demo.yaml', ['control.total_steps=5']); "
+        "print(time.perf_counter() - t, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1] == "False", "parsing a config imported torch"
+    assert float(out[0]) < 3.0, f"config parse took {out[0]} s"

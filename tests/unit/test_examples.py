@@ -17,6 +17,20 @@ def repo_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
 
 
+def test_custom_loss_reads_its_kwargs_from_the_config():
+    import math
+
+    from asyncrl.algo import get_policy_loss
+    from asyncrl.config import load_config
+
+    spec = "{type: 'examples.custom_loss:tanh_ratio_pg', kwargs: {eps: 0.5}}"
+    loss_cfg = load_config(None, [f"algo.policy_loss={spec}"]).algo.policy_loss
+    fn = get_policy_loss(loss_cfg.type)
+    logp, old = torch.tensor([[math.log(2.0)]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
+    loss, _ = fn(logp, old, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1), params=loss_cfg)
+    assert math.isclose(loss.item(), -(1 + 0.5 * math.tanh(1 / 0.5)))  # eps 0.2 (the default) would differ
+
+
 def test_custom_loss_by_import_path_goes_through_microbatch_loss():
     from asyncrl.config import load_config
     from asyncrl.learner.loss import microbatch_loss

@@ -6,13 +6,12 @@ the gradient of the loss built by microbatch_loss is the same, for every term an
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
-from asyncrl.config import AlgoConfig, CorrectionConfig
+from asyncrl.config import AlgoConfig, CorrectionConfig, params_for
+from asyncrl.config.losses import LOSS_MODELS
 from asyncrl.data.batch import build_minibatches
 from asyncrl.data.microbatch import collate, field_dtypes, padding_microbatch, seq_fields
 from asyncrl.learner.loss import microbatch_loss
@@ -66,17 +65,16 @@ ROLLOUT_MASKS = CorrectionConfig(
 )
 
 
-def algo_for(term: str, reduction: str, policy_loss: str = "ppo", **extra) -> AlgoConfig:
+def algo_for(term: str, reduction: str, policy_loss: str = "ppo", correction=None, **loss_fields) -> AlgoConfig:
     coefs = {"kl_ref": ("kl_coef", 0.3), "rollout_kl": ("rollout_kl_coef", 0.7), "entropy": ("entropy_coef", 0.05)}
+    has = LOSS_MODELS[policy_loss].model_fields
+    clip = {k: v for k, v in (("eps_clip_low", 0.1), ("eps_clip_high", 0.15)) if k in has}
     kwargs = dict(
         loss_reduction=reduction,
-        policy_loss=policy_loss,
-        eps_clip_low=0.1,
-        eps_clip_high=0.15,
-        correction=CorrectionConfig(tis="sequence" if policy_loss == "gmpo" else "token", tis_cap=1.5),
+        policy_loss=params_for(policy_loss, **{**clip, **loss_fields}),
+        correction=correction or CorrectionConfig(tis="sequence" if policy_loss == "gmpo" else "token", tis_cap=1.5),
         reduction_constant=8.0 if reduction == "seq_mean_token_sum_norm" else None,
     )
-    kwargs.update(extra)
     if term in coefs:
         name, value = coefs[term]
         kwargs[name] = value
@@ -244,8 +242,8 @@ def test_legacy_per_microbatch_token_mean_depends_on_the_split(groups):
     n = mb["input_ids"].shape[0]
     singles = grad_of(model, legacy, [rows(mb, [i]) for i in range(n)])
     whole_legacy = grad_of(model, legacy, [mb])
-    token_mean = dataclasses.replace(legacy, loss_reduction="token_mean")
-    seq_mean = dataclasses.replace(legacy, loss_reduction="sequence_mean")
+    token_mean = legacy.model_copy(update={"loss_reduction": "token_mean"})
+    seq_mean = legacy.model_copy(update={"loss_reduction": "sequence_mean"})
     assert rel_diff(whole_legacy, grad_of(model, token_mean, [full_batch(groups, token_mean, "policy")])) <= 1e-6
     assert rel_diff(singles, grad_of(model, seq_mean, [full_batch(groups, seq_mean, "policy")])) <= 1e-6
     assert rel_diff(singles, whole_legacy) > 1e-3

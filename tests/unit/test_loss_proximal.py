@@ -13,7 +13,12 @@ def test_old_from_current_equals_a_separate_prepass_in_value_and_gradient():
     torch.manual_seed(0)
     algo = load_config(
         None,
-        ["algo.correction.tis=token", "algo.rollout_kl_coef=0.1", "algo.entropy_coef=0.01", "algo.eps_clip_high=0.28"],
+        [
+            "algo.correction.tis=token",
+            "algo.rollout_kl_coef=0.1",
+            "algo.entropy_coef=0.01",
+            "algo.policy_loss.eps_clip_high=0.28",
+        ],
     ).algo
     B, L, V = 3, 7, 11
     logits = torch.randn(B, L, V, dtype=torch.float64, requires_grad=True)

@@ -15,9 +15,9 @@ from asyncrl import config
 from asyncrl.algo import (
     POLICY_LOSS_REGISTRY,
     CorrectionParams,
-    PolicyLossParams,
     corrected_policy_loss,
     get_policy_loss,
+    params_for,
 )
 from asyncrl.algo.losses import takes_rollout_logprobs
 from asyncrl.config import AlgoConfig, CorrectionConfig
@@ -50,7 +50,7 @@ def test_ppo_asymmetric_clip_and_effective_clip_fraction():
     r = [1.5, 0.5, 1.25, 0.5, 1.5, 1.0]
     logp, old = t([[LN(x) for x in r]]), torch.zeros(1, 6, dtype=D)
     adv, mask = t([[1, 1, 1, -1, -1, 0]]), torch.ones(1, 6, dtype=D)
-    params = PolicyLossParams(eps_clip_low=0.2, eps_clip_high=0.25)
+    params = params_for("ppo", eps_clip_low=0.2, eps_clip_high=0.25)
     loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["ppo"], logp, old, adv, mask, params)
     assert torch.allclose(loss, t([[-1.25, -0.5, -1.25, 0.8, 1.5, 0.0]]))
     # d/dlogp of -A r is -A r where unclipped; 0 where the clipped term won.
@@ -64,7 +64,7 @@ def test_dual_clip_caps_negative_advantage_tokens():
     logp, old = t([[LN(5.0), LN(1.5)]]), torch.zeros(1, 2, dtype=D)
     adv, mask = t([[-1.0, -1.0]]), torch.ones(1, 2, dtype=D)
     loss, grad, m = grad_wrt_logp(
-        POLICY_LOSS_REGISTRY["dual_clip"], logp, old, adv, mask, PolicyLossParams(dual_clip_c=3.0)
+        POLICY_LOSS_REGISTRY["dual_clip"], logp, old, adv, mask, params_for("dual_clip", dual_clip_c=3.0)
     )
     assert torch.allclose(loss, t([[3.0, 1.5]]))  # ppo would give 5.0 on the first
     assert torch.allclose(grad, t([[0.0, 1.5]]))
@@ -74,7 +74,7 @@ def test_dual_clip_caps_negative_advantage_tokens():
 def test_gspo_uses_the_sequence_ratio_with_token_gradients():
     logp, old = t([[0.1, 0.3], [0.4, 0.0]]), torch.zeros(2, 2, dtype=D)
     adv, mask = t([[1.0, 1.0], [1.0, 0.0]]), t([[1.0, 1.0], [1.0, 0.0]])
-    params = PolicyLossParams(eps_clip_low=0.2, eps_clip_high=0.25)
+    params = params_for("gspo", eps_clip_low=0.2, eps_clip_high=0.25)
     loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["gspo"], logp, old, adv, mask, params)
     s = math.exp(0.2)  # exp(mean(0.1, 0.3)) = 1.2214 < 1.25
     assert torch.allclose(loss[0], t([-s, -s]))
@@ -88,7 +88,7 @@ def test_sapo_gate_value_and_unit_slope_at_ratio_one():
     logp, old = torch.zeros(1, 2, dtype=D), torch.zeros(1, 2, dtype=D)
     adv, mask = t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D)
     loss, grad, _ = grad_wrt_logp(
-        POLICY_LOSS_REGISTRY["sapo"], logp, old, adv, mask, PolicyLossParams(sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+        POLICY_LOSS_REGISTRY["sapo"], logp, old, adv, mask, params_for("sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
     )
     assert torch.allclose(loss, t([[-2.0, 2.0 / 1.05]]))
     assert torch.allclose(grad, t([[-1.0, 1.0]]))  # f'(1) = 1 for any tau
@@ -98,7 +98,7 @@ def test_cispo_clips_the_weight_but_keeps_the_gradient():
     logp, old = t([[LN(2.0), 0.0]]), torch.zeros(1, 2, dtype=D)
     adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
     loss, grad, m = grad_wrt_logp(
-        POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, PolicyLossParams(cispo_eps_high=0.5)
+        POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, params_for("cispo", cispo_eps_high=0.5)
     )
     assert torch.allclose(loss, t([[-1.5, -1.0]]))
     assert torch.allclose(grad, t([[-1.5, -1.0]]))  # ppo would give 0 gradient on the first
@@ -108,7 +108,7 @@ def test_cispo_clips_the_weight_but_keeps_the_gradient():
 def test_gmpo_geometric_mean_with_log_space_clip():
     logp = t([[0.1, 0.5], [-0.5, 0.1]])
     adv, mask = t([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2, dtype=D)
-    params = PolicyLossParams(eps_clip_low=0.2, eps_clip_high=0.2)
+    params = params_for("gmpo", eps_clip_low=0.2, eps_clip_high=0.2)
     loss, m = POLICY_LOSS_REGISTRY["gmpo"](logp, torch.zeros(2, 2, dtype=D), adv, mask, params=params)
     # Row 0: log r = [0.1, 0.5] -> [0.1, 0.2], R = exp(0.15), loss -R on each token.
     # Row 1 (A < 0): sign * log r = [0.5, -0.1] -> [0.2, -0.1]; back: [-0.2, 0.1], R = exp(-0.05).
@@ -123,11 +123,12 @@ def test_clip_cov_and_kl_cov_pick_the_top_covariance_token():
     logp = t([[-1.0, -2.0, -3.0, -4.0]])
     adv, mask = t([[2.0, 0.0, 0.0, -1.0]]), torch.ones(1, 4, dtype=D)
     # cov = (logp - mean)(A - mean) = [2.625, -0.125, 0.125, 1.875]
-    params = PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.25, kl_cov_coef=2.0)
+    params = params_for("clip_cov", clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
     loss, m = POLICY_LOSS_REGISTRY["clip_cov"](logp, logp.clone(), adv, mask, params=params)
     assert torch.allclose(loss, t([[0.0, 0.0, 0.0, 1.0]]))
     assert math.isclose(m["clip_cov_frac"].item(), 0.25)
     old = logp - t([[0.1, 0.0, 0.0, 0.0]])
+    params = params_for("kl_cov", kl_cov_ratio=0.25, kl_cov_coef=2.0)
     loss, m = POLICY_LOSS_REGISTRY["kl_cov"](logp, old, adv, mask, params=params)
     assert torch.allclose(loss, t([[-2.0 * math.exp(0.1) + 2.0 * 0.1, 0.0, 0.0, 1.0]]))
     assert math.isclose(m["kl_cov_frac"].item(), 0.25)
@@ -143,7 +144,7 @@ def test_clip_cov_skips_tokens_the_ppo_clip_already_clipped():
     # mean logp -2.5, mean A 0.057: cov = (logp - mean)(A - mean) = [1.4565, -0.0285, 0.0285, 1.2855]
     cov = [1.5 * 0.971, 0.5 * -0.057, -0.5 * -0.057, -1.5 * -0.857]
     assert cov[0] > cov[3] > 1.0
-    params = PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    params = params_for("clip_cov", clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
     loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["clip_cov"], logp, old, adv, mask, params)
     assert torch.allclose(loss, t([[-1.2 * 1.028, 0.0, 0.0, 0.0]]))  # token 0 keeps its clipped loss
     assert torch.equal(grad, torch.zeros(1, 4, dtype=D))  # clipped token 0, detached token 3
@@ -157,7 +158,11 @@ def test_clip_cov_bounds_are_strict():
     fn = POLICY_LOSS_REGISTRY["clip_cov"]
     # cov = [2.625, -0.125, 0.125, 1.875] exactly; token 0 sits on ub: not eligible, token 3 is.
     loss, m = fn(
-        logp, logp.clone(), adv, mask, params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=2.625)
+        logp,
+        logp.clone(),
+        adv,
+        mask,
+        params=params_for("clip_cov", clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=2.625),
     )
     assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 0.0]]))
     # Token 3 on lb as well: nothing eligible, the PPO loss is untouched.
@@ -166,7 +171,7 @@ def test_clip_cov_bounds_are_strict():
         logp.clone(),
         adv,
         mask,
-        params=PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.875, clip_cov_ub=2.625),
+        params=params_for("clip_cov", clip_cov_ratio=0.25, clip_cov_lb=1.875, clip_cov_ub=2.625),
     )
     assert torch.allclose(loss, t([[-2.0, 0.0, 0.0, 1.0]]))
     assert m["clip_cov_frac"].item() == 0.0
@@ -175,7 +180,7 @@ def test_clip_cov_bounds_are_strict():
 def test_cross_entropy_is_negative_logprob():
     logp = t([[-0.5, -2.0]])
     loss, m = POLICY_LOSS_REGISTRY["cross_entropy"](
-        logp, logp, torch.zeros(1, 2, dtype=D), t([[1.0, 0.0]]), params=PolicyLossParams()
+        logp, logp, torch.zeros(1, 2, dtype=D), t([[1.0, 0.0]]), params=params_for("cross_entropy")
     )
     assert torch.allclose(loss, t([[0.5, 0.0]]))
     assert math.isclose(m["nll"].item(), 0.5)
@@ -184,7 +189,9 @@ def test_cross_entropy_is_negative_logprob():
 def test_importance_sampling_is_the_unclipped_ratio_times_advantage():
     logp, old = t([[LN(1.5), LN(0.5), LN(3.0)]]), torch.zeros(1, 3, dtype=D)
     adv, mask = t([[1.0, -1.0, 2.0]]), torch.ones(1, 3, dtype=D)
-    loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["importance_sampling"], logp, old, adv, mask, PolicyLossParams())
+    loss, grad, m = grad_wrt_logp(
+        POLICY_LOSS_REGISTRY["importance_sampling"], logp, old, adv, mask, params_for("importance_sampling")
+    )
     assert torch.allclose(loss, t([[-1.5, 0.5, -6.0]]))
     assert torch.allclose(grad, t([[-1.5, 0.5, -6.0]]))  # no clip: ratio 3 keeps its gradient
     assert math.isclose(m["ratio_mean"].item(), (1.5 + 0.5 + 3.0) / 3)
@@ -196,7 +203,7 @@ def test_rollout_is_keeps_the_open_band_and_ignores_old():
     logp = t([[LN(1.2), LN(1.25), LN(0.5), LN(2.0), LN(0.8)]])
     rollout, old = torch.zeros(1, 5, dtype=D), torch.full((1, 5), -7.0, dtype=D)
     adv, mask = t([[1.0, 1.0, -1.0, 2.0, 0.0]]), torch.ones(1, 5, dtype=D)
-    params = PolicyLossParams(eps_clip_low=0.5, eps_clip_high=0.25)
+    params = params_for("rollout_is", eps_clip_low=0.5, eps_clip_high=0.25)
     loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["rollout_is"], logp, old, adv, mask, params, rollout=rollout)
     # loss = -w A logp with w constant: value -1.2 * 1 * log 1.2, gradient -w A.
     assert torch.allclose(loss, t([[-1.2 * LN(1.2), 0.0, 0.0, 0.0, 0.0]]))
@@ -212,7 +219,7 @@ def dppo_case(p, q, adv, **kw):
     adv, mask = t([adv]), torch.ones(1, len(p), dtype=D)
     garbage_old = torch.full_like(logp, -9.0)  # with rollout log-probs given, old is unused
     return grad_wrt_logp(
-        POLICY_LOSS_REGISTRY["dppo"], logp, garbage_old, adv, mask, PolicyLossParams(**kw), rollout=behaviour
+        POLICY_LOSS_REGISTRY["dppo"], logp, garbage_old, adv, mask, params_for("dppo", **kw), rollout=behaviour
     )
 
 
@@ -269,39 +276,39 @@ def test_dppo_binary_kl_keeps_a_kl_exactly_on_the_bound_and_never_masks_a_zero_a
 def test_dppo_falls_back_to_old_logprobs_without_rollout():
     logp, old = t([[LN(0.9), LN(0.3)]]), t([[LN(0.6), LN(0.6)]])
     adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
-    loss, _ = POLICY_LOSS_REGISTRY["dppo"](logp, old, adv, mask, params=PolicyLossParams(), rollout_logp=None)
+    loss, _ = POLICY_LOSS_REGISTRY["dppo"](logp, old, adv, mask, params=params_for("dppo"), rollout_logp=None)
     assert torch.allclose(loss, t([[0.0, -0.5]]))  # p - q = 0.3 > 0.2 masked; ratio 0.5 kept
 
 
 def test_cispo_rollout_anchor_caps_the_rollout_ratio():
     logp, old, rollout = t([[LN(2.0), 0.0]]), t([[LN(2.0), 0.0]]), t([[0.0, LN(0.5)]])
     adv, mask = t([[1.0, 1.0]]), torch.ones(1, 2, dtype=D)
-    params = PolicyLossParams(cispo_eps_high=0.5, cispo_anchor="rollout")
+    params = params_for("cispo", cispo_eps_high=0.5, cispo_anchor="rollout")
     loss, grad, m = grad_wrt_logp(POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, params, rollout=rollout)
     # Against rollout the ratios are 2 (capped at 1.5) and 2 (capped): with the old anchor both are 1.
     assert torch.allclose(loss, t([[-1.5, -1.5]])) and torch.allclose(grad, t([[-1.5, -1.5]]))
     assert m["clip_frac"].item() == 1.0
     loss, _, _ = grad_wrt_logp(
-        POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, PolicyLossParams(cispo_eps_high=0.5), rollout=rollout
+        POLICY_LOSS_REGISTRY["cispo"], logp, old, adv, mask, params_for("cispo", cispo_eps_high=0.5), rollout=rollout
     )
     assert torch.allclose(loss, t([[-1.0, -1.0]]))
     with pytest.raises(ValueError, match="cispo_anchor='rollout' needs rollout_logprobs"):
         POLICY_LOSS_REGISTRY["cispo"](logp, old, adv, mask, params=params)
     with pytest.raises(ValueError, match="cispo_anchor='bogus'"):
-        PolicyLossParams(cispo_anchor="bogus")
+        params_for("cispo", cispo_anchor="bogus")
     with pytest.raises(ValueError, match="dppo_mask='tv'"):
-        PolicyLossParams(dppo_mask="tv")
+        params_for("dppo", dppo_mask="tv")
 
 
 def test_corrected_policy_loss_hands_rollout_logprobs_to_losses_that_take_them():
     logp, old, rollout = t([[LN(1.1), 0.0]]), torch.zeros(1, 2, dtype=D), t([[0.0, LN(2.0)]])
     adv, mask = torch.ones(1, 2, dtype=D), torch.ones(1, 2, dtype=D)
-    p = PolicyLossParams()
+    p = params_for("rollout_is")
     loss, _ = corrected_policy_loss(
         POLICY_LOSS_REGISTRY["rollout_is"], logp, old, rollout, adv, mask, params=p, correction=CorrectionParams()
     )
     assert torch.allclose(loss, t([[-1.1 * LN(1.1), 0.0]]))  # ratio 0.5 to rollout: outside the band
-    rollout_cispo = dataclasses.replace(p, cispo_anchor="rollout")
+    rollout_cispo = params_for("cispo", cispo_anchor="rollout")
     with pytest.raises(ValueError, match="count it twice"):
         corrected_policy_loss(
             POLICY_LOSS_REGISTRY["cispo"],
@@ -337,7 +344,7 @@ ALL = sorted(POLICY_LOSS_REGISTRY)
 def test_zero_advantages_give_zero_policy_gradient(name):
     logp, old = t([[-1.0, -0.5, -2.0]]), t([[-1.2, -0.4, -2.0]])
     _, grad, _ = grad_wrt_logp(
-        POLICY_LOSS_REGISTRY[name], logp, old, torch.zeros(1, 3, dtype=D), torch.ones(1, 3, dtype=D), PolicyLossParams()
+        POLICY_LOSS_REGISTRY[name], logp, old, torch.zeros(1, 3, dtype=D), torch.ones(1, 3, dtype=D), params_for(name)
     )
     assert torch.equal(grad, torch.zeros(1, 3, dtype=D))
 
@@ -351,7 +358,7 @@ def test_garbage_padding_one_token_rows_and_all_masked_rows(name):
         t([[-1.1, -0.3, 0.0], [-0.9, 0.0, 0.0], [0, 0, 0]]),
         t([[1.0, 1.0, 0], [-0.5, 0, 0], [0, 0, 0]]),
     )
-    params = PolicyLossParams(clip_cov_lb=-10.0, clip_cov_ratio=0.3)
+    params = params_for(name, clip_cov_lb=-10.0, clip_cov_ratio=0.3) if name == "clip_cov" else params_for(name)
     clean_loss, clean_grad, clean_m = grad_wrt_logp(POLICY_LOSS_REGISTRY[name], logp, old, adv, mask, params)
     junk = mask == 0
     g_logp, g_old, g_adv = logp.clone(), old.clone(), adv.clone()
@@ -367,9 +374,7 @@ def test_garbage_padding_one_token_rows_and_all_masked_rows(name):
 def test_huge_log_ratio_gives_no_inf_or_nan(name):
     logp = t([[500.0, -500.0]]).requires_grad_(True)
     fn, old = POLICY_LOSS_REGISTRY[name], torch.zeros(1, 2, dtype=D)
-    loss, m = fn(
-        logp, old, t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=PolicyLossParams(), **behaviour(fn, old)
-    )
+    loss, m = fn(logp, old, t([[1.0, -1.0]]), torch.ones(1, 2, dtype=D), params=params_for(name), **behaviour(fn, old))
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
     assert all(torch.isfinite(v) for v in m.values())
@@ -389,7 +394,7 @@ def test_registry_names_match_config_and_import_paths_resolve():
 def test_correction_goes_through_the_shared_helper():
     logp, old, rollout = torch.zeros(2, 2, dtype=D), torch.zeros(2, 2, dtype=D), t([[-LN(3.0), 0.0], [0.0, 0.0]])
     adv, mask = torch.ones(2, 2, dtype=D), torch.ones(2, 2, dtype=D)
-    fn, p = POLICY_LOSS_REGISTRY["ppo"], PolicyLossParams()
+    fn, p = POLICY_LOSS_REGISTRY["ppo"], params_for("ppo")
     loss, m = corrected_policy_loss(
         fn, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token", tis_cap=2.0)
     )
@@ -409,14 +414,22 @@ def test_correction_goes_through_the_shared_helper():
         rollout,
         adv,
         mask,
-        params=p,
+        params=params_for("gmpo"),
         correction=CorrectionParams(tis="sequence", tis_cap=5.0),
         sequence_level=True,
     )
     assert torch.allclose(loss, t([[-3.0, -3.0], [-1.0, -1.0]]))
     with pytest.raises(ValueError, match="token TIS"):
         corrected_policy_loss(
-            gm, logp, old, rollout, adv, mask, params=p, correction=CorrectionParams(tis="token"), sequence_level=True
+            gm,
+            logp,
+            old,
+            rollout,
+            adv,
+            mask,
+            params=params_for("gmpo"),
+            correction=CorrectionParams(tis="token"),
+            sequence_level=True,
         )
     with pytest.raises(ValueError, match="rollout_logprobs"):
         corrected_policy_loss(fn, logp, old, None, adv, mask, params=p, correction=CorrectionParams(tis="token"))
@@ -510,29 +523,33 @@ def test_all_masked_microbatch_is_zero_and_finite():
     assert m["drift/tis_ratio_mean"].count == 0
 
 
-def test_loss_params_mirror_the_config():
-    """The algo layer's parameter classes and the config share field names and defaults, and
-    every configured value reaches the loss (a field added on one side only fails here)."""
-    import dataclasses
+def test_configured_loss_settings_reach_the_loss():
+    """The config's loss section is the loss's params object (one definition, no mirror); the
+    correction's algo-layer class shares the config's field names and defaults."""
+    from asyncrl.learner.loss import correction_params
 
-    from asyncrl.learner.loss import correction_params, policy_loss_params
-
-    algo, corr = AlgoConfig(), CorrectionConfig()
-    for params_cls, section in ((PolicyLossParams, algo), (CorrectionParams, corr)):
-        for f in dataclasses.fields(params_cls):
-            assert getattr(section, f.name) == f.default, f.name
+    corr = CorrectionConfig()
+    for f in dataclasses.fields(CorrectionParams):
+        assert getattr(corr, f.name) == f.default, f.name
     cfg = config.load_config(
         None,
         [
-            "algo.eps_clip_high=0.28",
-            "algo.kl_cov_coef=2.5",
+            "algo.policy_loss.eps_clip_high=0.28",
             "algo.correction.tis=sequence",
             "algo.correction.tis_cap=3.5",
         ],
     )
-    assert policy_loss_params(cfg.algo).eps_clip_high == 0.28
-    assert policy_loss_params(cfg.algo).kl_cov_coef == 2.5
     assert (correction_params(cfg.algo).tis, correction_params(cfg.algo).tis_cap) == ("sequence", 3.5)
+    # The configured clip range is the one the loss applies: ratio 1.3 with A > 0 clips at 1.28.
+    logits, mb = small_mb()
+    lp = token_logprobs(logits, mb["input_ids"], 1.0)
+    mb["old_logprobs"] = lp.detach() - LN(1.3)
+    mb["rollout_logprobs"] = mb["old_logprobs"]
+    mb["advantages"] = torch.ones_like(lp)
+    _, m = microbatch_loss(logits, mb, cfg.algo, temperature=1.0)
+    mask = mb["loss_mask"]
+    expected = -(mb["reduction_weights"] * mask * 1.28).sum()
+    assert math.isclose(m["loss/policy"].total.item(), expected.item(), rel_tol=1e-9)
 
 
 def test_correction_metrics_are_catalogued_and_row_fractions_merge_over_rows():

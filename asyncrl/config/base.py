@@ -1,0 +1,75 @@
+"""What every config section shares: the error type, the section base model, the built-in
+name lists and the small checks the validators use. Imports neither torch nor Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from pydantic import BaseModel, ConfigDict
+
+# Names the registries in asyncrl.algo ship with, kept here so that validating a config never
+# imports torch; tests/unit check they equal the registries' keys. The policy losses' names
+# come from their schema (asyncrl.config.losses).
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "maxrl")
+OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
+# Estimators whose baseline is the other samples of the same prompt: useless for groups of one.
+GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_per_microbatch")
+ENVIRONMENTS = ("copy", "reverse", "arithmetic", "gsm8k", "countdown_chat")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong. The message names the field, the value and what is allowed."""
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, the docstring under a field is its description
+    (`asyncrl train --help-config`), a number given for a text field is its text (`run_name=1`)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def check_import_path(field_name: str, path: str) -> None:
+    """A 'package.module:name' whose module can be found (not imported: that may need torch)."""
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"{field_name}={path!r}: an import path must look like 'package.module:name'")
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"{field_name}={path!r}: module {module!r} cannot be found on the Python path")
+
+
+def one_of(name: str, value: str, allowed: tuple[str, ...], import_path_ok: bool = False) -> None:
+    if import_path_ok and is_import_path(value):
+        check_import_path(name, value)
+        return
+    if value not in allowed:
+        extra = " or an import path 'package.module:name'" if import_path_ok else ""
+        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(allowed)}{extra}")
+
+
+def ordered(low_name: str, low: float, high_name: str, high: float) -> None:
+    if not low < high:
+        raise ConfigError(f"{low_name}={low!r} must be < {high_name}={high!r}")
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]; '' -> []. ValueError on anything else."""
+    cores: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{text!r}: expected core numbers and ranges like '0-2,5'")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"{text!r}: range {part!r} runs backwards")
+        cores += range(first, last + 1)
+    return sorted(set(cores))

@@ -1,0 +1,89 @@
+"""The config schema as text (`asyncrl train --help-config`): every section and field with
+its type, default and description, and every policy loss with its own settings."""
+
+from __future__ import annotations
+
+import textwrap
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from asyncrl.config.losses import LOSS_MODELS, CustomLoss
+from asyncrl.config.tree import Config
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is typing.Annotated:
+        return _type_name(get_args(tp)[0])
+    if origin is not None:
+        return f"{getattr(origin, '__name__', origin)}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _default(field: Any) -> str:
+    if field.default is not PydanticUndefined:
+        return repr(field.default)
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return repr(value.type if hasattr(value, "type") else value)
+    return "required"
+
+
+def _fields(model: type[BaseModel], indent: str, skip: tuple[str, ...] = ()) -> list[str]:
+    lines = []
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        if name == "policy_loss":
+            lines.append(f"{indent}{name}: policy loss (see below) = {_default(field)}")
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            lines.append(f"{indent}{name}: section (see below)")
+        else:
+            bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in _BOUNDS if hasattr(m, attr)]
+            limits = f"  ({', '.join(bounds)})" if bounds else ""
+            lines.append(f"{indent}{name}: {_type_name(field.annotation)} = {_default(field)}{limits}")
+        doc = " ".join((field.description or "").split())
+        if doc:
+            lines += textwrap.wrap(doc, 100, initial_indent=indent + "    ", subsequent_indent=indent + "    ")
+    return lines
+
+
+def _doc(model: type) -> str:
+    return " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+def schema_text() -> str:
+    lines = ["asyncrl config: section.field: type = default (set in YAML or as section.field=value)", ""]
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        lines.append(f"{section}:  {_doc(model)}")
+        lines += _fields(model, "  ")
+        for name, sub in model.model_fields.items():
+            if isinstance(sub.annotation, type) and issubclass(sub.annotation, BaseModel):
+                lines.append(f"  {section}.{name}:  {_doc(sub.annotation)}")
+                lines += _fields(sub.annotation, "    ")
+        lines.append("")
+    lines.append(
+        "algo.policy_loss: a name (its defaults), {type: NAME, setting: value, ...} or "
+        "{type: 'package.module:function', kwargs: {...}}; override one setting with algo.policy_loss.SETTING=value"
+    )
+    for name, model in LOSS_MODELS.items():
+        lines.append(f"  type: {name}  {_doc(model)}")
+        lines += _fields(model, "    ", skip=("type",))
+    lines.append(f"  type: package.module:function  {_doc(CustomLoss)}")
+    lines += _fields(CustomLoss, "    ", skip=("type",))
+    return "\n".join(lines) + "\n"

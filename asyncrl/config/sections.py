@@ -1,0 +1,290 @@
+"""The rollout, queue, learner, sync, control and monitor sections, each with the rules that
+involve only its own fields (rules across sections live on the root, asyncrl.config.tree)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from asyncrl.config.base import ENVIRONMENTS, ConfigError, Section, check_import_path, is_import_path, one_of
+from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
+
+
+def _cpu_list(name: str, text: str) -> str:
+    try:
+        _parse_cpu_list(text)
+    except ValueError as e:
+        raise ConfigError(f"{name}={e}") from None
+    return text
+
+
+def _custom_resources(name: str, res: dict[str, Any]) -> dict[str, Any]:
+    for key, amount in res.items():
+        if key in ("CPU", "GPU", "memory") or not isinstance(amount, (int, float)) or not amount > 0:
+            raise ConfigError(
+                f"{name}.{key}={amount!r}: must be a custom resource name with an amount > 0 "
+                f"(CPUs and GPUs are set by cpus_per_* / gpus_per_*)"
+            )
+    return res
+
+
+class RewardFnConfig(Section):
+    """One reward function of rollout.rewards."""
+
+    fn: str
+    """Import path 'package.module:function'."""
+    weight: float = 1.0
+    """Its weight in the sum; finite."""
+
+
+class RolloutConfig(Section):
+    """Generators: the vLLM engines, sampling, environment and prompts."""
+
+    model: str = "tiny"
+    """A local model directory or hub id; 'tiny' writes a tiny random Llama for the env's alphabet."""
+    num_generators: int = Field(1, ge=0)
+    n_samples: int = Field(8, ge=1)
+    """Samples per prompt (one rollout group)."""
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    """-1 (off) or >= 1."""
+    env: str = "copy"
+    """A built-in environment (copy, reverse, arithmetic, gsm8k, countdown_chat) or an import
+    path 'package.module:Class'."""
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)
+    rewards: list[RewardFnConfig] = Field(default_factory=list)
+    """Reward functions by import path, summed with their weights, in place of the
+    environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
+    TRL's signature: fn(prompts, completions, **columns) -> list[float | None]."""
+    prompts: str | None = None
+    """jsonl / parquet / a local datasets directory; None lets the environment make prompts."""
+    prompt_split: str = "train"
+    """The split of a datasets directory that rollout.prompts names."""
+    prompt_field: str = "prompt"
+    """The column holding the prompt text."""
+    answer_field: str = "answer"
+    """The column holding the reference answer."""
+    chat_template: bool = False
+    """Render prompts through the tokenizer's chat template."""
+    max_prompt_tokens: int = Field(192, ge=1)
+    """Prompts longer than this are skipped and counted."""
+    max_inflight_groups: int = Field(16, ge=1)
+    """Groups a generator keeps in flight at once."""
+    engine_max_model_len: int = 256
+    engine_max_num_seqs: int = 64
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    kvcache_gib: int = 1
+    logprobs: bool = True
+    """Record per-token rollout logprobs (needed by every off-policy correction)."""
+    seed: int = 0
+    heartbeat_timeout_s: float = Field(60.0, ge=5)
+    """A generator whose last heartbeat (one a second) is older than this is killed and
+    restarted by the trainer (its admitted prompts are re-issued by the successor); >= 5."""
+    cpus_per_generator: float = 1.0
+    gpus_per_generator: float = 0.0
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each generator needs, e.g. {gen: 1}: generators then run only on
+    nodes started with that resource (`ray start --resources='{"gen": 8}'`)."""
+    cpu_affinity: str = ""
+    """CPU cores for the generators' engines, e.g. "0" or "0-3" ("" = no pinning). Benchmarks give
+    generators and learners disjoint cores, as a cluster gives them disjoint GPUs."""
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _resources(cls, value: Any) -> Any:
+        return _custom_resources("rollout.resources", value) if isinstance(value, dict) else value
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _affinity(cls, value: str) -> str:
+        return _cpu_list("rollout.cpu_affinity", value)
+
+    @model_validator(mode="after")
+    def _rules(self) -> RolloutConfig:
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"rollout.top_k={self.top_k!r}: must be -1 (off) or >= 1")
+        one_of("rollout.env", self.env, ENVIRONMENTS, import_path_ok=True)
+        for i, spec in enumerate(self.rewards):
+            if not is_import_path(spec.fn):
+                raise ConfigError(
+                    f"rollout.rewards[{i}].fn={spec.fn!r}: must be an import path 'package.module:function'"
+                )
+            check_import_path(f"rollout.rewards[{i}].fn", spec.fn)
+            if not math.isfinite(spec.weight):
+                raise ConfigError(f"rollout.rewards[{i}].weight={spec.weight!r}: must be a finite number")
+        if self.max_prompt_tokens + self.max_tokens > self.engine_max_model_len:
+            raise ConfigError(
+                f"rollout.max_prompt_tokens + rollout.max_tokens = {self.max_prompt_tokens + self.max_tokens} "
+                f"exceeds rollout.engine_max_model_len={self.engine_max_model_len}"
+            )
+        return self
+
+
+class QueueConfig(Section):
+    """The Redis replay queue; embedded redis-server unless a URL is given."""
+
+    redis_url: str | None = None
+    """redis://, rediss:// or unix:// URL; None starts an embedded redis-server on 127.0.0.1."""
+    password: str | None = None
+    maxlen: int = Field(4096, ge=1)
+    """Bound on queued groups; put() waits (backpressure) rather than dropping fresh data."""
+    put_timeout_s: float = Field(60.0, gt=0)
+    """How long one put() waits on a full queue before raising QueueFull; a generator then
+    logs a warning and keeps waiting with its finished group (it never drops one)."""
+    aof: bool = True
+    """Embedded server: append-only persistence so un-acked records survive a restart."""
+    max_record_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    bind: str = "127.0.0.1"
+    ledger: bool = False
+    """Record every produced group id in Redis (asyncrl:{run}:produced) so a run can be
+    audited: produced = trained + dropped-stale + dead-lettered + still queued."""
+    claim_idle_s: float = Field(900.0, gt=0)
+    """Another consumer's un-acked entry idle this long is presumed orphaned and claimed;
+    keep it above the time between checkpoints (entries stay un-acked until then)."""
+    retry_deadline_s: float = Field(30.0, gt=0)
+    """How long every Redis call retries (with backoff) through an outage before the caller
+    gets QueueUnavailable: a server restart or network blip shorter than this is ridden out."""
+    outage_deadline_s: float | None = Field(None, gt=0)
+    """How long a Redis outage may last before the run gives up (None: no deadline); > 0 when set."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"queue.redis_url={value!r}: must start with redis://, rediss:// or unix://")
+        return value
+
+
+class LearnerConfig(Section):
+    """FSDP2 learner ranks, optimiser and schedule."""
+
+    num_ranks: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Token budget of one micro-batch (sequences are never split)."""
+    mini_batches_per_step: int = Field(1, ge=1)
+    """Optimizer steps per trainer step (each bumps the policy version)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy for the ranks (one bundle each); see docs/multinode.md."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each rank needs, e.g. {train: 1}, to keep ranks on training nodes."""
+    seed: int = 0
+    collective_timeout_s: float = Field(300.0, gt=0)
+    """A rank that does not answer a collective in this long fails the step (LearnerError), not a hang."""
+    cpu_affinity: str = ""
+    """CPU cores for the learner ranks, e.g. "1" ("" = no pinning); see rollout.cpu_affinity."""
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _resources(cls, value: Any) -> Any:
+        return _custom_resources("learner.resources", value) if isinstance(value, dict) else value
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _affinity(cls, value: str) -> str:
+        return _cpu_list("learner.cpu_affinity", value)
+
+
+class SyncConfig(Section):
+    """Weight sync from learner rank 0 back to the engines."""
+
+    sync_every: int = Field(1, ge=1)
+    """Publish weights every this many optimizer steps."""
+    backend: Literal["auto", "shm", "nccl", "object_store"] = "auto"
+    """auto: nccl with CUDA; else shm when every generator shares the trainer's host, and
+    object_store (bytes through Ray's object store, no shared filesystem) when one does not."""
+    inflight: Literal["recompute", "keep"] = "recompute"
+    """In-flight requests at a sync: recompute with the new weights, or finish on stale KV."""
+    shm_dir: str = "/dev/shm"
+
+
+class ControlConfig(Section):
+    """The driver loop: staleness, batching, checkpoints, evaluation."""
+
+    mode: Literal["async", "sync"] = "async"
+    max_staleness: int = Field(1, ge=0)
+    groups_per_step: int = Field(8, ge=1)
+    total_steps: int = Field(100, ge=1)
+    checkpoint_every: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    """Keep the newest this many complete checkpoints (older ones are deleted after each save)..."""
+    keep_every: int = Field(0, ge=0)
+    """...plus every checkpoint whose step is a multiple of this (0: none kept for good)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every this many steps on a held-out prompt set (0: never); logged as eval/*."""
+    eval_size: int = Field(32, ge=1)
+    """Held-out prompts per evaluation."""
+    eval_prompts: str | None = None
+    """A prompt file for evaluation (like rollout.prompts); None: the environment makes them."""
+    eval_split: str = "test"
+    """The split of a datasets directory used for evaluation."""
+    eval_temperature: float = Field(0.0, ge=0)
+    """0 = greedy."""
+    export_every: int = Field(0, ge=0)
+    """Write a Hugging Face folder to run_dir/hf/step_N every this many steps (0: only
+    run_dir/hf/final, which every run writes when it ends)."""
+    run_name: str = "demo"
+    run_dir: str = "runs/demo"
+    seed: int = 0
+    batch_timeout_s: float = 600.0
+    """After this long without a full batch the trainer checks its generators: it waits on
+    (saying why, once a minute) while any can run, alive or being restarted, and fails with a
+    checkpoint and the resume command when none can."""
+    ray_address: str | None = None
+    ray_object_store_mb: int = 512
+
+    @field_validator("eval_prompts")
+    @classmethod
+    def _eval_prompts(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"control.eval_prompts={value!r}: no such file or directory")
+        return value
+
+
+class MonitorConfig(Section):
+    """Metrics sinks and the thresholds the dashboard alerts on."""
+
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    wandb_project: str = "asyncrl"
+    tensorboard: bool = False
+    """Also write TensorBoard event files."""
+    console: bool = True
+    console_every: int = Field(10, ge=1)
+    """Print a metrics line every this many steps (the progress bar updates every step)."""
+    verbose: bool = False
+    """Stream every Ray worker's output (vLLM engines included) to the console, as Ray does by
+    default. Off: it stays in Ray's worker logs, linked from run_dir/logs/ray, and the console
+    shows asyncrl's own lines (`asyncrl train --verbose` turns it on)."""
+    dashboard: bool = True
+    """`asyncrl train` serves the dashboard itself on dashboard_host:dashboard_port."""
+    dashboard_port: int = 8470
+    dashboard_host: str = "127.0.0.1"
+    """Beyond loopback it needs dashboard_token."""
+    dashboard_token: str | None = None
+    alert_rollout_kl: float = 0.05
+    alert_masked_frac: float = 0.2
+    alert_staleness_frac: float = 1.0
+    """Alert when max staleness reaches this fraction of max_staleness."""
+
+    @model_validator(mode="after")
+    def _exposed_dashboard(self) -> MonitorConfig:
+        if self.dashboard_host not in ("127.0.0.1", "localhost", "::1") and not self.dashboard_token:
+            raise ConfigError(
+                f"monitor.dashboard_host={self.dashboard_host!r}: binding beyond loopback requires "
+                f"monitor.dashboard_token"
+            )
+        return self

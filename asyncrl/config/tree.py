@@ -1,0 +1,112 @@
+"""The root of the config tree and the rules that span sections."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.algo import AlgoConfig
+from asyncrl.config.base import GROUP_BASELINE_ESTIMATORS, ConfigError, Section
+from asyncrl.config.sections import (
+    ControlConfig,
+    LearnerConfig,
+    MonitorConfig,
+    QueueConfig,
+    RolloutConfig,
+    SyncConfig,
+)
+
+log = logging.getLogger("asyncrl.config")
+
+
+class Config(Section):
+    """The whole run: one section per component, validated once at start-up."""
+
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML/JSON-safe values (tuples as lists), the loss as {type: ..., ...}."""
+        return self.model_dump(mode="json")
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Config:
+        validate(self)
+        return self
+
+
+def validate(cfg: Config) -> None:
+    """Cross-section rules. Raises ConfigError naming the fields; may switch on required features."""
+    a, r, q, lr, s, c = cfg.algo, cfg.rollout, cfg.queue, cfg.learner, cfg.sync, cfg.control
+    if a.advantage_estimator in GROUP_BASELINE_ESTIMATORS and r.n_samples < 2 and a.policy_loss.type != "cross_entropy":
+        raise ConfigError(
+            f"rollout.n_samples={r.n_samples}: algo.advantage_estimator={a.advantage_estimator!r} "
+            f"measures each sample against the other samples of its prompt, so a group of one has no "
+            f"baseline, every advantage is 0 and nothing is trained. Use rollout.n_samples >= 2, or "
+            f"algo.advantage_estimator='reinforce_pp' (baseline over the whole batch)."
+        )
+    if a.advantage_estimator == "maxrl":
+        why = _negative_rewards_possible(r)
+        if why:
+            log.warning(
+                "algo.advantage_estimator='maxrl' gives advantage 0 to every group whose mean reward is <= 0 "
+                "(it divides by the mean, which must be a success rate), and %s: such groups will not train. "
+                "MaxRL is meant for rewards in [0, 1]; consider grpo or dr_grpo.",
+                why,
+            )
+    if a.needs_rollout_logprobs and not r.logprobs:
+        log.warning(
+            "algo.correction / algo.rollout_kl_coef / algo.policy_loss=%r need engine logprobs: "
+            "setting rollout.logprobs=true",
+            a.policy_loss.type,
+        )
+        r.logprobs = True
+    # Entries stay un-acked until the checkpoint that covers them and count against maxlen;
+    # a smaller bound would make generators and trainer wait on each other forever.
+    need = c.groups_per_step * (c.checkpoint_every + c.max_staleness + 2)
+    if q.maxlen < need:
+        raise ConfigError(
+            f"queue.maxlen={q.maxlen}: must be >= control.groups_per_step * (control.checkpoint_every + "
+            f"control.max_staleness + 2) = {need}, since entries stay queued until a checkpoint acks them"
+        )
+    if c.groups_per_step % lr.mini_batches_per_step:
+        raise ConfigError(
+            f"control.groups_per_step={c.groups_per_step} must be divisible by "
+            f"learner.mini_batches_per_step={lr.mini_batches_per_step}"
+        )
+    # Weights are published at the end of the trainer step in which the version reaches a
+    # multiple of sync_every; the last mini-batch of a step trains on data up to this old.
+    floor = s.sync_every + lr.mini_batches_per_step - 2
+    if c.max_staleness < floor:
+        raise ConfigError(
+            f"control.max_staleness={c.max_staleness} must be >= sync.sync_every + "
+            f"learner.mini_batches_per_step - 2 = {floor}: generators only see new weights every "
+            f"sync_every optimizer steps, so fresher data cannot exist"
+        )
+    if c.mode == "async" and r.num_generators < 1:
+        raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")
+
+
+def _negative_rewards_possible(r: RolloutConfig) -> str | None:
+    """Why the configured environment's rewards can be negative, or None when they cannot."""
+    if r.env in ("copy", "reverse", "arithmetic"):
+        penalty = r.env_kwargs.get("length_penalty", 0.05)
+        if isinstance(penalty, (int, float)) and penalty <= 0:
+            return None
+        return (
+            f"rollout.env={r.env!r} subtracts length_penalty={penalty!r} per character of length error, "
+            f"so its rewards go below 0"
+        )
+    if r.env == "gsm8k":
+        low = min(r.env_kwargs.get("correct_reward", 1.0), r.env_kwargs.get("format_reward", 0.0))
+        return None if low >= 0 else f"rollout.env='gsm8k' has a reward of {low!r}"
+    if r.env == "countdown_chat":
+        return "rollout.env='countdown_chat' subtracts 0.05 per character of length error in every turn"
+    return f"the rewards of rollout.env={r.env!r} are not known to be >= 0"
