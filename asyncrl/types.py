@@ -134,8 +134,10 @@ class MetricValue:
     """
 
     reduce: str
-    total: float
-    count: float = 1.0
+    # float, or a 0-d tensor: the learner keeps its metrics on the device until they are merged
+    # (no host sync per micro-batch), so these are typed by what they support, not as float.
+    total: Any
+    count: Any = 1.0
 
     def merge(self, other: MetricValue) -> MetricValue:
         if self.reduce != other.reduce:

@@ -72,7 +72,7 @@ class CorrectionParams:
                 f"token_mask_low={low!r}, token_mask_high={high!r}: set both or neither "
                 f"({missing} is missing, and one bound alone would mask nothing)"
             )
-        if low is not None and not 0 < low < high:
+        if low is not None and high is not None and not 0 < low < high:
             raise ValueError(f"token_mask_low={low!r}, token_mask_high={high!r}: need 0 < low < high")
 
     @property
@@ -152,8 +152,9 @@ def off_policy_correction(
     if params.outlier_mask:
         bad_token = live & ((rho < params.outlier_low) | (rho > params.outlier_high))
         apply_rows("outlier", ~bad_token.any(dim=1))
-    if params.token_mask:
-        apply("token", (rho >= params.token_mask_low) & (rho <= params.token_mask_high))
+    low, high = params.token_mask_low, params.token_mask_high
+    if low is not None and high is not None:  # params.token_mask, spelled out for the type checker
+        apply("token", (rho >= low) & (rho <= high))
 
     weights = torch.ones_like(old_logp)
     ratio = rho

@@ -51,18 +51,18 @@ from asyncrl.config.losses import (
     POLICY_LOSSES,
     CispoLoss,
     ClipCovLoss,
+    ClippedLoss,
     CrossEntropyLoss,
     DualClipLoss,
     GmpoLoss,
     GspoLoss,
     KlCovLoss,
     LossParams,
-    PpoLoss,
     SapoLoss,
 )
 
 
-def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: PpoLoss):
+def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, params: ClippedLoss):
     """PPO clipped surrogate with an asymmetric range [1 - eps_clip_low, 1 + eps_clip_high].
 
     loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),  r_t = exp(logp_t - old_t).

@@ -16,7 +16,7 @@ import functools
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ class LearnerActor:
         rank: int,
         world_size: int,
         collective_timeout_s: float = 300.0,
-        model_package: list | None = None,
+        model_package: dict | None = None,
     ) -> None:
         self.cfg, self.model_path, self.model_package = cfg, model_path, model_package
         self.rank, self.world_size = rank, world_size
@@ -91,7 +91,7 @@ class LearnerActor:
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
         self.logprob_fn = loss.token_logprobs
         self.microbatch_loss = loss.microbatch_loss
-        self.pad_token_id = int(self.model.config.pad_token_id or 0)
+        self.pad_token_id = int(cast(Any, self.model).config.pad_token_id or 0)  # an HF model under FSDP
         return {
             "rank": self.rank,
             "device": str(self.device),

@@ -26,7 +26,7 @@ import random
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -46,7 +46,7 @@ def rank_file(directory: str | Path, rank: int) -> Path:
 
 def rng_state() -> dict[str, Any]:
     """torch (CPU and CUDA), numpy and Python RNG states as msgpack-able values."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state())  # the legacy tuple form (its default)
     state = {
         "torch": torch.get_rng_state().numpy().tobytes(),
         "numpy": [
@@ -105,7 +105,7 @@ def load_rank_state(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(Path(directory) / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     # Rank 0's file always exists; a rank beyond the saved world size takes rank 0's

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     The last block keeps its parameters gathered after forward (reshard_after_forward=False):
     backward starts with it, so freeing and re-gathering them would only add a copy.
     """
-    kwargs = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     blocks = decoder_blocks(model)
@@ -131,8 +132,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     seen: set[int] = set()
-    out = {}
-    for name, tensor in state.items():
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        tensor = cast(torch.Tensor, value)  # a full, CPU-offloaded state dict holds plain tensors
         ptr = tensor.untyped_storage().data_ptr()
         out[name] = tensor.clone() if ptr in seen else tensor
         seen.add(ptr)

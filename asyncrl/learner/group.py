@@ -75,7 +75,7 @@ class LearnerGroup:
         *,
         num_ranks: int | None = None,
         collective_timeout_s: float = 300.0,
-        model_package: list | None = None,
+        model_package: dict | None = None,
     ) -> None:
         import ray
         from transformers import AutoConfig

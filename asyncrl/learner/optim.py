@@ -46,7 +46,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: LearnerConfig) ->
     if not trainable:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     # foreach: one multi-tensor kernel per op instead of a Python loop over (DTensor) shards.
-    return torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=True)
+    return torch.optim.AdamW(
+        trainable, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay, foreach=True
+    )
 
 
 def build_scheduler(
