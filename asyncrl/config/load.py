@@ -45,7 +45,7 @@ def _path(loc: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
             continue
         parts.append(key)
         if isinstance(key, int):
-            text += f"[{key}]"
+            text = f"{text or 'config root'}[{key}]"
         elif isinstance(key, str) and key.isidentifier():
             text += f".{key}" if text else key
         else:
@@ -108,8 +108,11 @@ def _message(err: Any) -> str:
         return f"{parent}: missing field {parts[-1]!r}{why}"
     if parts[-1:] == ("policy_loss",) or (len(parts) > 1 and parts[-2] == "policy_loss"):
         where = where if where.startswith(WHERE) else WHERE
+    if kind == "invalid_key":
+        return f"{where}: keys must be strings"
     if kind in _BOUNDS:
         bound = next(iter(ctx.values()), "?")
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
         return f"{where}={value!r}: must be {_BOUNDS[kind]} {bound}"
     if kind == "literal_error":
         return f"{where}={value!r}: must be one of {ctx.get('expected')}"
