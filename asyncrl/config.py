@@ -362,6 +362,8 @@ class MonitorConfig:
     wandb_project: str = "asyncrl"
     console: bool = True
     console_every: int = 10
+    tensorboard: bool = False
+    """Also write every step's metrics as TensorBoard scalars under run_dir/tensorboard."""
     verbose: bool = False
     """Stream every Ray worker's output (vLLM engines included) to the console, as Ray does by
     default. Off: it stays in Ray's worker logs, linked from run_dir/logs/ray, and the console
