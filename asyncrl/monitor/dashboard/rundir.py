@@ -71,7 +71,7 @@ def _latest(rows: list[dict[str, Any]]) -> dict[str, float | None]:
         for name, value in row.items():
             if name in ("step", "time"):
                 continue
-            value = data._json_float(value)
+            value = data.json_float(value)
             if latest.get(name) is None:
                 latest[name] = value
     return latest
@@ -114,7 +114,7 @@ class RunDirSource:
             cfg = yaml.safe_load(path.read_text())
         except yaml.YAMLError:
             return {}
-        return data._json_safe(cfg) if isinstance(cfg, dict) else {}
+        return data.json_safe(cfg) if isinstance(cfg, dict) else {}
 
     def _summary_file(self) -> dict[str, Any]:
         path = self.run_dir / SUMMARY_FILE
@@ -122,7 +122,7 @@ class RunDirSource:
             record = json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
-        return data._json_safe(record) if isinstance(record, dict) else {}
+        return data.json_safe(record) if isinstance(record, dict) else {}
 
     def _checkpoint_extra(self) -> tuple[str | None, dict[str, Any]]:
         """The newest complete checkpoint's name and its `extra` (LoopState.to_extra)."""
@@ -199,8 +199,8 @@ class RunDirSource:
             now=now,
         )
         counters = summary_file.get("counters") if isinstance(summary_file.get("counters"), dict) else {}
-        first_time = data._json_float(rows[0].get("time")) if rows else None
-        last_time = data._json_float(rows[-1].get("time")) if rows else None
+        first_time = data.json_float(rows[0].get("time")) if rows else None
+        last_time = data.json_float(rows[-1].get("time")) if rows else None
         summary = {
             "run": run,
             "mode": self.mode,
@@ -237,14 +237,14 @@ class RunDirSource:
         start = int(since.partition("-")[0]) if since else 0
         series: dict[str, dict[str, list]] = {}
         for row in rows[start:]:
-            t = data._json_float(row.get("time"))
+            t = data.json_float(row.get("time"))
             for name, value in row.items():
-                if name in ("step", "time") or not data._matches(name, names):
+                if name in ("step", "time") or not data.matches_names(name, names):
                     continue
                 s = series.setdefault(name, {"step": [], "time": [], "value": [], "source": []})
                 s["step"].append(row["step"])
                 s["time"].append(t)
-                s["value"].append(data._json_float(value))
+                s["value"].append(data.json_float(value))
                 s["source"].append("trainer")
         return {"last_id": str(max(start, len(rows))), "series": series}
 

@@ -191,7 +191,9 @@ function drawChart(c) {
     layout.annotations = [{ xref: "paper", x: 1, y: ref.y, text: `${ref.label} ${fmt(ref.y)}`, showarrow: false,
                             xanchor: "right", yanchor: "bottom", font: { color: "#dc2626", size: 10 } }];
   }
-  document.getElementById(`nodata-${c.id}`).hidden = hasData;
+  const nodata = document.getElementById(`nodata-${c.id}`);
+  nodata.hidden = hasData;
+  if (view.snapshot && view.snapshot.summary.finished) nodata.textContent = "not logged by this run";
   Plotly.react(`chart-${c.id}`, traces, layout, { displaylogo: false, responsive: true,
                                                   modeBarButtonsToRemove: ["lasso2d", "select2d"] });
 }
