@@ -310,6 +310,7 @@ def serve(
         app = create_run_dir_app(run_dir, token=token)
         what = f" (finished run {app.state.source.run!r} from {app.state.source.display})"
     else:
+        assert redis_url is not None  # exactly one of the two, checked above
         app = create_app(redis_url, run=run, password=password, token=token)
         what = ""
     print(f"asyncrl dashboard: http://{host}:{port}/{what}" + (" (token required)" if token else ""), flush=True)

@@ -95,8 +95,7 @@ class RunDirSource:
             )
         self.display = str(self.run_dir)
         self.config = self._read_config()
-        control = self.config.get("control") if isinstance(self.config.get("control"), dict) else {}
-        name = control.get("run_name")
+        name = self._setting("control", "run_name")
         self.run = name if isinstance(name, str) and name and "/" not in name else self.run_dir.name
         self._lock = threading.Lock()
         self._key: tuple[int, int] | None = None
@@ -186,8 +185,9 @@ class RunDirSource:
         checkpoint, extra = self._checkpoint_extra()
         last_step = rows[-1]["step"] if rows else summary_file.get("step")
         version = summary_file.get("policy_version", extra.get("version"))
-        if version is None and latest.get("learner/version") is not None:
-            version = int(latest["learner/version"])
+        logged_version = latest.get("learner/version")
+        if version is None and logged_version is not None:
+            version = int(logged_version)
         max_staleness = summary_file.get("max_staleness", self._setting("control", "max_staleness"))
         thresholds = self._thresholds()
         alerts = evaluate_alerts(
@@ -198,7 +198,8 @@ class RunDirSource:
             generators={},
             now=now,
         )
-        counters = summary_file.get("counters") if isinstance(summary_file.get("counters"), dict) else {}
+        counters = summary_file.get("counters")
+        counters = counters if isinstance(counters, dict) else {}
         first_time = data.json_float(rows[0].get("time")) if rows else None
         last_time = data.json_float(rows[-1].get("time")) if rows else None
         summary = {
@@ -227,6 +228,8 @@ class RunDirSource:
                 "has_summary": bool(summary_file),
                 "checkpoint": checkpoint,
                 "bad_lines": self._bad_lines,
+                # A run dir is read as it is: one still being written shows its steps so far.
+                "metrics_age_s": max(0.0, now - self.metrics_path.stat().st_mtime),
             },
         }
         return {"summary": summary, "generators": [], "alerts": alerts, "time": now}

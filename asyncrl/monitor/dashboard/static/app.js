@@ -271,7 +271,12 @@ function drawFinished(s) {
                  f.ended_at ? `ended ${fmtTime(f.ended_at)}` : null,
                  f.checkpoint ? `last checkpoint ${f.checkpoint}` : null].filter(Boolean);
   let text = parts.join(" · ") + `. Read from ${f.run_dir}`;
-  if (!f.has_summary) text += " (no summary.json: the run ended before its summary, killed or crashed)";
+  if (!f.has_summary && f.metrics_age_s < 60) {
+    text += ` (metrics.jsonl changed ${Math.round(f.metrics_age_s)} s ago: the run may still be going;` +
+            " its live page is the URL it printed)";
+  } else if (!f.has_summary) {
+    text += " (no summary.json: the run ended before its summary, killed or crashed)";
+  }
   b.textContent = text + ".";
 }
 
