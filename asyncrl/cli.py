@@ -5,7 +5,8 @@
     asyncrl train --help-config                  # every config field: type, default, description
     asyncrl generate --redis redis://127.0.0.1:6379/0 --run demo      # join a running job
     asyncrl generate --redis URL --run demo --ray-address ray://HEAD:10001   # from another host
-    asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8470]
+    asyncrl dashboard --redis redis://127.0.0.1:6379/0 [--run demo] [--port 8470]   # a live run
+    asyncrl dashboard runs/demo [--host 127.0.0.1] [--port 8470]                    # a finished run
     asyncrl bench e2e --quick
     asyncrl tiny-model /tmp/tiny
 
@@ -60,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
         "host that joined the cluster with `ray start`",
     )
 
-    d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard")
-    d.add_argument("--redis", required=True)
+    d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard (a live run's Redis or a run dir)")
+    d.add_argument("run_dir", nargs="?", help="a finished run's directory (control.run_dir): reads its metrics.jsonl")
+    d.add_argument("--redis", default=None, help="a live run's Redis URL")
     d.add_argument("--run", default=None)
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=8470)
@@ -132,7 +134,26 @@ def _cmd_generate(args) -> int:
 def _cmd_dashboard(args) -> int:
     from asyncrl.monitor.dashboard.app import serve
 
-    serve(args.redis, run=args.run, host=args.host, port=args.port, token=args.token, password=args.password)
+    if (args.run_dir is None) == (args.redis is None):
+        what = "both given" if args.redis else "neither given"
+        print(f"asyncrl dashboard: give a RUN_DIR (a finished run) or --redis URL (live): {what}", file=sys.stderr)
+        return 2
+    if args.run_dir is not None and args.run is not None:
+        print("asyncrl dashboard: --run is for --redis; a RUN_DIR holds one run", file=sys.stderr)
+        return 2
+    try:
+        serve(
+            args.redis,
+            run=args.run,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            password=args.password,
+            run_dir=args.run_dir,
+        )
+    except (ValueError, FileNotFoundError) as e:  # rundir.NotARunDir is a FileNotFoundError
+        print(f"asyncrl dashboard: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

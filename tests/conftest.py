@@ -56,3 +56,94 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def finished_run_dir(tmp_path):
+    """A finished run's directory, written the way a run writes it: config.yaml (the resolved
+    config tree), metrics.jsonl through the real JsonlSink, and summary.json through the real
+    writer. The run logged steps 1-20, was resumed from its step-15 checkpoint and logged 16-30
+    (rewards 0.25 higher, so the resumed rows are told apart); eval/* every 5 steps; at step 30
+    drift/rollout_kl is above the 0.05 alert and drift/tis_ratio_max is NaN (logged as null).
+    Returns (run_dir, reward_of_step) where reward_of_step holds the values that count."""
+    import math
+    from pathlib import Path
+
+    import yaml
+
+    from asyncrl.config import load_config
+    from asyncrl.control.summary import write_summary_file
+    from asyncrl.monitor.metrics import staleness_summary
+    from asyncrl.monitor.sinks import JsonlSink
+
+    run_dir = tmp_path / "fin"
+    run_dir.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(
+        root / "configs" / "demo.yaml",
+        ["control.run_name=fin", f"control.run_dir={run_dir}", "control.max_staleness=2", "control.eval_every=5"],
+    )
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    reward_of_step: dict[int, float] = {}
+
+    def step_metrics(step: int, bonus: float) -> dict[str, float]:
+        reward_of_step[step] = round(step / 40 + bonus, 4)
+        m = {
+            **staleness_summary([0, 1, 1, 2] if step % 2 else [0, 0, 1, 1], max_staleness=2),
+            "reward/mean": reward_of_step[step],
+            "reward/std": 0.25,
+            "response/length_mean": 6.0 + step / 10,
+            "drift/rollout_kl": 0.0625 if step == 30 else 0.004,
+            "drift/masked_frac": 0.02,
+            "drift/tis_ratio_max": math.nan if step == 30 else 1.5 + step / 100,
+            "throughput/gen_tokens_per_s": 2000.0 + step,
+            "throughput/train_tokens_per_s": 1000.0 + step,
+            "time/wait_data": 0.1,
+            "time/train": 0.05,
+            "time/sync": 0.01,
+            "queue/depth": 4.0,
+            "learner/version": float(step),
+        }
+        if step % 5 == 0:
+            m.update(
+                {
+                    "eval/reward_mean": step / 50 + bonus,
+                    "eval/reward_std": 0.125,
+                    "eval/response_length_mean": 3.0 + step / 10,
+                    "eval/reward_errors": 0.0,
+                    "eval/prompts": 8.0,
+                }
+            )
+        return m
+
+    first = JsonlSink(run_dir / "metrics.jsonl")
+    for step in range(1, 21):
+        first.log(step, step_metrics(step, 0.0))
+    first.close()
+    resumed = JsonlSink(run_dir / "metrics.jsonl")
+    for step in range(16, 31):
+        resumed.log(step, step_metrics(step, 0.25))
+    resumed.close()
+    write_summary_file(
+        run_dir,
+        {
+            "run": "fin",
+            "status": "finished",
+            "step": 30,
+            "first_step": 15,
+            "policy_version": 30,
+            "max_staleness": 2,
+            "startup_s": 22.7,
+            "wall_s": 56.0,
+            "started_at": 1_790_000_000.0,
+            "ended_at": 1_790_000_056.0,
+            "counters": {
+                "groups_started": 260,
+                "groups_produced": 250,
+                "groups_trained": 240,
+                "dropped_stale": 4,
+                "dead_lettered": 1,
+            },
+        },
+    )
+    return run_dir, reward_of_step

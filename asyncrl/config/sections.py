@@ -261,7 +261,7 @@ class MonitorConfig(Section):
     wandb: Literal["disabled", "offline", "online"] = "disabled"
     wandb_project: str = "asyncrl"
     tensorboard: bool = False
-    """Also write TensorBoard event files."""
+    """Also write every step's metrics as TensorBoard scalars under run_dir/tensorboard."""
     console: bool = True
     console_every: int = Field(10, ge=1)
     """Print a metrics line every this many steps (the progress bar updates every step)."""

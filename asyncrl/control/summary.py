@@ -4,17 +4,23 @@
 
 `rows` are the run's metrics.jsonl objects (one per step: the catalogue's names), so the
 summary says exactly what the file says; numbers a step did not log are left out rather
-than shown as 0.
+than shown as 0. The facts the file does not hold (status, wall time, queue counters) also
+go to run_dir/summary.json (`write_summary_file`), which `asyncrl dashboard RUN_DIR` shows
+once the run and its Redis are gone.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 WINDOW = 10
 """Steps averaged for the "first -> last" reward and response length."""
+SUMMARY_FILE = "summary.json"
 
 
 def _mean(rows: Sequence[Mapping], name: str) -> float | None:
@@ -43,6 +49,7 @@ def run_summary(
     hf_dir: Path | None,
     dashboard_url: str | None,
     resume_cmd: str,
+    dashboard_cmd: str | None = None,
 ) -> str:
     steps = int(rows[-1]["step"]) if rows else 0
     wait, train, sync = (_sum(rows, f"time/{k}") for k in ("wait_data", "train", "sync"))
@@ -69,5 +76,17 @@ def run_summary(
     ]
     if dashboard_url:
         lines.append(f"  dashboard       {dashboard_url} (while this process runs)")
+    if dashboard_cmd:
+        lines.append(f"  dashboard       {dashboard_cmd} (any time: reads the run dir)")
     lines.append(f"  resume          {resume_cmd}")
     return "\n".join(lines)
+
+
+def write_summary_file(run_dir: str | Path, record: Mapping[str, Any]) -> Path:
+    """run_dir/summary.json, replaced whole (a reader never sees half a file); a resumed run
+    rewrites it with its own session's facts."""
+    path = Path(run_dir) / SUMMARY_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(record), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -79,18 +79,9 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             except Exception as e:
                 rt.report_lost_actors(e)
                 raise
-            print(
-                _summary(
-                    rt,
-                    run_dir,
-                    first_step,
-                    loop.max_staleness,
-                    "stopped" if stop.is_set else "finished",
-                    dashboard_url,
-                    time.perf_counter() - t0,
-                ),
-                flush=True,
-            )
+            status, wall_s = "stopped" if stop.is_set else "finished", time.perf_counter() - t0
+            _write_summary_file(rt, run_dir, state, first_step, loop.max_staleness, status, wall_s)
+            print(_summary(rt, run_dir, first_step, loop.max_staleness, status, dashboard_url, wall_s), flush=True)
             return state
     finally:
         stop.restore()
@@ -120,6 +111,30 @@ def _summary(
         hf_dir=hf if hf.is_dir() else None,
         dashboard_url=dashboard_url,
         resume_cmd=f"asyncrl train --resume {run_dir}",
+        dashboard_cmd=f"asyncrl dashboard {run_dir}",
+    )
+
+
+def _write_summary_file(rt, run_dir: Path, state, first_step: int, max_staleness: int, status: str, wall_s: float):
+    """run_dir/summary.json: what `asyncrl dashboard RUN_DIR` shows of a run whose Redis is gone."""
+    from asyncrl.control.summary import write_summary_file
+
+    ended = time.time()
+    write_summary_file(
+        run_dir,
+        {
+            "run": rt.cfg.control.run_name,
+            "status": status,
+            "step": state.step,
+            "first_step": first_step,
+            "policy_version": state.version,
+            "max_staleness": max_staleness,
+            "startup_s": round(rt.startup.get("generators", 0.0), 3),
+            "wall_s": round(wall_s, 3),
+            "started_at": round(ended - wall_s, 3),
+            "ended_at": round(ended, 3),
+            "counters": dict(rt.queue.counters()),
+        },
     )
 
 

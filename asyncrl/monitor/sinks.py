@@ -1,5 +1,5 @@
 """Metrics sinks: the Redis metrics stream (the dashboard reads it), run_dir/metrics.jsonl
-(outlives the run), wandb and the console.
+(outlives the run), TensorBoard event files, wandb and the console.
 
     logger = MetricsLogger([RedisSink("redis://127.0.0.1:6379", run="demo"), ConsoleSink(every=10)])
     logger.log(step, {"reward/mean": 0.5, "staleness/mean": 0.25})
@@ -30,6 +30,7 @@ from asyncrl.queue import keys
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 class Sink(Protocol):
@@ -137,6 +138,27 @@ class JsonlSink:
         self._file.close()
 
 
+class TensorBoardSink:
+    """Scalar event files under `log_dir` (``run_dir/tensorboard``), one scalar per catalogue
+    name and step: ``tensorboard --logdir run_dir/tensorboard``. Non-finite values are left
+    out (the point is missing, as null is in metrics.jsonl). Events are flushed every
+    `flush_secs` and on close; a resumed run adds an event file next to the old one."""
+
+    def __init__(self, log_dir: str | Path, flush_secs: int = 10):
+        from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is slow to import
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for name, value in clean(metrics).items():
+            if math.isfinite(value):
+                self._writer.add_scalar(name, value, global_step=int(step))
+
+    def close(self) -> None:
+        self._writer.close()  # flushes what is pending
+
+
 def _fmt(value: float | None, spec: str = ".3g") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -220,12 +242,18 @@ def build_metrics_logger(
     password: str | None = None,
 ) -> MetricsLogger:
     """The sinks a MonitorConfig asks for. run_dir/metrics.jsonl is always written; Redis is
-    always on (the dashboard reads it) if a client is given.
+    always on (the dashboard reads it) if a client is given; run_dir/tensorboard with
+    monitor.tensorboard.
 
     A sink that cannot even start (e.g. wandb online without a login) is warned about and left
     out, for the same reason sinks never raise: monitoring must not stop a run.
     """
     sinks: list[Sink] = [JsonlSink(Path(run_dir) / METRICS_FILE)]
+    if monitor_cfg.tensorboard:
+        try:
+            sinks.append(TensorBoardSink(Path(run_dir) / TENSORBOARD_DIR))
+        except Exception as e:
+            log.warning("tensorboard sink could not start, continuing without it: %s: %s", type(e).__name__, e)
     if redis_client is not None:
         sinks.append(RedisSink(redis_client, run, password=password))
     if monitor_cfg.wandb != "disabled":

@@ -1,4 +1,5 @@
-"""The dashboard in a real headless Chromium: live data written during the test shows up on the page.
+"""The dashboard in a real headless Chromium: live data written during the test shows up on the page,
+and a finished run's directory (`asyncrl dashboard RUN_DIR`) renders as finished.
 
 ASYNCRL_SAVE_SCREENSHOT=1 .venv/bin/python -m pytest tests/browser -q   # also writes docs/dashboard.png
 """
@@ -16,7 +17,7 @@ import msgpack
 import pytest
 import redis
 
-from asyncrl.monitor.dashboard.app import create_app
+from asyncrl.monitor.dashboard.app import create_app, create_run_dir_app
 from asyncrl.monitor.metrics import staleness_summary
 from asyncrl.monitor.sinks import RedisSink
 from asyncrl.queue import keys
@@ -27,9 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _history_step(step: int) -> dict[str, float]:
-    """A plausible trajectory: reward rising, drift small, staleness within max_staleness=2."""
+    """A plausible trajectory: reward rising, drift small, staleness within max_staleness=2,
+    an evaluation every 10 steps."""
     stale = [0] * 4 + [1] * 3 + ([2] if step % 3 == 0 else [1])
+    evals = {"eval/reward_mean": 0.1 + step / 40, "eval/reward_std": 0.2, "eval/response_length_mean": 4.0}
     return {
+        **(evals if step % 10 == 0 else {}),
         **staleness_summary(stale, max_staleness=2),
         "reward/mean": round(0.2 + 0.6 * (1 - math.exp(-step / 8)), 4),
         "reward/std": 0.25,
@@ -154,6 +158,11 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
     assert len(reward["y"]) == 21 and reward["y"][-1] == 0.875 and reward["x"][-1] == 20
     stale = page.evaluate("document.getElementById('chart-staleness').layout.shapes[0].y0")
     assert stale == 2  # the configured bound is drawn
+    # Evaluations (every 10 steps) in their own panel, the new one included.
+    ev = page.evaluate("document.getElementById('chart-eval').data[0]")
+    assert ev["name"] == "eval reward mean" and ev["x"] == [0, 10, 20] and ev["y"][-1] == 0.6
+    assert page.locator("#nodata-eval").is_hidden()
+    assert page.locator("#finished-banner").is_hidden() and _text(page, "#conn-text") == "live"
     assert errors == []
 
     page.wait_for_timeout(400)  # let plotly finish its transitions before the picture
@@ -190,4 +199,38 @@ def test_token_link_opens_the_page_and_its_live_requests(chromium, serve_dashboa
     RedisSink(live_run, RUN).log(20, {"reward/mean": 0.5})
     page.wait_for_function("document.getElementById('stat-reward').textContent === '0.5'", timeout=10_000)
     assert page.url == f"{base}/run/{RUN}"
+    page.close()
+
+
+def test_finished_run_dir_renders_as_finished(chromium, serve_dashboard, finished_run_dir):
+    """`asyncrl dashboard RUN_DIR`: metrics.jsonl + summary.json, no Redis; marked finished, the
+    charts hold the whole (resumed) trajectory, evaluations in their panel, nothing followed."""
+    run_dir, reward = finished_run_dir
+    base = serve_dashboard(create_run_dir_app(run_dir))
+    page = chromium.new_page(viewport={"width": 1440, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    streams: list[str] = []
+    page.on("request", lambda r: streams.append(r.url) if r.url.endswith("/stream") else None)
+    page.goto(base + "/")  # redirects to the run's page
+    page.wait_for_function("document.getElementById('stat-step').textContent === '30'", timeout=15_000)
+    assert page.url == f"{base}/run/fin"
+    assert _text(page, "#conn-text") == "finished" and _text(page, "#run-status") == "finished"
+    banner = _text(page, "#finished-banner")
+    assert banner.startswith("Finished run (finished): final step 30 · wall time 56.0 s · start-up 22.7 s"), banner
+    assert str(run_dir) in banner
+    assert page.locator("#gen-panel").is_hidden()
+    assert _text(page, "#stat-policy-version") == "30" and _text(page, "#stat-trained") == "240"
+    assert _text(page, "#stat-uptime") == "wall time 56.0 s"
+    assert _text(page, "#stat-reward") == "1"
+    reward_trace = page.evaluate("document.getElementById('chart-reward').data[0]")
+    assert reward_trace["x"] == list(range(1, 31)) and reward_trace["y"] == [reward[s] for s in range(1, 31)]
+    ev = page.evaluate("document.getElementById('chart-eval').data[0]")
+    assert ev["x"] == [5, 10, 15, 20, 25, 30] and ev["y"][-1] == pytest.approx(0.85)
+    assert page.locator("#nodata-eval").is_hidden() and page.locator("#nodata-staleness").is_hidden()
+    badge = page.locator('.badge.alert[data-kind="rollout_kl"]')
+    assert badge.count() == 1 and "rollout KL 0.0625 > 0.05" in badge.inner_text()
+    page.wait_for_timeout(1500)  # long enough for a live page to have opened its stream
+    assert streams == [] and _text(page, "#conn-text") == "finished"
+    assert errors == []
     page.close()

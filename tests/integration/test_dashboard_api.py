@@ -115,6 +115,7 @@ def test_summary_has_state_counters_and_latest(api):
     s = api.get(f"/api/run/{RUN}/summary").json()
     assert s["policy_version"] == 10 and s["weights_version"] == 10 and s["max_staleness"] == 2
     assert s["status"] == "running" and s["step"] == 9 and s["groups_per_step"] == 8
+    assert s["mode"] == "live" and "finished" not in s  # the page follows the stream
     assert 119 < s["uptime_s"] < 200
     assert s["counters"] == {
         "groups_started": 96,

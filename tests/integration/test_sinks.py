@@ -15,7 +15,15 @@ from rich.console import Console
 
 from asyncrl.config import MonitorConfig
 from asyncrl.monitor.dashboard import data
-from asyncrl.monitor.sinks import ConsoleSink, JsonlSink, MetricsLogger, RedisSink, WandbSink, build_metrics_logger
+from asyncrl.monitor.sinks import (
+    ConsoleSink,
+    JsonlSink,
+    MetricsLogger,
+    RedisSink,
+    TensorBoardSink,
+    WandbSink,
+    build_metrics_logger,
+)
 from asyncrl.queue import keys
 
 
@@ -155,3 +163,44 @@ def test_metrics_jsonl_outlives_the_run_one_object_per_step(tmp_path):
     again.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["reward/mean"] is None
+
+
+def read_tensorboard(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under `log_dir`, as TensorBoard itself reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every point
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_sink_writes_scalars_tensorboard_reads(tmp_path):
+    """One scalar per catalogue name and step under run_dir/tensorboard; non-finite values and
+    non-numbers are left out; close() flushes (the flush interval is far longer than the test)."""
+    import math
+
+    sink = TensorBoardSink(tmp_path / "tensorboard", flush_secs=3600)
+    sink.log(1, {"reward/mean": 0.25, "staleness/max": 2, "drift/rollout_kl": math.nan, "note": "dropped"})
+    sink.log(2, {"reward/mean": 0.5, "staleness/max": 1, "drift/rollout_kl": 0.0625, "eval/reward_mean": -math.inf})
+    sink.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    scalars = read_tensorboard(tmp_path / "tensorboard")
+    assert set(scalars) == {"reward/mean", "staleness/max", "drift/rollout_kl"}
+    assert scalars["reward/mean"] == [(1, 0.25), (2, 0.5)]
+    assert scalars["staleness/max"] == [(1, 2.0), (2, 1.0)]
+    assert scalars["drift/rollout_kl"] == [(2, 0.0625)]
+
+
+def test_build_metrics_logger_adds_tensorboard_when_asked(tmp_path):
+    logger = build_metrics_logger(MonitorConfig(console=False, tensorboard=True), None, "tb", tmp_path, {})
+    assert [type(s) for s in logger.sinks] == [JsonlSink, TensorBoardSink]
+    for step in range(1, 4):
+        logger.log(step, {"reward/mean": step / 4, "time/step": 0.5})
+    logger.close()
+    assert logger.failures == {}
+    scalars = read_tensorboard(tmp_path / "tensorboard")
+    assert scalars["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 0.75)] and len(scalars["time/step"]) == 3
+    off = build_metrics_logger(MonitorConfig(console=False), None, "tb", tmp_path / "off", {})
+    assert [type(s) for s in off.sinks] == [JsonlSink]
+    off.close()
+    assert not (tmp_path / "off" / "tensorboard").exists()

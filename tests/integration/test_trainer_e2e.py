@@ -53,6 +53,7 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
         "control.keep_checkpoints=2",
         "control.eval_every=20",
         "control.eval_size=8",
+        "monitor.tensorboard=true",
     )
     rewards: list[float] = []
     seen: dict = {"elastic": None, "left_at": None}
@@ -136,6 +137,7 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     assert f"run stopped: {state.step} steps in " in summary, summary[-2000:]
     assert f"resume          asyncrl train --resume {tmp_path / 'e2e'}" in summary
     assert f"model (HF)      {tmp_path / 'e2e' / 'hf' / 'final'}" in summary
+    assert f"dashboard       asyncrl dashboard {tmp_path / 'e2e'} (any time" in summary
 
     # Results outlive the run: every step's metrics in metrics.jsonl, and the final weights as
     # a Hugging Face folder from the learners that `asyncrl export` rebuilds from the checkpoint.
@@ -145,6 +147,8 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     evals = [r for r in rows if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == list(range(20, state.step + 1, 20)), [r["step"] for r in evals]
     assert all(r["eval/prompts"] == 8 and -2.0 <= r["eval/reward_mean"] <= 1.0 for r in evals), evals
+    assert_tensorboard_matches(tmp_path / "e2e" / "tensorboard", rows)
+    assert_finished_dashboard(tmp_path / "e2e", state, rows)
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "export", str(tmp_path / "e2e")],
         capture_output=True,
@@ -163,6 +167,37 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
         timeout=300,
     )
     assert bad.returncode == 2 and "no complete checkpoint of step 3 (there are: " in bad.stderr, bad.stderr
+
+
+def assert_tensorboard_matches(log_dir: Path, rows: list[dict]) -> None:
+    """monitor.tensorboard: the event files hold what metrics.jsonl holds (float32), as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    for name in ("reward/mean", "staleness/max", "drift/rollout_kl", "eval/reward_mean"):
+        logged = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        events = [(e.step, e.value) for e in acc.Scalars(name)]
+        assert [s for s, _ in events] == [s for s, _ in logged], name
+        assert [v for _, v in events] == pytest.approx([v for _, v in logged], rel=1e-6, abs=1e-7), name
+
+
+def assert_finished_dashboard(run_dir: Path, state, rows: list[dict]) -> None:
+    """`asyncrl dashboard RUN_DIR` over the real files of the run that just ended (its Redis is gone)."""
+    from starlette.testclient import TestClient
+
+    from asyncrl.monitor.dashboard.app import create_run_dir_app
+
+    record = json.loads((run_dir / "summary.json").read_text())
+    assert record["status"] == "stopped" and record["step"] == state.step and record["policy_version"] == state.version
+    with TestClient(create_run_dir_app(run_dir)) as api:
+        s = api.get("/api/run/e2e/summary").json()
+        assert s["mode"] == "finished" and s["status"] == "stopped" and s["step"] == state.step
+        assert s["policy_version"] == state.version and s["counters"]["groups_trained"] > 0
+        assert s["finished"]["wall_s"] > 0 and s["finished"]["bad_lines"] == 0
+        series = api.get("/api/run/e2e/series?names=reward/mean,eval/*").json()["series"]
+        assert series["reward/mean"]["step"] == [r["step"] for r in rows]
+        assert series["eval/reward_mean"]["step"] == [r["step"] for r in rows if "eval/reward_mean" in r]
 
 
 def assert_same_hf_model(a: Path, b: Path) -> None:

@@ -36,6 +36,7 @@ def test_summary_of_a_finished_run():
         hf_dir=Path("/r/hf/final"),
         dashboard_url="http://127.0.0.1:8470/",
         resume_cmd="asyncrl train --resume /r",
+        dashboard_cmd="asyncrl dashboard /r",
     )
     lines = text.splitlines()
     # 20 steps x (0.5 + 0.25 + 0.125) s; reward: mean of steps 1-10 = 0.55, of 11-20 = 1.55.
@@ -48,6 +49,11 @@ def test_summary_of_a_finished_run():
     assert "produced 330, trained 320, dropped as stale 6, dead-lettered 1" in lines[4]
     assert "/r/checkpoints/step_000020" in text and "/r/hf/final" in text and "/r/metrics.jsonl" in text
     assert lines[-1].endswith("asyncrl train --resume /r") and "http://127.0.0.1:8470/" in text
+    # The live URL dies with the process; the finished-run command works on the run dir later.
+    assert lines[-3:-1] == [
+        "  dashboard       http://127.0.0.1:8470/ (while this process runs)",
+        "  dashboard       asyncrl dashboard /r (any time: reads the run dir)",
+    ]
 
 
 def test_summary_of_a_run_stopped_before_its_first_step():
@@ -67,3 +73,15 @@ def test_summary_of_a_run_stopped_before_its_first_step():
     assert text.splitlines()[0].startswith("run stopped: 0 steps in 13.0 s")
     assert "reward          - (first 0 steps) -> - (last 0)" in text
     assert "checkpoint      -" in text and "dashboard" not in text
+
+
+def test_summary_file_is_replaced_whole(tmp_path):
+    import json
+
+    from asyncrl.control.summary import SUMMARY_FILE, write_summary_file
+
+    write_summary_file(tmp_path, {"status": "stopped", "step": 5})
+    path = write_summary_file(tmp_path, {"status": "finished", "step": 9, "wall_s": 1.5})
+    assert path == tmp_path / SUMMARY_FILE
+    assert json.loads(path.read_text()) == {"status": "finished", "step": 9, "wall_s": 1.5}
+    assert [p.name for p in tmp_path.iterdir()] == [SUMMARY_FILE]  # no temp file left

@@ -1,4 +1,5 @@
-"""`python -m asyncrl.monitor.dashboard --redis URL [--run NAME] [--host H] [--port P] [--token T]`.
+"""`python -m asyncrl.monitor.dashboard --redis URL [--run NAME] [--host H] [--port P] [--token T]`,
+or `python -m asyncrl.monitor.dashboard RUN_DIR [...]` for a finished run (`asyncrl dashboard` is the same).
 
 The token may also come from $ASYNCRL_DASHBOARD_TOKEN (keeps it out of `ps` listings), the
 Redis password from $ASYNCRL_REDIS_PASSWORD.
@@ -13,7 +14,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m asyncrl.monitor.dashboard", description=__doc__.splitlines()[0])
-    p.add_argument("--redis", required=True, help="redis:// URL of the run's Redis")
+    p.add_argument("run_dir", nargs="?", help="a finished run's directory (reads its metrics.jsonl)")
+    p.add_argument("--redis", default=None, help="redis:// URL of the live run's Redis")
     p.add_argument("--run", default=None, help="open this run directly (default: the runs page)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470)
@@ -23,8 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.monitor.dashboard.app import serve
 
     try:
-        serve(args.redis, run=args.run, host=args.host, port=args.port, token=args.token, password=args.password)
-    except ValueError as e:
+        serve(
+            args.redis,
+            run=args.run,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            password=args.password,
+            run_dir=args.run_dir,
+        )
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

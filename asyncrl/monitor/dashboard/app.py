@@ -1,15 +1,19 @@
-"""The live staleness/drift dashboard: a Starlette app over the run's Redis keys.
+"""The staleness/drift dashboard: a Starlette app over a live run's Redis keys or a finished run's directory.
 
     python -m asyncrl.monitor.dashboard --redis redis://127.0.0.1:6379 [--run demo] [--port 8470]
     # or: asyncrl dashboard --redis URL;  or in code: serve(redis_url, run="demo")
+    asyncrl dashboard runs/demo        # a finished run: metrics.jsonl + summary.json, no Redis
     # then open http://127.0.0.1:8470/  (add ?token=... once when a token is configured)
 
 Pages: ``/`` lists the runs in this Redis, ``/run/{run}`` is one run's live page (plotly charts,
 updated once a second over server-sent events). JSON per panel: ``/api/runs``,
 ``/api/run/{run}/summary|generators|alerts|series?names=a,b&since=ID|stream``; ``/metrics`` is
-Prometheus text. Read-only: the app never writes to Redis and never unpickles anything.
+Prometheus text. The data comes through one `Source` (sources.py): RedisSource for a live run,
+RunDirSource (rundir.py) for a finished one, whose summary says ``"mode": "finished"`` and the
+page then loads once instead of following the stream. Read-only: the app never writes to Redis
+or the run dir, and never unpickles anything.
 
-Security: binds 127.0.0.1 by default; a non-loopback host needs a token. With a token every
+Security (guard.py): binds 127.0.0.1 by default; a non-loopback host needs a token. With a token every
 route needs it (``?token=``, ``Authorization: Bearer``, or the cookie set after the first visit):
 none -> 401, wrong -> 403.
 """
@@ -17,22 +21,18 @@ none -> 401, wrong -> 403.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import html
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import redis
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import (
     FileResponse,
-    HTMLResponse,
     JSONResponse,
     PlainTextResponse,
     RedirectResponse,
@@ -42,12 +42,12 @@ from starlette.responses import (
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from asyncrl.monitor import metrics as M
 from asyncrl.monitor.dashboard import data
+from asyncrl.monitor.dashboard.guard import TokenAuth, check_host, error_response
+from asyncrl.monitor.dashboard.prometheus import prometheus_text
+from asyncrl.monitor.dashboard.sources import RedisSource, Source
 
 STATIC_DIR = Path(__file__).parent / "static"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-TOKEN_COOKIE = "asyncrl_dashboard_token"
 STREAM_INTERVAL_S = 1.0
 
 
@@ -64,91 +64,36 @@ def plotly_js_path() -> Path:
 # ----------------------------------------------------------------------------- errors
 
 
-def _wants_html(request: Request) -> bool:
-    return not (request.url.path.startswith("/api/") or request.url.path == "/metrics")
-
-
-def _error(request: Request, status: int, title: str, message: str) -> Response:
-    if not _wants_html(request):
-        return JSONResponse({"error": title, "message": message}, status_code=status)
-    page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>asyncrl: {t}</title>"
-        "<link rel='stylesheet' href='/static/style.css'></head><body class='error-page'>"
-        "<main><h1>{t}</h1><p class='error-message'>{m}</p><p><a href='/'>All runs</a></p></main></body></html>"
-    ).format(t=html.escape(title), m=html.escape(message))
-    return HTMLResponse(page, status_code=status)
-
-
 async def _unknown_run(request: Request, exc: Exception) -> Response:
-    return _error(request, 404, "Unknown run", str(exc))
+    return error_response(request, 404, "Unknown run", str(exc))
 
 
-async def _redis_down(request: Request, exc: Exception) -> Response:
-    url = request.app.state.redis_display
-    return _error(
+async def _unreadable(request: Request, exc: Exception) -> Response:
+    source = _source(request)
+    return error_response(
         request,
         503,
-        "Redis unreachable",
-        f"cannot read run data from {url}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
-        f"Is the trainer's redis-server running, and is --redis right?",
+        _down_title(source),
+        f"cannot read run data from {source.display}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
+        f"{source.unreachable_hint()}",
     )
 
 
+def _down_title(source: Source) -> str:
+    return "Redis unreachable" if source.mode == "live" else "Run directory unreadable"
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    return _error(request, exc.status_code, "Bad request" if exc.status_code == 400 else "Not found", exc.detail)
-
-
-# ----------------------------------------------------------------------------- auth
-
-
-class TokenAuth:
-    """ASGI middleware: every HTTP request must carry the token (query, bearer header or cookie)."""
-
-    def __init__(self, app: Any, token: str):
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request = Request(scope)
-        query = request.query_params.get("token")
-        header = request.headers.get("authorization", "")
-        bearer = header[7:].strip() if header.lower().startswith("bearer ") else None
-        given = query or bearer or request.cookies.get(TOKEN_COOKIE)
-        if given is None:
-            response = _error(
-                request,
-                401,
-                "Token required",
-                "this dashboard needs its access token: open it with ?token=... or send 'Authorization: Bearer ...'",
-            )
-            await response(scope, receive, send)
-            return
-        if not hmac.compare_digest(given.encode(), self.token):
-            response = _error(request, 403, "Wrong token", "the access token given does not match this dashboard's")
-            await response(scope, receive, send)
-            return
-        if query is None:
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_cookie(message: dict) -> None:
-            # First visit by link: remember the token so the page's own requests carry it.
-            if message["type"] == "http.response.start":
-                cookie = f"{TOKEN_COOKIE}={query}; Path=/; HttpOnly; SameSite=Strict"
-                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie.encode())]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_cookie)
+    return error_response(
+        request, exc.status_code, "Bad request" if exc.status_code == 400 else "Not found", exc.detail
+    )
 
 
 # ----------------------------------------------------------------------------- endpoints
 
 
-def _client(request: Request) -> redis.Redis:
-    return request.app.state.redis
+def _source(request: Request) -> Source:
+    return request.app.state.source
 
 
 def _run_param(request: Request) -> str:
@@ -157,14 +102,14 @@ def _run_param(request: Request) -> str:
 
 async def index(request: Request) -> Response:
     fixed = request.app.state.default_run
-    await run_in_threadpool(_client(request).ping)  # an unreachable Redis gets the 503 page, not a blank one
+    await run_in_threadpool(_source(request).check)  # an unreachable store gets the 503 page, not a blank one
     if fixed is not None:
         return RedirectResponse(f"/run/{fixed}", status_code=307)
     return FileResponse(STATIC_DIR / "index.html")
 
 
 async def run_page(request: Request) -> Response:
-    await run_in_threadpool(data.require_run, _client(request), _run_param(request))
+    await run_in_threadpool(_source(request).require, _run_param(request))
     return FileResponse(STATIC_DIR / "index.html")
 
 
@@ -172,11 +117,11 @@ async def plotly_js(request: Request) -> Response:
     return FileResponse(request.app.state.plotly_path, media_type="application/javascript")
 
 
-def _runs_listing(client: redis.Redis) -> list[dict[str, Any]]:
+def _runs_listing(source: Source) -> list[dict[str, Any]]:
     out = []
     now = time.time()
-    for run in data.list_runs(client):
-        snap = data.run_snapshot(client, run, now)
+    for run in source.runs():
+        snap = source.snapshot(run, now)
         s = snap["summary"]
         out.append(
             {
@@ -194,11 +139,11 @@ def _runs_listing(client: redis.Redis) -> list[dict[str, Any]]:
 
 
 async def api_runs(request: Request) -> Response:
-    return JSONResponse({"runs": await run_in_threadpool(_runs_listing, _client(request))})
+    return JSONResponse({"runs": await run_in_threadpool(_runs_listing, _source(request))})
 
 
 async def _snapshot(request: Request) -> dict[str, Any]:
-    return await run_in_threadpool(data.run_snapshot, _client(request), _run_param(request))
+    return await run_in_threadpool(_source(request).snapshot, _run_param(request))
 
 
 async def api_summary(request: Request) -> Response:
@@ -235,36 +180,31 @@ def _valid_stream_id(text: str) -> bool:
     return ms.isdigit() and (seq == "" or seq.isdigit())
 
 
-def _series(client: redis.Redis, run: str, names: list[str] | None, since: str | None) -> dict[str, Any]:
-    data.require_run(client, run)
-    return data.read_series(client, run, names, since=since)
-
-
 async def api_series(request: Request) -> Response:
     names, since = _series_args(request)
-    return JSONResponse(await run_in_threadpool(_series, _client(request), _run_param(request), names, since))
+    return JSONResponse(await run_in_threadpool(_source(request).series, _run_param(request), names, since))
 
 
 async def api_stream(request: Request) -> Response:
     """Server-sent events: one `update` event per interval with new series points + the snapshot."""
     names, since = _series_args(request)
-    client, run = _client(request), _run_param(request)
-    await run_in_threadpool(data.require_run, client, run)  # 404 before the stream starts
+    source, run = _source(request), _run_param(request)
+    await run_in_threadpool(source.require, run)  # 404 before the stream starts
     interval = request.app.state.stream_interval
 
     async def events():
         last_id = since
         while True:
             try:
-                update = await run_in_threadpool(data.run_snapshot, client, run)
+                update = await run_in_threadpool(source.snapshot, run)
                 update["summary"].pop("config", None)  # static for a run: /summary has it, no need every second
-                series = await run_in_threadpool(data.read_series, client, run, names, since=last_id)
+                series = await run_in_threadpool(source.series, run, names, last_id)
                 last_id = series["last_id"]
                 update.update(series)
                 yield f"event: update\ndata: {json.dumps(update)}\n\n"
-            except redis.RedisError as e:
-                # Keep the stream open: the page shows the error and recovers when Redis is back.
-                yield f"event: failure\ndata: {json.dumps({'error': f'Redis unreachable: {e}'})}\n\n"
+            except source.read_errors as e:
+                # Keep the stream open: the page shows the error and recovers when the store is back.
+                yield f"event: failure\ndata: {json.dumps({'error': f'{_down_title(source)}: {e}'})}\n\n"
             except data.UnknownRun as e:  # the run's keys were deleted while the page was open
                 yield f"event: failure\ndata: {json.dumps({'error': str(e)})}\n\n"
             if await request.is_disconnected():
@@ -276,68 +216,8 @@ async def api_stream(request: Request) -> Response:
     )
 
 
-# ----------------------------------------------------------------------------- prometheus
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _prom_value(value: float | None) -> str:
-    if value is None:
-        return "NaN"
-    value = float(value)
-    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
-
-
-def prometheus_text(client: redis.Redis) -> str:
-    """Latest value of every metric per run as gauges, the counters hash as counters, generators."""
-    families: dict[str, tuple[str, str, list[str]]] = {}
-
-    def add(name: str, kind: str, help_text: str, labels: dict[str, str], value: float | None) -> None:
-        fam = families.setdefault(name, (kind, help_text, []))
-        lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-        fam[2].append(f"{name}{{{lab}}} {_prom_value(value)}")
-
-    now = time.time()
-    for run in data.list_runs(client):
-        snap = data.run_snapshot(client, run, now)
-        s, run_label = snap["summary"], {"run": run}
-        for field in ("policy_version", "weights_version", "max_staleness"):
-            if s[field] is not None:
-                add(f"asyncrl_{field}", "gauge", f"run state: {field}", run_label, s[field])
-        add("asyncrl_alerts", "gauge", "alerts currently raised", run_label, len(snap["alerts"]))
-        for name, value in sorted(s["latest"].items()):
-            doc = M.spec(name).doc if M.is_known(name) else "metric logged by the trainer"
-            add(M.prometheus_name(name), "gauge", f"latest {name}: {doc}", run_label, value)
-        for name, value in s["counters"].items():
-            add(f"asyncrl_{name}_total", "counter", f"counters hash: {name}", run_label, value)
-        for g in snap["generators"]:
-            labels = {"run": run, "generator": g["id"]}
-            add("asyncrl_generator_version", "gauge", "policy version a generator runs", labels, g["version"])
-            add("asyncrl_generator_lag", "gauge", "policy_version - generator version", labels, g["lag"])
-            add(
-                "asyncrl_generator_heartbeat_age_seconds",
-                "gauge",
-                "seconds since the last heartbeat",
-                labels,
-                g["heartbeat_age_s"],
-            )
-            add(
-                "asyncrl_generator_up",
-                "gauge",
-                "1 if the heartbeat is fresh",
-                labels,
-                0.0 if g["status"] == "gone" else 1.0,
-            )
-    lines = []
-    for name, (kind, help_text, samples) in families.items():
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
-    return "\n".join(lines) + "\n"
-
-
 async def prometheus(request: Request) -> Response:
-    text = await run_in_threadpool(prometheus_text, _client(request))
+    text = await run_in_threadpool(prometheus_text, _source(request))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -360,9 +240,28 @@ def create_app(
     token: str | None = None,
     stream_interval: float = STREAM_INTERVAL_S,
 ) -> Starlette:
-    """The dashboard app. `password` is the Redis password (if not in the URL); `token` guards the app."""
+    """The live dashboard. `password` is the Redis password (if not in the URL); `token` guards the app."""
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis_url={redis_url!r}: must start with redis://, rediss:// or unix://")
+    import redis
+
+    client = redis.Redis.from_url(redis_url, password=password, socket_connect_timeout=2, socket_timeout=5)
+    source = RedisSource(client, _display_url(redis_url))
+    return build_app(source, run=run, token=token, stream_interval=stream_interval)
+
+
+def create_run_dir_app(run_dir: str | Path, *, token: str | None = None) -> Starlette:
+    """The finished-run dashboard of `run_dir` (rundir.NotARunDir if it has no metrics.jsonl)."""
+    from asyncrl.monitor.dashboard.rundir import RunDirSource
+
+    source = RunDirSource(run_dir)
+    return build_app(source, run=source.run, token=token)
+
+
+def build_app(
+    source: Source, *, run: str | None, token: str | None = None, stream_interval: float = STREAM_INTERVAL_S
+) -> Starlette:
+    """The dashboard over any Source; `run` opens that run directly, `token` guards every route."""
     if token is not None and not token:
         raise ValueError("token='': give a non-empty token or None")
     routes = [
@@ -378,12 +277,10 @@ def create_app(
         Route("/api/run/{run}/stream", api_stream),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
-    app = Starlette(
-        routes=routes,
-        exception_handlers={data.UnknownRun: _unknown_run, redis.RedisError: _redis_down, HTTPException: _http_error},
-    )
-    app.state.redis = redis.Redis.from_url(redis_url, password=password, socket_connect_timeout=2, socket_timeout=5)
-    app.state.redis_display = _display_url(redis_url)
+    handlers: dict[Any, Callable] = {data.UnknownRun: _unknown_run, HTTPException: _http_error}
+    handlers.update({kind: _unreadable for kind in source.read_errors})
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    app.state.source = source
     app.state.default_run = run
     app.state.stream_interval = stream_interval
     app.state.plotly_path = plotly_js_path()
@@ -392,25 +289,31 @@ def create_app(
     return app
 
 
-def _check_host(host: str, token: str | None) -> None:
-    if host not in LOOPBACK_HOSTS and not token:
-        raise ValueError(f"host={host!r} is reachable from other machines: set a token (--token) to bind it")
-
-
 def serve(
-    redis_url: str,
+    redis_url: str | None = None,
     run: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8470,
     token: str | None = None,
     password: str | None = None,
+    *,
+    run_dir: str | Path | None = None,
 ) -> None:
-    """Run the dashboard with uvicorn until interrupted. Refuses a non-loopback host without a token."""
-    _check_host(host, token)
+    """Run the dashboard with uvicorn until interrupted: a live run's Redis (`redis_url`) or a
+    finished run's directory (`run_dir`), exactly one. Refuses a non-loopback host without a token."""
+    if (redis_url is None) == (run_dir is None):
+        raise ValueError("give exactly one of a Redis URL (a live run) or a run directory (a finished run)")
+    check_host(host, token)
     import uvicorn
 
-    app = create_app(redis_url, run=run, password=password, token=token)
-    print(f"asyncrl dashboard: http://{host}:{port}/" + (" (token required)" if token else ""), flush=True)
+    if run_dir is not None:
+        app = create_run_dir_app(run_dir, token=token)
+        what = f" (finished run {app.state.source.run!r} from {app.state.source.display})"
+    else:
+        assert redis_url is not None  # exactly one of the two, checked above
+        app = create_app(redis_url, run=run, password=password, token=token)
+        what = ""
+    print(f"asyncrl dashboard: http://{host}:{port}/{what}" + (" (token required)" if token else ""), flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
@@ -430,7 +333,7 @@ def serve_in_thread(
 
     import uvicorn
 
-    _check_host(host, token)
+    check_host(host, token)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

@@ -36,7 +36,7 @@ class UnknownRun(LookupError):
     """The run is neither in keys.RUNS nor has any state or metrics in this Redis."""
 
 
-def _json_float(value: Any) -> float | None:
+def json_float(value: Any) -> float | None:
     try:
         f = float(value)
     except (TypeError, ValueError):
@@ -44,14 +44,14 @@ def _json_float(value: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """Replace NaN/inf anywhere in a decoded JSON tree by None (a browser's JSON.parse rejects them)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -103,10 +103,10 @@ def read_state(client: Any, run: str) -> dict[str, Any]:
             except ValueError:
                 out[name] = None
         elif name in STATE_FLOAT_FIELDS:
-            out[name] = _json_float(value)
+            out[name] = json_float(value)
         elif name == "config":
             try:
-                out[name] = _json_safe(json.loads(value))
+                out[name] = json_safe(json.loads(value))
             except json.JSONDecodeError:
                 out[name] = None
         else:
@@ -143,7 +143,7 @@ def read_generators(
             continue
         version = rec.get("version")
         version = int(version) if isinstance(version, (int, float)) else None
-        heartbeat = _json_float(rec.get("heartbeat"))
+        heartbeat = json_float(rec.get("heartbeat"))
         lag = policy_version - version if policy_version is not None and version is not None else None
         age = now - heartbeat if heartbeat is not None else None
         if age is None or age > HEARTBEAT_TIMEOUT_S:
@@ -160,7 +160,7 @@ def read_generators(
                 "heartbeat": heartbeat,
                 "heartbeat_age_s": age,
                 "groups": rec.get("groups"),
-                "tokens_per_s": _json_float(rec.get("tokens_per_s")),
+                "tokens_per_s": json_float(rec.get("tokens_per_s")),
                 "status": status,
             }
         )
@@ -183,13 +183,13 @@ def latest_metrics(client: Any, run: str, window: int = LATEST_WINDOW) -> tuple[
             name = _text(name)
             if name in from_trainer or (name in latest and not is_trainer):
                 continue
-            latest[name] = _json_float(value)
+            latest[name] = json_float(value)
             if is_trainer:
                 from_trainer.add(name)
     return latest, step
 
 
-def _matches(name: str, wanted: list[str] | None) -> bool:
+def matches_names(name: str, wanted: list[str] | None) -> bool:
     if wanted is None:
         return True
     return any(name.startswith(w[:-1]) if w.endswith("*") else name == w for w in wanted)
@@ -215,12 +215,12 @@ def read_series(
             continue
         for name, value in entry["metrics"].items():
             name = _text(name)
-            if not _matches(name, wanted):
+            if not matches_names(name, wanted):
                 continue
             s = series.setdefault(name, {"step": [], "time": [], "value": [], "source": []})
             s["step"].append(entry.get("step"))
-            s["time"].append(_json_float(entry.get("time")))
-            s["value"].append(_json_float(value))
+            s["time"].append(json_float(entry.get("time")))
+            s["value"].append(json_float(value))
             s["source"].append(_text(entry.get("source", "trainer")))
     return {"last_id": last_id, "series": series}
 

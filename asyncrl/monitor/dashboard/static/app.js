@@ -1,7 +1,8 @@
 // asyncrl dashboard page logic. "/" shows the runs in this Redis; "/run/{run}" loads the run's
 // whole history from /api/run/{run}/series, then follows /api/run/{run}/stream (server-sent
-// events, one update a second) and redraws. Everything shown comes from the JSON the server
-// builds out of Redis; this file only formats and draws it.
+// events, one update a second) and redraws. A finished run (`asyncrl dashboard RUN_DIR`: the
+// summary says mode "finished") is loaded once and marked as such; nothing to follow. Everything
+// shown comes from the JSON the server builds; this file only formats and draws it.
 "use strict";
 
 const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d"];
@@ -42,6 +43,11 @@ const CHARTS = [
   { id: "loss", title: "Loss terms",
     metrics: [["loss/total", "total"], ["loss/policy", "policy"], ["loss/kl_ref", "KL ref"],
               ["loss/rollout_kl", "rollout KL"], ["loss/entropy", "entropy"]] },
+  // Logged only every control.eval_every steps: markers, so a lone point shows.
+  { id: "eval", title: "Evaluation on held-out prompts", yTitle: "reward", y2Title: "tokens", markers: true,
+    nodata: "no evaluation logged (control.eval_every = 0, or none due yet)",
+    metrics: [["eval/reward_mean", "eval reward mean"], ["eval/reward_std", "eval reward std"],
+              ["eval/response_length_mean", "eval length", "y2"]] },
 ];
 
 const view = { run: null, series: {}, lastId: null, snapshot: null, source: null, dirty: false };
@@ -157,7 +163,7 @@ function buildCharts() {
   const grid = document.getElementById("charts");
   grid.replaceChildren(...CHARTS.map(c => el("div", { class: "panel", id: `panel-${c.id}` },
     el("h2", {}, c.title), el("div", { class: "chart", id: `chart-${c.id}` }),
-    el("p", { class: "muted nodata", id: `nodata-${c.id}` }, "no data yet"))));
+    el("p", { class: "muted nodata", id: `nodata-${c.id}` }, c.nodata || "no data yet"))));
 }
 
 function drawChart(c) {
@@ -167,6 +173,7 @@ function drawChart(c) {
   metrics.forEach(([name, label, axis], i) => {
     traces.push(...tracesOf(name, label, palette[i % palette.length], axis));
   });
+  if (c.markers) traces = traces.map(t => ({ ...t, mode: "lines+markers", marker: { color: t.line.color, size: 6 } }));
   if (c.stacked) traces = traces.map(t => ({ ...t, type: "bar", mode: undefined, line: undefined,
                                              marker: { color: t.line.color } }));
   const hasData = traces.length > 0;
@@ -184,7 +191,9 @@ function drawChart(c) {
     layout.annotations = [{ xref: "paper", x: 1, y: ref.y, text: `${ref.label} ${fmt(ref.y)}`, showarrow: false,
                             xanchor: "right", yanchor: "bottom", font: { color: "#dc2626", size: 10 } }];
   }
-  document.getElementById(`nodata-${c.id}`).hidden = hasData;
+  const nodata = document.getElementById(`nodata-${c.id}`);
+  nodata.hidden = hasData;
+  if (view.snapshot && view.snapshot.summary.finished) nodata.textContent = "not logged by this run";
   Plotly.react(`chart-${c.id}`, traces, layout, { displaylogo: false, responsive: true,
                                                   modeBarButtonsToRemove: ["lasso2d", "select2d"] });
 }
@@ -199,7 +208,8 @@ function drawTiles(snap) {
   setText("stat-policy-version", fmt(s.policy_version));
   setText("stat-weights-version", s.weights_version != null ? `weights published: v${s.weights_version}` : "");
   setText("stat-step", fmt(s.step));
-  setText("stat-uptime", s.uptime_s != null && s.status === "running" ? `up ${Math.round(s.uptime_s / 60)} min` : "");
+  setText("stat-uptime", s.finished ? (s.finished.wall_s != null ? `wall time ${fmtDuration(s.finished.wall_s)}` : "")
+    : s.uptime_s != null && s.status === "running" ? `up ${Math.round(s.uptime_s / 60)} min` : "");
   setText("stat-reward", fmt(m["reward/mean"]));
   setText("stat-length", m["response/length_mean"] != null ? `length ${fmt(m["response/length_mean"])} tokens` : "");
   setText("stat-staleness-mean", fmt(m["staleness/mean"]));
@@ -242,10 +252,39 @@ function drawGenerators(gens) {
     el("td", { class: "num" }, fmt(g.tokens_per_s)))));
 }
 
+function fmtDuration(seconds) {
+  if (seconds < 120) return `${seconds.toFixed(1)} s`;
+  if (seconds < 7200) return `${(seconds / 60).toFixed(1)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
+}
+
+// A finished run: say so, with what it ended at and where the numbers come from.
+function drawFinished(s) {
+  const f = s.finished;
+  const b = document.getElementById("finished-banner");
+  b.hidden = !f;
+  document.getElementById("gen-panel").hidden = !!f;  // no generator outlives its run
+  if (!f) return;
+  const parts = [`Finished run (${s.status}): final step ${fmt(f.final_step)}`,
+                 f.wall_s != null ? `wall time ${fmtDuration(f.wall_s)}` : null,
+                 f.startup_s != null ? `start-up ${fmtDuration(f.startup_s)}` : null,
+                 f.ended_at ? `ended ${fmtTime(f.ended_at)}` : null,
+                 f.checkpoint ? `last checkpoint ${f.checkpoint}` : null].filter(Boolean);
+  let text = parts.join(" · ") + `. Read from ${f.run_dir}`;
+  if (!f.has_summary && f.metrics_age_s < 60) {
+    text += ` (metrics.jsonl changed ${Math.round(f.metrics_age_s)} s ago: the run may still be going;` +
+            " its live page is the URL it printed)";
+  } else if (!f.has_summary) {
+    text += " (no summary.json: the run ended before its summary, killed or crashed)";
+  }
+  b.textContent = text + ".";
+}
+
 function redraw() {
   if (!view.dirty) return;
   view.dirty = false;
   if (view.snapshot) {
+    drawFinished(view.snapshot.summary);
     drawTiles(view.snapshot);
     drawAlerts(view.snapshot.alerts);
     drawGenerators(view.snapshot.generators);
@@ -306,6 +345,10 @@ async function showRun(run) {
     view.snapshot = { summary, generators: gens.generators, alerts: alerts.alerts };
     view.dirty = true;
     redraw();
+    if (summary.mode === "finished") {
+      setConn(true, "finished");
+      return;  // the files do not change: nothing to follow
+    }
   } catch (e) {
     showError(e.message);
   }

@@ -1,0 +1,87 @@
+"""Who may see the dashboard, and what a refused or failed request gets back.
+
+    check_host("0.0.0.0", token=None)     # ValueError: a non-loopback bind needs a token
+    app.add_middleware(TokenAuth, token="...")
+    error_response(request, 404, "Unknown run", "...")  # an HTML page, or JSON under /api/
+
+With a token every route needs it (``?token=``, ``Authorization: Bearer``, or the cookie set
+after the first visit): none -> 401, wrong -> 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+TOKEN_COOKIE = "asyncrl_dashboard_token"
+
+
+def _wants_html(request: Request) -> bool:
+    return not (request.url.path.startswith("/api/") or request.url.path == "/metrics")
+
+
+def error_response(request: Request, status: int, title: str, message: str) -> Response:
+    if not _wants_html(request):
+        return JSONResponse({"error": title, "message": message}, status_code=status)
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>asyncrl: {t}</title>"
+        "<link rel='stylesheet' href='/static/style.css'></head><body class='error-page'>"
+        "<main><h1>{t}</h1><p class='error-message'>{m}</p><p><a href='/'>All runs</a></p></main></body></html>"
+    ).format(t=html.escape(title), m=html.escape(message))
+    return HTMLResponse(page, status_code=status)
+
+
+def check_host(host: str, token: str | None) -> None:
+    if host not in LOOPBACK_HOSTS and not token:
+        raise ValueError(f"host={host!r} is reachable from other machines: set a token (--token) to bind it")
+
+
+class TokenAuth:
+    """ASGI middleware: every HTTP request must carry the token (query, bearer header or cookie)."""
+
+    def __init__(self, app: Any, token: str):
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        query = request.query_params.get("token")
+        header = request.headers.get("authorization", "")
+        bearer = header[7:].strip() if header.lower().startswith("bearer ") else None
+        given = query or bearer or request.cookies.get(TOKEN_COOKIE)
+        if given is None:
+            response = error_response(
+                request,
+                401,
+                "Token required",
+                "this dashboard needs its access token: open it with ?token=... or send 'Authorization: Bearer ...'",
+            )
+            await response(scope, receive, send)
+            return
+        if not hmac.compare_digest(given.encode(), self.token):
+            response = error_response(
+                request, 403, "Wrong token", "the access token given does not match this dashboard's"
+            )
+            await response(scope, receive, send)
+            return
+        if query is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_cookie(message: dict) -> None:
+            # First visit by link: remember the token so the page's own requests carry it.
+            if message["type"] == "http.response.start":
+                cookie = f"{TOKEN_COOKIE}={query}; Path=/; HttpOnly; SameSite=Strict"
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cookie)
