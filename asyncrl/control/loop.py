@@ -244,6 +244,7 @@ class TrainLoop:
             # Not trained: leave them un-acked so a resume redelivers them.
             return None
         t_wait = time.perf_counter() - t0
+        items.sort(key=lambda item: item[1].group_id)  # arrival order is timing; float sums follow the order
         ids = [entry_id for entry_id, _ in items]
         groups = [g for _, g in items]
         staleness = [self.state.version - g.behavior_version for g in groups]
