@@ -64,7 +64,7 @@ class ConcurrencySampler:
         while not self.stop.wait(0.005):
             self.samples.append(self.llm.output_processor.get_num_unfinished_requests())
             if self.gen is not None:
-                self.slots.append(self.gen._slots_taken)
+                self.slots.append(self.gen.production.slots_taken)
 
     def __enter__(self):
         self.thread.start()

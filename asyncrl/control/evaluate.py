@@ -14,10 +14,15 @@ queued or trained, and the trainer waits for the answers (a few engine steps).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import statistics
+import time
 
 from asyncrl.config import Config
+from asyncrl.seeding import rollout_seed
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003
 """Env-made eval prompts use seed + this: a stream of their own, not the generators'."""
@@ -35,16 +40,18 @@ class Evaluator:
         self.max_tokens = r.max_tokens
         self.env = make_rollout_env(r)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        stream = open_prompts(c.eval_prompts, self.env, seed=r.seed + EVAL_SEED_OFFSET, id_prefix="eval")
+        stream = open_prompts(c.eval_prompts, self.env, seed=rollout_seed(cfg) + EVAL_SEED_OFFSET, id_prefix="eval")
         self.prompts = [
             (text, meta, self.tokenizer.encode(text)) for _, text, meta in itertools.islice(stream, c.eval_size)
         ]
 
-    def run(self, generators: list) -> dict[str, float]:
+    def run(self, generators: list, step: int | None = None) -> dict[str, float]:
+        """eval/* metrics over the held-out prompts; logged as the evaluation at ``step``."""
         import ray
 
         from asyncrl.rollout.envs import score_completion
 
+        t0 = time.perf_counter()
         refs = [
             generators[i % len(generators)].sample.remote(ids, 1, self.max_tokens, self.temperature)
             for i, (_, _, ids) in enumerate(self.prompts)
@@ -58,10 +65,18 @@ class Evaluator:
                 rewards.append(reward)
             else:
                 errors += 1
-        return {
+        out = {
             "eval/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "eval/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
             "eval/response_length_mean": statistics.fmean(lengths) if lengths else math.nan,
             "eval/reward_errors": float(errors),
             "eval/prompts": float(len(self.prompts)),
         }
+        log.info(
+            "eval at step %s: reward %.3f over %d prompts (%.1f s)",
+            step,
+            out["eval/reward_mean"],
+            len(self.prompts),
+            time.perf_counter() - t0,
+        )
+        return out

@@ -172,7 +172,7 @@ class TrainLoop:
         self._counters_seen = now
 
     def _train(self, groups: list) -> dict[str, float]:
-        from asyncrl.data.batch import build_minibatches
+        from asyncrl.data.batch import build_minibatches, minibatch_of
 
         m = self.cfg.learner.mini_batches_per_step
         minibatches, batch_metrics = build_minibatches(
@@ -183,20 +183,13 @@ class TrainLoop:
             at = self.state.version + j
             check_within_bound([at - seq.behavior_version for seq in mb], self.max_staleness)
         for g in groups:
-            j = self._minibatch_of(g.group_id, minibatches)
+            j = minibatch_of(g.group_id, minibatches)
             self.staleness_log.append((g.group_id, self.state.version + j - g.behavior_version))
             self.trained_by[g.samples[0].generator_id] += 1
             self.group_seconds.append(max(s.timings.get("generate_s", 0.0) for s in g.samples))
         metrics = self.learner.train_step(minibatches)
         metrics.update(batch_metrics)
         return metrics
-
-    @staticmethod
-    def _minibatch_of(group_id: str, minibatches) -> int:
-        for j, mb in enumerate(minibatches):
-            if any(seq.group_id == group_id for seq in mb):
-                return j
-        return 0
 
     def _publish(self, version: int, overlap: bool) -> float:
         """Export the weights as `version`, have the engines apply them, then raise the policy
@@ -251,6 +244,7 @@ class TrainLoop:
             # Not trained: leave them un-acked so a resume redelivers them.
             return None
         t_wait = time.perf_counter() - t0
+        items.sort(key=lambda item: item[1].group_id)  # arrival order is timing; float sums follow the order
         ids = [entry_id for entry_id, _ in items]
         groups = [g for _, g in items]
         staleness = [self.state.version - g.behavior_version for g in groups]
@@ -351,16 +345,7 @@ class TrainLoop:
             from asyncrl.control.evaluate import Evaluator
 
             self._evaluator = Evaluator(self.cfg, self.rt.model_path)
-        t0 = time.perf_counter()
-        out = self._evaluator.run(self.rt.generators)
-        log.info(
-            "eval at step %d: reward %.3f over %d prompts (%.1f s)",
-            self.state.step,
-            out["eval/reward_mean"],
-            len(self._evaluator.prompts),
-            time.perf_counter() - t0,
-        )
-        return out
+        return self._evaluator.run(self.rt.generators, step=self.state.step)
 
     def export_hf(self, name: str) -> Path:
         """The learners' weights as a Hugging Face folder, run_dir/hf/NAME."""

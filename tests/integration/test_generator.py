@@ -25,9 +25,9 @@ import torch
 
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.queue import keys
-from asyncrl.rollout.engine import shm_segments_of
 from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.rollout.generator import GeneratorActor
+from asyncrl.rollout.recovery import shm_segments_of
 from asyncrl.testing.job import pid_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

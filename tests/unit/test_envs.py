@@ -224,7 +224,7 @@ def test_prompt_ids_carry_the_generator_prefix_and_streams_are_reproducible(tmp_
 def test_unlink_segments_deletes_only_psm_segments(tmp_path):
     import os
 
-    from asyncrl.rollout.engine import unlink_segments
+    from asyncrl.rollout.recovery import unlink_segments
 
     with pytest.raises(ValueError, match="refusing to unlink"):
         unlink_segments(["/dev/shm/psm_abc", str(tmp_path / "psm_abc")])

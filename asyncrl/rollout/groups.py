@@ -1,0 +1,110 @@
+"""One prompt -> one scored RolloutGroup: n samples from the engine (single turn) or n
+trajectories through the environment (multi-turn), each scored as the reward sees it.
+
+    maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0", counts)
+    group = await maker.make(PromptItem("gen-0.1:7", "abc=", {...}, ids))
+
+Request ids come from the prompt id (unique in a run): ``prompt_id`` for a single-turn group,
+``prompt_id/t{k}/{turn}`` per trajectory and turn, so every request's seed, and with it the
+group, is fixed by (rollout.seed, prompt id, sample index) and the weights that sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from asyncrl.config import Config
+from asyncrl.rollout.engine import RolloutEngine
+from asyncrl.rollout.envs import make_env, score_completion
+from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
+from asyncrl.rollout.prompts import PromptItem
+from asyncrl.types import RolloutGroup, Sample
+
+
+class GroupMaker:
+    """Rolls prompts out on one engine and scores them; counts reward errors in ``counts``."""
+
+    def __init__(self, cfg: Config, env, tokenizer, engine: RolloutEngine, generator_id: str, counts: dict):
+        self.cfg, self.rollout, self.env, self.tokenizer = cfg, cfg.rollout, env, tokenizer
+        self.engine, self.generator_id, self.counts = engine, generator_id, counts
+
+    async def make(self, item: PromptItem) -> RolloutGroup:
+        t0 = time.time()
+        if self.env.multi_turn:
+            samples = await self._multi_turn_samples(item)
+        else:
+            max_tokens = item.metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
+            if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+                max_tokens = max(1, min(max_tokens, self.rollout.engine_max_model_len - len(item.ids)))
+            else:
+                max_tokens = None
+            completions = await self.engine.generate(
+                item.ids, self.rollout.n_samples, item.prompt_id, max_tokens=max_tokens
+            )
+            samples = [self._sample(item.text, item.metadata, c, t0) for c in completions]
+        # How in-flight requests met a weight update; "keep" means later tokens may have attended
+        # to KV computed by older weights (a correction the learner may want to know about).
+        meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
+        if self.cfg.sync.inflight == "keep" and any(
+            s.token_versions is not None and len(set(s.token_versions.tolist())) > 1 for s in samples
+        ):
+            meta["stale_kv"] = True  # tokens after a mid-request update attended to older weights' KV
+        # One group per prompt: a prompt re-issued after a crash that had in fact been put
+        # carries the same id, so the queue drops the duplicate instead of training it twice.
+        return RolloutGroup(
+            group_id=item.prompt_id,
+            prompt_id=item.prompt_id,
+            prompt_ids=np.asarray(item.ids, np.int32),
+            samples=samples,
+            env=self.rollout.env,
+            metadata=meta,
+        )
+
+    def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
+        reward, error = score_completion(self.env, self.tokenizer, prompt, c.token_ids, metadata)
+        if error is not None:
+            self.counts["reward_errors"] += 1
+        n = len(c.token_ids)
+        return Sample(
+            response_ids=np.asarray(c.token_ids, np.int32),
+            rollout_logprobs=np.asarray(c.logprobs, np.float32),
+            loss_mask=np.ones(n, np.uint8),
+            reward=reward,
+            behavior_version=min(c.versions) if c.versions else self.engine.version,
+            stop_reason=c.finish_reason,
+            token_versions=np.asarray(c.versions, np.int32),
+            generator_id=self.generator_id,
+            timings={"generate_s": time.time() - t0, "finished_at": time.time()},
+            error=error,
+        )
+
+    async def _multi_turn_samples(self, item: PromptItem) -> list[Sample]:
+        budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
+
+        async def one(k: int):
+            turns = 0
+
+            async def policy(context: list[int]) -> Turn:
+                nonlocal turns
+                turns += 1
+                c = (await self.engine.generate(context, 1, f"{item.prompt_id}/t{k}/{turns}"))[0]
+                return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
+
+            env = make_env(self.rollout.env, self.rollout.env_kwargs)  # episode state is per trajectory
+            return await run_trajectory(
+                env,
+                item.text,
+                item.metadata,
+                policy,
+                self.tokenizer.encode,
+                lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
+                budget,
+            )
+
+        trajectories = await asyncio.gather(*(one(k) for k in range(self.rollout.n_samples)))
+        if self.cfg.algo.stepwise:
+            return [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
+        return [to_interleaved_sample(t, self.generator_id) for t in trajectories]

@@ -1,0 +1,184 @@
+"""A generator's production line: draw a prompt, wait for admission, roll it out, put the group.
+
+    line = Production(cfg, queue, engine, weights, groups, prompts, tokenizer, "gen-0", counts, on_fail)
+    await line.run()            # on the generator's event loop, until line.halt()
+    await line.drain(30.0)      # after halt(): let in-flight groups finish, cancel the rest
+
+Admission and the in-flight note in Redis are one atomic step (queue.admit_prompt), and so
+are the put and the note's removal. Up to rollout.max_inflight_groups groups generate at
+once; a finished group is held through a full queue (put's timeout is logged, never a reason
+to drop it) and, while held, keeps its task counted so no more prompts are drawn. A rollout
+that fails (engine trouble) is re-issued under the same id; a put that fails for good is
+handed to ``on_fail``, since a line that went on without it would leave the trainer one group
+short for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import msgpack
+
+from asyncrl.config import Config
+from asyncrl.queue.replay import QueueFull
+from asyncrl.rollout.engine import RolloutEngine
+from asyncrl.rollout.groups import GroupMaker
+from asyncrl.rollout.prompts import PromptItem
+from asyncrl.rollout.watcher import WeightWatcher
+from asyncrl.types import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+ADMISSION_POLL_S = 0.05
+BLOCKED_POLL_S = 1.0
+"""While announced weights cannot be loaded, admission is retried this often (the weight
+poll retries the load meanwhile)."""
+
+
+class Production:
+    """Admission, the slots of max_inflight_groups, rollout and put, for one generator."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        queue,
+        engine: RolloutEngine,
+        weights: WeightWatcher,
+        groups: GroupMaker,
+        prompts,
+        tokenizer,
+        generator_id: str,
+        counts: dict,
+        on_fail,
+    ):
+        self.cfg, self.rollout, self.queue, self.engine = cfg, cfg.rollout, queue, engine
+        self.weights, self.groups, self.prompts, self.tokenizer = weights, groups, prompts, tokenizer
+        self.generator_id, self.counts, self.on_fail = generator_id, counts, on_fail
+        self.retry: deque[PromptItem] = deque()  # admitted prompts to run again (predecessor's, or failed here)
+        self.tasks: set[asyncio.Task] = set()  # groups generating or being put
+        self.slots_taken = 0  # of those, still generating (the slots of max_inflight_groups)
+        self.stopping = False
+        self._slot_freed = asyncio.Event()
+
+    async def run(self) -> None:
+        while not self.stopping:
+            # The next prompt is admitted (and noted) while every slot is still busy, so a
+            # freed slot is refilled at once instead of idling the engine for two Redis
+            # round trips. If we stop first, the stop releases it with the other noted ones.
+            item = self.retry.popleft() if self.retry else await self._admit_next()
+            if item is None:
+                continue
+            while self._busy() and not self.stopping:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+            if self.stopping:
+                break
+            self._spawn(item)
+
+    def halt(self) -> None:
+        """Stop admitting; a loop waiting for a free slot sees it at once."""
+        self.stopping = True
+        self._slot_freed.set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for in-flight groups, then cancel the rest and abort their requests."""
+        if self.tasks and timeout_s > 0:
+            await asyncio.wait(set(self.tasks), timeout=timeout_s)
+        unfinished = list(self.tasks)
+        for t in unfinished:
+            t.cancel()
+        await self.engine.abort_all()
+        if unfinished:
+            await asyncio.gather(*unfinished, return_exceptions=True)
+        self.retry.clear()
+
+    def _busy(self) -> bool:
+        """All generation slots taken, or too many finished groups still waiting to be put
+        (a full queue), which must stop us drawing more rather than pile them up in memory."""
+        return (
+            self.slots_taken >= self.rollout.max_inflight_groups
+            or len(self.tasks) >= 2 * self.rollout.max_inflight_groups
+        )
+
+    async def _admit_next(self) -> PromptItem | None:
+        """Draw a prompt and wait until admission lets it start; None if skipped or stopping."""
+        item = self._next_prompt()
+        if item is None:
+            return None
+        note = msgpack.packb({"text": item.text, "metadata": item.metadata}, use_bin_type=True)
+        while not self.stopping:
+            if self.weights.blocked is not None:
+                await asyncio.sleep(BLOCKED_POLL_S)
+                continue
+            t0 = time.perf_counter()
+            admitted = await asyncio.to_thread(
+                self.queue.admit_prompt, self.generator_id, item.prompt_id, note, self.engine.version
+            )
+            self.counts["admission_calls"] += 1
+            self.counts["admission_s"] += time.perf_counter() - t0
+            if admitted:
+                return item
+            await asyncio.sleep(ADMISSION_POLL_S)
+        return None
+
+    def _next_prompt(self) -> PromptItem | None:
+        prompt_id, text, metadata = next(self.prompts)
+        ids = self.tokenizer.encode(text)
+        if len(ids) > self.rollout.max_prompt_tokens:
+            self.counts["prompts_skipped"] += 1
+            self.queue.incr("prompts_skipped")
+            return None
+        return PromptItem(prompt_id, text, metadata, ids)
+
+    def _spawn(self, item: PromptItem) -> None:
+        self.slots_taken += 1
+        task = asyncio.ensure_future(self._produce(item))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self._slot_freed.set()
+        if task.cancelled() or task.exception() is None:
+            return
+        if self.stopping:  # a stop releases the prompt (queue.release_inflight): nothing is lost
+            log.warning("%s: a group was not put before the stop: %s", self.generator_id, task.exception())
+        else:
+            # Only the put raises here (a failed rollout is re-issued in _produce). The prompt
+            # stays noted in Redis, so the group is not lost if a successor takes over.
+            self.on_fail("a finished group could not be put", task.exception())
+
+    async def _produce(self, item: PromptItem) -> None:
+        try:
+            group = await self.groups.make(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
+            self.counts["group_errors"] += 1
+            log.warning(
+                "%s: prompt %s failed (%s: %s); re-issuing it", self.generator_id, item.prompt_id, type(e).__name__, e
+            )
+            if not self.stopping:
+                self.retry.append(item)
+            return
+        finally:  # the slot frees before the put: the next group generates while this one is sent
+            self.slots_taken -= 1
+            self._slot_freed.set()
+        while True:
+            try:
+                return await asyncio.to_thread(self._put, group)
+            except QueueFull as e:
+                if self.stopping:
+                    raise
+                # The trainer is behind (or acks only at its checkpoints): keep the group. No
+                # more are drawn meanwhile, since a waiting put keeps its task in _busy().
+                log.warning("%s: still holding group %s: %s", self.generator_id, group.group_id, e)
+
+    def _put(self, group: RolloutGroup) -> None:
+        self.queue.put(group, timeout=self.cfg.queue.put_timeout_s, inflight_of=self.generator_id)
+        self.counts["groups"] += 1
+        self.counts["samples"] += len(group.samples)
+        self.counts["tokens"] += group.num_tokens

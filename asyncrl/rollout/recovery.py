@@ -1,0 +1,146 @@
+"""After a crash: find a dead generator's engine processes and /dev/shm segments, reap them,
+and pick up the prompts it had admitted but never put.
+
+    was_generating = reap_predecessor(queue, "gen-0")         # at start, before our engine exists
+    record_engine(queue, "gen-0", engine, generating=True)    # whenever pids or the started flag change
+    retry = predecessor_prompts(queue, "gen-0", tokenizer)    # [PromptItem] to run again, not re-admitted
+
+If the process owning a vLLM engine is SIGKILLed, its EngineCore/worker processes survive,
+holding ~420 MB of /dev/shm. Each generator records its engine's [pid, create_time] pairs and
+segments in Redis (``keys.engine_pids``), so its successor (Ray restart, or the same id started
+again on this host) can reap them; the create time guards against a recycled pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+
+from asyncrl.queue.runstate import unpack_small
+from asyncrl.rollout.prompts import PromptItem
+
+log = logging.getLogger(__name__)
+
+
+def live_processes(records: list[list]) -> list:
+    """psutil.Process of each [pid, create_time] still running; the create time guards
+    against a recycled pid (another process that got the number since)."""
+    import psutil
+
+    alive = []
+    for pid, created in records:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(int(pid))
+            if abs(p.create_time() - float(created)) < 1e-3:
+                alive.append(p)
+    return alive
+
+
+def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
+    """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped.
+
+    SIGTERM first: vLLM's engine processes unlink their /dev/shm segments when terminated,
+    not when killed. SIGCONT after it: a stopped (hung, SIGSTOPped) process would otherwise
+    hold the SIGTERM pending until the SIGKILL.
+    """
+    import psutil
+
+    alive = live_processes(records)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)
+    _, still = psutil.wait_procs(alive, timeout=timeout_s)
+    for p in still:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(still, timeout=timeout_s)
+    return [p.pid for p in alive]
+
+
+def is_resource_tracker(proc) -> bool:
+    """multiprocessing's resource tracker, which vLLM's start-up spawns for *our* process: it
+    lives until we exit, so counting it as an engine process made every shutdown wait it out
+    (10 s) and then kill it."""
+    import psutil
+
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+SHM_SEGMENT = re.compile(r"/dev/shm/psm_[0-9a-f]{1,32}")
+"""The only paths ``unlink_segments`` will delete (names come back from Redis: never trust them)."""
+
+
+def unlink_segments(paths: list[str]) -> list[str]:
+    """Delete these /dev/shm/psm_* segments of a dead engine; return the ones that existed.
+
+    Its processes unlink them on a clean shutdown, but not when the process that owned the
+    engine was SIGKILLed: reaping the orphans with SIGTERM leaves them behind (~420 MB).
+    """
+    bad = [p for p in paths if not SHM_SEGMENT.fullmatch(p)]
+    if bad:
+        raise ValueError(f"refusing to unlink {bad}: not /dev/shm/psm_<hex> segments")
+    removed = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def shm_segments_of(pids: list[int]) -> set[str]:
+    """The /dev/shm/psm_* segments mapped by these processes (from /proc/PID/maps)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/psm_" in line:
+                        found.add(line.split()[-1].replace(" (deleted)", ""))
+    return found
+
+
+def reap_predecessor(queue, generator_id: str) -> bool:
+    """Kill a crashed predecessor's orphaned engine processes and delete its leaked segments
+    (on this host only: elsewhere the pids mean nothing); return whether it was generating."""
+    record = queue.engine_record(generator_id)
+    if record is None:
+        return False
+    if record.get("host") == socket.gethostname():
+        reaped = reap_processes(record.get("pids", []))
+        if reaped:
+            log.warning("%s: reaped %d orphaned engine processes %s", generator_id, len(reaped), reaped)
+        removed = unlink_segments(record.get("segments", []))  # after the reap: nobody maps them
+        if removed:
+            log.warning("%s: deleted %d leaked shared-memory segments %s", generator_id, len(removed), removed)
+    return bool(record.get("started", False))
+
+
+def record_engine(queue, generator_id: str, engine, generating: bool) -> None:
+    """What a successor needs after a crash: our engine's PIDs and segments, and whether we were generating."""
+    queue.set_engine_record(
+        generator_id,
+        {
+            "host": socket.gethostname(),
+            "pids": engine.engine_pids,
+            "segments": engine.shm_segments,
+            "started": generating,
+        },
+    )
+
+
+def predecessor_prompts(queue, generator_id: str, tokenizer) -> list[PromptItem]:
+    """The prompts a predecessor admitted (noted in its in-flight hash) but never put: they are
+    run again under their own ids, without a second admission."""
+    items = []
+    for prompt_id, raw in queue.inflight_prompts(generator_id).items():
+        note = unpack_small(raw)
+        items.append(PromptItem(prompt_id, note["text"], note["metadata"], tokenizer.encode(note["text"])))
+    return items

