@@ -82,6 +82,7 @@ class RolloutConfig(Section):
     logprobs: bool = True
     """Record per-token rollout logprobs (needed by every off-policy correction)."""
     seed: int = 0
+    """Offset on control.seed for prompt order and every request's sampling seed (asyncrl.seeding)."""
     heartbeat_timeout_s: float = Field(60.0, ge=5)
     """A generator whose last heartbeat (one a second) is older than this is killed and
     restarted by the trainer (its admitted prompts are re-issued by the successor); >= 5."""
@@ -183,6 +184,7 @@ class LearnerConfig(Section):
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each rank needs, e.g. {train: 1}, to keep ranks on training nodes."""
     seed: int = 0
+    """Offset on control.seed for torch/numpy on the learner ranks (asyncrl.seeding)."""
     collective_timeout_s: float = Field(300.0, gt=0)
     """A rank that does not answer a collective in this long fails the step (LearnerError), not a hang."""
     cpu_affinity: str = ""
@@ -240,6 +242,7 @@ class ControlConfig(Section):
     run_name: str = "demo"
     run_dir: str = "runs/demo"
     seed: int = 0
+    """The run's one seed: rollout, learner and the tiny model's initial weights derive from it."""
     batch_timeout_s: float = 600.0
     """After this long without a full batch the trainer checks its generators: it waits on
     (saying why, once a minute) while any can run, alive or being restarted, and fails with a
