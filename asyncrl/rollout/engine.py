@@ -234,9 +234,9 @@ class RolloutEngine:
                     ) from error
                 t_load = time.perf_counter()
                 await self.set_version(version)
-                if recompute:
-                    # Prefix blocks of prompts computed with old weights must not be reused.
-                    await self.llm.reset_prefix_cache(reset_running_requests=True)
+                # With "recompute" the pause already dropped the prefix cache and preempted the
+                # running requests (clear_cache), and a paused engine computes no KV, so nothing
+                # computed with old weights is left to reset: one engine round trip fewer.
                 self.last_good_path = self._keep(path)
             finally:
                 if not self.llm.errored:
