@@ -200,6 +200,9 @@ class RolloutEngine:
         self.shm_segments: list[str] = []
         """/dev/shm/psm_* segments the engine's processes map (for deleting after a crash)."""
         self.last_good_path: str | None = None
+        self.allowed_token_ids: list[int] | None = None
+        """Ids this engine may sample (None: any); the environment's ban on special tokens
+        (asyncrl.rollout.envs.allowed_token_ids), applied by vLLM as a -inf logits mask."""
         self.keep_path: str | None = None
         """Where to hard-link each loaded file, so the last good weights survive the publisher
         deleting older versions (same inode: no extra memory while the original exists)."""
@@ -252,6 +255,7 @@ class RolloutEngine:
             logprobs=0 if r.logprobs else None,  # 0 = exactly the sampled token's logprob
             seed=request_seed(r.seed, request_id),
             ignore_eos=ignore_eos,
+            allowed_token_ids=self.allowed_token_ids,
             detokenize=False,  # the environment decodes the tokens it scores; text is never read here
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

@@ -61,7 +61,7 @@ from asyncrl.queue.replay import QueueFull
 from asyncrl.queue.runstate import unpack_small
 from asyncrl.rollout.affinity import pin_to_cores
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processes, unlink_segments
-from asyncrl.rollout.envs import make_env, score_completion
+from asyncrl.rollout.envs import allowed_token_ids, make_env, score_completion
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import open_prompts
@@ -163,6 +163,7 @@ class GeneratorActor:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{generator_id}-loop", daemon=True)
         self._thread.start()
         self.engine: RolloutEngine = self._call(RolloutEngine.start(self.rollout, model_path))
+        self.engine.allowed_token_ids = allowed_token_ids(self.rollout.env, self.tokenizer)
         # One name per generator, so a crashed predecessor's kept weights are replaced, not leaked.
         self.engine.keep_path = os.path.join(cfg.sync.shm_dir, f".asyncrl-{run}-{generator_id}-last-good.safetensors")
         self.engine.drop_kept()
