@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import logging
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -208,7 +209,17 @@ class RolloutConfig:
     environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
     TRL's signature: fn(prompts, completions, **columns) -> list[float | None]."""
     prompts: str | None = None
-    """jsonl / parquet / a local datasets directory; None lets the environment make prompts."""
+    """jsonl / parquet, a datasets directory (Dataset(Dict).save_to_disk) or a hub id
+    'owner/name[:config]'; None lets the environment make prompts (asyncrl.rollout.prompts)."""
+    prompt_split: str = "train"
+    """The split of a DatasetDict directory or a hub dataset."""
+    prompt_field: str = "prompt"
+    """The column holding the prompt text (the default falls back to GSM8K's 'question')."""
+    answer_field: str = "answer"
+    """The column handed to the reward as metadata['answer'] (the reference answer)."""
+    chat_template: bool = False
+    """Render each prompt as one user turn with the tokenizer's chat template (generation
+    prompt added) before tokenizing, in training and evaluation alike."""
     max_prompt_tokens: int = 192
     """Prompts longer than this are skipped and counted."""
     max_inflight_groups: int = 16
@@ -334,7 +345,9 @@ class ControlConfig:
     eval_size: int = 32
     """Held-out prompts per evaluation."""
     eval_prompts: str | None = None
-    """A prompt file for evaluation (like rollout.prompts); None: the environment makes them."""
+    """A prompt source for evaluation (anything rollout.prompts takes); None: the environment makes them."""
+    eval_split: str = "test"
+    """The split of eval_prompts when it is a DatasetDict directory or a hub dataset."""
     eval_temperature: float = 0.0
     """0 = greedy."""
     export_every: int = 0
@@ -737,6 +750,24 @@ def _negative_rewards_possible(r: RolloutConfig) -> str | None:
     return f"the rewards of rollout.env={r.env!r} are not known to be >= 0"
 
 
+HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
+"""A hub dataset id 'owner/name[:config]' (asyncrl.rollout.prompts.HUB_ID)."""
+
+
+def _prompt_source(name: str, value: str | None) -> None:
+    """A prompt source is an existing path or a hub id; anything else fails here, not in a generator."""
+    if value is None or Path(value).exists():
+        return
+    if HUB_DATASET.fullmatch(value) and not value.endswith((".jsonl", ".json", ".parquet")):
+        return
+    raise ConfigError(f"{name}={value!r}: no such file or directory, nor a hub dataset id 'owner/name[:config]'")
+
+
+def _non_empty(name: str, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name}={value!r}: must be a non-empty string")
+
+
 def _validate_rollout(r: RolloutConfig) -> None:
     _at_least("rollout.num_generators", r.num_generators, 0)
     _at_least("rollout.n_samples", r.n_samples, 1)
@@ -753,6 +784,9 @@ def _validate_rollout(r: RolloutConfig) -> None:
     if r.top_k == 0 or r.top_k < -1:
         raise ConfigError(f"rollout.top_k={r.top_k!r}: must be -1 (off) or >= 1")
     _one_of("rollout.env", r.env, ENVIRONMENTS, import_path_ok=True)
+    _prompt_source("rollout.prompts", r.prompts)
+    for name in ("prompt_split", "prompt_field", "answer_field"):
+        _non_empty(f"rollout.{name}", getattr(r, name))
     for i, spec in enumerate(r.rewards):
         if not _is_import_path(spec.fn):
             raise ConfigError(f"rollout.rewards[{i}].fn={spec.fn!r}: must be an import path 'package.module:function'")
@@ -805,8 +839,8 @@ def validate(cfg: Config) -> None:
     _at_least("control.eval_size", c.eval_size, 1)
     if c.eval_temperature < 0:
         raise ConfigError(f"control.eval_temperature={c.eval_temperature!r}: must be >= 0 (0 = greedy)")
-    if c.eval_prompts is not None and not Path(c.eval_prompts).exists():
-        raise ConfigError(f"control.eval_prompts={c.eval_prompts!r}: no such file or directory")
+    _prompt_source("control.eval_prompts", c.eval_prompts)
+    _non_empty("control.eval_split", c.eval_split)
     if c.groups_per_step % lr.mini_batches_per_step:
         raise ConfigError(
             f"control.groups_per_step={c.groups_per_step} must be divisible by "

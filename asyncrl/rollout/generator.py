@@ -64,7 +64,7 @@ from asyncrl.rollout.engine import RolloutEngine, WeightLoadError, reap_processe
 from asyncrl.rollout.envs import allowed_token_ids, make_env, score_completion
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
-from asyncrl.rollout.prompts import open_prompts
+from asyncrl.rollout.prompts import encode_prompt, open_prompts
 from asyncrl.sync import objstore
 from asyncrl.types import RolloutGroup, Sample
 
@@ -130,8 +130,15 @@ class GeneratorActor:
         # and group ids never repeat within a run.
         incarnation = self.incarnation = self.queue.next_incarnation(generator_id)
         prefix = f"{generator_id}.{incarnation}"
+        r = self.rollout
         self.prompts = open_prompts(
-            self.rollout.prompts, self.env, id_prefix=prefix, seed=self.rollout.seed + zlib.crc32(prefix.encode())
+            r.prompts,
+            self.env,
+            id_prefix=prefix,
+            seed=r.seed + zlib.crc32(prefix.encode()),
+            split=r.prompt_split,
+            prompt_field=r.prompt_field,
+            answer_field=r.answer_field,
         )
         self.counts = {
             "groups": 0,
@@ -434,7 +441,7 @@ class GeneratorActor:
 
     def _next_prompt(self):
         prompt_id, text, metadata = next(self.prompts)
-        ids = self.tokenizer.encode(text)
+        ids = encode_prompt(self.tokenizer, text, self.rollout.chat_template)
         if len(ids) > self.rollout.max_prompt_tokens:
             self.counts["prompts_skipped"] += 1
             self.queue.incr("prompts_skipped")
@@ -576,7 +583,7 @@ class GeneratorActor:
         then 0.2 s): a generator joining a running job would spend them on admitted groups,
         which a trainer doing several steps a second has then moved past the staleness bound."""
         t0 = time.perf_counter()
-        prompt = self.tokenizer.encode(next(self.prompts)[1])
+        prompt = encode_prompt(self.tokenizer, next(self.prompts)[1], self.rollout.chat_template)
         await asyncio.gather(
             *(
                 self.engine.generate(
