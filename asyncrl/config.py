@@ -13,7 +13,6 @@ import dataclasses
 import importlib.util
 import logging
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -750,15 +749,11 @@ def _negative_rewards_possible(r: RolloutConfig) -> str | None:
     return f"the rewards of rollout.env={r.env!r} are not known to be >= 0"
 
 
-HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
-"""A hub dataset id 'owner/name[:config]' (asyncrl.rollout.prompts.HUB_ID)."""
-
-
 def _prompt_source(name: str, value: str | None) -> None:
     """A prompt source is an existing path or a hub id; anything else fails here, not in a generator."""
-    if value is None or Path(value).exists():
-        return
-    if HUB_DATASET.fullmatch(value) and not value.endswith((".jsonl", ".json", ".parquet")):
+    from asyncrl.rollout.prompts import is_hub_id  # stdlib only: the parse stays light
+
+    if value is None or Path(value).exists() or is_hub_id(value):
         return
     raise ConfigError(f"{name}={value!r}: no such file or directory, nor a hub dataset id 'owner/name[:config]'")
 
