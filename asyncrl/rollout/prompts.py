@@ -68,7 +68,11 @@ def _load_dataset(source: str, split: str, where: str):
     if Path(source).is_dir():
         return _pick_split(datasets.load_from_disk(source), split, where)
     name, _, config = source.partition(":")
-    return _pick_split(datasets.load_dataset(name, config or None), split, where)
+    try:
+        data = datasets.load_dataset(name, config or None)
+    except Exception as e:  # offline, no such dataset or config, ...: the library's own words
+        raise PromptSourceError(f"{where}: datasets.load_dataset failed: {type(e).__name__}: {e}") from e
+    return _pick_split(data, split, where)
 
 
 def read_records(source: str | Path, split: str = "train", where: str = "rollout.prompts") -> list[dict[str, Any]]:

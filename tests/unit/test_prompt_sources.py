@@ -102,6 +102,20 @@ def test_hub_ids_are_recognised_and_validated_without_the_network(tmp_path):
         load_config(None, ["rollout.prompt_field="])
 
 
+def test_an_unreachable_hub_dataset_fails_naming_the_option():
+    import os
+    import subprocess
+
+    code = (
+        "from asyncrl.rollout.prompts import PromptSourceError, read_records\n"
+        "try:\n    read_records('nobody-here/none:x')\n"
+        "except PromptSourceError as e:\n    print(e)\n"
+    )
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")  # never the network
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.startswith("rollout.prompts='nobody-here/none:x' (hub dataset, split 'train'): datasets.load_dataset")
+
+
 def test_the_config_parse_imports_no_datasets():
     import subprocess
 
