@@ -112,8 +112,13 @@ def _cmd_train(args) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     from asyncrl.control.train import train  # heavy imports only after the config is valid
+    from asyncrl.rollout.prompts import PromptSourceError
 
-    train(cfg, resume_dir=args.resume)
+    try:
+        train(cfg, resume_dir=args.resume)
+    except PromptSourceError as e:  # found at start-up, before any generator starts
+        print(f"prompt error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -4,6 +4,7 @@ name lists and the small checks the validators use. Imports neither torch nor Ra
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -73,3 +74,12 @@ def parse_cpu_list(text: str) -> list[int]:
             raise ValueError(f"{text!r}: range {part!r} runs backwards")
         cores += range(first, last + 1)
     return sorted(set(cores))
+
+
+def prompt_source(name: str, value: str | None) -> str | None:
+    """A prompt source is an existing path or a hub id; anything else fails here, not in a generator."""
+    from asyncrl.rollout.prompts import is_hub_id  # stdlib only: the parse stays light
+
+    if value is None or Path(value).exists() or is_hub_id(value):
+        return value
+    raise ConfigError(f"{name}={value!r}: no such file or directory, nor a hub dataset id 'owner/name[:config]'")

@@ -4,12 +4,19 @@ involve only its own fields (rules across sections live on the root, asyncrl.con
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from asyncrl.config.base import ENVIRONMENTS, ConfigError, Section, check_import_path, is_import_path, one_of
+from asyncrl.config.base import (
+    ENVIRONMENTS,
+    ConfigError,
+    Section,
+    check_import_path,
+    is_import_path,
+    one_of,
+    prompt_source,
+)
 from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
 
 
@@ -62,15 +69,17 @@ class RolloutConfig(Section):
     environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
     TRL's signature: fn(prompts, completions, **columns) -> list[float | None]."""
     prompts: str | None = None
-    """jsonl / parquet / a local datasets directory; None lets the environment make prompts."""
-    prompt_split: str = "train"
-    """The split of a datasets directory that rollout.prompts names."""
-    prompt_field: str = "prompt"
-    """The column holding the prompt text."""
-    answer_field: str = "answer"
-    """The column holding the reference answer."""
+    """jsonl / parquet, a datasets directory (Dataset(Dict).save_to_disk) or a hub id
+    'owner/name[:config]'; None lets the environment make prompts (asyncrl.rollout.prompts)."""
+    prompt_split: str = Field("train", min_length=1)
+    """The split of a DatasetDict directory or a hub dataset."""
+    prompt_field: str = Field("prompt", min_length=1)
+    """The column holding the prompt text (the default falls back to GSM8K's 'question')."""
+    answer_field: str = Field("answer", min_length=1)
+    """The column handed to the reward as metadata['answer'] (the reference answer)."""
     chat_template: bool = False
-    """Render prompts through the tokenizer's chat template."""
+    """Render each prompt as one user turn with the tokenizer's chat template (generation
+    prompt added) before tokenizing, in training and evaluation alike."""
     max_prompt_tokens: int = Field(192, ge=1)
     """Prompts longer than this are skipped and counted."""
     max_inflight_groups: int = Field(16, ge=1)
@@ -104,6 +113,11 @@ class RolloutConfig(Section):
     @classmethod
     def _affinity(cls, value: str) -> str:
         return _cpu_list("rollout.cpu_affinity", value)
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts(cls, value: str | None) -> str | None:
+        return prompt_source("rollout.prompts", value)
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutConfig:
@@ -231,9 +245,9 @@ class ControlConfig(Section):
     eval_size: int = Field(32, ge=1)
     """Held-out prompts per evaluation."""
     eval_prompts: str | None = None
-    """A prompt file for evaluation (like rollout.prompts); None: the environment makes them."""
-    eval_split: str = "test"
-    """The split of a datasets directory used for evaluation."""
+    """A prompt source for evaluation (anything rollout.prompts takes); None: the environment makes them."""
+    eval_split: str = Field("test", min_length=1)
+    """The split of eval_prompts when it is a DatasetDict directory or a hub dataset."""
     eval_temperature: float = Field(0.0, ge=0)
     """0 = greedy."""
     export_every: int = Field(0, ge=0)
@@ -253,9 +267,7 @@ class ControlConfig(Section):
     @field_validator("eval_prompts")
     @classmethod
     def _eval_prompts(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).exists():
-            raise ConfigError(f"control.eval_prompts={value!r}: no such file or directory")
-        return value
+        return prompt_source("control.eval_prompts", value)
 
 
 class MonitorConfig(Section):

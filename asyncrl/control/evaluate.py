@@ -4,9 +4,10 @@ run's own engines (greedy by default) and scored by the run's reward, logged as 
     ev = Evaluator(cfg, model_path)            # draws the held-out prompts once
     metrics = ev.run(rt.generators)            # {"eval/reward_mean": ..., ...}
 
-The set is `control.eval_size` prompts from `control.eval_prompts` (a prompt file like
-rollout.prompts), or, without one, from the environment with a seed of its own, so it is
-the same set at every evaluation and across a resume. Requests go to the generators round
+The set is `control.eval_size` prompts from `control.eval_prompts` (any prompt source
+rollout.prompts takes, its `control.eval_split`; rollout.prompt_field / answer_field /
+chat_template apply as in training), or, without one, from the environment with a seed of
+its own, so it is the same set at every evaluation and across a resume. Requests go to the generators round
 robin through `GeneratorActor.sample`, next to their training work; nothing is admitted,
 queued or trained, and the trainer waits for the answers (a few engine steps).
 """
@@ -33,16 +34,26 @@ class Evaluator:
         from transformers import AutoTokenizer
 
         from asyncrl.rollout.envs.reward_fns import make_rollout_env
-        from asyncrl.rollout.prompts import open_prompts
+        from asyncrl.rollout.prompts import encode_prompt, open_prompts
 
         c, r = cfg.control, cfg.rollout
         self.temperature = c.eval_temperature
         self.max_tokens = r.max_tokens
         self.env = make_rollout_env(r)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        stream = open_prompts(c.eval_prompts, self.env, seed=rollout_seed(cfg) + EVAL_SEED_OFFSET, id_prefix="eval")
+        stream = open_prompts(
+            c.eval_prompts,
+            self.env,
+            seed=rollout_seed(cfg) + EVAL_SEED_OFFSET,
+            id_prefix="eval",
+            split=c.eval_split,
+            prompt_field=r.prompt_field,
+            answer_field=r.answer_field,
+            where="control.eval_prompts",
+        )
         self.prompts = [
-            (text, meta, self.tokenizer.encode(text)) for _, text, meta in itertools.islice(stream, c.eval_size)
+            (text, meta, encode_prompt(self.tokenizer, text, r.chat_template))
+            for _, text, meta in itertools.islice(stream, c.eval_size)
         ]
 
     def run(self, generators: list, step: int | None = None) -> dict[str, float]:

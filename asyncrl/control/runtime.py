@@ -76,6 +76,7 @@ class Runtime(contextlib.ExitStack):
             self._start_ray()
             self.mark("ray")
             self.model_path = resolve_model(self.cfg, self.run_dir)
+            self._check_prompts()
             from asyncrl.sync.model_ship import ship_model
             from asyncrl.sync.weight_sync import cluster_is_multinode
 
@@ -93,6 +94,23 @@ class Runtime(contextlib.ExitStack):
             self.close()
             raise
         return self
+
+    def _check_prompts(self) -> None:
+        """Open the prompt sources and check the chat template once, here: a missing column or
+        split, or a tokenizer without a template, would otherwise fail every generator's start
+        (which Ray retries for ever) and the evaluator's."""
+        from asyncrl.rollout.prompts import check_chat_template, open_prompts
+
+        r, c = self.cfg.rollout, self.cfg.control
+        fields = dict(prompt_field=r.prompt_field, answer_field=r.answer_field, seed=0, id_prefix="check")
+        if r.prompts:
+            next(open_prompts(r.prompts, None, split=r.prompt_split, **fields))
+        if c.eval_every and c.eval_prompts:
+            next(open_prompts(c.eval_prompts, None, split=c.eval_split, where="control.eval_prompts", **fields))
+        if r.chat_template:
+            from transformers import AutoTokenizer
+
+            check_chat_template(AutoTokenizer.from_pretrained(self.model_path), r.model)
 
     def _start_redis(self) -> None:
         from asyncrl.queue import RolloutQueue

@@ -50,7 +50,10 @@ def run_summary(
     dashboard_url: str | None,
     resume_cmd: str,
     dashboard_cmd: str | None = None,
+    target_length: float | None = None,
 ) -> str:
+    """``target_length``: characters of a correct answer, when the task knows it (the response
+    length, in tokens, includes the EOS)."""
     steps = int(rows[-1]["step"]) if rows else 0
     wait, train, sync = (_sum(rows, f"time/{k}") for k in ("wait_data", "train", "sync"))
     first, last = rows[:WINDOW], rows[-WINDOW:]
@@ -64,7 +67,8 @@ def run_summary(
         f"  reward          {_f(_mean(first, 'reward/mean'))} (first {len(first)} steps) -> "
         f"{_f(_mean(last, 'reward/mean'))} (last {len(last)})",
         f"  response length {_f(_mean(first, 'response/length_mean'), '.1f')} -> "
-        f"{_f(_mean(last, 'response/length_mean'), '.1f')} tokens",
+        f"{_f(_mean(last, 'response/length_mean'), '.1f')} tokens"
+        + (f" (a correct answer: {target_length:.3g} characters + EOS)" if target_length is not None else ""),
         f"  staleness       mean {_f(_mean(rows, 'staleness/mean'), '.2f')}, max {_f(stale_max, '.0f')} "
         f"(bound {max_staleness})",
         "  groups          produced {0}, trained {1}, dropped as stale {2}, dead-lettered {3}".format(

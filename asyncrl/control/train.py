@@ -36,11 +36,13 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
     from asyncrl.control.runtime import Runtime
     from asyncrl.control.state import LoopState, StopFlag
     from asyncrl.monitor.sinks import build_metrics_logger
+    from asyncrl.rollout.envs.reward_fns import task_target_length
 
     t0 = time.perf_counter()
     run_dir = Path(resume_dir or cfg.control.run_dir)
     stop = StopFlag()
     stop.install()
+    target_length = task_target_length(cfg.rollout)
     try:
         with Runtime(cfg, run_dir) as rt:
             state = LoopState()
@@ -54,7 +56,13 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
             else:
                 rt.write_config()
             logger = build_metrics_logger(
-                cfg.monitor, rt.redis_url, cfg.control.run_name, run_dir, cfg.to_dict(), password=cfg.queue.password
+                cfg.monitor,
+                rt.redis_url,
+                cfg.control.run_name,
+                run_dir,
+                cfg.to_dict(),
+                password=cfg.queue.password,
+                target_length=target_length,
             )
             rt.callback(logger.close)
             dashboard_url = _start_dashboard(cfg, rt)
@@ -81,14 +89,24 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
                 raise
             status, wall_s = "stopped" if stop.is_set else "finished", time.perf_counter() - t0
             _write_summary_file(rt, run_dir, state, first_step, loop.max_staleness, status, wall_s)
-            print(_summary(rt, run_dir, first_step, loop.max_staleness, status, dashboard_url, wall_s), flush=True)
+            summary = _summary(
+                rt, run_dir, first_step, loop.max_staleness, status, dashboard_url, wall_s, target_length
+            )
+            print(summary, flush=True)
             return state
     finally:
         stop.restore()
 
 
 def _summary(
-    rt, run_dir: Path, first_step: int, max_staleness: int, status: str, dashboard_url: str | None, wall_s: float
+    rt,
+    run_dir: Path,
+    first_step: int,
+    max_staleness: int,
+    status: str,
+    dashboard_url: str | None,
+    wall_s: float,
+    target_length: float | None,
 ) -> str:
     """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
     from asyncrl.control.export import HF_DIR
@@ -112,6 +130,7 @@ def _summary(
         dashboard_url=dashboard_url,
         resume_cmd=f"asyncrl train --resume {run_dir}",
         dashboard_cmd=f"asyncrl dashboard {run_dir}",
+        target_length=target_length,
     )
 
 

@@ -91,6 +91,7 @@ class LearnerActor:
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
         self.logprob_fn = loss.token_logprobs
+        self.disallowed = self._disallowed_tokens()
         self.microbatch_loss = loss.microbatch_loss
         self.pad_token_id = int(cast(Any, self.model).config.pad_token_id or 0)  # an HF model under FSDP
         return {
@@ -105,6 +106,18 @@ class LearnerActor:
         }
 
     # ------------------------------------------------------------------ helpers
+
+    def _disallowed_tokens(self) -> torch.Tensor | None:
+        """The tokens the generators may not sample for this task, masked here as well."""
+        from transformers import AutoTokenizer
+
+        from asyncrl.rollout.envs import allowed_token_ids, resolve_env_class
+
+        if resolve_env_class(self.cfg.rollout.env).sample_special_tokens:  # most tasks: no tokenizer to load
+            return None
+        allowed = allowed_token_ids(self.cfg.rollout.env, AutoTokenizer.from_pretrained(self.model_path))
+        vocab_size: int = self.model.config.vocab_size  # type: ignore[union-attr,assignment]  # a HF PreTrainedModel's config
+        return step.disallowed_mask(allowed, vocab_size, self.device)
 
     def _microbatches(
         self, plan: list[list[dict[str, np.ndarray]]], count: int, fields: dict[str, str]
@@ -133,6 +146,7 @@ class LearnerActor:
             temperature=self.cfg.rollout.temperature,
             logprob_fn=self.logprob_fn,
             device=self.device,
+            disallowed=self.disallowed,
         )
         self._proximal[key] = [mb["old_logprobs"] for mb in mbs]
         return time.perf_counter() - t0
@@ -153,7 +167,13 @@ class LearnerActor:
         t0 = time.perf_counter()
         mbs = self._microbatches(plan, count, fields)
         step.add_prepass_logprobs(
-            None, self.reference, mbs, temperature=temperature, logprob_fn=self.logprob_fn, device=self.device
+            None,
+            self.reference,
+            mbs,
+            temperature=temperature,
+            logprob_fn=self.logprob_fn,
+            device=self.device,
+            disallowed=self.disallowed,
         )
         if proximal_key is not None:
             for mb, old in zip(mbs, self._proximal.pop(proximal_key)):
@@ -174,6 +194,7 @@ class LearnerActor:
             loss_fn,
             grad_clip=self.cfg.learner.grad_clip,
             device=self.device,
+            disallowed=self.disallowed,
         )
         self.version += 1
         self.step_count += 1
@@ -199,7 +220,13 @@ class LearnerActor:
         mbs = self._microbatches(plan, count, {"input_ids": "int64"})
         lengths = [[len(s["input_ids"]) for s in mb] for mb in plan] + [[]] * (count - len(plan))
         return step.sequence_logprobs(
-            self.model, mbs, lengths, temperature=temperature, logprob_fn=self.logprob_fn, device=self.device
+            self.model,
+            mbs,
+            lengths,
+            temperature=temperature,
+            logprob_fn=self.logprob_fn,
+            device=self.device,
+            disallowed=self.disallowed,
         )
 
     def full_state(self) -> dict[str, torch.Tensor]:

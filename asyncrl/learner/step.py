@@ -44,10 +44,28 @@ def tensors_on(mb: dict[str, Any], device: torch.device) -> dict[str, torch.Tens
     return {k: v.to(device, non_blocking=True) for k, v in mb.items() if isinstance(v, torch.Tensor)}
 
 
-def policy_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+MASKED_LOGIT = -1e4
+"""What a token the engines may not sample gets as its logit. vLLM uses -inf; a finite value
+(exp underflows to exactly 0 in float32 all the same) keeps p * log p = 0 in the entropy and
+leaves a masked prompt token's logprob finite, where loss_mask * -inf would be NaN."""
+
+
+def disallowed_mask(allowed: list[int] | None, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[V] bool, True where the engines may not sample (asyncrl.rollout.envs.allowed_token_ids); None: no mask."""
+    if allowed is None:
+        return None
+    mask = torch.ones(vocab_size, dtype=torch.bool)
+    mask[torch.tensor(allowed, dtype=torch.long)] = False
+    return mask.to(device)
+
+
+def policy_logits(model: nn.Module, input_ids: torch.Tensor, disallowed: torch.Tensor | None = None) -> torch.Tensor:
     """[B, L, V] float32 logits. No attention mask: padding is on the right and attention is
-    causal, so real positions never see a pad (see asyncrl.data.microbatch)."""
-    return model(input_ids=input_ids, use_cache=False).logits.float()
+    causal, so real positions never see a pad (see asyncrl.data.microbatch). Tokens the engines
+    may not sample are masked as the engines mask them, so every logprob and the entropy are
+    those of the policy that sampled."""
+    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+    return logits if disallowed is None else logits.masked_fill(disallowed, MASKED_LOGIT)
 
 
 @torch.no_grad()
@@ -59,6 +77,7 @@ def add_prepass_logprobs(
     temperature: float,
     logprob_fn: LogprobFn,
     device: torch.device,
+    disallowed: torch.Tensor | None = None,
 ) -> None:
     """Fill mb['old_logprobs'] (the proximal policy: `model`'s current weights; skipped when
     `model` is None) and, with a reference model, mb['ref_logprobs'], in place. Runs on
@@ -67,9 +86,9 @@ def add_prepass_logprobs(
     for mb in microbatches:
         ids = mb["input_ids"].to(device)
         if model is not None:
-            mb["old_logprobs"] = logprob_fn(policy_logits(model, ids), ids, temperature).cpu()
+            mb["old_logprobs"] = logprob_fn(policy_logits(model, ids, disallowed), ids, temperature).cpu()
         if reference is not None:
-            mb["ref_logprobs"] = logprob_fn(policy_logits(reference, ids), ids, temperature).cpu()
+            mb["ref_logprobs"] = logprob_fn(policy_logits(reference, ids, disallowed), ids, temperature).cpu()
 
 
 def _to_float(metrics: dict[str, MetricValue]) -> dict[str, MetricValue]:
@@ -94,6 +113,7 @@ def train_step(
     *,
     grad_clip: float,
     device: torch.device,
+    disallowed: torch.Tensor | None = None,
 ) -> StepStats:
     """Accumulate gradients over `microbatches`, clip, take one AdamW step and one lr step.
 
@@ -106,7 +126,7 @@ def train_step(
     parts = []
     for mb in microbatches:
         tensors = tensors_on(mb, device)
-        loss, metrics = loss_fn(policy_logits(model, tensors["input_ids"]), tensors)
+        loss, metrics = loss_fn(policy_logits(model, tensors["input_ids"], disallowed), tensors)
         loss.backward()
         if not mb.get(PADDING_KEY, False):
             parts.append(metrics)
@@ -133,11 +153,12 @@ def sequence_logprobs(
     temperature: float,
     logprob_fn: LogprobFn,
     device: torch.device,
+    disallowed: torch.Tensor | None = None,
 ) -> list[list[Any]]:
     """Per micro-batch, per real row: token logprobs trimmed to the row's length (numpy)."""
     out = []
     for mb, lens in zip(microbatches, lengths):
         ids = mb["input_ids"].to(device)
-        logp = logprob_fn(policy_logits(model, ids), ids, temperature).cpu().numpy()
+        logp = logprob_fn(policy_logits(model, ids, disallowed), ids, temperature).cpu().numpy()
         out.append([] if mb.get(PADDING_KEY, False) else [logp[k, :n].copy() for k, n in enumerate(lens)])
     return out

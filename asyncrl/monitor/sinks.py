@@ -165,11 +165,14 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
     return format(value, spec)
 
 
-def console_line(step: int, m: Mapping[str, float]) -> str:
-    """The compact one-line summary (rich markup) ConsoleSink prints."""
+def console_line(step: int, m: Mapping[str, float], target_length: float | None = None) -> str:
+    """The compact one-line summary (rich markup) ConsoleSink prints. ``target_length``: the
+    task's correct answer in characters (+ EOS), shown next to the mean response length."""
     stale = f"{_fmt(m.get('staleness/mean'), '.2f')}/{_fmt(m.get('staleness/max'), '.0f')}"
+    target = f" (target {target_length:.3g}+EOS)" if target_length is not None else ""
     return (
         f"[bold]step {step}[/bold]  reward [green]{_fmt(m.get('reward/mean'))}[/green]"
+        f"  len {_fmt(m.get('response/length_mean'), '.1f')}{target}"
         f"  staleness {stale}"
         f"  rollout_kl {_fmt(m.get('drift/rollout_kl'))}"
         f"  gen {_fmt(m.get('throughput/gen_tokens_per_s'), '.0f')} tok/s"
@@ -181,18 +184,19 @@ def console_line(step: int, m: Mapping[str, float]) -> str:
 class ConsoleSink:
     """Print `console_line` every `every` steps with rich (plain text when not a terminal)."""
 
-    def __init__(self, every: int = 1, console: Any = None):
+    def __init__(self, every: int = 1, console: Any = None, target_length: float | None = None):
         if every < 1:
             raise ValueError(f"ConsoleSink every={every}: must be >= 1")
         from rich.console import Console
 
         self._every = every
+        self._target_length = target_length
         # soft_wrap: a log file or CI console (80 columns by default) gets one line per step.
         self._console = console or Console(highlight=False, soft_wrap=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if step % self._every == 0:
-            self._console.print(console_line(step, metrics))
+            self._console.print(console_line(step, metrics, self._target_length))
 
     def close(self) -> None:
         return None
@@ -240,6 +244,7 @@ def build_metrics_logger(
     config_dict: Mapping[str, Any],
     *,
     password: str | None = None,
+    target_length: float | None = None,
 ) -> MetricsLogger:
     """The sinks a MonitorConfig asks for. run_dir/metrics.jsonl is always written; Redis is
     always on (the dashboard reads it) if a client is given; run_dir/tensorboard with
@@ -269,5 +274,5 @@ def build_metrics_logger(
                 e,
             )
     if monitor_cfg.console:
-        sinks.append(ConsoleSink(every=monitor_cfg.console_every))
+        sinks.append(ConsoleSink(every=monitor_cfg.console_every, target_length=target_length))
     return MetricsLogger(sinks)

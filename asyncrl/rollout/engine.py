@@ -80,6 +80,9 @@ class RolloutEngine:
         self.shm_segments: list[str] = []
         """/dev/shm/psm_* segments the engine's processes map (for deleting after a crash)."""
         self.last_good_path: str | None = None
+        self.allowed_token_ids: list[int] | None = None
+        """Ids this engine may sample (None: any); the environment's ban on special tokens
+        (asyncrl.rollout.envs.allowed_token_ids), applied by vLLM as a -inf logits mask."""
         self.keep_path: str | None = None
         """Where to hard-link each loaded file, so the last good weights survive the publisher
         deleting older versions (same inode: no extra memory while the original exists)."""
@@ -119,7 +122,9 @@ class RolloutEngine:
         temperature: float | None = None,
         ignore_eos: bool = False,
     ):
-        return sampling_params(self.rollout, self.seed, n, request_id, max_tokens, temperature, ignore_eos)
+        return sampling_params(
+            self.rollout, self.seed, n, request_id, max_tokens, temperature, ignore_eos, self.allowed_token_ids
+        )
 
     async def generate(
         self,

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -52,10 +53,11 @@ from asyncrl.config import Config
 from asyncrl.rollout import recovery
 from asyncrl.rollout.affinity import pin_to_cores
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError
+from asyncrl.rollout.envs import allowed_token_ids
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.production import Production
-from asyncrl.rollout.prompts import open_prompts
+from asyncrl.rollout.prompts import encode_prompt, open_prompts
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
 
@@ -116,9 +118,18 @@ class GeneratorActor:
         # and group ids never repeat within a run.
         incarnation = self.incarnation = self.queue.next_incarnation(generator_id)
         prefix = f"{generator_id}.{incarnation}"
+        r = self.rollout
         self.prompts = open_prompts(
-            self.rollout.prompts, self.env, id_prefix=prefix, seed=rollout_seed(cfg) + zlib.crc32(prefix.encode())
+            r.prompts,
+            self.env,
+            id_prefix=prefix,
+            seed=rollout_seed(cfg) + zlib.crc32(prefix.encode()),
+            split=r.prompt_split,
+            prompt_field=r.prompt_field,
+            answer_field=r.answer_field,
         )
+        # One encoding for drawn, re-issued and warm-up prompts (the chat template, if any).
+        self.encode = functools.partial(encode_prompt, self.tokenizer, chat_template=r.chat_template)
         self.counts = {
             "groups": 0,
             "samples": 0,
@@ -142,6 +153,7 @@ class GeneratorActor:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{generator_id}-loop", daemon=True)
         self._thread.start()
         self.engine: RolloutEngine = self._call(RolloutEngine.start(self.rollout, model_path, seed=rollout_seed(cfg)))
+        self.engine.allowed_token_ids = allowed_token_ids(self.rollout.env, self.tokenizer)
         # One name per generator, so a crashed predecessor's kept weights are replaced, not leaked.
         self.engine.keep_path = os.path.join(cfg.sync.shm_dir, f".asyncrl-{run}-{generator_id}-last-good.safetensors")
         self.engine.drop_kept()
@@ -154,7 +166,7 @@ class GeneratorActor:
             self.weights,
             groups,
             self.prompts,
-            self.tokenizer,
+            self.encode,
             generator_id,
             self.counts,
             self._fail,
@@ -170,10 +182,10 @@ class GeneratorActor:
                 self.weights.note_failed(location, version)
                 log.warning("%s: could not load published weights v%d: %s", generator_id, version, e)
             # Joining a running job: warm up before the first admission (see RolloutEngine.warm_up).
-            warm = self.tokenizer.encode(next(self.prompts)[1])
+            warm = self.encode(next(self.prompts)[1])
             self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, f"{prefix}:warmup"))
         retry = self.production.retry
-        retry.extend(recovery.predecessor_prompts(self.queue, generator_id, self.tokenizer))
+        retry.extend(recovery.predecessor_prompts(self.queue, generator_id, self.encode))
         self.counts["reissued"] += len(retry)
         log.info("%s: incarnation %d, %d prompts re-issued from a predecessor", generator_id, incarnation, len(retry))
         # A crashed generator's successor (Ray restart, or the same id started again) goes on

@@ -1,6 +1,6 @@
 """A generator's production line: draw a prompt, wait for admission, roll it out, put the group.
 
-    line = Production(cfg, queue, engine, weights, groups, prompts, tokenizer, "gen-0", counts, on_fail)
+    line = Production(cfg, queue, engine, weights, groups, prompts, encode, "gen-0", counts, on_fail)
     await line.run()            # on the generator's event loop, until line.halt()
     await line.drain(30.0)      # after halt(): let in-flight groups finish, cancel the rest
 
@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgpack
 
@@ -49,13 +50,13 @@ class Production:
         weights: WeightWatcher,
         groups: GroupMaker,
         prompts,
-        tokenizer,
+        encode: Callable[[str], list[int]],
         generator_id: str,
         counts: dict,
         on_fail,
     ):
         self.cfg, self.rollout, self.queue, self.engine = cfg, cfg.rollout, queue, engine
-        self.weights, self.groups, self.prompts, self.tokenizer = weights, groups, prompts, tokenizer
+        self.weights, self.groups, self.prompts, self.encode = weights, groups, prompts, encode
         self.generator_id, self.counts, self.on_fail = generator_id, counts, on_fail
         self.retry: deque[PromptItem] = deque()  # admitted prompts to run again (predecessor's, or failed here)
         self.tasks: set[asyncio.Task] = set()  # groups generating or being put
@@ -126,7 +127,7 @@ class Production:
 
     def _next_prompt(self) -> PromptItem | None:
         prompt_id, text, metadata = next(self.prompts)
-        ids = self.tokenizer.encode(text)
+        ids = self.encode(text)
         if len(ids) > self.rollout.max_prompt_tokens:
             self.counts["prompts_skipped"] += 1
             self.queue.incr("prompts_skipped")

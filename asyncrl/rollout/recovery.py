@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import socket
+from collections.abc import Callable
 
 from asyncrl.queue.runstate import unpack_small
 from asyncrl.rollout.prompts import PromptItem
@@ -136,11 +137,11 @@ def record_engine(queue, generator_id: str, engine, generating: bool) -> None:
     )
 
 
-def predecessor_prompts(queue, generator_id: str, tokenizer) -> list[PromptItem]:
+def predecessor_prompts(queue, generator_id: str, encode: Callable[[str], list[int]]) -> list[PromptItem]:
     """The prompts a predecessor admitted (noted in its in-flight hash) but never put: they are
     run again under their own ids, without a second admission."""
     items = []
     for prompt_id, raw in queue.inflight_prompts(generator_id).items():
         note = unpack_small(raw)
-        items.append(PromptItem(prompt_id, note["text"], note["metadata"], tokenizer.encode(note["text"])))
+        items.append(PromptItem(prompt_id, note["text"], note["metadata"], encode(note["text"])))
     return items

@@ -72,8 +72,10 @@ def sampling_params(
     max_tokens: int | None = None,
     temperature: float | None = None,
     ignore_eos: bool = False,
+    allowed_token_ids: list[int] | None = None,
 ):
-    """vLLM SamplingParams for one request of ``n`` samples (the rollout branch's defaults)."""
+    """vLLM SamplingParams for one request of ``n`` samples (the rollout branch's defaults);
+    ``allowed_token_ids`` is the environment's ban on special tokens (a -inf logits mask)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -87,6 +89,7 @@ def sampling_params(
         logprobs=0 if r.logprobs else None,  # 0 = exactly the sampled token's logprob
         seed=request_seed(seed, request_id),
         ignore_eos=ignore_eos,
+        allowed_token_ids=allowed_token_ids,
         detokenize=False,  # the environment decodes the tokens it scores; text is never read here
         output_kind=RequestOutputKind.FINAL_ONLY,
     )

@@ -28,6 +28,7 @@ from asyncrl.queue import keys
 from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.recovery import shm_segments_of
+from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
 from asyncrl.testing.job import pid_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -35,6 +36,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 RUN = "gentest"
 N = 3
 TEMPERATURE = 0.7
+NOT_SAMPLED = [build_vocab()[t] for t in SPECIAL_TOKENS if t != "<eos>"]
+"""The copy task never samples a special token but EOS: the engine's policy is the model's
+with these masked, and so is the learner's (asyncrl.learner.step.policy_logits)."""
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +139,7 @@ def hf_token_logprobs(model, prompt_ids, response_ids, temperature):
     ids = torch.tensor([list(prompt_ids) + list(response_ids)])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    logits[:, NOT_SAMPLED] = -torch.inf
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(1, torch.tensor(response_ids)[:, None])[:, 0].numpy()
 
@@ -144,7 +149,9 @@ def hf_greedy(model, prompt_ids, max_new_tokens, eos_id):
     out = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            logits[NOT_SAMPLED] = -torch.inf
+            nxt = int(logits.argmax())
             out.append(nxt)
             ids.append(nxt)
             if nxt == eos_id:
@@ -173,6 +180,18 @@ def test_rollout_logprobs_match_learner_logprobs(ray_session, gen, hf_model, tok
     assert_logprob_parity(ray_session, gen, hf_model, tokenizer)
 
 
+def test_a_synthetic_task_never_samples_a_special_token_but_eos(ray_session, hf_model, gen, tokenizer):
+    prompt = tokenizer.encode("abc=")
+    with torch.no_grad():  # the random model itself does give them mass: unmasked, they would come up
+        p = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1] / 1.5, dim=-1)
+    assert float(p[NOT_SAMPLED].sum()) > 0.02
+    outs = ray_session.get(gen.sample.remote(prompt, 64, 16, 1.5))
+    sampled = [t for c in outs for t in c["token_ids"]]
+    assert len(sampled) >= 300
+    assert not set(sampled) & set(NOT_SAMPLED)
+    assert tokenizer.eos_token_id in sampled  # stopping stays possible
+
+
 def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_session, gen, queue, tokenizer):
     ray = ray_session
     queue.configure_admission(max_staleness=0, groups_per_step=8)
@@ -194,6 +213,7 @@ def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_sessio
             assert s.generator_id == "g0" and s.behavior_version == 0
             assert len(s.rollout_logprobs) == s.num_tokens and np.all(s.rollout_logprobs <= 0)
             assert s.token_versions.tolist() == [0] * s.num_tokens
+            assert not set(s.response_ids.tolist()) & set(NOT_SAMPLED)
             response = tokenizer.decode(s.response_ids.tolist(), skip_special_tokens=True)
             if isinstance(g.metadata["target"], str):
                 assert s.error is None

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from asyncrl.config import Config
+from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
 from asyncrl.types import TrainSequence
 
 VOCAB_LOW = 4  # ids below are special tokens (pad = 0)
+NOT_SAMPLED = [build_vocab()[t] for t in SPECIAL_TOKENS if t != "<eos>"]
 
 
 def make_config() -> Config:
@@ -170,7 +172,10 @@ def test_exported_state_dict_loads_into_plain_hf_model(groups, batches, tiny_mod
             ids = torch.as_tensor(seq.input_ids, dtype=torch.long)[None]
             logits, logits2 = hf(ids).logits, hf2(ids).logits
             assert torch.equal(logits, logits2)
-            want = torch.log_softmax(logits[0, :-1] / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            # the config's task (copy) never samples <pad>/<bos>/<unk>: the learner's policy masks them too
+            z = logits[0, :-1].clone()
+            z[:, NOT_SAMPLED] = -torch.inf
+            want = torch.log_softmax(z / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
             assert got.shape == (seq.num_tokens,) and got[0] == 0.0
             np.testing.assert_allclose(got[1:], want.numpy(), atol=1e-5)
 

@@ -92,9 +92,10 @@ def child_process_names() -> list[str]:
 
 def test_console_line():
     out = io.StringIO()
-    sink = ConsoleSink(every=2, console=Console(file=out, width=200, color_system=None))
+    sink = ConsoleSink(every=2, console=Console(file=out, width=200, color_system=None), target_length=3.0)
     m = {
         "reward/mean": 0.5,
+        "response/length_mean": 6.75,
         "staleness/mean": 0.25,
         "staleness/max": 1.0,
         "drift/rollout_kl": 0.0123,
@@ -105,7 +106,8 @@ def test_console_line():
     sink.log(1, m)  # skipped: every=2
     sink.log(2, m)
     assert out.getvalue().strip() == (
-        "step 2  reward 0.5  staleness 0.25/1  rollout_kl 0.0123  gen 1234 tok/s  train 800 tok/s  step 1.50s"
+        "step 2  reward 0.5  len 6.8 (target 3+EOS)  staleness 0.25/1  rollout_kl 0.0123  "
+        "gen 1234 tok/s  train 800 tok/s  step 1.50s"
     )
 
 

@@ -237,3 +237,30 @@ def test_unlink_segments_deletes_only_psm_segments(tmp_path):
     assert not os.path.exists(absent)
     assert unlink_segments([name, absent]) == [name]
     assert not os.path.exists(name)
+
+
+def test_synthetic_tasks_ban_special_tokens_but_eos(tmp_path):
+    """Decoding for the reward strips special tokens, so a synthetic task must never sample
+    them (free padding); EOS stays, or the policy could not stop. gsm8k & co sample anything."""
+    from asyncrl.rollout.envs import allowed_token_ids
+    from asyncrl.rollout.tiny import write_tokenizer
+
+    tok = write_tokenizer(tmp_path)
+    specials = {tok.convert_tokens_to_ids(t) for t in ("<pad>", "<bos>", "<unk>")}
+    for name in ("copy", "reverse", "arithmetic"):
+        allowed = allowed_token_ids(name, tok)
+        assert set(allowed) == set(range(len(tok))) - specials, name
+        assert tok.eos_token_id in allowed
+    assert allowed_token_ids("gsm8k", tok) is None
+    assert allowed_token_ids("countdown_chat", tok) is None
+
+
+def test_target_lengths_of_the_synthetic_tasks():
+    from asyncrl.rollout.envs.synthetic import ArithmeticEnv, CopyEnv, ReverseEnv
+
+    assert CopyEnv(min_len=3, max_len=5).target_length() == 4.0
+    assert ReverseEnv(min_len=3, max_len=3).target_length() == 3.0
+    # 0..1 op 0..1 with "+": results 0, 1, 1, 2 -> one digit each
+    assert ArithmeticEnv(max_operand=1, ops="+").target_length() == 1.0
+    # "-": 0-1 = -1 is two characters, the other three one
+    assert ArithmeticEnv(max_operand=1, ops="-").target_length() == 1.25

@@ -91,3 +91,33 @@ def test_importing_the_math_pulls_in_neither_vllm_nor_ray():
     code = "import sys, asyncrl.algo; print(sorted(m for m in ('vllm', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_learner_masks_the_tokens_the_engine_may_not_sample():
+    """With token 1 banned (a synthetic task's special token), the learner's policy is the
+    engine's: softmax over the allowed tokens only, by hand [1/6, -, 3/6] / (4/6) = [1/4, 3/4];
+    the entropy stays finite (a banned prompt token too) and the banned logit gets no gradient."""
+    from types import SimpleNamespace
+
+    from asyncrl.learner.step import disallowed_mask, policy_logits
+
+    class Fixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.z = torch.nn.Parameter(LOGITS.float().repeat(3, 1))  # [L=3, V=3]
+
+        def forward(self, input_ids, use_cache):
+            return SimpleNamespace(logits=self.z.unsqueeze(0).expand(input_ids.shape[0], -1, -1))
+
+    model = Fixed()
+    mask = disallowed_mask([0, 2], 3, torch.device("cpu"))
+    assert mask.tolist() == [False, True, False] and disallowed_mask(None, 3, torch.device("cpu")) is None
+    ids = torch.tensor([[1, 0, 2]])  # the prompt's first token is a banned one: still finite
+    logits = policy_logits(model, ids, mask)
+    logp = token_logprobs(logits, ids, 1.0)
+    assert torch.allclose(logp[0, 1:], torch.tensor([math.log(0.25), math.log(0.75)]), atol=1e-6)
+    ent = token_entropy(logits, 1.0)
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert torch.isfinite(ent).all() and abs(ent[0, 1].item() - expected) < 1e-6
+    (logp.sum() + ent.sum()).backward()
+    assert model.z.grad[:, 1].abs().max().item() == 0.0 and model.z.grad[:, 0].abs().max().item() > 0

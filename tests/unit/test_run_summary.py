@@ -85,3 +85,31 @@ def test_summary_file_is_replaced_whole(tmp_path):
     assert path == tmp_path / SUMMARY_FILE
     assert json.loads(path.read_text()) == {"status": "finished", "step": 9, "wall_s": 1.5}
     assert [p.name for p in tmp_path.iterdir()] == [SUMMARY_FILE]  # no temp file left
+
+
+def test_summary_shows_response_length_against_the_tasks_target():
+    """The demo's length must visibly approach "3 characters + EOS" (and padding show up)."""
+    from asyncrl.config import load_config
+    from asyncrl.rollout.envs.reward_fns import task_target_length
+
+    demo = load_config("configs/demo.yaml")
+    target = task_target_length(demo.rollout)
+    assert target == 3.0  # copy, min_len = max_len = 3
+    kwargs = dict(
+        startup_s=1.0,
+        wall_s=2.0,
+        counters={},
+        max_staleness=2,
+        status="finished",
+        metrics=Path("/r/metrics.jsonl"),
+        checkpoint=None,
+        hf_dir=None,
+        dashboard_url=None,
+        resume_cmd="asyncrl train --resume /r",
+    )
+    line = run_summary(rows(20), target_length=target, **kwargs).splitlines()[2]
+    assert line == "  response length 7.5 -> 6.5 tokens (a correct answer: 3 characters + EOS)"
+    # unknown target (a prompt file, reward functions, gsm8k): the line stays as it was
+    demo.rollout.prompts = "prompts.jsonl"
+    assert task_target_length(demo.rollout) is None
+    assert run_summary(rows(20), **kwargs).splitlines()[2] == "  response length 7.5 -> 6.5 tokens"

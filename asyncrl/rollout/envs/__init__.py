@@ -4,10 +4,20 @@ from asyncrl.rollout.envs.base import (
     BUILTIN,
     Environment,
     RewardError,
+    allowed_token_ids,
     make_env,
     resolve_env_class,
     score,
     score_completion,
 )
 
-__all__ = ["BUILTIN", "Environment", "RewardError", "make_env", "resolve_env_class", "score", "score_completion"]
+__all__ = [
+    "BUILTIN",
+    "Environment",
+    "RewardError",
+    "allowed_token_ids",
+    "make_env",
+    "resolve_env_class",
+    "score",
+    "score_completion",
+]

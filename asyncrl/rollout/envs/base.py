@@ -35,6 +35,15 @@ class Environment:
     """
 
     multi_turn = False
+    sample_special_tokens = True
+    """False: generators never sample a special token other than EOS for this task. The reward
+    sees text decoded with the special tokens stripped, so sampling them would be free padding
+    (a policy learns to fill its answer with <pad>/<bos> instead of learning to stop)."""
+
+    def target_length(self) -> float | None:
+        """Mean length in characters of a correct response (before EOS), when the task knows it:
+        the run summary and the console show it next to the mean response length."""
+        return None
 
     def make_prompt(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
         raise NotImplementedError(f"{type(self).__name__} does not make prompts; set rollout.prompts to a prompt file")
@@ -77,7 +86,20 @@ def score_completion(
         return math.nan, str(e)
 
 
-def resolve_env_class(name: str) -> type:
+def allowed_token_ids(env_name: str, tokenizer) -> list[int] | None:
+    """The ids generators may sample for ``env_name`` (None: any). An environment with
+    ``sample_special_tokens = False`` gets every token of the tokenizer but its special ones,
+    EOS excepted. The learner masks the same ids out of its logits (asyncrl.learner.step), so
+    the policy it trains is the one the engine sampled from, not a renormalised cousin."""
+    if resolve_env_class(env_name).sample_special_tokens:
+        return None
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special.discard(tokenizer.eos_token_id)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def resolve_env_class(name: str) -> type[Environment]:
     """A built-in name or 'package.module:Class' -> the class (ValueError with what is allowed)."""
     path = BUILTIN.get(name, name)
     module_name, sep, attr = path.partition(":")

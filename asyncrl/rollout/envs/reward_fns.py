@@ -76,3 +76,12 @@ def make_rollout_env(rollout) -> Environment:
     replaced by ``rollout.rewards`` when those are given (generators and evaluation alike)."""
     env = make_env(rollout.env, rollout.env_kwargs)
     return WeightedRewards(env, rollout.rewards) if rollout.rewards else env
+
+
+def task_target_length(rollout) -> float | None:
+    """Mean characters of a correct response for this rollout config, when the environment
+    makes its own prompts and scores them itself (a prompt file or reward functions may ask for
+    something else); None when unknown."""
+    if rollout.prompts or rollout.rewards:
+        return None
+    return make_env(rollout.env, rollout.env_kwargs).target_length()

@@ -11,7 +11,10 @@ so even a random policy sees a reward signal:
     reward = (#positions i with response[i] == target[i]) / len(target)
              - length_penalty * |len(response) - len(target)|
 
-The length penalty makes "stop after the answer" learnable (max_tokens ~8 is enough).
+The length penalty makes "stop after the answer" learnable (max_tokens ~8 is enough). Only
+if nothing else can lengthen the answer for free: the reward sees text decoded without special
+tokens, so these tasks forbid sampling any special token but EOS (``sample_special_tokens``);
+otherwise a policy pads its answer with <pad>/<bos> instead of learning to stop.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class _StringTask(Environment):
     """Shared prompt making for the copy and reverse tasks: '<chars><separator>'."""
 
     separator = "="
+    sample_special_tokens = False
 
     # long_tail: per-prompt token budgets (metadata "max_tokens", honoured by the generator):
     # most prompts get the short one, a few a budget 6x longer, as in real workloads where
@@ -61,6 +65,9 @@ class _StringTask(Environment):
 
     def target_of(self, chars: str) -> str:
         raise NotImplementedError
+
+    def target_length(self) -> float:
+        return (self.min_len + self.max_len) / 2
 
     def make_prompt(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
         n = rng.randint(self.min_len, self.max_len)
@@ -101,12 +108,22 @@ class ReverseEnv(_StringTask):
 class ArithmeticEnv(Environment):
     """'3+4=' -> '7', '9*8=' -> '72' with digit-wise partial credit (see ``positional_credit``)."""
 
+    sample_special_tokens = False
+
     def __init__(self, max_operand: int = 9, ops: str = "+-*", length_penalty: float = 0.05):
         if max_operand < 1:
             raise ValueError(f"max_operand={max_operand}: must be >= 1")
         if not ops or set(ops) - set("+-*"):
             raise ValueError(f"ops={ops!r}: must be a non-empty subset of '+-*'")
         self.max_operand, self.ops, self.length_penalty = max_operand, ops, length_penalty
+
+    def target_length(self) -> float | None:
+        """Mean answer length over the uniformly drawn (a, op, b) (None past ~100k cases)."""
+        n = self.max_operand + 1
+        if n * n * len(self.ops) > 100_000:
+            return None
+        lengths = [len(str(self.evaluate(a, op, b))) for a in range(n) for b in range(n) for op in self.ops]
+        return sum(lengths) / len(lengths)
 
     @staticmethod
     def evaluate(a: int, op: str, b: int) -> int:
