@@ -259,8 +259,12 @@ class QueueConfig:
     """Another consumer's un-acked entry idle this long is presumed orphaned and claimed;
     keep it above the time between checkpoints (entries stay un-acked until then)."""
     retry_deadline_s: float = 30.0
-    """How long every Redis call retries (with backoff) through an outage before the caller
-    gets QueueUnavailable: a server restart or network blip shorter than this is ridden out."""
+    """How long every Redis call retries (with backoff, a warning per retry) through an outage:
+    a server restart or network blip shorter than this is ridden out quietly. A longer outage
+    pauses the job (trainer and generators wait, one line a minute) until queue.outage_deadline_s."""
+    outage_deadline_s: float | None = None
+    """None: wait out any Redis outage. A number (>= retry_deadline_s): after that many seconds
+    unreachable the trainer checkpoints, prints the resume command and fails (QueueUnavailable)."""
 
 
 # ----------------------------------------------------------------------------- learner
@@ -776,6 +780,12 @@ def validate(cfg: Config) -> None:
     _at_least("queue.max_record_bytes", q.max_record_bytes, 1024)
     _positive("queue.claim_idle_s", q.claim_idle_s)
     _positive("queue.retry_deadline_s", q.retry_deadline_s)
+    if q.outage_deadline_s is not None and not q.outage_deadline_s >= q.retry_deadline_s:
+        raise ConfigError(
+            f"queue.outage_deadline_s={q.outage_deadline_s!r}: must be >= queue.retry_deadline_s="
+            f"{q.retry_deadline_s:g} (an outage is retried that long first), or null (the default) to wait "
+            "out any outage"
+        )
     # Entries stay un-acked until the checkpoint that covers them and count against maxlen;
     # a smaller bound would make generators and trainer wait on each other forever.
     need = c.groups_per_step * (c.checkpoint_every + c.max_staleness + 2)

@@ -11,7 +11,12 @@ Each step at policy version v:
      (a background thread waits for them, then raises the version); one publish is in
      flight at a time. The synchronous mode (and max_staleness=0) waits, as it must;
   4. log metrics; every `checkpoint_every` steps checkpoint, then ack the queue entries the
-     checkpoint covers (a crash before that redelivers them: trained exactly once).
+     checkpoint covers (a crash before that redelivers them: trained exactly once; a crash
+     after the checkpoint but before the ack redelivers groups a resume skips, see LoopState).
+
+Redis down: every call waits the outage out (queue.connection.Retrier) and the run goes on
+when it is back; past queue.outage_deadline_s the loop checkpoints (no ack: the entries stay
+pending for the resume) and ends, printing the resume command.
 
 `mode=sync` is this same loop with the staleness bound forced to 0: admission lets the
 generators start exactly one step's groups per version, so they generate while the
@@ -25,13 +30,20 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from asyncrl.config import Config
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
 from asyncrl.control.state import LoopState, StopFlag
+from asyncrl.queue import QueueUnavailable
+
+if TYPE_CHECKING:
+    from asyncrl.control.progress import StepProgress
+    from asyncrl.control.runtime import Runtime
+    from asyncrl.learner import LearnerGroup
+    from asyncrl.monitor.sinks import MetricsLogger
+    from asyncrl.queue import RolloutQueue, RunState
 
 log = logging.getLogger(__name__)
 
@@ -46,41 +58,49 @@ class NoGenerators(TimeoutError):
     """No full batch within control.batch_timeout_s, and no generator left that could make one."""
 
 
+class TrainedGroup(NamedTuple):
+    """One group of the last step, as trained: what tests and benchmarks collect in on_step."""
+
+    group_id: str
+    generator_id: str
+    staleness: int
+    """Policy version of its mini-batch minus the version that generated it."""
+    generate_s: float
+    """Generation time (its slowest sample)."""
+
+
 class TrainLoop:
     """Drives one run. Holds handles only; every decision is a small method of its own."""
 
     def __init__(
         self,
         cfg: Config,
-        runtime,
-        metrics_logger,
+        runtime: Runtime,
+        metrics_logger: MetricsLogger,
         *,
         state: LoopState | None = None,
         stop: StopFlag | None = None,
-        progress=None,
+        progress: StepProgress | None = None,
     ):
         self.cfg = cfg
         self.rt = runtime
-        self.queue = runtime.queue
-        self.learner = runtime.learner
+        self.queue: RolloutQueue = runtime.queue
+        self.run_state: RunState = runtime.run_state
+        self.learner: LearnerGroup = runtime.learner
         self.logger = metrics_logger
         self.state = state or LoopState()
         self.stop = stop or StopFlag()
         self.progress = progress
-        self.on_step = None
+        self.on_step: Callable[[TrainLoop, dict[str, float]], None] | None = None
         """Optional callback(loop, metrics) after every step (tests, benchmarks)."""
         self.ckpt_root = Path(runtime.run_dir) / "checkpoints"
-        self.staleness_log: list[tuple[str, int]] = []
-        """(group id, staleness) of every trained group: the e2e tests check each one."""
-        self.trained_by: Counter[str] = Counter()
-        """Groups trained per generator id (elastic generators come and go)."""
-        self.group_seconds: list[float] = []
-        """Generation time of each trained group (its slowest sample): bench/simulate.py's input."""
+        self.last_trained: list[TrainedGroup] = []
+        """The last step's groups only (a run's worth would grow for days): on_step collects."""
         self._counters_seen: dict[str, int] = {}
         self._evaluator = None
         from asyncrl.control.watchdog import GeneratorWatchdog
 
-        self.watchdog = GeneratorWatchdog(runtime.generators, self.queue, cfg.rollout.heartbeat_timeout_s)
+        self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
         self._inflight_publish: threading.Thread | None = None
         self._publish_error: BaseException | None = None
         self.last_apply_s = 0.0
@@ -92,7 +112,7 @@ class TrainLoop:
         """Align Redis with the loop's state (fresh start or resume) and publish weights.
         Call before the generators start, then `run()`."""
         c = self.cfg.control
-        self.queue.set_state(
+        self.run_state.set_state(
             status="running",
             started_at=time.time(),
             alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
@@ -111,13 +131,23 @@ class TrainLoop:
             # A fresh run's version 0 is the model file the engines load at start-up, and the
             # learner loaded that same file in float32: publishing it again would only make
             # us wait here for every engine to come up (the runtime starts them meanwhile).
-            self.queue.set_policy_version(0)
+            self.run_state.set_policy_version(0)
         else:
             self._publish(self.state.version, overlap=False)
-        trained = len(self.state.trained_ids)
-        self.queue.reset_admission(trained + self.queue.depth() + self.queue.pending())
-        self.queue.configure_admission(self.max_staleness, c.groups_per_step)
-        self._counters_seen = self.queue.counters()
+        alive = self.queue.depth() + self.queue.pending()
+        if self.state.skip_ids:
+            # The checkpoint's own groups, still pending if its ack was lost: skipped when
+            # delivered, so neither trained twice nor counted twice against admission.
+            skip = set(self.state.skip_ids)
+            self.queue.skip_groups(self.state.skip_ids)
+            alive -= sum(1 for g in self.queue.queued_groups() if g.group_id in skip)
+            if self.cfg.queue.ledger:
+                from asyncrl.control.ledger import record_trained
+
+                record_trained(self.rt.run_dir, self.state.step, self.state.skip_ids)
+        self.run_state.reset_admission(self.state.trained_count + alive)
+        self.run_state.configure_admission(self.max_staleness, c.groups_per_step)
+        self._counters_seen = self.run_state.counters()
 
     # ------------------------------------------------------------------ one step
 
@@ -149,7 +179,7 @@ class TrainLoop:
                         f"no full batch for {time.monotonic() - t0:.0f} s ({len(items)}/{want} groups) and no "
                         f"generator can run (own ones dead, no elastic heartbeat within "
                         f"rollout.heartbeat_timeout_s={self.cfg.rollout.heartbeat_timeout_s:g}); "
-                        f"counters={self.queue.counters()}"
+                        f"counters={self.run_state.counters()}"
                     )
                 log.warning(
                     "no full batch for %.0f s (%d/%d groups); waiting for %s",
@@ -165,10 +195,10 @@ class TrainLoop:
 
     def _release_lost_admissions(self) -> None:
         """Dropped-stale and dead-lettered groups will never be trained: free their slots."""
-        now = self.queue.counters()
+        now = self.run_state.counters()
         lost = sum(now.get(k, 0) - self._counters_seen.get(k, 0) for k in ("dropped_stale", "dead_lettered"))
         if lost > 0:
-            self.queue.release_admission(lost)
+            self.run_state.release_admission(lost)
         self._counters_seen = now
 
     def _train(self, groups: list) -> dict[str, float]:
@@ -182,11 +212,15 @@ class TrainLoop:
         for j, mb in enumerate(minibatches):
             at = self.state.version + j
             check_within_bound([at - seq.behavior_version for seq in mb], self.max_staleness)
-        for g in groups:
-            j = self._minibatch_of(g.group_id, minibatches)
-            self.staleness_log.append((g.group_id, self.state.version + j - g.behavior_version))
-            self.trained_by[g.samples[0].generator_id] += 1
-            self.group_seconds.append(max(s.timings.get("generate_s", 0.0) for s in g.samples))
+        self.last_trained = [
+            TrainedGroup(
+                g.group_id,
+                g.samples[0].generator_id,
+                self.state.version + self._minibatch_of(g.group_id, minibatches) - g.behavior_version,
+                max(s.timings.get("generate_s", 0.0) for s in g.samples),
+            )
+            for g in groups
+        ]
         metrics = self.learner.train_step(minibatches)
         metrics.update(batch_metrics)
         return metrics
@@ -220,7 +254,7 @@ class TrainLoop:
     def _apply_and_announce(self, path: str, version: int) -> None:
         try:
             self.last_apply_s = self.rt.weight_sync.publish_file(path, version)["apply_s"]
-            self.queue.set_policy_version(version)
+            self.run_state.set_policy_version(version)
         except BaseException as e:  # handed to the loop's thread by _finish_publish
             self._publish_error = e
 
@@ -230,6 +264,11 @@ class TrainLoop:
             self._inflight_publish.join()
             self._inflight_publish = None
         self._raise_publish_error()
+
+    def _join_publish(self) -> None:
+        if self._inflight_publish is not None:
+            self._inflight_publish.join()
+            self._inflight_publish = None
 
     def _raise_publish_error(self) -> None:
         error, self._publish_error = self._publish_error, None
@@ -261,12 +300,11 @@ class TrainLoop:
         before = self.state.version
         self.state.version = int(metrics.get("learner/version", before + self.cfg.learner.mini_batches_per_step))
         self.state.step += 1
-        self.state.trained_ids += [g.group_id for g in groups]
-        self.state.unacked += ids
-        self.queue.incr("groups_trained", len(groups))
+        self.state.trained([g.group_id for g in groups], ids)
+        self.run_state.incr("groups_trained", len(groups))
         # The policy version trails the trainer while a publish is in flight; supervisors
         # (asyncrl.testing.job) and the dashboard read the trainer's own step here.
-        self.queue.set_state(trainer_step=self.state.step)
+        self.run_state.set_state(trainer_step=self.state.step)
 
         t_sync = 0.0
         # The policy version is raised only after the publish, so admitted work runs the
@@ -275,7 +313,7 @@ class TrainLoop:
             t_sync = self._publish(self.state.version, overlap=self._overlap_publish)
         else:
             self._finish_publish()  # never let a late publish thread lower the version
-            self.queue.set_policy_version(self.state.version)
+            self.run_state.set_policy_version(self.state.version)
 
         if self.state.step % c.checkpoint_every == 0 or self.state.step >= c.total_steps:
             self.checkpoint()
@@ -291,7 +329,7 @@ class TrainLoop:
     def _step_metrics(self, groups, staleness, t_wait, t_train, t_sync, t_step) -> dict[str, float]:
         from asyncrl.monitor.metrics import staleness_summary
 
-        counters = self.queue.counters()
+        counters = self.run_state.counters()
         gen_tokens = sum(g.num_tokens for g in groups)
         out = {
             "time/wait_data": t_wait,
@@ -313,7 +351,7 @@ class TrainLoop:
         # trained like any off-policy data and counted apart rather than hidden as 0.
         out["staleness/ahead"] = float(sum(1 for s in staleness if s < 0))
         out.update(staleness_summary([max(0, s) for s in staleness], self.cfg.control.max_staleness))
-        gens = self.queue.generators()
+        gens = self.run_state.generators()
         for news in self.watchdog.news(gens):
             log.warning(news)
         for gid, info in gens.items():
@@ -325,14 +363,23 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def checkpoint(self) -> Path:
-        """Durable checkpoint first, ack second: a crash in between only redelivers."""
+    def checkpoint(self, *, redis_up: bool = True) -> Path:
+        """Durable checkpoint first, ack second: a crash in between only redelivers (and the
+        resume skips what this checkpoint trained). Without Redis nothing is acked: the
+        entries stay pending, and the resume sorts them out the same way."""
         path = self.ckpt_root / f"step_{self.state.step:06d}"
         self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
-        if self.state.unacked:
-            self.queue.ack(self.state.unacked)
-            self.state.unacked = []
-        self.queue.set_state(checkpoint_step=self.state.step)
+        if self.cfg.queue.ledger:
+            from asyncrl.control.ledger import record_trained
+
+            record_trained(self.rt.run_dir, self.state.step, self.state.since_checkpoint)
+        if not redis_up:
+            self.state.since_checkpoint = []
+            return path
+        acks = self.state.checkpointed()
+        if acks:
+            self.queue.ack(acks)
+        self.run_state.set_state(checkpoint_step=self.state.step)
         from asyncrl.learner.checkpoint import prune
 
         c = self.cfg.control
@@ -388,22 +435,32 @@ class TrainLoop:
                 self.checkpoint()
             if self.state.step > 0:
                 self.export_hf("final")
-            self.queue.set_state(status="stopped" if self.stop.is_set else "finished")
+            self.run_state.set_state(status="stopped" if self.stop.is_set else "finished")
         except NoGenerators:
             # The learners are fine: keep what they trained, so the run resumes from here.
             self.checkpoint()
-            self.queue.set_state(status="failed")
+            self.run_state.set_state(status="failed")
             log.error(
                 "no generator can run; checkpointed step %d. Resume once generators can run: asyncrl train --resume %s",
                 self.state.step,
                 self.rt.run_dir,
             )
             raise
+        except QueueUnavailable as e:
+            # Past queue.outage_deadline_s. The weights are on local disk; Redis keeps the rest.
+            self._join_publish()
+            self.checkpoint(redis_up=False)
+            log.error(
+                "%s; checkpointed step %d. Resume once Redis is back: asyncrl train --resume %s",
+                e,
+                self.state.step,
+                self.rt.run_dir,
+            )
+            raise
         except BaseException:
-            self.queue.set_state(status="failed")
+            self.run_state.set_state(status="failed")
             raise
         finally:
-            if self._inflight_publish is not None:  # the engines must not be torn down mid-load
-                self._inflight_publish.join()
+            self._join_publish()  # the engines must not be torn down mid-load
             self.stop.restore()
         return self.state

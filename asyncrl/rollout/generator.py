@@ -15,12 +15,12 @@ with max_concurrency > 1, so stats() answers while update_weights() runs).
 
 Loop: draw a prompt (skip and count those over rollout.max_prompt_tokens), wait for
 admission and note the prompt in the generator's in-flight hash in Redis (one atomic step,
-queue.admit_prompt), sample n completions, score them with the environment, put one
+RunState.admit_prompt), sample n completions, score them with the environment, put one
 RolloutGroup and delete the in-flight note (again one step). Up to
 rollout.max_inflight_groups groups run at once. A finished group is held through a full
 queue (put's timeout is logged, never a reason to drop it). Every Redis call retries through
-a restart of the server (queue.connection.Retrier); if the loop or a put fails anyway (Redis
-gone past queue.retry_deadline_s, or refusing the write), stats() raises GeneratorFailed,
+a restart of the server (queue.connection.Retrier) and waits out a longer outage; if the loop
+or a put fails anyway (Redis gone past queue.outage_deadline_s, or refusing the write), stats() raises GeneratorFailed,
 and a Ray actor exits so that Ray restarts it. A restarted actor
 (Ray max_restarts) first reaps its predecessor's orphaned engine processes and deletes their
 leaked /dev/shm/psm_* segments, then re-issues the predecessor's in-flight prompts without a
@@ -34,7 +34,7 @@ and request ids, and request ids fix the sampling seeds: two fresh runs of one c
 the same prompts with the same seeds, while a restarted actor or a resumed trainer never
 reuses an id. No uuid or clock goes into a seed.
 
-Redis keys written for it (through RunState; names from ``asyncrl.queue.keys``):
+Redis keys written for it (through RunState, self.run_state; names from ``asyncrl.queue.keys``):
     keys.inflight(run, generator_id)   hash  prompt_id -> msgpack {"text", "metadata"}
     keys.engine_pids(run)              hash  generator_id -> msgpack {"host", "pids": [[pid, t0]], "segments",
                                                                    "started"}
@@ -106,6 +106,7 @@ class GeneratorActor:
         from transformers import AutoTokenizer
 
         from asyncrl.queue.replay import RolloutQueue
+        from asyncrl.queue.runstate import RunState
         from asyncrl.sync.model_ship import local_model
 
         self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
@@ -118,7 +119,9 @@ class GeneratorActor:
             ledger=cfg.queue.ledger,
             claim_idle_s=cfg.queue.claim_idle_s,
             retry_deadline_s=cfg.queue.retry_deadline_s,
+            outage_deadline_s=cfg.queue.outage_deadline_s,
         )
+        self.run_state = RunState.of(self.queue)
         self.exit_on_failure = exit_on_failure
         self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
         predecessor_was_generating = self._reap_predecessor()
@@ -128,7 +131,7 @@ class GeneratorActor:
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with
         # the same seeds; a restart (actor crash, trainer resume) gets a new number, so prompt
         # and group ids never repeat within a run.
-        incarnation = self.incarnation = self.queue.next_incarnation(generator_id)
+        incarnation = self.incarnation = self.run_state.next_incarnation(generator_id)
         prefix = f"{generator_id}.{incarnation}"
         self.prompts = open_prompts(
             self.rollout.prompts, self.env, id_prefix=prefix, seed=self.rollout.seed + zlib.crc32(prefix.encode())
@@ -169,7 +172,7 @@ class GeneratorActor:
         # Until start(), a successor should do what our predecessor did (its prompts are still admitted).
         self._generating = predecessor_was_generating
         self._record_engine()
-        location, version = self.queue.weights()
+        location, version = self.run_state.weights()
         if location is not None and version > 0:
             try:  # joining (or restarting into) a running job
                 self.update_weights(location, version)
@@ -293,7 +296,7 @@ class GeneratorActor:
         with contextlib.suppress(Exception):
             self._call(self._stop(0.0))
         self._call(self.engine.shutdown())
-        self.queue.set_engine_record(self.generator_id, None)
+        self.run_state.set_engine_record(self.generator_id, None)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -332,7 +335,7 @@ class GeneratorActor:
 
     def _reap_predecessor(self) -> bool:
         """Kill a crashed predecessor's orphaned engine processes; return whether it was generating."""
-        record = self.queue.engine_record(self.generator_id)
+        record = self.run_state.engine_record(self.generator_id)
         if record is None:
             return False
         if record.get("host") == socket.gethostname():
@@ -346,7 +349,7 @@ class GeneratorActor:
 
     def _record_engine(self) -> None:
         """What a successor needs after a crash: our engine's PIDs, and whether we were generating."""
-        self.queue.set_engine_record(
+        self.run_state.set_engine_record(
             self.generator_id,
             {
                 "host": socket.gethostname(),
@@ -357,7 +360,7 @@ class GeneratorActor:
         )
 
     def _load_predecessor_inflight(self) -> None:
-        for prompt_id, raw in self.queue.inflight_prompts(self.generator_id).items():
+        for prompt_id, raw in self.run_state.inflight_prompts(self.generator_id).items():
             note = unpack_small(raw)
             ids = self.tokenizer.encode(note["text"])
             self._retry.append((prompt_id, note["text"], note["metadata"], ids))
@@ -422,7 +425,7 @@ class GeneratorActor:
                 continue
             t0 = time.perf_counter()
             admitted = await asyncio.to_thread(
-                self.queue.admit_prompt, self.generator_id, item[0], note, self.engine.version
+                self.run_state.admit_prompt, self.generator_id, item[0], note, self.engine.version
             )
             self.counts["admission_calls"] += 1
             self.counts["admission_s"] += time.perf_counter() - t0
@@ -436,7 +439,7 @@ class GeneratorActor:
         ids = self.tokenizer.encode(text)
         if len(ids) > self.rollout.max_prompt_tokens:
             self.counts["prompts_skipped"] += 1
-            self.queue.incr("prompts_skipped")
+            self.run_state.incr("prompts_skipped")
             return None
         return prompt_id, text, metadata, ids
 
@@ -632,7 +635,7 @@ class GeneratorActor:
                     last_beat = time.monotonic()
                     s = self.stats()
                     await asyncio.to_thread(
-                        self.queue.heartbeat,
+                        self.run_state.heartbeat,
                         self.generator_id,
                         {
                             "version": s["version"],
@@ -643,7 +646,7 @@ class GeneratorActor:
                             "blocked": s["weights_blocked"],
                         },
                     )
-                location, version = await asyncio.to_thread(self.queue.weights)
+                location, version = await asyncio.to_thread(self.run_state.weights)
                 if location is not None and version > self.engine.version and self._may_try(location, version):
                     try:
                         await self._update(location, version)
@@ -679,8 +682,8 @@ class GeneratorActor:
             await asyncio.gather(*unfinished, return_exceptions=True)
         # A clean stop hands back what it admitted but never produced; a crash leaves the
         # in-flight hash for the successor instead.
-        await asyncio.to_thread(self.queue.release_inflight, self.generator_id)
+        await asyncio.to_thread(self.run_state.release_inflight, self.generator_id)
         self._retry.clear()
         self._generating = False
         await asyncio.to_thread(self._record_engine)  # a successor must not auto-start
-        await asyncio.to_thread(self.queue.remove_generator, self.generator_id)
+        await asyncio.to_thread(self.run_state.remove_generator, self.generator_id)
