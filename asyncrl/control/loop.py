@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from asyncrl.config import Config
+from asyncrl.control.publish import Publisher
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
 from asyncrl.control.state import LoopState, StopFlag
 from asyncrl.queue import QueueUnavailable
 
 if TYPE_CHECKING:
+    from asyncrl.control.evaluate import Evaluator
     from asyncrl.control.progress import StepProgress
     from asyncrl.control.runtime import Runtime
     from asyncrl.learner import LearnerGroup
@@ -82,11 +83,14 @@ class TrainLoop:
         stop: StopFlag | None = None,
         progress: StepProgress | None = None,
     ):
+        if runtime.queue is None or runtime.run_state is None or runtime.learner is None or not runtime.model_path:
+            raise RuntimeError("TrainLoop needs a started Runtime: `with Runtime(cfg, run_dir) as rt`")
         self.cfg = cfg
         self.rt = runtime
         self.queue: RolloutQueue = runtime.queue
         self.run_state: RunState = runtime.run_state
         self.learner: LearnerGroup = runtime.learner
+        self.model_path: str = runtime.model_path
         self.logger = metrics_logger
         self.state = state or LoopState()
         self.stop = stop or StopFlag()
@@ -97,14 +101,11 @@ class TrainLoop:
         self.last_trained: list[TrainedGroup] = []
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
         self._counters_seen: dict[str, int] = {}
-        self._evaluator = None
+        self._evaluator: Evaluator | None = None
         from asyncrl.control.watchdog import GeneratorWatchdog
 
         self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
-        self._inflight_publish: threading.Thread | None = None
-        self._publish_error: BaseException | None = None
-        self.last_apply_s = 0.0
-        """How long the engines took to apply the last publish (pause, load, resume)."""
+        self.publisher = Publisher(self.learner, runtime.weight_sync, self.run_state, self.state)
 
     # ------------------------------------------------------------------ set-up
 
@@ -120,7 +121,7 @@ class TrainLoop:
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
             # What `asyncrl generate` needs to join this job from another process.
             config=json.dumps(self.cfg.to_dict()),
-            model_path=self.rt.model_path,
+            model_path=self.model_path,
             trainer_step=self.state.step,
         )
         # After a resume the weights are the checkpoint's: generators must run them, and
@@ -133,7 +134,7 @@ class TrainLoop:
             # us wait here for every engine to come up (the runtime starts them meanwhile).
             self.run_state.set_policy_version(0)
         else:
-            self._publish(self.state.version, overlap=False)
+            self.publisher.publish(self.state.version, overlap=False)
         alive = self.queue.depth() + self.queue.pending()
         if self.state.skip_ids:
             # The checkpoint's own groups, still pending if its ack was lost: skipped when
@@ -232,49 +233,6 @@ class TrainLoop:
                 return j
         return 0
 
-    def _publish(self, version: int, overlap: bool) -> float:
-        """Export the weights as `version`, have the engines apply them, then raise the policy
-        version in Redis; with `overlap` the engines' part runs while the caller goes on.
-        Returns the seconds the caller spent."""
-        t0 = time.perf_counter()
-        self._finish_publish()
-        path = self.rt.weight_sync.path_for(version)
-        self.learner.export_to_file(path)
-        self.state.published_version = version
-        if overlap:
-            self._inflight_publish = threading.Thread(
-                target=self._apply_and_announce, args=(path, version), name=f"publish-v{version}", daemon=True
-            )
-            self._inflight_publish.start()
-        else:
-            self._apply_and_announce(path, version)
-            self._raise_publish_error()
-        return time.perf_counter() - t0
-
-    def _apply_and_announce(self, path: str, version: int) -> None:
-        try:
-            self.last_apply_s = self.rt.weight_sync.publish_file(path, version)["apply_s"]
-            self.run_state.set_policy_version(version)
-        except BaseException as e:  # handed to the loop's thread by _finish_publish
-            self._publish_error = e
-
-    def _finish_publish(self) -> None:
-        """Wait for the publish in flight (if any); its failure is raised here, in the loop."""
-        if self._inflight_publish is not None:
-            self._inflight_publish.join()
-            self._inflight_publish = None
-        self._raise_publish_error()
-
-    def _join_publish(self) -> None:
-        if self._inflight_publish is not None:
-            self._inflight_publish.join()
-            self._inflight_publish = None
-
-    def _raise_publish_error(self) -> None:
-        error, self._publish_error = self._publish_error, None
-        if error is not None:
-            raise error
-
     @property
     def _overlap_publish(self) -> bool:
         return self.max_staleness > 0
@@ -310,9 +268,9 @@ class TrainLoop:
         # The policy version is raised only after the publish, so admitted work runs the
         # weights it is counted against.
         if self._due(self.cfg.sync.sync_every, before, self.state.version):
-            t_sync = self._publish(self.state.version, overlap=self._overlap_publish)
+            t_sync = self.publisher.publish(self.state.version, overlap=self._overlap_publish)
         else:
-            self._finish_publish()  # never let a late publish thread lower the version
+            self.publisher.finish()  # never let a late publish thread lower the version
             self.run_state.set_policy_version(self.state.version)
 
         if self.state.step % c.checkpoint_every == 0 or self.state.step >= c.total_steps:
@@ -337,7 +295,7 @@ class TrainLoop:
             "time/sync": t_sync,
             "time/step": t_step,
             "sync/seconds": t_sync,
-            "sync/apply_s": self.last_apply_s,
+            "sync/apply_s": self.publisher.last_apply_s,
             "queue/depth": float(self.queue.depth()),
             "queue/pending": float(self.queue.pending()),
             "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
@@ -373,13 +331,13 @@ class TrainLoop:
             from asyncrl.control.ledger import record_trained
 
             record_trained(self.rt.run_dir, self.state.step, self.state.since_checkpoint)
-        if not redis_up:
-            self.state.since_checkpoint = []
-            return path
-        acks = self.state.checkpointed()
-        if acks:
-            self.queue.ack(acks)
-        self.run_state.set_state(checkpoint_step=self.state.step)
+        if redis_up:
+            # The ids are forgotten only once acked: if the ack fails (an outage), the outage
+            # checkpoint that follows at this same step must still carry them.
+            if self.state.unacked:
+                self.queue.ack(self.state.unacked)
+            self.state.checkpointed()
+            self.run_state.set_state(checkpoint_step=self.state.step)
         from asyncrl.learner.checkpoint import prune
 
         c = self.cfg.control
@@ -397,7 +355,7 @@ class TrainLoop:
         if self._evaluator is None:
             from asyncrl.control.evaluate import Evaluator
 
-            self._evaluator = Evaluator(self.cfg, self.rt.model_path)
+            self._evaluator = Evaluator(self.cfg, self.model_path)
         t0 = time.perf_counter()
         out = self._evaluator.run(self.rt.generators)
         log.info(
@@ -413,7 +371,7 @@ class TrainLoop:
         """The learners' weights as a Hugging Face folder, run_dir/hf/NAME."""
         from asyncrl.control.export import HF_DIR, export_live
 
-        path = export_live(self.learner, self.rt.model_path, Path(self.rt.run_dir) / HF_DIR / name)
+        path = export_live(self.learner, self.model_path, Path(self.rt.run_dir) / HF_DIR / name)
         log.info("exported a Hugging Face folder at step %d: %s", self.state.step, path)
         return path
 
@@ -430,7 +388,7 @@ class TrainLoop:
                     self.progress.update(self.state.step, metrics)
                 if self.on_step is not None:
                     self.on_step(self, metrics)
-            self._finish_publish()
+            self.publisher.finish()
             if self.stop.is_set and self.state.unacked:
                 self.checkpoint()
             if self.state.step > 0:
@@ -448,7 +406,7 @@ class TrainLoop:
             raise
         except QueueUnavailable as e:
             # Past queue.outage_deadline_s. The weights are on local disk; Redis keeps the rest.
-            self._join_publish()
+            self.publisher.join()
             self.checkpoint(redis_up=False)
             log.error(
                 "%s; checkpointed step %d. Resume once Redis is back: asyncrl train --resume %s",
@@ -461,6 +419,6 @@ class TrainLoop:
             self.run_state.set_state(status="failed")
             raise
         finally:
-            self._join_publish()  # the engines must not be torn down mid-load
+            self.publisher.join()  # the engines must not be torn down mid-load
             self.stop.restore()
         return self.state

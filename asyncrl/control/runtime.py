@@ -23,9 +23,13 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.queue import RolloutQueue, RunState
+
+if TYPE_CHECKING:
+    from asyncrl.learner import LearnerGroup
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +60,9 @@ class Runtime(contextlib.ExitStack):
         """The rollout stream (this trainer's consumer)."""
         self.run_state: RunState | None = None
         """The run's state hash, counters, admission and heartbeats, over the queue's connection."""
-        self.learner = None
-        self.weight_sync = None
+        self.learner: LearnerGroup | None = None
+        self.weight_sync: Any = None
+        """The sync backend (asyncrl.sync: shm, nccl or object_store), built before the learner."""
         self.generators: list = []
         self.generator_nodes: list[str] = []
         """The Ray node each generator was started on (for the lost-actor report)."""

@@ -40,7 +40,8 @@ class LoopState:
         self.unacked += entry_ids
 
     def checkpointed(self) -> list[str]:
-        """After a durable checkpoint: forget its ids; returns the entry ids it lets us ack."""
+        """After a durable checkpoint and the ack of its entries: forget its ids (returns the
+        entry ids it covered)."""
         acks, self.unacked, self.since_checkpoint = self.unacked, [], []
         return acks
 
