@@ -325,7 +325,11 @@ class TrainLoop:
         """Durable checkpoint first, ack second: a crash in between only redelivers (and the
         resume skips what this checkpoint trained). Without Redis nothing is acked: the
         entries stay pending, and the resume sorts them out the same way."""
+        from asyncrl.learner.checkpoint import COMPLETE_MARKER, prune
+
         path = self.ckpt_root / f"step_{self.state.step:06d}"
+        if not self.state.since_checkpoint and (path / COMPLETE_MARKER).exists():
+            return path  # nothing trained since (a resume, an ack that went through): rewriting drops its ids
         self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
         if self.cfg.queue.ledger:
             from asyncrl.control.ledger import record_trained
@@ -338,8 +342,6 @@ class TrainLoop:
                 self.queue.ack(self.state.unacked)
             self.state.checkpointed()
             self.run_state.set_state(checkpoint_step=self.state.step)
-        from asyncrl.learner.checkpoint import prune
-
         c = self.cfg.control
         for old in prune(self.ckpt_root, c.keep_checkpoints, c.keep_every):
             log.info(
