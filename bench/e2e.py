@@ -104,12 +104,12 @@ def run_mode(
         os.sched_setaffinity(0, parse_cpu_list(learn_cores))  # the driver works for the learner side
     stamps: list[float] = []
     rows: list[dict] = []
-    holder = {}
+    trained = []  # every trained group (the loop keeps only the last step's)
 
     def on_step(loop, metrics):
         stamps.append(time.perf_counter())
         rows.append(dict(metrics))
-        holder["loop"] = loop
+        trained.extend(loop.last_trained)
         if progress is not None:
             progress.update(task, advance=1)
 
@@ -119,9 +119,8 @@ def run_mode(
     steady = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
     steady_rows = rows[warmup + 1 :]
     hist: dict[int, float] = {}
-    log = holder["loop"].staleness_log
-    for _, s in log:
-        hist[s] = hist.get(s, 0.0) + 1 / len(log)
+    for g in trained:
+        hist[g.staleness] = hist.get(g.staleness, 0.0) + 1 / len(trained)
     step_s = statistics.median(steady)
 
     def mean(key: str) -> float:
@@ -145,7 +144,7 @@ def run_mode(
         wall_s=wall,
         step_times=steady,
         # Warm-up groups include the engine's first, cold steps: not the workload's distribution.
-        group_seconds=list(holder["loop"].group_seconds[(warmup + 1) * cfg.control.groups_per_step :]),
+        group_seconds=[g.generate_s for g in trained[(warmup + 1) * cfg.control.groups_per_step :]],
         tokens_per_group=statistics.fmean(r["throughput/step_tokens_per_s"] * r["time/step"] for r in steady_rows)
         / cfg.control.groups_per_step,
     )

@@ -36,7 +36,9 @@ def generator_round(gen, queue, consumer, groups: int, admitted: int) -> tuple[f
     it is another process, here it would compete with the generator for this one's GIL."""
     target = gen.counts["groups"] + groups
     t0 = time.perf_counter()
-    queue.configure_admission(max_staleness=0, groups_per_step=admitted + groups)
+    from asyncrl.queue import RunState
+
+    RunState.of(queue).configure_admission(max_staleness=0, groups_per_step=admitted + groups)
     deadline = t0 + 600
     while gen.counts["groups"] < target and time.perf_counter() < deadline:
         time.sleep(0.002)  # counts["groups"] goes up right after the put returned
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rich.progress import Progress
 
     from asyncrl.config import Config, RolloutConfig
-    from asyncrl.queue.replay import RolloutQueue
+    from asyncrl.queue import RolloutQueue, RunState
     from asyncrl.queue.server import EmbeddedRedis
     from asyncrl.rollout.generator import GeneratorActor
     from asyncrl.rollout.tiny import write_tiny_model
@@ -170,8 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
             gen = GeneratorActor(cfg, model_dir, "bench", server.url, RUN)
             startup_s = time.perf_counter() - t_start
             queue = RolloutQueue.connect(server.url, RUN, consumer="bench-admin")
+            queue_rs = RunState.of(queue)
             consumer = RolloutQueue.connect(server.url, RUN, consumer="bench-learner")
-            queue.set_policy_version(0)
+            queue_rs.set_policy_version(0)
             gen.start()  # admits nothing until a round configures admission
             # warm-up round (not timed): first-request compilation/allocation on both paths
             _, warm = generator_round(gen, queue, consumer, args.inflight, 0)

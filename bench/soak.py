@@ -15,6 +15,12 @@ A fault counts as survived when the job trains past it (see recovery_target) wit
 At the end the job is stopped with SIGINT (checkpoint, exit 0) and audited. A live table
 shows progress; the last line printed is JSON with the figures. Exit 1 if a fault was not
 survived or the ledger does not balance.
+
+Growth: every few seconds the trainer process's RSS and the size of the newest checkpoint
+(its directory, and its `extra.msgpack` alone) are sampled against the trainer step; the
+result has each one's least-squares slope in bytes per step (RSS over the longest-lived
+trainer process, since a trainer_kill starts a fresh one). A bounded run shows ~0 for the
+checkpoint and a small, flattening RSS slope.
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 # bench/ itself must not be on sys.path (bench/queue.py would shadow the stdlib queue).
@@ -83,6 +92,49 @@ def recovery_target(fault: str, before: int) -> int:
     return before + {"trainer_kill": 1, "generator_kill": 5}.get(fault, 2)
 
 
+def sample_growth(job: TrainJob) -> dict | None:
+    """{"step", "pid", "rss", "ckpt_bytes", "extra_bytes"} now, or None while unreadable."""
+    from asyncrl.control.train import latest_checkpoint
+
+    step = job.trainer_step()
+    try:
+        rss = psutil.Process(job.pid).memory_info().rss
+        ckpt = latest_checkpoint(job.run_dir)
+        if ckpt is None or step == 0:
+            return None
+        size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+        extra = (ckpt / "extra.msgpack").stat().st_size
+    except (psutil.Error, OSError):  # a checkpoint pruned or a trainer restarted meanwhile
+        return None
+    return {"step": step, "pid": job.pid, "rss": rss, "ckpt_bytes": size, "extra_bytes": extra}
+
+
+def slope(samples: list[dict], key: str) -> float | None:
+    """Least-squares bytes per trainer step of samples[key]; None with fewer than 3 distinct steps."""
+    if len({s["step"] for s in samples}) < 3:
+        return None
+    return statistics.linear_regression([s["step"] for s in samples], [s[key] for s in samples]).slope
+
+
+def growth(samples: list[dict]) -> dict:
+    by_pid: dict[int, list[dict]] = {}
+    for s in samples:
+        by_pid.setdefault(s["pid"], []).append(s)
+    longest = max(by_pid.values(), key=len, default=[])
+    return {
+        "trainer_rss_slope_bytes_per_step": slope(longest, "rss"),
+        "checkpoint_slope_bytes_per_step": slope(samples, "ckpt_bytes"),
+        "checkpoint_extra_slope_bytes_per_step": slope(samples, "extra_bytes"),
+        "trainer_rss_mb_first_last": [round(longest[0]["rss"] / 2**20, 1), round(longest[-1]["rss"] / 2**20, 1)]
+        if longest
+        else None,
+        "checkpoint_extra_bytes_first_last": [samples[0]["extra_bytes"], samples[-1]["extra_bytes"]]
+        if samples
+        else None,
+        "growth_samples": len(samples),
+    }
+
+
 def view(job: TrainJob, events: list[dict], counts: dict, t_end: float) -> Group:
     """The live summary: run figures, then the last faults and how long recovery took."""
     c = job.counters()
@@ -127,6 +179,8 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
     console = Console(stderr=True)
     events: list[dict] = []
     counts = {"injected": 0, "survived": 0, **{f: 0 for f in FAULTS}}
+    samples: list[dict] = []
+    next_sample = 0.0
     t_start = time.monotonic()
     try:
         job.start()
@@ -141,6 +195,10 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
                     time.sleep(1.0)
                     if not job.running():
                         raise JobDied(f"job died between faults:\n{job.log_tail()}")
+                    if time.monotonic() >= next_sample:
+                        if (sample := sample_growth(job)) is not None:
+                            samples.append(sample)
+                        next_sample = time.monotonic() + 5.0
                     live.update(view(job, events, counts, t_end))
                 if time.monotonic() >= t_end:
                     break
@@ -192,6 +250,7 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
             "double_trained": summary["double_trained"],
             "ledger_ok": not problems,
             "ledger_problems": problems,
+            **growth(samples),
             "run_dir": str(run_dir),
         }
     finally:
@@ -216,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         f"groups: produced {result['produced']}  trained {result['trained']}  dropped stale "
         f"{result['dropped_stale']}  dead-lettered {result['dead_lettered']}  queued {result['queued']}"
+    )
+    console.print(
+        f"growth over {result['growth_samples']} samples (bytes per step): trainer RSS "
+        f"{result['trainer_rss_slope_bytes_per_step']}, checkpoint {result['checkpoint_slope_bytes_per_step']}, "
+        f"its extra {result['checkpoint_extra_slope_bytes_per_step']}"
     )
     console.print(
         f"lost {result['lost']} (must be 0)  double-trained {result['double_trained']} (must be 0)"

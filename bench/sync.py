@@ -92,7 +92,7 @@ def measure_size(label: str, hidden: int, layers: int, reps: int, redis_url: str
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config import Config, RolloutConfig, SyncConfig
-    from asyncrl.queue.replay import RolloutQueue
+    from asyncrl.queue import RunState
     from asyncrl.rollout.generator import GeneratorActor
     from asyncrl.rollout.tiny import write_tiny_model
     from asyncrl.sync.shm import ShmWeightSync
@@ -114,8 +114,8 @@ def measure_size(label: str, hidden: int, layers: int, reps: int, redis_url: str
     task = progress.add_task(f"{label}: starting engine ({nbytes / 2**20:.1f} MiB of weights)", total=reps + 1)
     run = f"bench-sync-{label}"
     gen = GeneratorActor(cfg, model_dir, "bench", redis_url, run)
-    queue = RolloutQueue.connect(redis_url, run, consumer="bench")
-    sync = ShmWeightSync(SyncConfig(backend="shm"), queue=queue, run=run, engines=[gen])
+    run_state = RunState.connect(redis_url, run)
+    sync = ShmWeightSync(SyncConfig(backend="shm"), run_state=run_state, run=run, engines=[gen])
     dest = {k: torch.empty_like(v) for k, v in base.items()}
     ours, raw, loads, writes, applies = [], [], [], [], []
     try:
@@ -138,7 +138,7 @@ def measure_size(label: str, hidden: int, layers: int, reps: int, redis_url: str
     finally:
         sync.close()
         gen.shutdown()
-        queue.close()
+        run_state.close()
     med_ours, med_raw = float(np.median(ours)), float(np.median(raw))
     return {
         "size": label,
@@ -159,7 +159,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config import Config, RolloutConfig, SyncConfig
-    from asyncrl.queue.replay import RolloutQueue
+    from asyncrl.queue import RunState
     from asyncrl.rollout.generator import GeneratorActor
     from asyncrl.rollout.tiny import write_tiny_model
     from asyncrl.sync.model_ship import ship_model
@@ -198,8 +198,8 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
             run=run,
             model_package=ship_model(model_dir),
         )
-        queue = RolloutQueue.connect(redis_url, run, consumer="bench")
-        sync = ObjectStoreWeightSync(SyncConfig(backend="object_store"), queue=queue, run=run, engines=[gen])
+        run_state = RunState.connect(redis_url, run)
+        sync = ObjectStoreWeightSync(SyncConfig(backend="object_store"), run_state=run_state, run=run, engines=[gen])
         try:
             ray.get(gen.version.remote())
             for i in range(reps + 1):  # the first round warms both sides up
@@ -224,7 +224,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
             with contextlib.suppress(Exception):
                 ray.get(gen.shutdown.remote(), timeout=60)
             ray.kill(gen, no_restart=True)
-            queue.close()
+            run_state.close()
     med_ours, med_raw, med_load = float(np.median(ours)), float(np.median(raw)), float(np.median(loads))
     return {
         "size": label,

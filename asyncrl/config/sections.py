@@ -162,10 +162,12 @@ class QueueConfig(Section):
     """Another consumer's un-acked entry idle this long is presumed orphaned and claimed;
     keep it above the time between checkpoints (entries stay un-acked until then)."""
     retry_deadline_s: float = Field(30.0, gt=0)
-    """How long every Redis call retries (with backoff) through an outage before the caller
-    gets QueueUnavailable: a server restart or network blip shorter than this is ridden out."""
+    """How long every Redis call retries (with backoff, a warning per retry) through an outage:
+    a server restart or network blip shorter than this is ridden out quietly. A longer outage
+    pauses the job (trainer and generators wait, one line a minute) until outage_deadline_s."""
     outage_deadline_s: float | None = Field(None, gt=0)
-    """How long a Redis outage may last before the run gives up (None: no deadline); > 0 when set."""
+    """None: wait out any Redis outage. A number (>= retry_deadline_s): after that many seconds
+    unreachable the trainer checkpoints, prints the resume command and fails (QueueUnavailable)."""
 
     @field_validator("redis_url")
     @classmethod
@@ -173,6 +175,16 @@ class QueueConfig(Section):
         if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"queue.redis_url={value!r}: must start with redis://, rediss:// or unix://")
         return value
+
+    @model_validator(mode="after")
+    def _deadlines(self) -> QueueConfig:
+        if self.outage_deadline_s is not None and not self.outage_deadline_s >= self.retry_deadline_s:
+            raise ConfigError(
+                f"queue.outage_deadline_s={self.outage_deadline_s!r}: must be >= queue.retry_deadline_s="
+                f"{self.retry_deadline_s:g} (an outage is retried that long first), or null (the default) to wait "
+                "out any outage"
+            )
+        return self
 
 
 class LearnerConfig(Section):

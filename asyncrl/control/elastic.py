@@ -35,12 +35,12 @@ from asyncrl.config import ConfigError, config_from_dict
 log = logging.getLogger(__name__)
 
 
-def job_config(queue):
+def job_config(run_state):
     """The running job's config and model path, read from its state hash."""
-    state = queue.state()
+    state = run_state.state()
     if "config" not in state or "model_path" not in state:
         raise ConfigError(
-            f"run {queue.run!r} has no config in Redis: is its trainer running (asyncrl train) on this Redis?"
+            f"run {run_state.run!r} has no config in Redis: is its trainer running (asyncrl train) on this Redis?"
         )
     return config_from_dict(json.loads(state["config"])), str(state["model_path"])
 
@@ -56,14 +56,14 @@ def run_elastic_generator(
     ray_address: str | None = None,
 ) -> dict:
     """Generate for `run` until stopped (or `max_groups` produced); return the final stats."""
-    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue import RunState
     from asyncrl.rollout.generator import GeneratorActor
 
-    queue = RolloutQueue.connect(redis_url, run, password=password, consumer="elastic-probe")
+    run_state = RunState.connect(redis_url, run, password=password)
     try:
-        cfg, model_path = job_config(queue)
+        cfg, model_path = job_config(run_state)
     finally:
-        queue.close()
+        run_state.close()
     model_package = _attach_ray(ray_address, run) if ray_address else None
     generator_id = generator_id or f"elastic-{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()

@@ -1,18 +1,29 @@
 """The exactly-once ledger of a run: where every produced rollout group ended up.
 
-    ledger = audit(queue, trained_ids)      # queue connected with ledger=True
+    ledger = audit(queue, trained_ids(run_dir, upto_step=final checkpoint's step))
     ledger.check()                          # raises LedgerError naming the broken rule
 
 Rules (docs/design.md, "Ledger"): produced = trained ∪ dropped-stale ∪ dead-lettered ∪
-still queued, and each group id is trained at most once. `trained_ids` is the list a
-checkpoint stores (the groups baked into its weights), so a crash between a step and its
-checkpoint must leave those groups queued (un-acked) rather than lost or trained twice.
+still queued, and each group id is trained at most once. The trained ids are those baked
+into the final checkpoint's weights, so a crash between a step and its checkpoint must leave
+those groups queued (un-acked) rather than lost or trained twice.
+
+With queue.ledger on, each checkpoint appends the group ids it added to the weights to
+run_dir/trained_ids.jsonl (`record_trained`) before it acks them; a resume writes its
+checkpoint's line again (a crash may have come between the checkpoint and that line). The
+file grows with the run, like Redis' produced set, so both exist only with queue.ledger on;
+the checkpoint itself keeps only counts and the last interval's ids (LoopState).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+
+TRAINED_FILE = "trained_ids.jsonl"
 
 
 class LedgerError(AssertionError):
@@ -85,3 +96,36 @@ def audit(queue, trained_ids: list[str]) -> Ledger:
         dead_lettered=_deadletter_group_ids(queue),
         queued={g.group_id for g in queue.queued_groups()},
     )
+
+
+def record_trained(run_dir: str | Path, step: int, group_ids: list[str]) -> None:
+    """Append (durably) that the checkpoint of `step` trained `group_ids`."""
+    line = json.dumps({"step": int(step), "ids": list(group_ids)}, separators=(",", ":")) + "\n"
+    with open(Path(run_dir) / TRAINED_FILE, "a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def trained_ids(run_dir: str | Path, upto_step: int) -> list[str]:
+    """Every group id trained into the weights of the checkpoint of `upto_step`, oldest first.
+
+    A step written twice (a resume rewrites its checkpoint's line) counts once, the last
+    line winning; lines past `upto_step` (steps no complete checkpoint covers) are ignored.
+    """
+    path = Path(run_dir) / TRAINED_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no trained-ids audit (it is written only with queue.ledger=true)")
+    by_step: dict[int, list[str]] = {}
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = [str(g) for g in record["ids"]]
+        except (ValueError, KeyError, TypeError) as e:
+            if n == len(lines):
+                break  # a line cut short by a crash while it was being written
+            raise ValueError(f"{path}:{n}: unreadable line ({e})") from e
+    return [g for step in sorted(by_step) if step <= upto_step for g in by_step[step]]

@@ -11,7 +11,12 @@ Each step at policy version v:
      (a background thread waits for them, then raises the version); one publish is in
      flight at a time. The synchronous mode (and max_staleness=0) waits, as it must;
   4. log metrics; every `checkpoint_every` steps checkpoint, then ack the queue entries the
-     checkpoint covers (a crash before that redelivers them: trained exactly once).
+     checkpoint covers (a crash before that redelivers them: trained exactly once; a crash
+     after the checkpoint but before the ack redelivers groups a resume skips, see LoopState).
+
+Redis down: every call waits the outage out (queue.connection.Retrier) and the run goes on
+when it is back; past queue.outage_deadline_s the loop checkpoints (no ack: the entries stay
+pending for the resume) and ends, printing the resume command.
 
 `mode=sync` is this same loop with the staleness bound forced to 0: admission lets the
 generators start exactly one step's groups per version, so they generate while the
@@ -23,15 +28,23 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
-from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from asyncrl.config import Config
+from asyncrl.control.publish import Publisher
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
 from asyncrl.control.state import LoopState, StopFlag
+from asyncrl.queue import QueueUnavailable
+
+if TYPE_CHECKING:
+    from asyncrl.control.evaluate import Evaluator
+    from asyncrl.control.progress import StepProgress
+    from asyncrl.control.runtime import Runtime
+    from asyncrl.learner import LearnerGroup
+    from asyncrl.monitor.sinks import MetricsLogger
+    from asyncrl.queue import RolloutQueue, RunState
 
 log = logging.getLogger(__name__)
 
@@ -46,45 +59,53 @@ class NoGenerators(TimeoutError):
     """No full batch within control.batch_timeout_s, and no generator left that could make one."""
 
 
+class TrainedGroup(NamedTuple):
+    """One group of the last step, as trained: what tests and benchmarks collect in on_step."""
+
+    group_id: str
+    generator_id: str
+    staleness: int
+    """Policy version of its mini-batch minus the version that generated it."""
+    generate_s: float
+    """Generation time (its slowest sample)."""
+
+
 class TrainLoop:
     """Drives one run. Holds handles only; every decision is a small method of its own."""
 
     def __init__(
         self,
         cfg: Config,
-        runtime,
-        metrics_logger,
+        runtime: Runtime,
+        metrics_logger: MetricsLogger,
         *,
         state: LoopState | None = None,
         stop: StopFlag | None = None,
-        progress=None,
+        progress: StepProgress | None = None,
     ):
+        if runtime.queue is None or runtime.run_state is None or runtime.learner is None or not runtime.model_path:
+            raise RuntimeError("TrainLoop needs a started Runtime: `with Runtime(cfg, run_dir) as rt`")
         self.cfg = cfg
         self.rt = runtime
-        self.queue = runtime.queue
-        self.learner = runtime.learner
+        self.queue: RolloutQueue = runtime.queue
+        self.run_state: RunState = runtime.run_state
+        self.learner: LearnerGroup = runtime.learner
+        self.model_path: str = runtime.model_path
         self.logger = metrics_logger
         self.state = state or LoopState()
         self.stop = stop or StopFlag()
         self.progress = progress
-        self.on_step = None
+        self.on_step: Callable[[TrainLoop, dict[str, float]], None] | None = None
         """Optional callback(loop, metrics) after every step (tests, benchmarks)."""
         self.ckpt_root = Path(runtime.run_dir) / "checkpoints"
-        self.staleness_log: list[tuple[str, int]] = []
-        """(group id, staleness) of every trained group: the e2e tests check each one."""
-        self.trained_by: Counter[str] = Counter()
-        """Groups trained per generator id (elastic generators come and go)."""
-        self.group_seconds: list[float] = []
-        """Generation time of each trained group (its slowest sample): bench/simulate.py's input."""
+        self.last_trained: list[TrainedGroup] = []
+        """The last step's groups only (a run's worth would grow for days): on_step collects."""
         self._counters_seen: dict[str, int] = {}
-        self._evaluator = None
+        self._evaluator: Evaluator | None = None
         from asyncrl.control.watchdog import GeneratorWatchdog
 
-        self.watchdog = GeneratorWatchdog(runtime.generators, self.queue, cfg.rollout.heartbeat_timeout_s)
-        self._inflight_publish: threading.Thread | None = None
-        self._publish_error: BaseException | None = None
-        self.last_apply_s = 0.0
-        """How long the engines took to apply the last publish (pause, load, resume)."""
+        self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
+        self.publisher = Publisher(self.learner, runtime.weight_sync, self.run_state, self.state)
 
     # ------------------------------------------------------------------ set-up
 
@@ -92,7 +113,7 @@ class TrainLoop:
         """Align Redis with the loop's state (fresh start or resume) and publish weights.
         Call before the generators start, then `run()`."""
         c = self.cfg.control
-        self.queue.set_state(
+        self.run_state.set_state(
             status="running",
             started_at=time.time(),
             alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
@@ -100,7 +121,7 @@ class TrainLoop:
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
             # What `asyncrl generate` needs to join this job from another process.
             config=json.dumps(self.cfg.to_dict()),
-            model_path=self.rt.model_path,
+            model_path=self.model_path,
             trainer_step=self.state.step,
         )
         # After a resume the weights are the checkpoint's: generators must run them, and
@@ -111,13 +132,23 @@ class TrainLoop:
             # A fresh run's version 0 is the model file the engines load at start-up, and the
             # learner loaded that same file in float32: publishing it again would only make
             # us wait here for every engine to come up (the runtime starts them meanwhile).
-            self.queue.set_policy_version(0)
+            self.run_state.set_policy_version(0)
         else:
-            self._publish(self.state.version, overlap=False)
-        trained = len(self.state.trained_ids)
-        self.queue.reset_admission(trained + self.queue.depth() + self.queue.pending())
-        self.queue.configure_admission(self.max_staleness, c.groups_per_step)
-        self._counters_seen = self.queue.counters()
+            self.publisher.publish(self.state.version, overlap=False)
+        alive = self.queue.depth() + self.queue.pending()
+        if self.state.skip_ids:
+            # The checkpoint's own groups, still pending if its ack was lost: skipped when
+            # delivered, so neither trained twice nor counted twice against admission.
+            skip = set(self.state.skip_ids)
+            self.queue.skip_groups(self.state.skip_ids)
+            alive -= sum(1 for g in self.queue.queued_groups() if g.group_id in skip)
+            if self.cfg.queue.ledger:
+                from asyncrl.control.ledger import record_trained
+
+                record_trained(self.rt.run_dir, self.state.step, self.state.skip_ids)
+        self.run_state.reset_admission(self.state.trained_count + alive)
+        self.run_state.configure_admission(self.max_staleness, c.groups_per_step)
+        self._counters_seen = self.run_state.counters()
 
     # ------------------------------------------------------------------ one step
 
@@ -149,7 +180,7 @@ class TrainLoop:
                         f"no full batch for {time.monotonic() - t0:.0f} s ({len(items)}/{want} groups) and no "
                         f"generator can run (own ones dead, no elastic heartbeat within "
                         f"rollout.heartbeat_timeout_s={self.cfg.rollout.heartbeat_timeout_s:g}); "
-                        f"counters={self.queue.counters()}"
+                        f"counters={self.run_state.counters()}"
                     )
                 log.warning(
                     "no full batch for %.0f s (%d/%d groups); waiting for %s",
@@ -165,10 +196,10 @@ class TrainLoop:
 
     def _release_lost_admissions(self) -> None:
         """Dropped-stale and dead-lettered groups will never be trained: free their slots."""
-        now = self.queue.counters()
+        now = self.run_state.counters()
         lost = sum(now.get(k, 0) - self._counters_seen.get(k, 0) for k in ("dropped_stale", "dead_lettered"))
         if lost > 0:
-            self.queue.release_admission(lost)
+            self.run_state.release_admission(lost)
         self._counters_seen = now
 
     def _train(self, groups: list) -> dict[str, float]:
@@ -182,52 +213,18 @@ class TrainLoop:
         for j, mb in enumerate(minibatches):
             at = self.state.version + j
             check_within_bound([at - seq.behavior_version for seq in mb], self.max_staleness)
-        for g in groups:
-            j = minibatch_of(g.group_id, minibatches)
-            self.staleness_log.append((g.group_id, self.state.version + j - g.behavior_version))
-            self.trained_by[g.samples[0].generator_id] += 1
-            self.group_seconds.append(max(s.timings.get("generate_s", 0.0) for s in g.samples))
+        self.last_trained = [
+            TrainedGroup(
+                g.group_id,
+                g.samples[0].generator_id,
+                self.state.version + minibatch_of(g.group_id, minibatches) - g.behavior_version,
+                max(s.timings.get("generate_s", 0.0) for s in g.samples),
+            )
+            for g in groups
+        ]
         metrics = self.learner.train_step(minibatches)
         metrics.update(batch_metrics)
         return metrics
-
-    def _publish(self, version: int, overlap: bool) -> float:
-        """Export the weights as `version`, have the engines apply them, then raise the policy
-        version in Redis; with `overlap` the engines' part runs while the caller goes on.
-        Returns the seconds the caller spent."""
-        t0 = time.perf_counter()
-        self._finish_publish()
-        path = self.rt.weight_sync.path_for(version)
-        self.learner.export_to_file(path)
-        self.state.published_version = version
-        if overlap:
-            self._inflight_publish = threading.Thread(
-                target=self._apply_and_announce, args=(path, version), name=f"publish-v{version}", daemon=True
-            )
-            self._inflight_publish.start()
-        else:
-            self._apply_and_announce(path, version)
-            self._raise_publish_error()
-        return time.perf_counter() - t0
-
-    def _apply_and_announce(self, path: str, version: int) -> None:
-        try:
-            self.last_apply_s = self.rt.weight_sync.publish_file(path, version)["apply_s"]
-            self.queue.set_policy_version(version)
-        except BaseException as e:  # handed to the loop's thread by _finish_publish
-            self._publish_error = e
-
-    def _finish_publish(self) -> None:
-        """Wait for the publish in flight (if any); its failure is raised here, in the loop."""
-        if self._inflight_publish is not None:
-            self._inflight_publish.join()
-            self._inflight_publish = None
-        self._raise_publish_error()
-
-    def _raise_publish_error(self) -> None:
-        error, self._publish_error = self._publish_error, None
-        if error is not None:
-            raise error
 
     @property
     def _overlap_publish(self) -> bool:
@@ -255,21 +252,20 @@ class TrainLoop:
         before = self.state.version
         self.state.version = int(metrics.get("learner/version", before + self.cfg.learner.mini_batches_per_step))
         self.state.step += 1
-        self.state.trained_ids += [g.group_id for g in groups]
-        self.state.unacked += ids
-        self.queue.incr("groups_trained", len(groups))
+        self.state.trained([g.group_id for g in groups], ids)
+        self.run_state.incr("groups_trained", len(groups))
         # The policy version trails the trainer while a publish is in flight; supervisors
         # (asyncrl.testing.job) and the dashboard read the trainer's own step here.
-        self.queue.set_state(trainer_step=self.state.step)
+        self.run_state.set_state(trainer_step=self.state.step)
 
         t_sync = 0.0
         # The policy version is raised only after the publish, so admitted work runs the
         # weights it is counted against.
         if self._due(self.cfg.sync.sync_every, before, self.state.version):
-            t_sync = self._publish(self.state.version, overlap=self._overlap_publish)
+            t_sync = self.publisher.publish(self.state.version, overlap=self._overlap_publish)
         else:
-            self._finish_publish()  # never let a late publish thread lower the version
-            self.queue.set_policy_version(self.state.version)
+            self.publisher.finish()  # never let a late publish thread lower the version
+            self.run_state.set_policy_version(self.state.version)
 
         if self.state.step % c.checkpoint_every == 0 or self.state.step >= c.total_steps:
             self.checkpoint()
@@ -285,7 +281,7 @@ class TrainLoop:
     def _step_metrics(self, groups, staleness, t_wait, t_train, t_sync, t_step) -> dict[str, float]:
         from asyncrl.monitor.metrics import staleness_summary
 
-        counters = self.queue.counters()
+        counters = self.run_state.counters()
         gen_tokens = sum(g.num_tokens for g in groups)
         out = {
             "time/wait_data": t_wait,
@@ -293,7 +289,7 @@ class TrainLoop:
             "time/sync": t_sync,
             "time/step": t_step,
             "sync/seconds": t_sync,
-            "sync/apply_s": self.last_apply_s,
+            "sync/apply_s": self.publisher.last_apply_s,
             "queue/depth": float(self.queue.depth()),
             "queue/pending": float(self.queue.pending()),
             "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
@@ -307,7 +303,7 @@ class TrainLoop:
         # trained like any off-policy data and counted apart rather than hidden as 0.
         out["staleness/ahead"] = float(sum(1 for s in staleness if s < 0))
         out.update(staleness_summary([max(0, s) for s in staleness], self.cfg.control.max_staleness))
-        gens = self.queue.generators()
+        gens = self.run_state.generators()
         for news in self.watchdog.news(gens):
             log.warning(news)
         for gid, info in gens.items():
@@ -319,16 +315,27 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def checkpoint(self) -> Path:
-        """Durable checkpoint first, ack second: a crash in between only redelivers."""
-        path = self.ckpt_root / f"step_{self.state.step:06d}"
-        self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
-        if self.state.unacked:
-            self.queue.ack(self.state.unacked)
-            self.state.unacked = []
-        self.queue.set_state(checkpoint_step=self.state.step)
-        from asyncrl.learner.checkpoint import prune
+    def checkpoint(self, *, redis_up: bool = True) -> Path:
+        """Durable checkpoint first, ack second: a crash in between only redelivers (and the
+        resume skips what this checkpoint trained). Without Redis nothing is acked: the
+        entries stay pending, and the resume sorts them out the same way."""
+        from asyncrl.learner.checkpoint import COMPLETE_MARKER, prune
 
+        path = self.ckpt_root / f"step_{self.state.step:06d}"
+        if not self.state.since_checkpoint and (path / COMPLETE_MARKER).exists():
+            return path  # nothing trained since (a resume, an ack that went through): rewriting drops its ids
+        self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
+        if self.cfg.queue.ledger:
+            from asyncrl.control.ledger import record_trained
+
+            record_trained(self.rt.run_dir, self.state.step, self.state.since_checkpoint)
+        if redis_up:
+            # The ids are forgotten only once acked: if the ack fails (an outage), the outage
+            # checkpoint that follows at this same step must still carry them.
+            if self.state.unacked:
+                self.queue.ack(self.state.unacked)
+            self.state.checkpointed()
+            self.run_state.set_state(checkpoint_step=self.state.step)
         c = self.cfg.control
         for old in prune(self.ckpt_root, c.keep_checkpoints, c.keep_every):
             log.info(
@@ -344,14 +351,14 @@ class TrainLoop:
         if self._evaluator is None:
             from asyncrl.control.evaluate import Evaluator
 
-            self._evaluator = Evaluator(self.cfg, self.rt.model_path)
+            self._evaluator = Evaluator(self.cfg, self.model_path)
         return self._evaluator.run(self.rt.generators, step=self.state.step)
 
     def export_hf(self, name: str) -> Path:
         """The learners' weights as a Hugging Face folder, run_dir/hf/NAME."""
         from asyncrl.control.export import HF_DIR, export_live
 
-        path = export_live(self.learner, self.rt.model_path, Path(self.rt.run_dir) / HF_DIR / name)
+        path = export_live(self.learner, self.model_path, Path(self.rt.run_dir) / HF_DIR / name)
         log.info("exported a Hugging Face folder at step %d: %s", self.state.step, path)
         return path
 
@@ -368,27 +375,37 @@ class TrainLoop:
                     self.progress.update(self.state.step, metrics)
                 if self.on_step is not None:
                     self.on_step(self, metrics)
-            self._finish_publish()
+            self.publisher.finish()
             if self.stop.is_set and self.state.unacked:
                 self.checkpoint()
             if self.state.step > 0:
                 self.export_hf("final")
-            self.queue.set_state(status="stopped" if self.stop.is_set else "finished")
+            self.run_state.set_state(status="stopped" if self.stop.is_set else "finished")
         except NoGenerators:
             # The learners are fine: keep what they trained, so the run resumes from here.
             self.checkpoint()
-            self.queue.set_state(status="failed")
+            self.run_state.set_state(status="failed")
             log.error(
                 "no generator can run; checkpointed step %d. Resume once generators can run: asyncrl train --resume %s",
                 self.state.step,
                 self.rt.run_dir,
             )
             raise
+        except QueueUnavailable as e:
+            # Past queue.outage_deadline_s. The weights are on local disk; Redis keeps the rest.
+            self.publisher.join()
+            self.checkpoint(redis_up=False)
+            log.error(
+                "%s; checkpointed step %d. Resume once Redis is back: asyncrl train --resume %s",
+                e,
+                self.state.step,
+                self.rt.run_dir,
+            )
+            raise
         except BaseException:
-            self.queue.set_state(status="failed")
+            self.run_state.set_state(status="failed")
             raise
         finally:
-            if self._inflight_publish is not None:  # the engines must not be torn down mid-load
-                self._inflight_publish.join()
+            self.publisher.join()  # the engines must not be torn down mid-load
             self.stop.restore()
         return self.state

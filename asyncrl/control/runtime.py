@@ -1,7 +1,7 @@
 """Bring-up and tear-down of everything a run needs, in one ExitStack.
 
     with Runtime(cfg, run_dir) as rt:
-        rt.queue, rt.learner, rt.weight_sync, rt.generators ...
+        rt.queue, rt.run_state, rt.learner, rt.weight_sync, rt.generators ...
 
 Order matters only where one part needs another: Redis first (everything reports there),
 then Ray; then the generator actors are created (their engines take the longest to come up:
@@ -21,8 +21,13 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.queue import RolloutQueue, RunState
+
+if TYPE_CHECKING:
+    from asyncrl.learner import LearnerGroup
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +54,13 @@ class Runtime(contextlib.ExitStack):
         self.start_generators = start_generators
         self.redis_url: str | None = None
         self.embedded_redis = None
-        self.queue = None
-        self.learner = None
-        self.weight_sync = None
+        self.queue: RolloutQueue | None = None
+        """The rollout stream (this trainer's consumer)."""
+        self.run_state: RunState | None = None
+        """The run's state hash, counters, admission and heartbeats, over the queue's connection."""
+        self.learner: LearnerGroup | None = None
+        self.weight_sync: Any = None
+        """The sync backend (asyncrl.sync: shm, nccl or object_store), built before the learner."""
         self.generators: list = []
         self.generator_nodes: list[str] = []
         """The Ray node each generator was started on (for the lost-actor report)."""
@@ -113,8 +122,6 @@ class Runtime(contextlib.ExitStack):
             check_chat_template(AutoTokenizer.from_pretrained(self.model_path), r.model)
 
     def _start_redis(self) -> None:
-        from asyncrl.queue import RolloutQueue
-
         q = self.cfg.queue
         if q.redis_url is None:
             from asyncrl.queue.server import EmbeddedRedis
@@ -135,8 +142,11 @@ class Runtime(contextlib.ExitStack):
             max_record_bytes=q.max_record_bytes,
             claim_idle_s=q.claim_idle_s,
             retry_deadline_s=q.retry_deadline_s,
+            outage_deadline_s=q.outage_deadline_s,
+            ledger=q.ledger,
         )
         self.callback(self.queue.close)
+        self.run_state = RunState.of(self.queue)
 
     def _start_ray(self) -> None:
         import ray
@@ -190,7 +200,7 @@ class Runtime(contextlib.ExitStack):
 
         self.weight_sync = build_weight_sync(
             self.cfg.sync,
-            queue=self.queue,
+            run_state=self.run_state,
             run=self.cfg.control.run_name,
             learner=self.learner,
             model_package=self.model_package,

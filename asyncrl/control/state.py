@@ -13,31 +13,60 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoopState:
-    """What a checkpoint must restore for the loop to go on exactly where it stopped."""
+    """What a checkpoint must restore for the loop to go on exactly where it stopped.
+
+    Its size does not grow with the run: besides counters it holds only the last checkpoint
+    interval's ids (at most groups_per_step * checkpoint_every of each). Every group id ever
+    trained is an audit, kept apart (asyncrl.control.ledger, with queue.ledger on).
+    """
 
     step: int = 0
     version: int = 0
     published_version: int = 0
-    trained_ids: list[str] = field(default_factory=list)
-    """Group ids trained into the current weights (the exactly-once ledger)."""
+    trained_count: int = 0
+    """Groups trained into the current weights (a resume's admission budget counts them)."""
+    since_checkpoint: list[str] = field(default_factory=list)
+    """Group ids trained since the last checkpoint: the next one stores them as `checkpoint_ids`."""
     unacked: list[str] = field(default_factory=list)
-    """Queue entry ids consumed since the last checkpoint."""
+    """Queue entry ids consumed since the last checkpoint (acked once it is durable)."""
+    skip_ids: list[str] = field(default_factory=list)
+    """After a resume: the restored checkpoint's own group ids. Its ack may have been lost
+    with the crash, leaving their entries pending; delivered again they must not be trained."""
+
+    def trained(self, group_ids: list[str], entry_ids: list[str]) -> None:
+        """Book one trained step's groups (the step and version are set by the loop)."""
+        self.trained_count += len(group_ids)
+        self.since_checkpoint += group_ids
+        self.unacked += entry_ids
+
+    def checkpointed(self) -> list[str]:
+        """After a durable checkpoint and the ack of its entries: forget its ids (returns the
+        entry ids it covered)."""
+        acks, self.unacked, self.since_checkpoint = self.unacked, [], []
+        return acks
 
     def to_extra(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "version": self.version,
             "published_version": self.published_version,
-            "trained_ids": list(self.trained_ids),
+            "trained_count": self.trained_count,
+            "checkpoint_ids": list(self.since_checkpoint),
         }
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> LoopState:
+        if "trained_count" in extra:
+            count, skip = int(extra["trained_count"]), list(extra.get("checkpoint_ids", []))
+        else:  # a checkpoint from before the state was bounded: every id ever trained
+            skip = list(extra.get("trained_ids", []))
+            count = len(skip)
         return cls(
             step=int(extra["step"]),
             version=int(extra["version"]),
             published_version=int(extra.get("published_version", extra["version"])),
-            trained_ids=list(extra.get("trained_ids", [])),
+            trained_count=count,
+            skip_ids=skip,
         )
 
 

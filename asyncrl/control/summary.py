@@ -1,6 +1,6 @@
 """The block a run prints when it ends: what it did, where its time went, where its results are.
 
-    print(run_summary(rows, startup_s=31.0, wall_s=95.2, counters=q.counters(), ...))
+    print(run_summary(rows, startup_s=31.0, wall_s=95.2, counters=run_state.counters(), ...))
 
 `rows` are the run's metrics.jsonl objects (one per step: the catalogue's names), so the
 summary says exactly what the file says; numbers a step did not log are left out rather

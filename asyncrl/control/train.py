@@ -5,7 +5,7 @@
     state = train(load_config("configs/demo.yaml"))
 
 A fresh run writes its resolved config to control.run_dir/config.yaml; `resume_dir`
-restores the learners, the policy version and the exactly-once ledger from the last
+restores the learners, the policy version and the exactly-once bookkeeping from the last
 checkpoint there, and the queue redelivers whatever was consumed after it.
 """
 
@@ -121,7 +121,7 @@ def _summary(
         rows,
         startup_s=rt.startup.get("generators", 0.0),
         wall_s=wall_s,
-        counters=rt.queue.counters(),
+        counters=rt.run_state.counters(),
         max_staleness=max_staleness,
         status=status,
         metrics=path,

@@ -1,6 +1,6 @@
 """Generators that stopped making progress: restart the hung ones, and tell whether any can run.
 
-    dog = GeneratorWatchdog(rt.generators, queue, timeout_s=cfg.rollout.heartbeat_timeout_s)
+    dog = GeneratorWatchdog(rt.generators, rt.run_state, timeout_s=cfg.rollout.heartbeat_timeout_s)
     dog.check()           # while the trainer waits for data: kill (so Ray restarts) the hung ones
     dog.runnable()        # ["gen-0 (RESTARTING)", "elastic-3 (heartbeat 2 s ago)"] or [] if none can
 
@@ -9,21 +9,26 @@ older than `timeout_s` (a wedged engine, a SIGSTOPped process, a swapping host) 
 through Ray, which restarts it (generators have max_restarts=-1); the successor reaps the
 old engine processes and re-issues the prompts its predecessor had admitted, so nothing is
 lost and nothing is trained twice. A successor gets `timeout_s` to come up before it can be
-judged hung itself, and an actor Ray is still (re)creating is never killed.
+judged hung itself, and an actor Ray is still (re)creating is never killed. Heartbeats
+could not be written while Redis was down: their age counts from when it came back.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.queue import RunState
 
 log = logging.getLogger(__name__)
 
 
 class GeneratorWatchdog:
-    def __init__(self, generators: list, queue, timeout_s: float):
+    def __init__(self, generators: list, run_state: RunState, timeout_s: float):
         self.generators = generators  # the run's own actors, gen-0 .. gen-N-1 (a live list)
-        self.queue = queue
+        self.run_state = run_state
         self.timeout_s = timeout_s
         self.restarts: dict[str, int] = {}
         self._starting_at: dict[str, float] = {}
@@ -39,9 +44,9 @@ class GeneratorWatchdog:
         from asyncrl.control.cluster import actor_state
 
         now, killed = time.time(), []
-        beats = self.queue.generators()
+        beats = self.run_state.generators()
         for gid, handle in self._own().items():
-            beat = (beats.get(gid) or {}).get("heartbeat")
+            beat = self._beat(beats.get(gid))
             if beat is None or now - float(beat) <= self.timeout_s:
                 continue
             if now - self._starting_at.get(gid, float("-inf")) <= self.timeout_s:
@@ -61,6 +66,11 @@ class GeneratorWatchdog:
             self.restarts[gid] = self.restarts.get(gid, 0) + 1
             killed.append(gid)
         return killed
+
+    def _beat(self, info: dict | None) -> float | None:
+        """A heartbeat's time, or when Redis last came back if that is later."""
+        beat = (info or {}).get("heartbeat")
+        return None if beat is None else max(float(beat), self.run_state.retry.recovered_at)
 
     def news(self, beats: dict[str, dict]) -> list[str]:
         """Warnings the user needs from the generators' heartbeats, each said once: a generator
@@ -88,8 +98,8 @@ class GeneratorWatchdog:
             if state == "ALIVE" or state in STARTING:
                 out.append(f"{gid} ({state})")
         own = set(self._own())
-        for gid, info in self.queue.generators().items():
-            beat = info.get("heartbeat")
+        for gid, info in self.run_state.generators().items():
+            beat = self._beat(info)
             if gid not in own and beat is not None and now - float(beat) <= self.timeout_s:
                 out.append(f"{gid} (heartbeat {now - float(beat):.0f} s ago)")
         return out

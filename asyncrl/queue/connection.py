@@ -6,7 +6,9 @@
 
 Connection errors (server restarting, loading its AOF, network blip) are retried with
 exponential backoff (50 ms, doubling, at most 2 s a wait) until `deadline_s`, each retry
-logged; then `QueueUnavailable`. A rejected password is never retried: `QueueAuthError`
+logged. Past that the outage is waited out (a days-long job pauses rather than ending), with
+one line a minute, until `outage_deadline_s` (None: for ever; the default 0 gives up at
+`deadline_s`); then `QueueUnavailable`. A rejected password is never retried: `QueueAuthError`
 names the URL with the password removed. Retrying a write whose reply was lost can apply
 it twice; the queue's callers are written for that (the consumer drops duplicate group ids).
 """
@@ -76,24 +78,58 @@ def open_client(url: str, *, password: str | None = None, socket_timeout: float 
     return redis.Redis.from_url(url, **kwargs)
 
 
-class Retrier:
-    """Call `fn(*args)`; on a connection error back off and retry until `deadline_s`."""
+OUTAGE_LOG_S = 60.0
+"""While an outage is waited out, how often that is said."""
 
-    def __init__(self, safe_url: str, *, deadline_s: float = 30.0, first_wait: float = 0.05, max_wait: float = 2.0):
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 60 else f"{seconds // 60:.0f}m"
+
+
+class Retrier:
+    """Call `fn(*args)`; on a connection error back off and retry until `deadline_s`, then wait
+    the outage out until `outage_deadline_s` (None: no limit; 0: give up at `deadline_s`)."""
+
+    def __init__(
+        self,
+        safe_url: str,
+        *,
+        deadline_s: float = 30.0,
+        outage_deadline_s: float | None = 0.0,
+        first_wait: float = 0.05,
+        max_wait: float = 2.0,
+    ):
         self.safe_url = safe_url
         self.deadline_s = deadline_s
+        self.outage_deadline_s = outage_deadline_s
         self.first_wait = first_wait
         self.max_wait = max_wait
+        self.recovered_at = 0.0
+        """time.time() when a call last succeeded after failing: heartbeats older than that
+        were not written for the outage's length, not because their writer hung."""
+
+    def _give_up_after(self) -> float:
+        if self.outage_deadline_s is None:
+            return float("inf")
+        return max(self.deadline_s, self.outage_deadline_s)
 
     def __call__(
         self, fn: Callable[..., Any], *args: Any, on_retry: Callable[[], None] | None = None, **kwargs: Any
     ) -> Any:
-        give_up = time.monotonic() + self.deadline_s
+        t0 = time.monotonic()
+        give_up = t0 + self._give_up_after()
+        quiet_after = t0 + self.deadline_s  # past this, one line a minute instead of one a retry
+        next_say = quiet_after
         wait = self.first_wait
         attempt = 0
         while True:
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                if attempt:
+                    self.recovered_at = time.time()
+                    if time.monotonic() > quiet_after:
+                        log.warning("Redis at %s is back after %s", self.safe_url, _duration(time.monotonic() - t0))
+                return out
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as e:
                 if _is_auth_error(e):
                     raise QueueAuthError(
@@ -103,13 +139,41 @@ class Retrier:
                 if isinstance(e, redis.ResponseError):
                     raise
                 attempt += 1
-                if time.monotonic() + wait > give_up:
+                now = time.monotonic()
+                if now >= give_up:
                     raise QueueUnavailable(
                         f"Redis at {self.safe_url} unreachable after {attempt} attempts over "
-                        f"{self.deadline_s:.0f}s: {type(e).__name__}: {e}"
+                        f"{now - t0:.0f}s: {type(e).__name__}: {e}"
+                        + (f" (queue.outage_deadline_s={self.outage_deadline_s:g})" if self.outage_deadline_s else "")
                     ) from e
-                log.warning("Redis at %s: %s: %s; retry %d in %.2fs", self.safe_url, type(e).__name__, e, attempt, wait)
-                time.sleep(wait)
+                if now < quiet_after:
+                    log.warning(
+                        "Redis at %s: %s: %s; retry %d in %.2fs", self.safe_url, type(e).__name__, e, attempt, wait
+                    )
+                elif now >= next_say:
+                    limit = "none" if self.outage_deadline_s is None else f"{self.outage_deadline_s:g}"
+                    log.warning(
+                        "redis at %s unreachable for %s; waiting (queue.outage_deadline_s=%s)",
+                        self.safe_url,
+                        _duration(now - t0),
+                        limit,
+                    )
+                    next_say = now + OUTAGE_LOG_S
+                time.sleep(min(wait, give_up - now))
                 wait = min(wait * 2, self.max_wait)
                 if on_retry is not None:
                     on_retry()
+
+
+def transaction(client: redis.Redis, retry: Retrier, build: Callable[[Any], None]) -> list:
+    """Run the commands `build` queues on a pipeline as one MULTI/EXEC, retried as a whole.
+
+    The pipeline is rebuilt on each attempt: redis-py empties it when execute() fails.
+    """
+
+    def attempt() -> list:
+        pipe = client.pipeline(transaction=True)
+        build(pipe)
+        return pipe.execute() if len(pipe) else []
+
+    return retry(attempt)

@@ -1,7 +1,7 @@
 """The Redis-backed replay queue: one stream per run, one consumer group of learners.
 
     from asyncrl.queue import RolloutQueue
-    q = RolloutQueue.connect("redis://127.0.0.1:6379/0", run="demo")
+    q = RolloutQueue.connect("redis://127.0.0.1:6379/0", run="demo")   # run-level state: RunState.of(q)
     q.put(group)                                           # generator, any process
     items = q.get_batch(8, min_version=3, timeout=10.0)    # trainer: [(entry_id, group)]
     ...train, checkpoint...
@@ -41,8 +41,7 @@ import redis
 
 from asyncrl.data.codec import DEFAULT_MAX_BYTES, RecordError, decode_group, encode_group
 from asyncrl.queue import keys
-from asyncrl.queue.connection import Retrier, open_client, redact_url
-from asyncrl.queue.runstate import RunState
+from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
 from asyncrl.queue.scripts import PUT_BOUNDED
 from asyncrl.types import RolloutGroup
 
@@ -66,8 +65,9 @@ def _text(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
-class RolloutQueue(RunState):
-    """Producer and consumer side of one run's rollout stream (plus RunState's run-level state)."""
+class RolloutQueue:
+    """Producer and consumer side of one run's rollout stream. Run-level state (versions,
+    admission, heartbeats, metrics) is RunState's: `RunState.of(queue)` shares this connection."""
 
     def __init__(
         self,
@@ -82,7 +82,10 @@ class RolloutQueue(RunState):
         seen_capacity: int = 100_000,
         ledger: bool = False,
     ):
-        super().__init__(client, run, retry)
+        self._r = client
+        self.run = run
+        self._retry = retry
+        self._k_counters = keys.counters(run)
         self.consumer = consumer
         self.maxlen = maxlen
         self.max_record_bytes = max_record_bytes
@@ -111,17 +114,19 @@ class RolloutQueue(RunState):
         max_record_bytes: int = DEFAULT_MAX_BYTES,
         claim_idle_s: float = 300.0,
         retry_deadline_s: float = 30.0,
+        outage_deadline_s: float | None = 0.0,
         ledger: bool = False,
     ) -> RolloutQueue:
         """Connect, create the consumer group (and stream) if missing, register the run.
 
         claim_idle_s: another consumer's pending entry idle this long is presumed orphaned
         (its consumer died) and claimed. Keep it above the trainer's checkpoint interval.
+        retry_deadline_s, outage_deadline_s: see Retrier (the default gives up at the first).
         """
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         client = open_client(url, password=password)
-        retry = Retrier(redact_url(url), deadline_s=retry_deadline_s)
+        retry = Retrier(redact_url(url), deadline_s=retry_deadline_s, outage_deadline_s=outage_deadline_s)
         q = cls(
             client,
             run,
@@ -141,8 +146,19 @@ class RolloutQueue(RunState):
         retry(client.sadd, keys.RUNS, run)
         return q
 
+    @property
+    def client(self) -> redis.Redis:
+        return self._r
+
+    @property
+    def retry(self) -> Retrier:
+        return self._retry
+
     def close(self) -> None:
         self._r.close()
+
+    def _transaction(self, build) -> list:
+        return transaction(self._r, self._retry, build)
 
     # ------------------------------------------------------------------ producer
 
@@ -317,6 +333,13 @@ class RolloutQueue(RunState):
             self._held.add(entry_id)
             self._remember(group.group_id)
         return out
+
+    def skip_groups(self, group_ids: list[str]) -> None:
+        """Group ids already trained into the weights a resume starts from. A crash between a
+        checkpoint and its ack leaves their entries pending: delivered again, they are acked and
+        counted as `duplicates`, never handed out."""
+        for gid in group_ids:
+            self._remember(gid)
 
     def _remember(self, group_id: str) -> None:
         self._seen[group_id] = None

@@ -1,7 +1,8 @@
 """Run-level state kept in Redis next to the rollout stream: versions, counters, admission,
-generator heartbeats and the metrics stream. `RolloutQueue` builds on it; see replay.py.
+generator heartbeats and the metrics stream. The stream itself is `RolloutQueue` (replay.py);
+the two are separate objects that may share one connection.
 
-    rs = queue                                   # a RolloutQueue is a RunState
+    rs = RunState.connect(url, run="demo")       # or RunState.of(queue): the queue's connection
     rs.configure_admission(max_staleness=1, groups_per_step=8)   # trainer, once
     if rs.try_admit():                           # generator, before starting a group
         ...
@@ -24,7 +25,7 @@ import msgpack
 import redis
 
 from asyncrl.queue import keys
-from asyncrl.queue.connection import Retrier
+from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
 from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, TRY_ADMIT
 
 log = logging.getLogger("asyncrl.queue")
@@ -74,7 +75,7 @@ def _from_text(text: str) -> int | float | str:
 
 
 class RunState:
-    """State of one run in Redis; built by `RolloutQueue.connect`, not directly."""
+    """State of one run in Redis: `RunState.connect(url, run)`, or `RunState.of(queue)`."""
 
     def __init__(self, client: redis.Redis, run: str, retry: Retrier, *, metrics_maxlen: int = 100_000):
         self._r = client
@@ -89,18 +90,38 @@ class RunState:
         self._release = client.register_script(RELEASE_ADMISSION)
         self._release_inflight = client.register_script(RELEASE_INFLIGHT)
 
+    @classmethod
+    def connect(
+        cls,
+        url: str,
+        run: str,
+        *,
+        password: str | None = None,
+        retry_deadline_s: float = 30.0,
+        outage_deadline_s: float | None = 0.0,
+    ) -> RunState:
+        """Its own connection; see Retrier for the two deadlines."""
+        client = open_client(url, password=password)
+        retry = Retrier(redact_url(url), deadline_s=retry_deadline_s, outage_deadline_s=outage_deadline_s)
+        rs = cls(client, run, retry)
+        retry(client.ping)
+        retry(client.sadd, keys.RUNS, run)
+        return rs
+
+    @classmethod
+    def of(cls, queue) -> RunState:
+        """The run state of `queue`'s run, over the queue's connection and retry policy."""
+        return cls(queue.client, queue.run, queue.retry)
+
+    @property
+    def retry(self) -> Retrier:
+        return self._retry
+
+    def close(self) -> None:
+        self._r.close()
+
     def _transaction(self, build: Callable[[redis.client.Pipeline], None]) -> list:
-        """Run the commands `build` queues as one MULTI/EXEC, retried as a whole.
-
-        The pipeline is rebuilt on each attempt: redis-py empties it when execute() fails.
-        """
-
-        def attempt() -> list:
-            pipe = self._r.pipeline(transaction=True)
-            build(pipe)
-            return pipe.execute() if len(pipe) else []
-
-        return self._retry(attempt)
+        return transaction(self._r, self._retry, build)
 
     # ------------------------------------------------------------------ state hash
 

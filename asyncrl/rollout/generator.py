@@ -18,7 +18,7 @@ rollout/groups.py (a prompt -> a scored group, single- or multi-turn), rollout/w
 (loading published weights, pushed or polled), rollout/recovery.py (a crashed predecessor's
 processes, segments and admitted prompts), rollout/engine.py (vLLM). This class ties them to
 one engine, an asyncio loop and Ray. If the loop or a put fails (Redis gone past
-queue.retry_deadline_s, or refusing the write), stats() raises GeneratorFailed, and a Ray
+queue.outage_deadline_s, or refusing the write), stats() raises GeneratorFailed, and a Ray
 actor exits so that Ray restarts it; the successor reaps its predecessor's engine, re-issues
 its in-flight prompts without a second admission, and goes on generating if it was. Every
 second it heartbeats {version, groups, tokens_per_s, inflight, blocked}; every
@@ -30,7 +30,7 @@ and request ids, and request ids fix the sampling seeds: two fresh runs of one c
 the same prompts with the same seeds, while a restarted actor or a resumed trainer never
 reuses an id. No uuid or clock goes into a seed.
 
-Redis keys written for it (through RunState; names from ``asyncrl.queue.keys``):
+Redis keys written for it (through RunState, self.run_state; names from ``asyncrl.queue.keys``):
     keys.inflight(run, generator_id)   hash  prompt_id -> msgpack {"text", "metadata"}
     keys.engine_pids(run)              hash  generator_id -> msgpack {"host", "pids": [[pid, t0]], "segments",
                                                                    "started"}
@@ -94,6 +94,7 @@ class GeneratorActor:
         from transformers import AutoTokenizer
 
         from asyncrl.queue.replay import RolloutQueue
+        from asyncrl.queue.runstate import RunState
         from asyncrl.sync.model_ship import local_model
 
         self.cfg, self.rollout, self.generator_id, self.run = cfg, cfg.rollout, generator_id, run
@@ -106,17 +107,19 @@ class GeneratorActor:
             ledger=cfg.queue.ledger,
             claim_idle_s=cfg.queue.claim_idle_s,
             retry_deadline_s=cfg.queue.retry_deadline_s,
+            outage_deadline_s=cfg.queue.outage_deadline_s,
         )
+        self.run_state = RunState.of(self.queue)
         self.exit_on_failure = exit_on_failure
         self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
-        predecessor_was_generating = recovery.reap_predecessor(self.queue, generator_id)
+        predecessor_was_generating = recovery.reap_predecessor(self.run_state, generator_id)
         self.env = make_rollout_env(self.rollout)
         model_path = local_model(model_path, model_package)  # another node: the shipped copy
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with
         # the same seeds; a restart (actor crash, trainer resume) gets a new number, so prompt
         # and group ids never repeat within a run.
-        incarnation = self.incarnation = self.queue.next_incarnation(generator_id)
+        incarnation = self.incarnation = self.run_state.next_incarnation(generator_id)
         prefix = f"{generator_id}.{incarnation}"
         r = self.rollout
         self.prompts = open_prompts(
@@ -157,11 +160,14 @@ class GeneratorActor:
         # One name per generator, so a crashed predecessor's kept weights are replaced, not leaked.
         self.engine.keep_path = os.path.join(cfg.sync.shm_dir, f".asyncrl-{run}-{generator_id}-last-good.safetensors")
         self.engine.drop_kept()
-        self.weights = WeightWatcher(self.engine, self.queue, cfg, generator_id, run, self.counts, self._record_engine)
+        self.weights = WeightWatcher(
+            self.engine, self.run_state, cfg, generator_id, run, self.counts, self._record_engine
+        )
         groups = GroupMaker(cfg, self.env, self.tokenizer, self.engine, generator_id, self.counts)
         self.production = Production(
             cfg,
             self.queue,
+            self.run_state,
             self.engine,
             self.weights,
             groups,
@@ -174,7 +180,7 @@ class GeneratorActor:
         # Until start(), a successor should do what our predecessor did (its prompts are still admitted).
         self._generating = predecessor_was_generating
         self._record_engine()
-        location, version = self.queue.weights()
+        location, version = self.run_state.weights()
         if location is not None and version > 0:
             try:  # joining (or restarting into) a running job
                 self.update_weights(location, version)
@@ -185,7 +191,7 @@ class GeneratorActor:
             warm = self.encode(next(self.prompts)[1])
             self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, f"{prefix}:warmup"))
         retry = self.production.retry
-        retry.extend(recovery.predecessor_prompts(self.queue, generator_id, self.encode))
+        retry.extend(recovery.predecessor_prompts(self.run_state, generator_id, self.encode))
         self.counts["reissued"] += len(retry)
         log.info("%s: incarnation %d, %d prompts re-issued from a predecessor", generator_id, incarnation, len(retry))
         # A crashed generator's successor (Ray restart, or the same id started again) goes on
@@ -300,7 +306,7 @@ class GeneratorActor:
         with contextlib.suppress(Exception):
             self._call(self._stop(0.0))
         self._call(self.engine.shutdown())
-        self.queue.set_engine_record(self.generator_id, None)
+        self.run_state.set_engine_record(self.generator_id, None)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -328,7 +334,7 @@ class GeneratorActor:
     # ------------------------------------------------------------------ crash recovery
 
     def _record_engine(self) -> None:
-        recovery.record_engine(self.queue, self.generator_id, self.engine, self._generating)
+        recovery.record_engine(self.run_state, self.generator_id, self.engine, self._generating)
 
     # ------------------------------------------------------------------ the loop
 
@@ -365,7 +371,7 @@ class GeneratorActor:
                     last_beat = time.monotonic()
                     s = self.stats()
                     await asyncio.to_thread(
-                        self.queue.heartbeat,
+                        self.run_state.heartbeat,
                         self.generator_id,
                         {
                             "version": s["version"],
@@ -393,7 +399,7 @@ class GeneratorActor:
         await self.production.drain(drain_timeout_s)
         # A clean stop hands back what it admitted but never produced; a crash leaves the
         # in-flight hash for the successor instead.
-        await asyncio.to_thread(self.queue.release_inflight, self.generator_id)
+        await asyncio.to_thread(self.run_state.release_inflight, self.generator_id)
         self._generating = False
         await asyncio.to_thread(self._record_engine)  # a successor must not auto-start
-        await asyncio.to_thread(self.queue.remove_generator, self.generator_id)
+        await asyncio.to_thread(self.run_state.remove_generator, self.generator_id)

@@ -1,10 +1,10 @@
 """A generator's production line: draw a prompt, wait for admission, roll it out, put the group.
 
-    line = Production(cfg, queue, engine, weights, groups, prompts, encode, "gen-0", counts, on_fail)
+    line = Production(cfg, queue, run_state, engine, weights, groups, prompts, encode, "gen-0", counts, on_fail)
     await line.run()            # on the generator's event loop, until line.halt()
     await line.drain(30.0)      # after halt(): let in-flight groups finish, cancel the rest
 
-Admission and the in-flight note in Redis are one atomic step (queue.admit_prompt), and so
+Admission and the in-flight note in Redis are one atomic step (run_state.admit_prompt), and so
 are the put and the note's removal. Up to rollout.max_inflight_groups groups generate at
 once; a finished group is held through a full queue (put's timeout is logged, never a reason
 to drop it) and, while held, keeps its task counted so no more prompts are drawn. A rollout
@@ -24,7 +24,8 @@ from collections.abc import Callable
 import msgpack
 
 from asyncrl.config import Config
-from asyncrl.queue.replay import QueueFull
+from asyncrl.queue.replay import QueueFull, RolloutQueue
+from asyncrl.queue.runstate import RunState
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.prompts import PromptItem
@@ -45,7 +46,8 @@ class Production:
     def __init__(
         self,
         cfg: Config,
-        queue,
+        queue: RolloutQueue,
+        run_state: RunState,
         engine: RolloutEngine,
         weights: WeightWatcher,
         groups: GroupMaker,
@@ -56,6 +58,7 @@ class Production:
         on_fail,
     ):
         self.cfg, self.rollout, self.queue, self.engine = cfg, cfg.rollout, queue, engine
+        self.run_state = run_state
         self.weights, self.groups, self.prompts, self.encode = weights, groups, prompts, encode
         self.generator_id, self.counts, self.on_fail = generator_id, counts, on_fail
         self.retry: deque[PromptItem] = deque()  # admitted prompts to run again (predecessor's, or failed here)
@@ -116,7 +119,7 @@ class Production:
                 continue
             t0 = time.perf_counter()
             admitted = await asyncio.to_thread(
-                self.queue.admit_prompt, self.generator_id, item.prompt_id, note, self.engine.version
+                self.run_state.admit_prompt, self.generator_id, item.prompt_id, note, self.engine.version
             )
             self.counts["admission_calls"] += 1
             self.counts["admission_s"] += time.perf_counter() - t0
@@ -130,7 +133,7 @@ class Production:
         ids = self.encode(text)
         if len(ids) > self.rollout.max_prompt_tokens:
             self.counts["prompts_skipped"] += 1
-            self.queue.incr("prompts_skipped")
+            self.run_state.incr("prompts_skipped")
             return None
         return PromptItem(prompt_id, text, metadata, ids)
 
@@ -145,7 +148,7 @@ class Production:
         self._slot_freed.set()
         if task.cancelled() or task.exception() is None:
             return
-        if self.stopping:  # a stop releases the prompt (queue.release_inflight): nothing is lost
+        if self.stopping:  # a stop releases the prompt (run_state.release_inflight): nothing is lost
             log.warning("%s: a group was not put before the stop: %s", self.generator_id, task.exception())
         else:
             # Only the put raises here (a failed rollout is re-issued in _produce). The prompt

@@ -1,9 +1,9 @@
 """After a crash: find a dead generator's engine processes and /dev/shm segments, reap them,
 and pick up the prompts it had admitted but never put.
 
-    was_generating = reap_predecessor(queue, "gen-0")         # at start, before our engine exists
-    record_engine(queue, "gen-0", engine, generating=True)    # whenever pids or the started flag change
-    retry = predecessor_prompts(queue, "gen-0", tokenizer)    # [PromptItem] to run again, not re-admitted
+    was_generating = reap_predecessor(run_state, "gen-0")         # at start, before our engine exists
+    record_engine(run_state, "gen-0", engine, generating=True)    # whenever pids or the started flag change
+    retry = predecessor_prompts(run_state, "gen-0", encode)    # [PromptItem] to run again, not re-admitted
 
 If the process owning a vLLM engine is SIGKILLed, its EngineCore/worker processes survive,
 holding ~420 MB of /dev/shm. Each generator records its engine's [pid, create_time] pairs and
@@ -21,7 +21,7 @@ import signal
 import socket
 from collections.abc import Callable
 
-from asyncrl.queue.runstate import unpack_small
+from asyncrl.queue.runstate import RunState, unpack_small
 from asyncrl.rollout.prompts import PromptItem
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,10 @@ def shm_segments_of(pids: list[int]) -> set[str]:
     return found
 
 
-def reap_predecessor(queue, generator_id: str) -> bool:
+def reap_predecessor(run_state: RunState, generator_id: str) -> bool:
     """Kill a crashed predecessor's orphaned engine processes and delete its leaked segments
     (on this host only: elsewhere the pids mean nothing); return whether it was generating."""
-    record = queue.engine_record(generator_id)
+    record = run_state.engine_record(generator_id)
     if record is None:
         return False
     if record.get("host") == socket.gethostname():
@@ -124,9 +124,9 @@ def reap_predecessor(queue, generator_id: str) -> bool:
     return bool(record.get("started", False))
 
 
-def record_engine(queue, generator_id: str, engine, generating: bool) -> None:
+def record_engine(run_state: RunState, generator_id: str, engine, generating: bool) -> None:
     """What a successor needs after a crash: our engine's PIDs and segments, and whether we were generating."""
-    queue.set_engine_record(
+    run_state.set_engine_record(
         generator_id,
         {
             "host": socket.gethostname(),
@@ -137,11 +137,11 @@ def record_engine(queue, generator_id: str, engine, generating: bool) -> None:
     )
 
 
-def predecessor_prompts(queue, generator_id: str, encode: Callable[[str], list[int]]) -> list[PromptItem]:
+def predecessor_prompts(run_state: RunState, generator_id: str, encode: Callable[[str], list[int]]) -> list[PromptItem]:
     """The prompts a predecessor admitted (noted in its in-flight hash) but never put: they are
     run again under their own ids, without a second admission."""
     items = []
-    for prompt_id, raw in queue.inflight_prompts(generator_id).items():
+    for prompt_id, raw in run_state.inflight_prompts(generator_id).items():
         note = unpack_small(raw)
         items.append(PromptItem(prompt_id, note["text"], note["metadata"], encode(note["text"])))
     return items

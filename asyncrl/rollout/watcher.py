@@ -1,7 +1,7 @@
 """Loading published weights into a generator's engine, pushed or polled, and what happens when
 they cannot be loaded.
 
-    watcher = WeightWatcher(engine, queue, cfg, "gen-0", "demo", counts, on_rebuilt=record)
+    watcher = WeightWatcher(engine, run_state, cfg, "gen-0", "demo", counts, on_rebuilt=record)
     await watcher.update("ray-object://...", 3)     # a push from the trainer (or the poll below)
     await watcher.poll()                            # newer published weights than the engine's? load them
     watcher.blocked                                 # why admission is closed, or None
@@ -19,6 +19,7 @@ import logging
 import time
 
 from asyncrl.config import Config
+from asyncrl.queue.runstate import RunState
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError
 from asyncrl.sync import objstore
 
@@ -32,9 +33,16 @@ class WeightWatcher:
     """Keeps one engine on the newest weights it can load, and says when it cannot."""
 
     def __init__(
-        self, engine: RolloutEngine, queue, cfg: Config, generator_id: str, run: str, counts: dict, on_rebuilt
+        self,
+        engine: RolloutEngine,
+        run_state: RunState,
+        cfg: Config,
+        generator_id: str,
+        run: str,
+        counts: dict,
+        on_rebuilt,
     ):
-        self.engine, self.queue, self.cfg = engine, queue, cfg
+        self.engine, self.run_state, self.cfg = engine, run_state, cfg
         self.generator_id, self.run, self.counts = generator_id, run, counts
         self.on_rebuilt = on_rebuilt
         """Called (in a thread) when a failed load rebuilt the engine: its new processes must be recorded."""
@@ -81,7 +89,7 @@ class WeightWatcher:
 
     async def poll(self) -> None:
         """Load newer published weights if nobody pushed them (elastic generators)."""
-        location, version = await asyncio.to_thread(self.queue.weights)
+        location, version = await asyncio.to_thread(self.run_state.weights)
         if location is None or version <= self.engine.version or not self._may_try(location, version):
             return
         try:

@@ -1,6 +1,6 @@
 """GPU weight sync: NCCL broadcast from learner rank 0 to the engine workers (vLLM's weight-transfer API).
 
-    sync = NcclWeightSync(cfg.sync, queue=queue, run="demo")   # on learner rank 0 (CUDA)
+    sync = NcclWeightSync(cfg.sync, run_state=run_state, run="demo")   # on learner rank 0 (CUDA)
     sync.register(generator_handle)       # its engine was built with weight_transfer_config nccl
     sync.publish(model.state_dict(), version=3)
 
@@ -88,13 +88,19 @@ class NcclWeightSync(ShmWeightSync):
     """NCCL broadcast per generator; file paths and Redis bookkeeping as in ``ShmWeightSync``."""
 
     def __init__(
-        self, cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None, master_address: str | None = None
+        self,
+        cfg: SyncConfig,
+        *,
+        run_state=None,
+        run: str,
+        engines: list | None = None,
+        master_address: str | None = None,
     ):
         import torch
 
         if not torch.cuda.is_available():
             raise RuntimeError("sync.backend='nccl' needs a CUDA device; use sync.backend='shm' on CPU")
-        super().__init__(cfg, queue=queue, run=run, engines=engines)
+        super().__init__(cfg, run_state=run_state, run=run, engines=engines)
         # NCCL rank 0 is this process: its node's address as the Ray cluster knows it
         # (gethostname() may resolve to 127.0.1.1, nobody's address on another node).
         self.master_address = master_address or _node_address()
@@ -134,13 +140,13 @@ class NcclWeightSync(ShmWeightSync):
                 errors.append(f"{type(e).__name__}: {e}")
                 self._transfers.pop(id(handle), None)
         self.version = version
-        if self.queue is not None and self.cfg.shm_dir:
+        if self.run_state is not None and self.cfg.shm_dir:
             # Elastic generators (not registered here) still join through a file.
             from asyncrl.sync.shm import save_state_dict
 
             path = self.path_for(version)
             save_state_dict(state_dict, path)
-            self.queue.set_weights(path, version)
+            self.run_state.set_weights(path, version)
             self._delete_older(version)
         return {"version": version, "seconds": time.perf_counter() - t0, "engines": len(self.engines), "errors": errors}
 

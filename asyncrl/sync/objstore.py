@@ -1,6 +1,6 @@
 """CPU weight sync through Ray's object store: no shared filesystem between any two nodes.
 
-    sync = ObjectStoreWeightSync(cfg.sync, queue=queue, run="demo", learner=group)
+    sync = ObjectStoreWeightSync(cfg.sync, run_state=run_state, run="demo", learner=group)
     path = sync.path_for(3)               # "ray-object://demo/v3": a name, not a file
     group.export_to_file(path)            # rank 0 returns the safetensors bytes as a Ray object
     sync.publish_file(path, 3)            # announce, have every generator apply it, wait
@@ -151,13 +151,13 @@ class ObjectStoreWeightSync:
         self,
         cfg: SyncConfig,
         *,
-        queue=None,
+        run_state=None,
         run: str,
         engines: list | None = None,
         learner=None,
         model_package: dict | None = None,
     ):
-        self.cfg, self.queue, self.run, self.learner = cfg, queue, run, learner
+        self.cfg, self.run_state, self.run, self.learner = cfg, run_state, run, learner
         self.engines: list = list(engines or [])
         self.version: int | None = None
         self.store = open_store(run, create=True)
@@ -195,8 +195,8 @@ class ObjectStoreWeightSync:
             raise ValueError(f"version {version} is not newer than the published version {self.version}")
         start = time.perf_counter()
         ray.get(self.store.put.remote(version, [ref]))
-        if self.queue is not None:
-            self.queue.set_weights(location, version)
+        if self.run_state is not None:
+            self.run_state.set_weights(location, version)
         results = call_engines(self.engines, "update_weights", location, version)
         errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
         self.version = version

@@ -1,6 +1,6 @@
 """CPU weight sync through shared memory: a safetensors file in /dev/shm, loaded in place.
 
-    sync = ShmWeightSync(cfg.sync, queue=queue, run="demo")
+    sync = ShmWeightSync(cfg.sync, run_state=run_state, run="demo")
     sync.register(generator_handle)                 # Ray actor handle or in-process GeneratorActor
     info = sync.publish(model.state_dict(), version=3)
     # or, when the learner writes the file itself:  sync.publish_file(sync.path_for(3), 3)
@@ -107,10 +107,10 @@ def save_state_dict(state_dict: dict, path: str) -> int:
 class ShmWeightSync:
     """Publishes weight files to /dev/shm and has the registered generators load them."""
 
-    def __init__(self, cfg: SyncConfig, *, queue=None, run: str, engines: list | None = None):
+    def __init__(self, cfg: SyncConfig, *, run_state=None, run: str, engines: list | None = None):
         if not os.path.isdir(cfg.shm_dir):
             raise ValueError(f"sync.shm_dir={cfg.shm_dir!r}: not a directory")
-        self.cfg, self.queue, self.run = cfg, queue, run
+        self.cfg, self.run_state, self.run = cfg, run_state, run
         self.engines: list = list(engines or [])
         self.version: int | None = None
 
@@ -139,8 +139,8 @@ class ShmWeightSync:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} is not newer than the published version {self.version}")
         start = time.perf_counter()
-        if self.queue is not None:
-            self.queue.set_weights(path, version)
+        if self.run_state is not None:
+            self.run_state.set_weights(path, version)
         results = call_engines(self.engines, "update_weights", path, version)
         errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
         if errors:

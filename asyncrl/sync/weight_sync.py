@@ -1,6 +1,6 @@
 """Pick the weight-sync backend for this run.
 
-    sync = build_weight_sync(cfg.sync, queue=queue, run=cfg.control.run_name, learner=group)
+    sync = build_weight_sync(cfg.sync, run_state=run_state, run=cfg.control.run_name, learner=group)
 
 "auto" is NCCL (vLLM's weight-transfer API, learner rank 0 -> engine workers) when CUDA
 is available; on CPU it is shared memory (/dev/shm safetensors, the fastest on one host)
@@ -40,7 +40,7 @@ def resolve_backend(backend: str, multinode: bool = False) -> str:
 def build_weight_sync(
     cfg: SyncConfig,
     *,
-    queue=None,
+    run_state=None,
     run: str,
     engines: list | None = None,
     learner=None,
@@ -50,14 +50,14 @@ def build_weight_sync(
         case "shm":
             from asyncrl.sync.shm import ShmWeightSync
 
-            return ShmWeightSync(cfg, queue=queue, run=run, engines=engines)
+            return ShmWeightSync(cfg, run_state=run_state, run=run, engines=engines)
         case "nccl":
             from asyncrl.sync.nccl import NcclWeightSync
 
-            return NcclWeightSync(cfg, queue=queue, run=run, engines=engines)
+            return NcclWeightSync(cfg, run_state=run_state, run=run, engines=engines)
         case "object_store":
             from asyncrl.sync.objstore import ObjectStoreWeightSync
 
             return ObjectStoreWeightSync(
-                cfg, queue=queue, run=run, engines=engines, learner=learner, model_package=model_package
+                cfg, run_state=run_state, run=run, engines=engines, learner=learner, model_package=model_package
             )

@@ -5,6 +5,7 @@
     job.wait_for_step(3, timeout=300)    # polls the run's state hash in Redis
     job.drop_connections(pause_s=3)      # CLIENT KILL TYPE normal + CLIENT PAUSE
     job.restart_redis(down_s=2)          # SIGKILL redis-server, start it again on its AOF
+    job.kill_redis(); ...; job.start_redis()   # the same, with the outage as long as you like
     job.signal(signal.SIGKILL)           # the whole process group (trainer + Ray + engines)
     job.wait(30); job.resume(); job.wait(600)
     ledger = job.audit().check()         # produced = trained + dropped + dead-lettered + queued
@@ -231,10 +232,13 @@ class TrainJob:
         `appendfsync always`) and start a new one on the same redis.conf: same port, same
         AOF. Returns the new server's PID; a resume stops it like any orphaned server, and
         cleanup() kills it if it is still running."""
-        from asyncrl.queue.server import find_redis_server
+        self.kill_redis()
+        time.sleep(down_s)
+        return self.start_redis(timeout=timeout)
 
-        redis_dir = self.run_dir / "redis"
-        old = int((redis_dir / "redis.pid").read_text())
+    def kill_redis(self) -> None:
+        """SIGKILL the job's redis-server and wait until it is gone."""
+        old = int((self.run_dir / "redis" / "redis.pid").read_text())
         self.processes()
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -242,7 +246,13 @@ class TrainJob:
             time.sleep(0.05)
         for proc in self._redis_procs:
             proc.poll()  # reap an earlier restart's server if that was the one killed
-        time.sleep(down_s)
+
+    def start_redis(self, timeout: float = 20.0) -> int:
+        """Start redis-server on the job's redis.conf (same port, same AOF) after kill_redis();
+        returns its PID once it has loaded its data."""
+        from asyncrl.queue.server import find_redis_server
+
+        redis_dir = self.run_dir / "redis"
         proc = subprocess.Popen(
             [find_redis_server(), str(redis_dir / "redis.conf")],
             cwd=redis_dir,
@@ -274,7 +284,7 @@ class TrainJob:
     # ------------------------------------------------------------------ checkpoints and ledger
 
     def final_extra(self) -> dict:
-        """The `extra` of the last complete checkpoint (step, version, trained_ids)."""
+        """The `extra` of the last complete checkpoint (step, version, trained_count, ...)."""
         from asyncrl.control.train import latest_checkpoint
 
         ckpt = latest_checkpoint(self.run_dir)
@@ -283,7 +293,11 @@ class TrainJob:
         return msgpack.unpackb((ckpt / "extra.msgpack").read_bytes(), raw=False)
 
     def final_trained_ids(self) -> list[str]:
-        return list(self.final_extra()["trained_ids"])
+        """Every group id trained into the last complete checkpoint's weights, from the run's
+        trained-ids audit (asyncrl.control.ledger; the job runs with queue.ledger on)."""
+        from asyncrl.control.ledger import trained_ids
+
+        return trained_ids(self.run_dir, upto_step=int(self.final_extra()["step"]))
 
     def audit(self):
         """The run's ledger (not yet checked: call .check()). Works on a stopped job too: the

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from asyncrl.data.codec import RecordError, decode_group, encode_group
-from asyncrl.queue import RolloutQueue, keys
+from asyncrl.queue import RolloutQueue, RunState, keys
 from asyncrl.types import RolloutGroup, Sample
 
 N_BAD = 10_000
@@ -109,6 +109,7 @@ def _bad_record(rng: random.Random, i: int, base: bytes) -> bytes | None:
 def test_10k_hostile_records_are_dead_lettered_and_the_consumer_keeps_serving(redis_url):
     run = "fuzz10k"
     q = RolloutQueue.connect(redis_url, run, max_record_bytes=1 << 16)
+    rs = RunState.of(q)
     raw = redis.Redis.from_url(redis_url)
     rng = random.Random(2026)
     base = encode_group(_group("base", 3, 7))
@@ -154,7 +155,7 @@ def test_10k_hostile_records_are_dead_lettered_and_the_consumer_keeps_serving(re
     dead = q.deadletter_entries()
     assert [e["reason"] for e in dead] == expected_reasons
     assert all(e["source_id"] for e in dead)
-    assert q.counters()["dead_lettered"] == len(expected_reasons)
+    assert rs.counters()["dead_lettered"] == len(expected_reasons)
     # Every reason the codec documents for these mutations shows up.
     assert {
         "bad_msgpack",

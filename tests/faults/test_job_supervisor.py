@@ -35,14 +35,22 @@ def test_final_trained_ids_skip_an_incomplete_checkpoint(tmp_path):
     job = TrainJob(ROOT_CFG, run_dir=tmp_path / "r", run_name="r")
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         job.final_trained_ids()
-    for step, ids, complete in ((3, ["a", "b"], True), (6, ["a", "b", "c", "d"], False)):
+    from asyncrl.control.ledger import record_trained
+
+    for step, ids, complete in ((3, ["a", "b"], True), (6, ["c", "d"], False)):
         d = tmp_path / "r" / "checkpoints" / f"step_{step:06d}"
         d.mkdir(parents=True)
-        (d / "extra.msgpack").write_bytes(msgpack.packb({"step": step, "version": step, "trained_ids": ids}))
+        extra = {"step": step, "version": step, "trained_count": 2 * step // 3, "checkpoint_ids": ids}
+        (d / "extra.msgpack").write_bytes(msgpack.packb(extra))
         if complete:
             (d / ".complete").touch()
+        record_trained(tmp_path / "r", step, ids)
+    record_trained(tmp_path / "r", 3, ["a", "b"])  # a resume from step 3 writes its line again
     assert job.final_trained_ids() == ["a", "b"]  # step 6 never finished writing
     assert job.final_extra()["step"] == 3
+    with open(tmp_path / "r" / "trained_ids.jsonl", "a") as f:
+        f.write('{"step": 9, "ids": ["e"')  # cut short by a crash: ignored
+    assert job.final_trained_ids() == ["a", "b"]
 
 
 def test_a_job_that_exits_is_reported_at_once_with_its_log(tmp_path):
@@ -58,7 +66,7 @@ def test_a_job_that_exits_is_reported_at_once_with_its_log(tmp_path):
 
 
 def test_diagnosis_shows_the_runs_redis_state_and_folds_retry_warnings(tmp_path):
-    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue import RolloutQueue, RunState
 
     job = TrainJob(ROOT_CFG, run_dir=tmp_path / "d", run_name="d")
     retry = "Redis at redis://127.0.0.1:1/0: ConnectionError: refused.; retry {} in 0.05s"
@@ -69,11 +77,12 @@ def test_diagnosis_shows_the_runs_redis_state_and_folds_retry_warnings(tmp_path)
     )
     with EmbeddedRedis(tmp_path / "d" / "redis") as server:
         q = RolloutQueue.connect(server.url, "d")
-        q.set_state(trainer_step=10)
-        q.heartbeat("gen-0", {"version": 9, "groups": 40})
-        assert q.admit_prompt("gen-0", "p1", b"note") is False  # no admission configured yet
-        q.configure_admission(max_staleness=1, groups_per_step=4)
-        assert q.admit_prompt("gen-0", "p1", b"note") is True
+        rs = RunState.of(q)
+        rs.set_state(trainer_step=10)
+        rs.heartbeat("gen-0", {"version": 9, "groups": 40})
+        assert rs.admit_prompt("gen-0", "p1", b"note") is False  # no admission configured yet
+        rs.configure_admission(max_staleness=1, groups_per_step=4)
+        assert rs.admit_prompt("gen-0", "p1", b"note") is True
         text = job.diagnosis()
         q.close()
     assert "'trainer_step': '10'" in text and "'groups_started': 1" in text

@@ -134,6 +134,13 @@ def queue(redis_server):
     q.close()
 
 
+@pytest.fixture
+def run_state(queue):
+    from asyncrl.queue import RunState
+
+    return RunState.of(queue)
+
+
 def hf_token_logprobs(model, prompt_ids, response_ids, temperature):
     """The learner's quantity: log_softmax(logits / T) at each sampled token (float32 forward)."""
     ids = torch.tensor([list(prompt_ids) + list(response_ids)])
@@ -192,10 +199,10 @@ def test_a_synthetic_task_never_samples_a_special_token_but_eos(ray_session, hf_
     assert tokenizer.eos_token_id in sampled  # stopping stays possible
 
 
-def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_session, gen, queue, tokenizer):
+def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_session, gen, queue, run_state, tokenizer):
     ray = ray_session
-    queue.configure_admission(max_staleness=0, groups_per_step=8)
-    queue.set_policy_version(0)
+    run_state.configure_admission(max_staleness=0, groups_per_step=8)
+    run_state.set_policy_version(0)
     ray.get(gen.start.remote())
     items = []
     deadline = time.time() + 120
@@ -225,18 +232,18 @@ def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_sessio
     stats = ray.get(gen.stats.remote())
     assert stats["reward_errors"] >= errors and stats["groups"] >= 8
     # admission: exactly (0 + 0 + 1) * 8 groups may start; the long prompt was skipped and counted
-    assert queue.counters()["groups_started"] == 8
-    assert stats["prompts_skipped"] >= 1 or queue.counters().get("prompts_skipped", 0) >= 0
+    assert run_state.counters()["groups_started"] == 8
+    assert stats["prompts_skipped"] >= 1 or run_state.counters().get("prompts_skipped", 0) >= 0
 
 
 def test_publish_during_generation_switches_versions_and_matches_hf(
-    ray_session, gen, hf_model, tokenizer, queue, tmp_path
+    ray_session, gen, hf_model, tokenizer, queue, run_state, tmp_path
 ):
     from asyncrl.config import SyncConfig
     from asyncrl.sync import build_weight_sync
 
     ray = ray_session
-    sync = build_weight_sync(SyncConfig(backend="shm"), queue=queue, run=RUN, engines=[gen])
+    sync = build_weight_sync(SyncConfig(backend="shm"), run_state=run_state, run=RUN, engines=[gen])
     eos = tokenizer.eos_token_id
     long_prompt = tokenizer.encode("abcde" * 30 + "=")  # 151 tokens: more than one 128-token block
     short_prompt = tokenizer.encode("ab=")
@@ -270,7 +277,7 @@ def test_publish_during_generation_switches_versions_and_matches_hf(
         assert after["token_ids"] == hf_greedy(hf_model_v1, long_prompt, 40, eos)[: len(after["token_ids"])]
         assert after["token_ids"] != before["token_ids"]
         assert ray.get(gen.version.remote()) == 1
-        assert queue.weights() == (sync.path_for(1), 1)
+        assert run_state.weights() == (sync.path_for(1), 1)
         assert_logprob_parity(ray, gen, hf_model_v1, tokenizer)
 
         # a second publish deletes the first file once the engine runs the new version
@@ -313,7 +320,7 @@ def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_sessio
 
 
 def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_can(
-    ray_session, gen, hf_model, queue, tmp_path
+    ray_session, gen, hf_model, queue, run_state, tmp_path
 ):
     """After the failed loads above it says why and admits no work, though admission is open
     (it would only make groups on stale weights); once good weights load it admits again."""
@@ -321,32 +328,32 @@ def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_
 
     ray = ray_session
     assert "cannot load the announced weights v3" in (ray.get(gen.stats.remote())["weights_blocked"] or "")
-    started = queue.counters().get("groups_started", 0)
-    queue.set_policy_version(0)
-    queue.configure_admission(max_staleness=0, groups_per_step=started + 2)  # room for 2 more groups
+    started = run_state.counters().get("groups_started", 0)
+    run_state.set_policy_version(0)
+    run_state.configure_admission(max_staleness=0, groups_per_step=started + 2)  # room for 2 more groups
     ray.get(gen.start.remote())
     time.sleep(3)
-    assert queue.counters().get("groups_started", 0) == started
+    assert run_state.counters().get("groups_started", 0) == started
     # ...and says so in its heartbeat, which the trainer turns into a console warning.
-    assert "cannot load the announced weights v3" in (queue.generators()["g0"].get("blocked") or "")
+    assert "cannot load the announced weights v3" in (run_state.generators()["g0"].get("blocked") or "")
     path = str(tmp_path / "good.safetensors")
     save_state_dict(perturbed_state(hf_model, seed=3), path)
     ray.get(gen.update_weights.remote(path, 3))
     # Announce them too: a restarted generator (the next tests) loads what Redis names, and
     # the v2 file named there so far was deleted when its publisher closed.
-    queue.set_weights(path, 3)
+    run_state.set_weights(path, 3)
     assert ray.get(gen.stats.remote())["weights_blocked"] is None
     items, deadline = [], time.time() + 120
     while len(items) < 2 and time.time() < deadline:
         got = queue.get_batch(2 - len(items), min_version=0, timeout=5.0)
         queue.ack([i for i, _ in got])
         items += got
-    assert len(items) == 2 and queue.counters()["groups_started"] == started + 2
+    assert len(items) == 2 and run_state.counters()["groups_started"] == started + 2
     assert all(s.behavior_version == 3 for _, g in items for s in g.samples)
     ray.get(gen.stop.remote(drain_timeout_s=60))
 
 
-def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session, gen, queue, redis_server):
+def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session, gen, queue, run_state, redis_server):
     """Kill -9 the actor while 3 groups are put and 3 more are generated but blocked on a full
     queue. Ray restarts it (created with autostart=False: it must resume anyway); the successor
     reaps the orphaned engine processes, and puts the 3 in-flight prompts with no new admission."""
@@ -355,15 +362,15 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     ray = ray_session
     r = redis.Redis.from_url(redis_server.url)
     inflight = keys.inflight(RUN, "g0")
-    c0 = queue.counters()
+    c0 = run_state.counters()
     started, produced = c0.get("groups_started", 0), c0.get("groups_produced", 0)
-    queue.set_policy_version(0)
-    queue.configure_admission(max_staleness=0, groups_per_step=started + 6)
+    run_state.set_policy_version(0)
+    run_state.configure_admission(max_staleness=0, groups_per_step=started + 6)
     ray.get(gen.start.remote())
     # maxlen=3 and nobody reading: 3 groups land, the other 3 wait in put() (still in flight).
     deadline = time.time() + 180
     while time.time() < deadline and not (
-        queue.counters().get("groups_started", 0) == started + 6
+        run_state.counters().get("groups_started", 0) == started + 6
         and r.xlen(keys.rollouts(RUN)) == 3
         and r.hlen(inflight) == 3
     ):
@@ -394,7 +401,7 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     # Every admitted prompt reached the queue exactly once as a group; none is left in flight.
     assert sorted(received) == sorted(admitted), f"in flight at the kill: {inflight_before}"
     assert r.hlen(inflight) == 0
-    counters = queue.counters()
+    counters = run_state.counters()
     assert counters["groups_produced"] == produced + 6 and counters.get("duplicates", 0) == 0
     assert counters["groups_started"] == started + 6  # the re-issue took no second admission
     assert admitted <= queue.produced_ids()  # the ledger (queue.ledger=True) saw them
@@ -404,7 +411,9 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     assert int(r.get(keys.incarnation(RUN, "g0"))) == 2
 
 
-def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(ray_session, gen, queue, redis_server):
+def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(
+    ray_session, gen, queue, run_state, redis_server
+):
     """Redis refuses XADD (an ACL, as an out-of-memory server would refuse writes): the put
     fails with a Redis error, not a connection error, so no retry helps. The actor must say
     why and exit, rather than live on one group short; Ray restarts it, and the successor
@@ -414,12 +423,12 @@ def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(ray
     ray = ray_session
     r = redis.Redis.from_url(redis_server.url)
     inflight = keys.inflight(RUN, "g0")
-    c0 = queue.counters()
+    c0 = run_state.counters()
     started, produced = c0.get("groups_started", 0), c0.get("groups_produced", 0)
     old_pid = ray.get(gen.pid.remote())
     r.execute_command("ACL", "SETUSER", "default", "-xadd")
     try:
-        queue.configure_admission(max_staleness=0, groups_per_step=started + 2)
+        run_state.configure_admission(max_staleness=0, groups_per_step=started + 2)
         deadline = time.time() + 120
         while time.time() < deadline and pid_running(old_pid):
             time.sleep(0.1)
@@ -437,7 +446,7 @@ def test_a_put_redis_refuses_ends_the_actor_and_its_successor_puts_the_group(ray
         queue.ack([i for i, _ in got])
         received += [g.prompt_id for _, g in got]
     assert noted <= set(received) and len(received) == len(set(received)) == 2
-    counters = queue.counters()
+    counters = run_state.counters()
     assert counters["groups_started"] == started + 2 and counters["groups_produced"] == produced + 2
     assert counters.get("duplicates", 0) == 0 and r.hlen(inflight) == 0
     assert ray.get(gen.stats.remote())["reissued"] == len(noted)

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from asyncrl.data.codec import RecordError, decode_group, encode_group
-from asyncrl.queue import QueueFull, RolloutQueue, keys
+from asyncrl.queue import QueueFull, RolloutQueue, RunState, keys
 from asyncrl.types import RolloutGroup, Sample
 
 
@@ -103,8 +103,9 @@ def test_1000_groups_round_trip_exactly(redis_url):
     rng = np.random.default_rng(0)
     groups = [random_group(rng, f"g{i}") for i in range(1000)]
     q = RolloutQueue.connect(redis_url, "rt")
+    rs = RunState.of(q)
     ids = [q.put(g) for g in groups]
-    assert q.depth() == 1000 and q.pending() == 0 and q.counters()["groups_produced"] == 1000
+    assert q.depth() == 1000 and q.pending() == 0 and rs.counters()["groups_produced"] == 1000
     got = drain(q, 1000)
     assert [entry_id for entry_id, _ in got] == ids  # stream order
     for g, (_, back) in zip(groups, got):
@@ -127,6 +128,7 @@ def _produce(url: str, prefix: str, n: int) -> None:
 def test_two_producer_processes_one_consumer_no_loss_no_duplicate(redis_url):
     n = 300
     q = RolloutQueue.connect(redis_url, "mp", maxlen=40)
+    rs = RunState.of(q)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_produce, args=(redis_url, p, n)) for p in ("a", "b")]
     for p in procs:
@@ -143,12 +145,13 @@ def test_two_producer_processes_one_consumer_no_loss_no_duplicate(redis_url):
         assert p.exitcode == 0
     assert set(seen) == {f"{p}-{i}" for p in "ab" for i in range(n)}
     assert max(seen.values()) == 1
-    assert q.counters()["groups_produced"] == 2 * n and q.depth() == 0 and q.pending() == 0
+    assert rs.counters()["groups_produced"] == 2 * n and q.depth() == 0 and q.pending() == 0
     q.close()
 
 
 def test_stale_groups_are_dropped_counted_and_never_returned(redis_url):
     q = RolloutQueue.connect(redis_url, "stale")
+    rs = RunState.of(q)
     for i, v in enumerate([0, 3, 1, 5, 2, 4]):
         q.put(small_group(f"g{i}-v{v}", version=v))
     # a group's version is its oldest sample's: 7 and 2 -> 2, stale at min_version 3
@@ -160,7 +163,7 @@ def test_stale_groups_are_dropped_counted_and_never_returned(redis_url):
     assert [g.group_id for _, g in got] == ["g1-v3", "g3-v5", "g5-v4"]
     assert q.get_batch(5, 3, timeout=0.1) == []
     assert q.dropped_ids() == {"g0-v0", "g2-v1", "g4-v2", "mixed"}
-    assert q.counters()["dropped_stale"] == 4
+    assert rs.counters()["dropped_stale"] == 4
     assert q.pending() == 3 and q.depth() == 0  # dropped ones are acked, only returned ones pend
     q.close()
 
@@ -175,6 +178,7 @@ class _Trap:
 
 def test_malformed_records_are_dead_lettered_and_good_ones_still_served(redis_url, tmp_path):
     q = RolloutQueue.connect(redis_url, "dl", max_record_bytes=4096)
+    rs = RunState.of(q)
     raw = redis.Redis.from_url(redis_url)
     stream = keys.rollouts("dl")
     good = encode_group(small_group("x"))
@@ -208,7 +212,7 @@ def test_malformed_records_are_dead_lettered_and_good_ones_still_served(redis_ur
     got = drain(q, len(expected_good), timeout=3.0)
     assert [g.group_id for _, g in got] == expected_good
     dead = q.deadletter_entries()
-    assert len(dead) == len(cases) + 1 and q.counters()["dead_lettered"] == len(cases) + 1
+    assert len(dead) == len(cases) + 1 and rs.counters()["dead_lettered"] == len(cases) + 1
     assert dead[0]["reason"] == "missing_field" and dead[0]["d"] == b""
     for entry, (name, (data, reason)) in zip(dead[1:], cases.items()):
         assert entry["d"] == data, name
@@ -226,6 +230,7 @@ def test_fuzz_1200_mutated_records_interleaved_with_good_ones(redis_url):
     """Each mutated record is dead-lettered with the reason decode_group gives it locally, or
     (a mutation that happens to stay valid) served; good records are all served, in order."""
     q = RolloutQueue.connect(redis_url, "fuzz")
+    rs = RunState.of(q)
     raw = redis.Redis.from_url(redis_url)
     rng = random.Random(7)
     base = encode_group(random_group(np.random.default_rng(5), "base"))
@@ -258,7 +263,7 @@ def test_fuzz_1200_mutated_records_interleaved_with_good_ones(redis_url):
     assert [g.group_id for _, g in got] == unique
     assert len(expected_reasons) > 1000
     assert [e["reason"] for e in q.deadletter_entries()] == expected_reasons
-    c = q.counters()
+    c = rs.counters()
     assert c["dead_lettered"] == len(expected_reasons)
     assert c.get("duplicates", 0) == len(expected_served) - len(unique)
     q.close()
@@ -266,6 +271,7 @@ def test_fuzz_1200_mutated_records_interleaved_with_good_ones(redis_url):
 
 def test_put_blocks_when_full_and_resumes_after_get_and_ack(redis_url):
     q = RolloutQueue.connect(redis_url, "bp", maxlen=4)
+    rs = RunState.of(q)
     for i in range(4):
         q.put(small_group(f"g{i}"))
     with pytest.raises(QueueFull, match="maxlen=4"):
@@ -283,7 +289,7 @@ def test_put_blocks_when_full_and_resumes_after_get_and_ack(redis_url):
     assert done.wait(5.0)
     t.join()
     assert [g.group_id for _, g in drain(q, 3)] == ["g2", "g3", "g4"]
-    assert q.counters()["groups_produced"] == 5
+    assert rs.counters()["groups_produced"] == 5
     q.close()
     producer.close()
 
@@ -300,16 +306,18 @@ def test_put_many_fills_up_to_maxlen_atomically(redis_url):
 
 def test_racing_threads_never_exceed_the_admission_budget(redis_url):
     q = RolloutQueue.connect(redis_url, "adm")
-    assert q.try_admit() is False  # not configured by the trainer yet
-    q.configure_admission(max_staleness=1, groups_per_step=4)  # budget (0 + 1 + 1) * 4 = 8
+    rs = RunState.of(q)
+    assert rs.try_admit() is False  # not configured by the trainer yet
+    rs.configure_admission(max_staleness=1, groups_per_step=4)  # budget (0 + 1 + 1) * 4 = 8
     admitted = []
     lock = threading.Lock()
     start = threading.Barrier(8)
 
     def generator():
         mine = RolloutQueue.connect(redis_url, "adm")
+        mine_rs = RunState.of(mine)
         start.wait()
-        n = sum(mine.try_admit() for _ in range(40))
+        n = sum(mine_rs.try_admit() for _ in range(40))
         with lock:
             admitted.append(n)
         mine.close()
@@ -319,52 +327,53 @@ def test_racing_threads_never_exceed_the_admission_budget(redis_url):
         t.start()
     for t in threads:
         t.join()
-    assert sum(admitted) == 8 and q.counters()["groups_started"] == 8
-    assert q.try_admit(1) is False
-    q.set_policy_version(2)  # budget (2 + 1 + 1) * 4 = 16
-    assert q.try_admit(8) is True and q.try_admit(1) is False
-    assert q.release_admission(3) == 13
-    assert [q.try_admit() for _ in range(4)] == [True, True, True, False]
-    assert q.release_admission(100) == 0  # never below zero
-    q.reset_admission(15)
-    assert q.try_admit() is True and q.try_admit() is False
+    assert sum(admitted) == 8 and rs.counters()["groups_started"] == 8
+    assert rs.try_admit(1) is False
+    rs.set_policy_version(2)  # budget (2 + 1 + 1) * 4 = 16
+    assert rs.try_admit(8) is True and rs.try_admit(1) is False
+    assert rs.release_admission(3) == 13
+    assert [rs.try_admit() for _ in range(4)] == [True, True, True, False]
+    assert rs.release_admission(100) == 0  # never below zero
+    rs.reset_admission(15)
+    assert rs.try_admit() is True and rs.try_admit() is False
     with pytest.raises(ValueError):
-        q.try_admit(0)
+        rs.try_admit(0)
     q.close()
 
 
 def test_run_state_heartbeats_and_metrics(redis_url):
     q = RolloutQueue.connect(redis_url, "st")
-    assert q.policy_version() == 0 and q.weights() == (None, -1)
-    q.set_policy_version(7)
-    q.set_weights("/dev/shm/asyncrl/st/v7.safetensors", 7)
-    q.set_state(status="running", lr=1.5e-5, flag=True, gone=None)
-    q.set_state(gone="x")
-    q.set_state(gone=None)
-    assert q.policy_version() == 7 and q.weights() == ("/dev/shm/asyncrl/st/v7.safetensors", 7)
-    state = q.state()
+    rs = RunState.of(q)
+    assert rs.policy_version() == 0 and rs.weights() == (None, -1)
+    rs.set_policy_version(7)
+    rs.set_weights("/dev/shm/asyncrl/st/v7.safetensors", 7)
+    rs.set_state(status="running", lr=1.5e-5, flag=True, gone=None)
+    rs.set_state(gone="x")
+    rs.set_state(gone=None)
+    assert rs.policy_version() == 7 and rs.weights() == ("/dev/shm/asyncrl/st/v7.safetensors", 7)
+    state = rs.state()
     assert state["status"] == "running" and state["lr"] == 1.5e-5 and state["flag"] == 1 and "gone" not in state
     with pytest.raises(TypeError):
-        q.set_state(bad=[1])
-    assert q.incr("groups_trained", 3) == 3 and q.incr("groups_trained") == 4
-    q.heartbeat("gen-0", {"version": 6, "tokens_per_s": 812.5})
-    q.heartbeat("gen-1", {"version": 7})
+        rs.set_state(bad=[1])
+    assert rs.incr("groups_trained", 3) == 3 and rs.incr("groups_trained") == 4
+    rs.heartbeat("gen-0", {"version": 6, "tokens_per_s": 812.5})
+    rs.heartbeat("gen-1", {"version": 7})
     redis.Redis.from_url(redis_url).hset(keys.generators("st"), "gen-bad", pickle.dumps({"x": 1}))
-    gens = q.generators()
+    gens = rs.generators()
     assert set(gens) == {"gen-0", "gen-1"} and gens["gen-0"]["tokens_per_s"] == 812.5
     assert time.time() - gens["gen-1"]["heartbeat"] < 60
-    q.remove_generator("gen-1")
-    assert set(q.generators()) == {"gen-0"}
-    first = q.publish_metrics(1, {"loss/policy": 0.5, "queue/depth": 3})
-    q.publish_metrics(2, {"loss/policy": 0.25}, source="gen-0")
-    records = q.read_metrics()
+    rs.remove_generator("gen-1")
+    assert set(rs.generators()) == {"gen-0"}
+    first = rs.publish_metrics(1, {"loss/policy": 0.5, "queue/depth": 3})
+    rs.publish_metrics(2, {"loss/policy": 0.25}, source="gen-0")
+    records = rs.read_metrics()
     assert [(r["step"], r["source"], r["metrics"]) for _, r in records] == [
         (1, "trainer", {"loss/policy": 0.5, "queue/depth": 3.0}),
         (2, "gen-0", {"loss/policy": 0.25}),
     ]
-    assert [r["step"] for _, r in q.read_metrics(since_id=first)] == [2]
+    assert [r["step"] for _, r in rs.read_metrics(since_id=first)] == [2]
     with pytest.raises(TypeError):
-        q.publish_metrics(3, {"loss": "high"})
+        rs.publish_metrics(3, {"loss": "high"})
     q.close()
 
 
@@ -408,27 +417,28 @@ def test_generator_bookkeeping_is_atomic_and_a_retried_call_counts_once(redis_ur
     """A generator's admission + in-flight note, and its put + note deletion, are each one
     script; a retried admission of a noted prompt (its first reply lost) is not a new group."""
     q = RolloutQueue.connect(redis_url, "bookkeeping")
-    q.configure_admission(max_staleness=0, groups_per_step=2)  # budget (0 + 0 + 1) * 2 = 2
+    rs = RunState.of(q)
+    rs.configure_admission(max_staleness=0, groups_per_step=2)  # budget (0 + 0 + 1) * 2 = 2
     note = msgpack.packb({"text": "1+1=", "metadata": {"answer": "2"}}, use_bin_type=True)
-    assert q.admit_prompt("g0", "p1", note) is True
-    assert q.admit_prompt("g0", "p1", note) is True  # the retry
-    assert q.counters()["groups_started"] == 1
-    assert q.admit_prompt("g0", "p2", note) is True
-    assert q.admit_prompt("g0", "p3", note) is False  # over budget: refused and not noted
-    assert q.inflight_prompts("g0") == {"p1": note, "p2": note} and q.inflight_prompts("g1") == {}
+    assert rs.admit_prompt("g0", "p1", note) is True
+    assert rs.admit_prompt("g0", "p1", note) is True  # the retry
+    assert rs.counters()["groups_started"] == 1
+    assert rs.admit_prompt("g0", "p2", note) is True
+    assert rs.admit_prompt("g0", "p3", note) is False  # over budget: refused and not noted
+    assert rs.inflight_prompts("g0") == {"p1": note, "p2": note} and rs.inflight_prompts("g1") == {}
 
     q.put(RolloutGroup("p1", "p1", [1], [Sample([2], [-0.5], [1], 1.0, 0)]), inflight_of="g0")
-    assert set(q.inflight_prompts("g0")) == {"p2"} and q.depth() == 1
-    assert q.release_inflight("g0") == 1  # a clean stop hands p2's admission back
-    assert q.counters()["groups_started"] == 1 and q.inflight_prompts("g0") == {}
-    assert q.release_inflight("g0") == 0 and q.counters()["groups_started"] == 1  # its retry: nothing
+    assert set(rs.inflight_prompts("g0")) == {"p2"} and q.depth() == 1
+    assert rs.release_inflight("g0") == 1  # a clean stop hands p2's admission back
+    assert rs.counters()["groups_started"] == 1 and rs.inflight_prompts("g0") == {}
+    assert rs.release_inflight("g0") == 0 and rs.counters()["groups_started"] == 1  # its retry: nothing
 
-    assert [q.next_incarnation("g0") for _ in range(2)] == [1, 2] and q.next_incarnation("g1") == 1
-    assert q.engine_record("g0") is None
-    q.set_engine_record("g0", {"host": "h", "pids": [[12, 3.5]], "segments": ["psm_1"], "started": True})
-    assert q.engine_record("g0") == {"host": "h", "pids": [[12, 3.5]], "segments": ["psm_1"], "started": True}
-    q.set_engine_record("g0", None)
-    assert q.engine_record("g0") is None
+    assert [rs.next_incarnation("g0") for _ in range(2)] == [1, 2] and rs.next_incarnation("g1") == 1
+    assert rs.engine_record("g0") is None
+    rs.set_engine_record("g0", {"host": "h", "pids": [[12, 3.5]], "segments": ["psm_1"], "started": True})
+    assert rs.engine_record("g0") == {"host": "h", "pids": [[12, 3.5]], "segments": ["psm_1"], "started": True}
+    rs.set_engine_record("g0", None)
+    assert rs.engine_record("g0") is None
     q.close()
 
 
@@ -436,16 +446,35 @@ def test_admission_is_budgeted_by_the_weights_a_generator_really_holds(redis_url
     """A generator whose engine lags the announced version (an elastic one still loading it) is
     budgeted at its own version: its groups would otherwise be trained past the bound and dropped."""
     q = RolloutQueue.connect(redis_url, "lagging")
-    q.configure_admission(max_staleness=1, groups_per_step=2)
-    q.set_policy_version(3)  # budget (3 + 1 + 1) * 2 = 10 at the announced version
-    q.reset_admission(4)
+    rs = RunState.of(q)
+    rs.configure_admission(max_staleness=1, groups_per_step=2)
+    rs.set_policy_version(3)  # budget (3 + 1 + 1) * 2 = 10 at the announced version
+    rs.reset_admission(4)
     note = b"n"
     # Holding v0: budget (0 + 1 + 1) * 2 = 4, already spent by the other generators' 4 groups.
-    assert q.admit_prompt("elastic", "e1", note, weights_version=0) is False
-    assert q.inflight_prompts("elastic") == {} and q.counters()["groups_started"] == 4
+    assert rs.admit_prompt("elastic", "e1", note, weights_version=0) is False
+    assert rs.inflight_prompts("elastic") == {} and rs.counters()["groups_started"] == 4
     # Holding v2: budget 8; the same call admits (and notes) it.
-    assert q.admit_prompt("elastic", "e1", note, weights_version=2) is True
+    assert rs.admit_prompt("elastic", "e1", note, weights_version=2) is True
     # A generator ahead of the announced version is still budgeted at the announced one (10).
-    assert [q.admit_prompt("gen-0", f"p{i}", note, weights_version=7) for i in range(6)] == [True] * 5 + [False]
-    assert q.counters()["groups_started"] == 10
+    assert [rs.admit_prompt("gen-0", f"p{i}", note, weights_version=7) for i in range(6)] == [True] * 5 + [False]
+    assert rs.counters()["groups_started"] == 10
     q.close()
+
+
+def test_a_resumed_consumer_skips_the_groups_its_checkpoint_already_trained(redis_url):
+    """A crash between a checkpoint and its ack leaves that checkpoint's entries pending: the
+    resumed trainer (same consumer name) skips them (acked, counted as duplicates) and gets
+    only the rest."""
+    q = RolloutQueue.connect(redis_url, "skip")
+    for i in range(6):
+        q.put(small_group(f"g{i}"))
+    assert [g.group_id for _, g in drain(q, 4)] == ["g0", "g1", "g2", "g3"]  # trained, checkpointed, not acked
+    q.close()
+    resumed = RolloutQueue.connect(redis_url, "skip")
+    resumed.skip_groups(["g0", "g1", "g2"])  # what the checkpoint trained
+    got = drain(resumed, 3)
+    assert [g.group_id for _, g in got] == ["g3", "g4", "g5"]  # g3: trained after it, so again
+    assert RunState.of(resumed).counters()["duplicates"] == 3
+    resumed.ack([entry for entry, _ in got])
+    assert resumed.pending() == 0 and resumed.depth() == 0 and resumed.queued_groups() == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 import pytest
 import redis
 
-from asyncrl.queue import QueueAuthError, QueueUnavailable, RolloutQueue
+from asyncrl.queue import QueueAuthError, QueueUnavailable, RolloutQueue, RunState
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.types import RolloutGroup, Sample
 
@@ -85,17 +86,18 @@ def test_unacked_records_survive_sigkill_of_an_aof_server(tmp_path):
     try:
         assert redis.Redis.from_url(server.url).config_get("appendfsync") == {"appendfsync": "always"}
         q = RolloutQueue.connect(server.url, "aof", retry_deadline_s=20.0)
+        rs = RunState.of(q)
         ids = [q.put(group(f"g{i}", version=i)) for i in range(12)]
         taken = q.get_batch(5, 0, timeout=1.0)
         q.ack([taken[0][0]])  # one acked: it must stay gone
-        q.set_policy_version(3)
+        rs.set_policy_version(3)
         old_pid, port = server.pid, server.port
         server.kill()  # SIGKILL: no shutdown, no final flush
         server.start()
         assert server.pid != old_pid and server.port == port
 
         # the old client reconnects through the retry wrapper; a fresh consumer gets the rest
-        assert q.policy_version() == 3 and q.counters()["groups_produced"] == 12
+        assert rs.policy_version() == 3 and rs.counters()["groups_produced"] == 12
         heir = RolloutQueue.connect(server.url, "aof")
         got = heir.get_batch(20, 0, timeout=1.0)
         assert [i for i, _ in got] == ids[1:]
@@ -145,7 +147,8 @@ def test_calls_ride_out_a_restart_longer_than_redis_py_own_retries(tmp_path):
     server = EmbeddedRedis(tmp_path / "redis", aof=True).start()
     try:
         q = RolloutQueue.connect(server.url, "outage", retry_deadline_s=30.0)
-        q.configure_admission(max_staleness=0, groups_per_step=4)
+        rs = RunState.of(q)
+        rs.configure_admission(max_staleness=0, groups_per_step=4)
         server.kill()
         t0 = time.monotonic()
         with pytest.raises(redis.ConnectionError):
@@ -153,11 +156,50 @@ def test_calls_ride_out_a_restart_longer_than_redis_py_own_retries(tmp_path):
         assert time.monotonic() - t0 < 1.0
         back = threading.Timer(4.0, server.start)  # longer than redis-py's ~2 s of own retries
         back.start()
-        assert q.admit_prompt("g0", "p1", b"note") is True
+        assert rs.admit_prompt("g0", "p1", b"note") is True
         assert time.monotonic() - t0 > 3.5
         q.put(RolloutGroup("p1", "p1", [1], [Sample([2], [-0.5], [1], 1.0, 0)]), inflight_of="g0")
-        assert q.counters() == {"groups_started": 1, "groups_produced": 1}
-        assert q.inflight_prompts("g0") == {} and q.next_incarnation("g0") == 1
+        assert rs.counters() == {"groups_started": 1, "groups_produced": 1}
+        assert rs.inflight_prompts("g0") == {} and rs.next_incarnation("g0") == 1
         back.join()
+    finally:
+        server.stop()
+
+
+def test_an_outage_past_the_retry_deadline_is_waited_out_and_only_an_outage_deadline_ends_it(tmp_path, caplog):
+    """Past queue.retry_deadline_s a call no longer fails: it waits (one line a minute, the
+    first at the retry deadline) and returns once Redis is back. With an outage deadline it
+    raises QueueUnavailable naming that field."""
+    import logging
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="asyncrl.queue")
+    server = EmbeddedRedis(tmp_path / "redis", aof=True).start()
+    try:
+        q = RolloutQueue.connect(server.url, "pause", retry_deadline_s=0.5, outage_deadline_s=None)
+        rs = RunState.of(q)
+        q.put(group("g0"))
+        server.kill()
+        t0 = time.monotonic()
+        back = threading.Timer(3.0, server.start)  # six times the retry deadline
+        back.start()
+        assert q.depth() == 1 and rs.counters()["groups_produced"] == 1
+        assert time.monotonic() - t0 > 2.5
+        assert rs.retry.recovered_at > 0  # the watchdog counts heartbeat ages from here
+        back.join()
+        waiting = [r.getMessage() for r in caplog.records if "unreachable for" in r.getMessage()]
+        assert len(waiting) == 1, waiting  # not one line per retry
+        url = rf"redis://127\.0\.0\.1:{server.port}/0"
+        assert re.fullmatch(
+            rf"redis at {url} unreachable for \d+s; waiting \(queue\.outage_deadline_s=none\)", waiting[0]
+        ), waiting[0]
+        assert any("is back after" in r.getMessage() for r in caplog.records)
+
+        limited = RolloutQueue.connect(server.url, "pause", retry_deadline_s=0.5, outage_deadline_s=1.5)
+        server.kill()
+        t0 = time.monotonic()
+        with pytest.raises(QueueUnavailable, match=r"unreachable after \d+ attempts over \ds.*outage_deadline_s=1\.5"):
+            limited.depth()
+        assert 1.0 < time.monotonic() - t0 < 4.0
     finally:
         server.stop()

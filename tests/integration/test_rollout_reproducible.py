@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from asyncrl.config import Config, RolloutConfig
+from asyncrl.queue import RunState
 from asyncrl.rollout.envs.multiturn import CountdownChatEnv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -82,8 +83,11 @@ def queues(redis_server):
 
 
 def first_groups(ray, gen, queue) -> dict:
-    queue.set_policy_version(0)
-    queue.configure_admission(max_staleness=0, groups_per_step=GROUPS)
+    from asyncrl.queue import RunState
+
+    run_state = RunState.of(queue)
+    run_state.set_policy_version(0)
+    run_state.configure_admission(max_staleness=0, groups_per_step=GROUPS)
     ray.get(gen.start.remote())
     got = []
     deadline = time.time() + 180
@@ -177,7 +181,9 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
-    sync = build_weight_sync(SyncConfig(backend="shm", inflight="keep"), queue=queues[0], run=RUNS[0], engines=[gen])
+    sync = build_weight_sync(
+        SyncConfig(backend="shm", inflight="keep"), run_state=RunState.of(queues[0]), run=RUNS[0], engines=[gen]
+    )
     try:
         prompt = tokenizer.encode("ab=")
         running = [gen.sample.remote(prompt, 1, 150, 1.0, True) for _ in range(3)]

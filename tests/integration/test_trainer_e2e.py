@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.control.ledger import audit
+from asyncrl.control.ledger import audit, trained_ids
 from asyncrl.control.train import train
 from asyncrl.testing.job import pid_running
 
@@ -58,9 +58,11 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     rewards: list[float] = []
     seen: dict = {"elastic": None, "left_at": None}
     log_path = tmp_path / "elastic.log"
+    trained = []  # every trained group, as the loop saw it (it keeps only the last step's)
 
     def on_step(loop, metrics):
         rewards.append(metrics["reward/mean"])
+        trained.extend(loop.last_trained)
         step = loop.state.step
         if step == 2:  # join mid-run, from another process, knowing only Redis
             seen["elastic"] = subprocess.Popen(
@@ -99,15 +101,16 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
     assert last > first + 0.25, f"reward did not improve: {first:.3f} -> {last:.3f} over {len(rewards)} steps"
     bound = cfg.control.max_staleness
-    assert len(loop.staleness_log) == len(state.trained_ids)
-    assert all(0 <= s <= bound for _, s in loop.staleness_log), max(s for _, s in loop.staleness_log)
-    assert loop.trained_by["elastic-1"] >= 1, dict(loop.trained_by)
+    assert len(trained) == state.trained_count == state.step * cfg.control.groups_per_step
+    assert all(0 <= g.staleness <= bound for g in trained), max(g.staleness for g in trained)
+    assert any(g.generator_id == "elastic-1" for g in trained)
+    assert not loop.last_trained or len(loop.last_trained) == cfg.control.groups_per_step  # one step's worth
     # Retention: of the >= 6 checkpoints written, the newest two are kept (and the final one).
     kept = sorted(p.name for p in (tmp_path / "e2e" / "checkpoints").glob("step_*"))
     assert len(kept) == 2 and kept[-1] == f"step_{state.step:06d}", kept
     assert seen["left_at"] is not None and state.step >= seen["left_at"] + 5  # no stall after it left
 
-    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue import RolloutQueue, RunState
 
     # The run stopped its embedded Redis; its AOF brings the run back for the audit.
     from asyncrl.queue.server import EmbeddedRedis
@@ -115,7 +118,7 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     with EmbeddedRedis(tmp_path / "e2e" / "redis", aof=True) as server:
         q = RolloutQueue.connect(server.url, cfg.control.run_name, ledger=True)
         names = set()
-        for _, rec in q.read_metrics(count=100_000):
+        for _, rec in RunState.of(q).read_metrics(count=100_000):
             names |= set(rec["metrics"])
         for name in (
             "drift/rollout_kl",
@@ -128,9 +131,11 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
             "time/wait_data",
         ):
             assert name in names, f"{name} never logged"
-        ledger = audit(q, state.trained_ids).check()
+        ids = trained_ids(tmp_path / "e2e", upto_step=state.step)
+        assert sorted(ids) == sorted(g.group_id for g in trained)
+        ledger = audit(q, ids).check()
         assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0
-        assert q.state()["status"] == "stopped"
+        assert RunState.of(q).state()["status"] == "stopped"
         q.close()
 
     summary = capsys.readouterr().out
@@ -224,11 +229,13 @@ def _final_params(tmp_path, name, *overrides):
         *overrides,
     )
     out = {}
+    groups = []
 
     def on_step(loop, metrics):
+        groups.extend(loop.last_trained)
         if loop.state.step == cfg.control.total_steps:
             out["params"] = {k: v.clone() for k, v in loop.learner.export_state_dict().items()}
-            out["groups"] = sorted(g for g, _ in loop.staleness_log)
+            out["groups"] = sorted(g.group_id for g in groups)
 
     train(cfg, on_step=on_step)
     return out
@@ -275,15 +282,15 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
         train(cfg, on_step=on_step)
     assert steps == [1, 2]  # step 3 trained, then met the error before its own publish
 
-    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue import RunState
     from asyncrl.queue.server import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "pubfail" / "redis", aof=True) as server:
-        q = RolloutQueue.connect(server.url, cfg.control.run_name)
-        state = q.state()
+        rs = RunState.connect(server.url, cfg.control.run_name)
+        state = rs.state()
         assert state["status"] == "failed" and state["trainer_step"] == 3
         assert state["policy_version"] == 1  # v2 never loaded, so never announced
-        q.close()
+        rs.close()
 
 
 def _run_port(run_dir: Path) -> int | None:
@@ -398,12 +405,12 @@ def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path
     assert any("waiting for gen-0 (" in m for m in messages), messages[-20:]  # past the 4 s timeout
     assert not any(pid_running(pid) for pid in stopped["pids"])  # killed by Ray, or reaped by the successor
 
-    from asyncrl.queue import RolloutQueue
+    from asyncrl.queue import RolloutQueue, RunState
     from asyncrl.queue.server import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "hung" / "redis", aof=True) as server:
         q = RolloutQueue.connect(server.url, cfg.control.run_name, ledger=True)
-        ledger = audit(q, state.trained_ids).check()
+        ledger = audit(q, trained_ids(tmp_path / "hung", upto_step=state.step)).check()
         assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0, ledger.summary
-        assert int(q.counters().get("groups_trained", 0)) == 24 * cfg.control.groups_per_step
+        assert int(RunState.of(q).counters().get("groups_trained", 0)) == 24 * cfg.control.groups_per_step
         q.close()

@@ -189,6 +189,14 @@ def test_exponent_floats_without_a_dot_are_numbers():
         load_config(None, ["control.total_steps=1e3"])
 
 
+def test_queue_outage_deadline_is_none_or_at_least_the_retry_deadline():
+    assert load_config(None, []).queue.outage_deadline_s is None  # a long job waits out any outage
+    assert load_config(None, ["queue.outage_deadline_s=600"]).queue.outage_deadline_s == 600.0
+    with pytest.raises(ConfigError, match=r"queue.outage_deadline_s=5.0: must be >= queue.retry_deadline_s=30"):
+        load_config(None, ["queue.outage_deadline_s=5"])
+    assert load_config(None, ["queue.retry_deadline_s=2", "queue.outage_deadline_s=5"]).queue.outage_deadline_s == 5
+
+
 def test_gae_is_rejected_until_there_is_a_critic():
     with pytest.raises(ConfigError, match="algo.advantage_estimator='gae'.*critic"):
         load_config(None, ["algo.advantage_estimator=gae"])
@@ -350,13 +358,13 @@ def test_the_tree_round_trips_through_to_dict():
     assert config.config_from_dict(data) == cfg
 
 
-def test_fields_other_branches_add_have_their_defaults():
+def test_prompt_source_tensorboard_and_outage_fields_have_their_defaults():
     cfg = load_config(None, [])
     assert cfg.monitor.tensorboard is False and cfg.control.eval_split == "test"
     r = cfg.rollout
     assert (r.prompt_split, r.prompt_field, r.answer_field, r.chat_template) == ("train", "prompt", "answer", False)
     assert cfg.queue.outage_deadline_s is None
-    assert load_config(None, ["queue.outage_deadline_s=5"]).queue.outage_deadline_s == 5.0
+    assert load_config(None, ["queue.outage_deadline_s=60"]).queue.outage_deadline_s == 60.0
 
 
 def test_help_config_lists_sections_fields_and_losses():

@@ -7,7 +7,7 @@ from asyncrl.control.watchdog import GeneratorWatchdog
 
 
 def test_each_change_of_a_generators_blocked_state_is_said_once():
-    dog = GeneratorWatchdog([], queue=None, timeout_s=60)
+    dog = GeneratorWatchdog([], run_state=None, timeout_s=60)
     ok = {"version": 3, "heartbeat": 1.0, "blocked": None}
     blocked = dict(ok, blocked="cannot load the announced weights v4 (ray-object://r/v4): no such object")
     assert dog.news({"gen-0": ok, "elastic-1": ok}) == []  # healthy from the start: nothing to say
