@@ -40,7 +40,8 @@ losses = st.dictionaries(
 
 def _names_a_field(message: str) -> bool:
     # "algo.policy_loss=...", "control.max_staleness must ...", "foo: unknown field", "config root: ..."
-    return bool(re.match(r"^[\w\[\]\.]+(=|:| must| is|\[)|^config |^override ", message)) or any(
+    # an unknown key is named as the user wrote it, whatever its characters ("A·: unknown field")
+    return bool(re.match(r"^[\w\[\]\.]+(=|:| must| is|\[)|^config |^override |^\S+: unknown field", message)) or any(
         f"{s}." in message for s in SECTIONS
     )
 
