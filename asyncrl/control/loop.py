@@ -336,14 +336,9 @@ class TrainLoop:
                 self.queue.ack(self.state.unacked)
             self.state.checkpointed()
             self.run_state.set_state(checkpoint_step=self.state.step)
-        c = self.cfg.control
-        for old in prune(self.ckpt_root, c.keep_checkpoints, c.keep_every):
-            log.info(
-                "deleted checkpoint %s (control.keep_checkpoints=%d, keep_every=%d)",
-                old.name,
-                c.keep_checkpoints,
-                c.keep_every,
-            )
+        keep = (self.cfg.control.keep_checkpoints, self.cfg.control.keep_every)
+        for old in prune(self.ckpt_root, *keep):
+            log.info("deleted checkpoint %s (control.keep_checkpoints=%d, keep_every=%d)", old.name, *keep)
         return path
 
     def evaluate(self) -> dict[str, float]:
@@ -361,6 +356,13 @@ class TrainLoop:
         path = export_live(self.learner, self.model_path, Path(self.rt.run_dir) / HF_DIR / name)
         log.info("exported a Hugging Face folder at step %d: %s", self.state.step, path)
         return path
+
+    def _checkpoint_for_resume(self, why: str, when: str, redis_up: bool = True) -> None:
+        self.checkpoint(redis_up=redis_up)
+        if redis_up:
+            self.run_state.set_state(status="failed")
+        msg = "%s; checkpointed step %d. Resume once %s: asyncrl train --resume %s"
+        log.error(msg, why, self.state.step, when, self.rt.run_dir)
 
     # ------------------------------------------------------------------ run
 
@@ -383,24 +385,12 @@ class TrainLoop:
             self.run_state.set_state(status="stopped" if self.stop.is_set else "finished")
         except NoGenerators:
             # The learners are fine: keep what they trained, so the run resumes from here.
-            self.checkpoint()
-            self.run_state.set_state(status="failed")
-            log.error(
-                "no generator can run; checkpointed step %d. Resume once generators can run: asyncrl train --resume %s",
-                self.state.step,
-                self.rt.run_dir,
-            )
+            self._checkpoint_for_resume("no generator can run", "generators can run")
             raise
         except QueueUnavailable as e:
             # Past queue.outage_deadline_s. The weights are on local disk; Redis keeps the rest.
             self.publisher.join()
-            self.checkpoint(redis_up=False)
-            log.error(
-                "%s; checkpointed step %d. Resume once Redis is back: asyncrl train --resume %s",
-                e,
-                self.state.step,
-                self.rt.run_dir,
-            )
+            self._checkpoint_for_resume(str(e), "Redis is back", redis_up=False)
             raise
         except BaseException:
             self.run_state.set_state(status="failed")
