@@ -152,7 +152,7 @@ def _write_summary_file(rt, run_dir: Path, state, first_step: int, max_staleness
             "wall_s": round(wall_s, 3),
             "started_at": round(ended - wall_s, 3),
             "ended_at": round(ended, 3),
-            "counters": dict(rt.queue.counters()),
+            "counters": dict(rt.run_state.counters()),
         },
     )
 

@@ -39,7 +39,7 @@ def sync_run(tmp_path: Path, name: str, seed: int) -> list[dict]:
 
     def on_step(loop, metrics):
         row = {k: metrics[k] for k in PER_STEP}
-        row["groups"] = sorted(g for g, _ in loop.staleness_log[-cfg.control.groups_per_step :])
+        row["groups"] = sorted(g.group_id for g in loop.last_trained)
         rows.append(row)
 
     train(cfg, on_step=on_step)

@@ -2,7 +2,7 @@
 tokenizer's chat template on: the engine gets the templated prompt ids, the reward the raw
 prompt and the dataset's answer column.
 
-    .venv/bin/python -m pytest tests/integration/test_prompt_sources.py -x -q
+    .venv/bin/python -m pytest tests/integration/test_prompt_sources_engine.py -x -q
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def test_engine_samples_from_templated_prompts_of_a_dataset_split(ray_session, r
     from transformers import AutoTokenizer
 
     from asyncrl.queue.replay import RolloutQueue
+    from asyncrl.queue.runstate import RunState
     from asyncrl.rollout.generator import GeneratorActor
 
     cfg = Config()
@@ -72,8 +73,9 @@ def test_engine_samples_from_templated_prompts_of_a_dataset_split(ray_session, r
     )
     tok = AutoTokenizer.from_pretrained(chat_model)
     queue = RolloutQueue.connect(redis_server.url, RUN, consumer="test-learner")
-    queue.configure_admission(max_staleness=0, groups_per_step=3)
-    queue.set_policy_version(0)
+    run_state = RunState.of(queue)
+    run_state.configure_admission(max_staleness=0, groups_per_step=3)
+    run_state.set_policy_version(0)
     gen = GeneratorActor.remote_actor(
         cfg, model_path=chat_model, generator_id="c0", redis_url=redis_server.url, run=RUN
     )
