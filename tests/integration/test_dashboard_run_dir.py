@@ -106,7 +106,7 @@ def test_a_killed_run_without_summary_uses_its_checkpoint(finished_run_dir):
         assert "groups_trained_total" not in api.get("/metrics").text
 
 
-def test_a_dir_that_is_not_a_run_dir_is_refused_by_name(tmp_path):
+def test_a_dir_that_is_not_a_run_dir_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(NotARunDir, match=r"is not a run directory: it has no metrics.jsonl"):
         create_run_dir_app(tmp_path)
     out = subprocess.run(
@@ -117,6 +117,13 @@ def test_a_dir_that_is_not_a_run_dir_is_refused_by_name(tmp_path):
         timeout=120,
     )
     assert out.returncode == 2 and f"run_dir='{tmp_path / 'nope'}': not a directory" in out.stderr, out.stderr
+    # `python -m asyncrl.monitor.dashboard` is the same command: the same checks and messages.
+    from asyncrl.monitor.dashboard.__main__ import main as module_main
+
+    assert module_main([str(tmp_path), "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert "give a RUN_DIR (a finished run) or --redis URL (live): both given" in capsys.readouterr().err
+    assert module_main([str(tmp_path)]) == 2
+    assert "is not a run directory: it has no metrics.jsonl" in capsys.readouterr().err
 
 
 def test_the_command_serves_a_finished_run(finished_run_dir):
