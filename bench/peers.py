@@ -221,7 +221,7 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
     from asyncrl.control.train import train
 
     spec = json.loads(Path(spec_path).read_text())
-    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "error": None}
+    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "padding": [], "error": None}
     kw = ", ".join(f"{k}: {v}" for k, v in spec["env_kwargs"].items())
     run_dir = Path(spec["workdir"]) / f"run-{spec['mode']}"
     overrides = [
@@ -247,6 +247,7 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
         f"learner.grad_clip={spec['grad_clip']}",
         f"algo.policy_loss.eps_clip_low={spec['eps_clip_low']}",
         f"algo.policy_loss.eps_clip_high={spec['eps_clip_high']}",
+        *spec.get("asyncrl_set", []),
     ]
 
     def on_step(loop, m):
@@ -254,6 +255,7 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
         result["rewards"].append(m.get("reward/mean", float("nan")))
         result["completions"].append(round(m["throughput/samples_per_s"] * m["time/step"]))
         result["tokens"].append(round(m["throughput/step_tokens_per_s"] * m["time/step"]))
+        result["padding"].append(m.get("learner/padding_frac"))
 
     try:
         train(load_config(ROOT / "configs" / "demo.yaml", overrides), on_step=on_step)
@@ -332,7 +334,7 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
         "wall_s": wall,
         "error": error,
         "log": str(log_path),
-        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens")},
+        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens", "padding")},
     }
 
 
@@ -350,6 +352,7 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
         "reward_first": None,
         "reward_last": None,
         "time_to_threshold_s": None,
+        "learner_padding": None,
         "threshold": threshold,
         "reward_curve": rewards,
         "step_times_s": [t - raw["t0"] for t in steps],
@@ -366,6 +369,9 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
         out["tokens_per_s"] = sum(raw["tokens"][1:]) / span
         # Robust to a few slow steps (another process on the box): 1 / the median step time.
         out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in zip(steps, steps[1:])), 1e-9)
+    padding = [p for p in raw.get("padding", []) if p is not None]  # asyncrl's learner/padding_frac
+    if padding:
+        out["learner_padding"] = statistics.fmean(padding)
     for i in range(len(rewards)):
         roll = rewards[max(0, i - 4) : i + 1]
         if len(roll) == min(5, len(rewards)) and statistics.fmean(roll) >= threshold:
@@ -388,6 +394,8 @@ def line(wl: str, trainer: str, s: dict) -> str:
         f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
         f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s"
     )
+    if s.get("learner_padding") is not None:
+        txt += f"  padding {s['learner_padding']:.0%}"
     return txt + (f"  [{s['error']}]" if s["error"] else "")
 
 
@@ -465,6 +473,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="reward threshold for the time-to-threshold figure (default: the workload's, 0.5)",
     )
+    p.add_argument(
+        "--asyncrl-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra asyncrl config overrides for both asyncrl trainers (e.g. learner.cpus_per_rank=2)",
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"), help="second copy of the plot ('' for none)")
     args = p.parse_args(argv)
@@ -503,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             if args.threshold is not None:
                 wl["threshold"] = args.threshold
-            spec = prepare(name, wl, Path(tmp))
+            spec = {**prepare(name, wl, Path(tmp)), "asyncrl_set": args.asyncrl_set}
             entry = {
                 "spec": {k: v for k, v in spec.items() if k not in ("workdir", "prompts", "model")},
                 "trainers": {},

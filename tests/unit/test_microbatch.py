@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -37,8 +39,9 @@ def test_deal_balances_tokens_longest_first():
 
 
 def test_split_by_token_budget_counts_padded_tokens():
-    # Sorted 8, 5, 3, 2. 8 alone (2*8 > 10); 5+3 -> 2*5 = 10 fits; +2 -> 3*5 = 15 does not.
-    assert mbatch.split_by_token_budget([5, 3, 8, 2], 10) == [[2], [0, 1], [3]]
+    # Sorted 8, 5, 3, 2. 8 alone (2*8 > 10); 5, 3, 2 need two runs (3*5 > 10): [5] + [3, 2]
+    # pads 5 + 6 = 11 tokens, [5, 3] + [2] pads 10 + 2 = 12, so the first.
+    assert mbatch.split_by_token_budget([5, 3, 8, 2], 10) == [[2], [0], [1, 3]]
     # A budget of one token: every sequence alone (never split, even when longer than the budget).
     assert mbatch.split_by_token_budget([5, 3, 8], 1) == [[2], [0], [1]]
     # A big budget: everything in one micro-batch.
@@ -46,6 +49,52 @@ def test_split_by_token_budget_counts_padded_tokens():
     assert mbatch.split_by_token_budget([], 10) == []
     with pytest.raises(ValueError, match="budget=0"):
         mbatch.split_by_token_budget([1], 0)
+
+
+def _plan_cost(lengths, plan, overhead):
+    return sum(len(mb) * max(lengths[i] for i in mb) + overhead for mb in plan)
+
+
+def _brute_force_cost(lengths, budget, overhead):
+    """Least cost over every partition of the sequences into budget-fitting micro-batches."""
+    best = None
+
+    def go(rest, cost):
+        nonlocal best
+        if not rest:
+            best = cost if best is None else min(best, cost)
+            return
+        first, others = rest[0], rest[1:]
+        for mask in range(1 << len(others)):
+            mb = [first] + [others[k] for k in range(len(others)) if mask >> k & 1]
+            longest = max(lengths[i] for i in mb)
+            if len(mb) > 1 and len(mb) * longest > budget:
+                continue
+            go([i for i in rest if i not in mb], cost + len(mb) * longest + overhead)
+
+    go(list(range(len(lengths))), 0)
+    return best
+
+
+def test_split_by_token_budget_pays_the_least_padding():
+    rng = random.Random(0)
+    for _ in range(60):
+        lengths = [rng.choice([rng.randint(1, 6), rng.randint(8, 30)]) for _ in range(rng.randint(1, 7))]
+        budget, overhead = rng.choice([8, 20, 40, 200]), rng.choice([0, 3, 10])
+        plan = mbatch.split_by_token_budget(lengths, budget, overhead)
+        assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+        assert all(len(mb) == 1 or len(mb) * max(lengths[i] for i in mb) <= budget for mb in plan)
+        assert _plan_cost(lengths, plan, overhead) == _brute_force_cost(lengths, budget, overhead), (lengths, budget)
+
+
+def test_split_by_token_budget_keeps_a_straggler_from_padding_the_rest():
+    # A long-tailed batch: 28 short sequences and 4 long ones. Filling greedily put all 32 in one
+    # micro-batch padded to 110 (3,520 tokens, 3,066 of them padding); the plan isolates the tail.
+    lengths = [12] * 28 + [40, 60, 90, 110]
+    plan = mbatch.split_by_token_budget(lengths, 4096)
+    padded = sum(len(mb) * max(lengths[i] for i in mb) for mb in plan)
+    assert padded < 1000 and len(plan) <= 4
+    assert sorted(plan[-1]) == list(range(28))
 
 
 def test_plan_gives_a_common_count():
