@@ -9,8 +9,8 @@
 Pad, not pack: every micro-batch is padded on the right to its longest sequence. Packing
 (concatenating sequences into one row with per-document attention) saves the padding FLOPs
 but needs varlen attention kernels; instead the planner picks the cut into micro-batches
-that pays the least padding for its micro-batch count (`split_by_token_budget`; what is
-left is reported as `learner/padding_frac`).
+with the least padded compute, each micro-batch charged a fixed cost (`split_by_token_budget`;
+what padding is left is reported as `learner/padding_frac`).
 Right padding plus causal attention means real positions never attend to a pad, so no
 attention mask is needed and logits at real positions do not depend on the padding.
 
@@ -75,9 +75,8 @@ def split_by_token_budget(lengths: list[int], budget: int, overhead: int = MICRO
 
     Sequences are sorted longest first; some optimal plan then cuts that order into contiguous
     runs (for fixed run sizes, giving the longest sequences to the same runs never raises a
-    run's longest), so
-    a dynamic programme over cut points finds it: best[j] = min over runs (i, j] that fit the
-    budget of best[i] + (j - i) * sorted_len[i] + overhead. A greedy fill (add while it fits)
+    run's longest), so a dynamic programme over cut points finds it: best[j] = min over runs
+    (i, j] that fit the budget of best[i] + (j - i) * sorted_len[i] + overhead. A greedy fill (add while it fits)
     pads a whole micro-batch to one long straggler: on a long-tailed batch that was 15-45% of
     the learner's tokens (bench/peers.py, realistic workload). A sequence longer than the
     budget is never split: it gets a micro-batch of its own. Deterministic (ties: the fewest
@@ -100,8 +99,8 @@ def split_by_token_budget(lengths: list[int], budget: int, overhead: int = MICRO
         fits[-1] = True
         starts = starts[fits]
         costs = best[starts] + (j - starts) * heads[starts] + overhead
-        k = int(np.argmin(costs[::-1]))  # ties: the latest start, i.e. the fewest rows
-        best[j], cut[j] = costs[::-1][k], starts[::-1][k]
+        k = len(starts) - 1 - int(np.argmin(costs[::-1]))  # ties: the latest start, i.e. the fewest rows
+        best[j], cut[j] = costs[k], starts[k]
     runs, j = [], n
     while j > 0:
         i = int(cut[j])
