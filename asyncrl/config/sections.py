@@ -306,6 +306,13 @@ class MonitorConfig(Section):
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0
     """Alert when max staleness reaches this fraction of max_staleness."""
+    alert_logprob_diff_max: float = Field(0.5, gt=0)
+    """Alert when drift/logprob_abs_diff_max (max over a step's loss tokens of |learner old
+    logprob - engine logprob|, nats) exceeds this. Same weights give float noise (~1e-5 in
+    float32, ~0.1 in bf16); weights one or two versions stale move single tokens by a few
+    tenths at most at sane learning rates. 0.5 nats (a factor of 1.65 in probability, past any
+    TIS cap of 1.5) on some token means the learner scores a different policy than the engine
+    sampled: a sampling setting, a token mask or the weights themselves differ."""
 
     @model_validator(mode="after")
     def _exposed_dashboard(self) -> MonitorConfig:

@@ -119,6 +119,7 @@ class TrainLoop:
             alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,
             alert_masked_frac=self.cfg.monitor.alert_masked_frac,
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
+            alert_logprob_diff_max=self.cfg.monitor.alert_logprob_diff_max,
             # What `asyncrl generate` needs to join this job from another process.
             config=json.dumps(self.cfg.to_dict()),
             model_path=self.model_path,

@@ -12,7 +12,6 @@ numpy dicts (cheap to ship through Ray) and are collated here.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from pathlib import Path
@@ -90,9 +89,11 @@ class LearnerActor:
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
-        self.logprob_fn = loss.token_logprobs
+        # The engines' temperature, top-k and top-p: every logprob and entropy here is taken
+        # from the distribution they sampled from.
+        self.sampling = loss.Sampling.of(self.cfg.rollout)
+        self.logprob_fn = self.sampling.logprob_fn()
         self.disallowed = self._disallowed_tokens()
-        self.microbatch_loss = loss.microbatch_loss
         self.pad_token_id = int(cast(Any, self.model).config.pad_token_id or 0)  # an HF model under FSDP
         return {
             "rank": self.rank,
@@ -179,10 +180,11 @@ class LearnerActor:
             for mb, old in zip(mbs, self._proximal.pop(proximal_key)):
                 mb["old_logprobs"] = old
         t1 = time.perf_counter()
-        loss_fn = functools.partial(
-            self.microbatch_loss,
-            algo=self.cfg.algo,
-            temperature=temperature,
+        from asyncrl.learner import loss
+
+        loss_fn = loss.learner_loss_fn(
+            self.cfg.algo,
+            self.sampling,
             num_microbatches=count * self.world_size,
             old_from_current=proximal_key is None,
         )

@@ -112,13 +112,23 @@ def load_sharded_model(
 
     A frozen model (the KL reference) gets requires_grad=False, so it holds no gradients and
     no optimizer state, and is only ever run under no_grad.
+
+    Every model runs in eval mode, the trained one too (gradients do not depend on the mode):
+    the engines sample without dropout, so a learner forward with dropout on computes a
+    different policy's log-probs, noisy from one forward to the next. Eval mode is what turns
+    off every kind of dropout a Hugging Face model has: most of it is functional and keyed on
+    ``self.training`` (Llama's attention passes ``dropout=0.0 if not self.training else
+    self.attention_dropout``), from float attributes copied out of the config at build time,
+    under names that differ per architecture; zeroing ``nn.Dropout`` modules or the config
+    would miss those. (HF also gates gradient checkpointing on ``self.training``; the learner
+    does not use it.)
     """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config.use_cache = False
     model.requires_grad_(trainable)
-    model.train(trainable)
+    model.train(False)
     return shard_model(model, mesh, mixed_precision(dtype, device))
 
 

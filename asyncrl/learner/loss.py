@@ -26,35 +26,80 @@ micro-batches per rank * world size. Its gradient depends on the micro-batching 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from asyncrl.algo.correction import CorrectionParams
 from asyncrl.algo.kl import kl_penalty
-from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits, truncates
 from asyncrl.algo.losses import corrected_policy_loss, get_policy_loss
 from asyncrl.algo.reduction import per_microbatch_token_mean_weights
-from asyncrl.config import AlgoConfig
+from asyncrl.config import AlgoConfig, RolloutConfig
 from asyncrl.types import MetricValue
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
+def token_logprobs(
+    logits: Tensor, input_ids: Tensor, temperature: float, *, top_k: int = -1, top_p: float = 1.0
+) -> Tensor:
     """[B, L]: position t holds log p(input_ids[t] | input_ids[:t]) from logits[:, t-1]; position 0 is 0.
 
-    logp = log_softmax(logits / T) at the target token, the engine's ``processed_logprobs``.
+    logp = the engine's ``processed_logprobs``: log_softmax(logits / T) after the top-k /
+    top-p cut (asyncrl.algo.logprobs); -inf for a token outside the kept set (a prompt token
+    often is: only the loss decides what to do with those, see microbatch_loss).
     """
     if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
         raise ValueError(
             f"logits must be [B, L, V] and input_ids [B, L]; got {tuple(logits.shape)}, {tuple(input_ids.shape)}"
         )
-    shifted = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+    shifted = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature, top_k=top_k, top_p=top_p)
     return torch.nn.functional.pad(shifted, (1, 0), value=0.0)
 
 
-def token_entropy(logits: Tensor, temperature: float) -> Tensor:
-    """[B, L]: entropy of the distribution that predicted input_ids[t] (from logits[:, t-1]); 0 at t = 0."""
-    return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1], temperature), (1, 0), value=0.0)
+def token_entropy(logits: Tensor, temperature: float, *, top_k: int = -1, top_p: float = 1.0) -> Tensor:
+    """[B, L]: entropy of the (cut) distribution that predicted input_ids[t] (from logits[:, t-1]); 0 at t = 0."""
+    ent = entropy_from_logits(logits[:, :-1], temperature, top_k=top_k, top_p=top_p)
+    return torch.nn.functional.pad(ent, (1, 0), value=0.0)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the engines did to the logits before recording a token's log-prob, and whether
+    they recorded one at all: the learner must compute the same quantity."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    rollout_logprobs: bool = True
+    """False: the micro-batches' ``rollout_logprobs`` are zeros, not the engine's, so nothing
+    is compared against them (no ``drift/*`` metrics; the config allows no loss that needs them)."""
+
+    @classmethod
+    def of(cls, rollout: RolloutConfig) -> Sampling:
+        return cls(rollout.temperature, rollout.top_k, rollout.top_p, rollout.logprobs)
+
+    def logprob_fn(self) -> Callable[[Tensor, Tensor, float], Tensor]:
+        """token_logprobs at this top-k / top-p, taking the temperature (what step.py calls)."""
+        return functools.partial(token_logprobs, top_k=self.top_k, top_p=self.top_p)
+
+
+def learner_loss_fn(
+    algo: AlgoConfig, sampling: Sampling, *, num_microbatches: int = 1, old_from_current: bool = False
+) -> Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, MetricValue]]]:
+    """microbatch_loss bound to the run's settings: the loss_fn of asyncrl.learner.step.train_step."""
+    return functools.partial(
+        microbatch_loss,
+        algo=algo,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        rollout_recorded=sampling.rollout_logprobs,
+        num_microbatches=num_microbatches,
+        old_from_current=old_from_current,
+    )
 
 
 def correction_params(algo: AlgoConfig) -> CorrectionParams:
@@ -122,6 +167,9 @@ def microbatch_loss(
     algo: AlgoConfig,
     *,
     temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    rollout_recorded: bool = True,
     num_microbatches: int = 1,
     old_from_current: bool = False,
 ) -> tuple[Tensor, dict[str, MetricValue]]:
@@ -132,7 +180,10 @@ def microbatch_loss(
         mb: [B, L] tensors ``input_ids, loss_mask, rollout_logprobs, old_logprobs, advantages,
             reduction_weights`` and ``ref_logprobs`` when ``algo.kl_coef > 0``.
         algo: the algo branch of the config (read here, never passed into the math).
-        temperature: sampling temperature of the engine (logprobs are of logits / T).
+        temperature, top_k, top_p: the engines' sampling settings; logprobs and entropy are
+            those of the distribution they sampled from (asyncrl.algo.logprobs).
+        rollout_recorded: False when the engines recorded no logprobs (``rollout.logprobs``
+            off): ``mb["rollout_logprobs"]`` then holds zeros and is ignored.
         num_microbatches: only for ``token_mean_per_microbatch``: micro-batches in the
             mini-batch over all ranks.
         old_from_current: the proximal policy is the current weights (one mini-batch per
@@ -149,22 +200,31 @@ def microbatch_loss(
         raise ValueError("micro-batch is missing field 'input_ids'")
     _check_fields(mb, algo, shape, old_from_current=old_from_current)
     # All loss math runs in float32 at least (logp is upcast from bf16 logits).
-    logp = token_logprobs(logits, mb["input_ids"], temperature)
+    logp = token_logprobs(logits, mb["input_ids"], temperature, top_k=top_k, top_p=top_p)
     dtype = logp.dtype
     mask = mb["loss_mask"].to(dtype)
-    if algo.loss_reduction == "token_mean_per_microbatch":
-        weights = per_microbatch_token_mean_weights(mask, num_microbatches)
-    else:
-        weights = mb["reduction_weights"].to(dtype) * (mask > 0)
-    n_tokens = mask.sum().detach()
-    rollout = mb.get("rollout_logprobs")
-    rollout = rollout.to(dtype) if rollout is not None else None
-
     if algo.policy_loss.type == "cross_entropy":
         old, adv = logp.detach(), torch.zeros_like(logp)
     else:
         old = logp.detach() if old_from_current else mb["old_logprobs"].to(dtype)
         adv = mb["advantages"].to(dtype)
+    # With top-k / top-p a token outside the learner's kept set has logp (or old) = -inf:
+    # probability 0 under that policy, so its IS weight is 0. It is masked, counted, and its
+    # values are replaced by 0 so no exp/multiply downstream meets an inf (its gradient is 0).
+    outside = (mask > 0) & (torch.isneginf(logp) | torch.isneginf(old))
+    truncated = truncates(top_k, top_p, logits.shape[-1])
+    n_before = mask.sum().detach()
+    if truncated:
+        mask = mask * ~outside
+        logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+        old = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
+    if algo.loss_reduction == "token_mean_per_microbatch":
+        weights = per_microbatch_token_mean_weights(mask, num_microbatches)
+    else:
+        weights = mb["reduction_weights"].to(dtype) * (mask > 0)
+    n_tokens = mask.sum().detach()
+    rollout = mb.get("rollout_logprobs") if rollout_recorded else None
+    rollout = rollout.to(dtype) if rollout is not None else None
     per_token, algo_metrics = corrected_policy_loss(
         get_policy_loss(algo.policy_loss.type),
         logp,
@@ -190,9 +250,16 @@ def microbatch_loss(
         if has_tokens or not k.endswith(("_max", "_min"))
     )
     metrics["loss/policy"] = MetricValue("sum", policy.detach())
+    if truncated:
+        metrics["drift/outside_kept_frac"] = MetricValue("mean", outside.sum().to(dtype), n_before)
 
     if algo.kl_coef > 0:
-        kl = kl_penalty(logp, mb["ref_logprobs"].to(dtype), algo.kl_estimator)
+        ref = mb["ref_logprobs"].to(dtype)
+        if truncated:  # KL to a reference that cannot sample the token is infinite: left out, counted
+            ref_out = (mask > 0) & torch.isneginf(ref)
+            ref = torch.where(torch.isfinite(ref), ref, logp.detach())
+            metrics["policy/ref_outside_kept_frac"] = MetricValue("mean", ref_out.sum().to(dtype), n_tokens)
+        kl = kl_penalty(logp, ref, algo.kl_estimator)
         kl_term = (weights * torch.where(mask > 0, kl, torch.zeros_like(kl))).sum()
         total = total + algo.kl_coef * kl_term
         metrics["loss/kl_ref"] = MetricValue("sum", kl_term.detach())
@@ -208,16 +275,22 @@ def microbatch_loss(
             diff = torch.where(live, (logp - rollout).abs(), torch.zeros_like(logp))
             metrics["drift/rollout_kl"] = MetricValue("mean", k3.sum(), n_tokens)
             metrics["drift/abs_logp_diff"] = MetricValue("mean", diff.sum(), n_tokens)
+            if has_tokens:
+                # The proximal policy's (old) log-prob: with lr = 0 it must equal the engine's.
+                worst = torch.where(live, (old - rollout).abs(), torch.zeros_like(old)).max()
+                metrics["drift/logprob_abs_diff_max"] = MetricValue("max", worst, 1.0)
 
     if algo.entropy_coef > 0:
-        ent = token_entropy(logits, temperature)
+        ent = token_entropy(logits, temperature, top_k=top_k, top_p=top_p)
         ent_term = (weights * torch.where(mask > 0, ent, torch.zeros_like(ent))).sum()
         total = total - algo.entropy_coef * ent_term
         metrics["loss/entropy"] = MetricValue("sum", ent_term.detach())
         ent_sum = torch.where(mask > 0, ent, torch.zeros_like(ent)).sum().detach()
     else:
         with torch.no_grad():
-            ent_sum = torch.where(mask > 0, token_entropy(logits.detach(), temperature), torch.zeros_like(logp)).sum()
+            ent_sum = torch.where(
+                mask > 0, token_entropy(logits.detach(), temperature, top_k=top_k, top_p=top_p), torch.zeros_like(logp)
+            ).sum()
     metrics["policy/entropy"] = MetricValue("mean", ent_sum, n_tokens)
     metrics["loss/total"] = MetricValue("sum", total.detach())
     return total, metrics

@@ -71,6 +71,17 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     # Train/rollout drift: train-side logprob (old) vs the engine's rollout logprob.
     _m("drift/rollout_kl", "mean", "k3 estimate of KL(rollout || train): mean of exp(d) - 1 - d, d = old - rollout"),
     _m("drift/abs_logp_diff", "mean", "mean |old_logprob - rollout_logprob| over response tokens", "nats"),
+    _m(
+        "drift/logprob_abs_diff_max",
+        "max",
+        "max |old_logprob - rollout_logprob| over loss tokens: learner/engine parity (0 up to float error at lr 0)",
+        "nats",
+    ),
+    _m(
+        "drift/outside_kept_frac",
+        "mean",
+        "top-k/top-p: fraction of loss tokens outside the learner's kept set (probability 0; masked)",
+    ),
     _m("drift/tis_ratio_mean", "mean", "mean TIS ratio exp(old - rollout) before the cap"),
     _m("drift/tis_ratio_max", "max", "max TIS ratio before the cap"),
     _m("drift/tis_ratio_min", "min", "min TIS ratio before the cap"),
@@ -86,6 +97,11 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("drift/token_masked_frac", "mean", "fraction of loss tokens masked by the token IS mask"),
     _m("policy/clip_frac", "mean", "fraction of tokens whose ratio was clipped by the policy loss"),
     _m("policy/entropy", "mean", "mean token entropy of the trained policy", "nats"),
+    _m(
+        "policy/ref_outside_kept_frac",
+        "mean",
+        "top-k/top-p: fraction of loss tokens the reference cannot sample (left out of the KL term)",
+    ),
     # Throughput (sum over generators / ranks: each part reports its own rate).
     _m("throughput/gen_tokens_per_s", "sum", "generated tokens per second, all generators", "tokens/s"),
     _m("throughput/train_tokens_per_s", "sum", "trained tokens per second, all ranks", "tokens/s"),
@@ -236,6 +252,7 @@ class Thresholds:
     rollout_kl: float = 0.05
     masked_frac: float = 0.2
     staleness_frac: float = 1.0
+    logprob_diff_max: float = 0.5
 
 
 def evaluate_alerts(
@@ -252,6 +269,7 @@ def evaluate_alerts(
 
     rollout_kl:   drift/rollout_kl > thresholds.rollout_kl
     masked_frac:  drift/masked_frac > thresholds.masked_frac
+    logprob_diff_max: drift/logprob_abs_diff_max > thresholds.logprob_diff_max
     staleness:    staleness/max >= thresholds.staleness_frac * max_staleness (only if max_staleness > 0:
                   with 0 every sample is on-policy and staleness/max = 0 is the normal state)
     generator_lag: policy_version - generator version > max_staleness (its groups would all be dropped)
@@ -269,6 +287,15 @@ def evaluate_alerts(
             kl,
             thresholds.rollout_kl,
             f"rollout KL {kl:.4g} > {thresholds.rollout_kl:.4g}: train and rollout policies disagree",
+        )
+    worst = latest.get("drift/logprob_abs_diff_max")
+    if worst is not None and worst > thresholds.logprob_diff_max:
+        add(
+            "logprob_diff_max",
+            worst,
+            thresholds.logprob_diff_max,
+            f"max |learner - engine logprob| {worst:.4g} > {thresholds.logprob_diff_max:.4g} nats: "
+            f"the learner's policy is not the one that sampled (sampling settings, masks or weights differ)",
         )
     masked = latest.get("drift/masked_frac")
     if masked is not None and masked > thresholds.masked_frac:

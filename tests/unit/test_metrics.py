@@ -80,7 +80,8 @@ def test_catalogue_covers_the_data_contract():
     throughput/train_tokens_per_s throughput/samples_per_s time/wait_data time/train time/sync time/step
     sync/seconds sync/apply_s reward/mean reward/std response/length_mean eval/reward_mean eval/reward_std
     eval/response_length_mean eval/reward_errors eval/prompts loss/policy loss/kl_ref loss/rollout_kl
-    loss/entropy loss/total learner/version learner/grad_norm learner/lr""".split()
+    loss/entropy loss/total learner/version learner/grad_norm learner/lr
+    drift/logprob_abs_diff_max drift/outside_kept_frac policy/ref_outside_kept_frac""".split()
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"

@@ -24,7 +24,13 @@ from asyncrl.monitor.metrics import HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_al
 from asyncrl.queue import keys
 
 STATE_INT_FIELDS = ("policy_version", "weights_version", "max_staleness", "groups_per_step")
-STATE_FLOAT_FIELDS = ("started_at", "alert_rollout_kl", "alert_masked_frac", "alert_staleness_frac")
+STATE_FLOAT_FIELDS = (
+    "started_at",
+    "alert_rollout_kl",
+    "alert_masked_frac",
+    "alert_staleness_frac",
+    "alert_logprob_diff_max",
+)
 COUNTER_FIELDS = ("groups_started", "groups_produced", "groups_trained", "dropped_stale", "dead_lettered")
 LATEST_WINDOW = 500
 """Stream entries scanned (newest first) to find each metric's latest value."""
@@ -234,6 +240,11 @@ def thresholds_of(state: dict[str, Any]) -> Thresholds:
         staleness_frac=(
             state.get("alert_staleness_frac") if state.get("alert_staleness_frac") is not None else d.staleness_frac
         ),
+        logprob_diff_max=(
+            state.get("alert_logprob_diff_max")
+            if state.get("alert_logprob_diff_max") is not None
+            else d.logprob_diff_max
+        ),
     )
 
 
@@ -271,6 +282,7 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
             "rollout_kl": thresholds.rollout_kl,
             "masked_frac": thresholds.masked_frac,
             "staleness_frac": thresholds.staleness_frac,
+            "logprob_diff_max": thresholds.logprob_diff_max,
         },
         "latest": latest,
         "config": state.get("config"),

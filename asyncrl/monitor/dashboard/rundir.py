@@ -175,6 +175,7 @@ class RunDirSource:
             rollout_kl=pick("rollout_kl", d.rollout_kl),
             masked_frac=pick("masked_frac", d.masked_frac),
             staleness_frac=pick("staleness_frac", d.staleness_frac),
+            logprob_diff_max=pick("logprob_diff_max", d.logprob_diff_max),
         )
 
     def snapshot(self, run: str, now: float | None = None) -> dict[str, Any]:
