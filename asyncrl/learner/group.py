@@ -265,7 +265,9 @@ class LearnerGroup:
         return metrics
 
     def compute_logprobs(self, sequences: list[TrainSequence], temperature: float) -> list[np.ndarray]:
-        """log p(input_ids[t] | input_ids[:t]) at `temperature` per sequence (position 0 is 0)."""
+        """log p(input_ids[t] | input_ids[:t]) at `temperature` per sequence (position 0 is 0),
+        under the config's rollout.top_k / top_p: -inf where a token lies outside the kept set
+        (a prompt token often does)."""
         if not sequences:
             return []
         seqs = [{"input_ids": np.asarray(s.input_ids, dtype=np.int64)} for s in sequences]
