@@ -136,18 +136,22 @@ class TrainLoop:
             self.run_state.set_policy_version(0)
         else:
             self.publisher.publish(self.state.version, overlap=False)
-        alive = self.queue.depth() + self.queue.pending()
+        queued_skips = 0
         if self.state.skip_ids:
             # The checkpoint's own groups, still pending if its ack was lost: skipped when
             # delivered, so neither trained twice nor counted twice against admission.
             skip = set(self.state.skip_ids)
             self.queue.skip_groups(self.state.skip_ids)
-            alive -= sum(1 for g in self.queue.queued_groups() if g.group_id in skip)
+            queued_skips = sum(1 for g in self.queue.queued_groups() if g.group_id in skip)
             if self.cfg.queue.ledger:
                 from asyncrl.control.ledger import record_trained
 
                 record_trained(self.rt.run_dir, self.state.step, self.state.skip_ids)
-        self.run_state.reset_admission(self.state.trained_count + alive)
+        from asyncrl.control.restart import restart_admission
+
+        restart_admission(
+            self.cfg, self.run_state, self.state, queued_skips=queued_skips, max_staleness=self.max_staleness
+        )
         self.run_state.configure_admission(self.max_staleness, c.groups_per_step)
         self._counters_seen = self.run_state.counters()
 

@@ -7,7 +7,9 @@ Order matters only where one part needs another: Redis first (everything reports
 then Ray; then the generator actors are created (their engines take the longest to come up:
 a vLLM import and an engine process) *while* the learner group loads, instead of after it.
 Generators only sample once `launch_generators()` starts them, after the trainer has
-opened admission, so an engine that is ready early just waits. Tear-down runs in reverse
+opened admission, so an engine that is ready early just waits. Right after Redis is up, the
+weights a predecessor announced are retired and admission is closed (asyncrl.control.restart),
+so a generator started or restarted meanwhile neither loads them nor starts work. Tear-down runs in reverse
 and only stops what this runtime started (an external Redis is left alone).
 
 `startup` records how long each part took to be ready (seconds since the runtime began);
@@ -66,6 +68,9 @@ class Runtime(contextlib.ExitStack):
         """The Ray node each generator was started on (for the lost-actor report)."""
         self.model_path: str | None = None
         self.model_package: dict | None = None
+        self.highest_version = 0
+        """The highest weights version this run's Redis announced before this start (a crashed
+        predecessor's): the restored weights are numbered past it (LoopState.continue_past)."""
         self._t0 = time.perf_counter()
         self.startup: dict[str, float] = {}
         """Seconds from the runtime's start until each part was ready."""
@@ -81,6 +86,9 @@ class Runtime(contextlib.ExitStack):
             self._t0 = time.perf_counter()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._start_redis()
+            # Before any generator exists: a predecessor's announced weights and open admission
+            # would have them load discarded weights and start work against its budget.
+            self.highest_version = self.run_state.retire_weights()
             self.mark("redis")
             self._start_ray()
             self.mark("ray")

@@ -32,6 +32,10 @@ class LoopState:
     skip_ids: list[str] = field(default_factory=list)
     """After a resume: the restored checkpoint's own group ids. Its ack may have been lost
     with the crash, leaving their entries pending; delivered again they must not be trained."""
+    version_offset: int = 0
+    """Versions skipped by resumes (continue_past): `version` minus the optimizer steps that
+    made the current weights. Admission's budget is counted in versions, so a resume rebases
+    its count by what was skipped."""
 
     def trained(self, group_ids: list[str], entry_ids: list[str]) -> None:
         """Book one trained step's groups (the step and version are set by the loop)."""
@@ -45,6 +49,23 @@ class LoopState:
         acks, self.unacked, self.since_checkpoint = self.unacked, [], []
         return acks
 
+    def continue_past(self, highest_used: int, max_staleness: int) -> int:
+        """Renumber the restored weights past every version this run's Redis ever announced.
+
+        A crashed trainer may have published versions beyond its last checkpoint; engines and
+        queued groups still carry those labels, for weights this resume discards. Reusing the
+        numbers would let an engine skip the resumed weights (it already "has" that version)
+        and make a label name two different policies. The restored weights become
+        ``highest_used + 1 + max_staleness``, so every label from before the resume is also
+        past the staleness bound and is dropped rather than trained. Returns the jump (0 when
+        nothing past the checkpoint was announced)."""
+        if highest_used <= self.version:
+            return 0
+        jump = highest_used + 1 + max_staleness - self.version
+        self.version += jump
+        self.version_offset += jump
+        return jump
+
     def to_extra(self) -> dict[str, Any]:
         return {
             "step": self.step,
@@ -52,6 +73,7 @@ class LoopState:
             "published_version": self.published_version,
             "trained_count": self.trained_count,
             "checkpoint_ids": list(self.since_checkpoint),
+            "version_offset": self.version_offset,
         }
 
     @classmethod
@@ -67,32 +89,49 @@ class LoopState:
             published_version=int(extra.get("published_version", extra["version"])),
             trained_count=count,
             skip_ids=skip,
+            version_offset=int(extra.get("version_offset", 0)),
         )
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints and exits. A second
-    signal restores the default handler, so a third press kills at once."""
+    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints and exits. The first
+    signal also puts back the handler that was there before, so a second press acts as it
+    would without us (Ctrl-C: KeyboardInterrupt).
+
+    install() and restore() nest: train() and TrainLoop.run() both install the same flag,
+    and only the outermost pair touches the handlers. Installing twice used to record our
+    own handler as "the previous one", so a second signal was caught again and, after
+    train() returned, SIGINT still belonged to a flag nobody read."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self._previous: dict[int, Any] = {}
+        self._depth = 0
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
+            return
+        self._depth += 1
+        if self._depth > 1:
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
         log.warning("received %s: finishing this step, checkpointing and shutting down", signal.Signals(signum).name)
         self.event.set()
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        previous = self._previous.get(signum)
+        signal.signal(signum, signal.SIG_DFL if previous is None else previous)
 
     @property
     def is_set(self) -> bool:

@@ -55,6 +55,17 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
                     log.info("resumed from %s at step %d, policy version %d", ckpt, state.step, state.version)
             else:
                 rt.write_config()
+            max_staleness = 0 if cfg.control.mode == "sync" else cfg.control.max_staleness
+            jump = state.continue_past(rt.highest_version, max_staleness)
+            if jump:
+                rt.learner.set_version(state.version)
+                log.warning(
+                    "this run's Redis announced weights up to v%d (a crashed run's, discarded): the restored "
+                    "weights are v%d, and rollouts labelled v%d or older are dropped as stale",
+                    rt.highest_version,
+                    state.version,
+                    rt.highest_version,
+                )
             logger = build_metrics_logger(
                 cfg.monitor,
                 rt.redis_url,

@@ -279,6 +279,11 @@ class LearnerActor:
     def get_version(self) -> int:
         return self.version
 
+    def set_version(self, version: int) -> int:
+        """Renumber the current weights (a resume continuing past versions a crashed run used)."""
+        self.version = int(version)
+        return self.version
+
     def close(self) -> None:
         import torch.distributed as dist
 

@@ -217,6 +217,11 @@ class LearnerGroup:
     def get_version(self) -> int:
         return self._version
 
+    def set_version(self, version: int) -> None:
+        """Label the current weights `version` on every rank (resume: see LoopState.renumber)."""
+        versions = self._call("set_version", [(int(version),)] * self.num_ranks, what="set_version")
+        self._version = int(versions[0])
+
     def train_step(self, minibatches: list[list[TrainSequence]]) -> dict[str, float]:
         """One optimizer step (one policy version) per mini-batch; merged metrics as floats."""
         validate_minibatches(minibatches, self.cfg.algo, max_positions=self.max_positions, vocab_size=self.vocab_size)

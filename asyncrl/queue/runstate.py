@@ -30,6 +30,37 @@ from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, TRY_ADMIT
 
 log = logging.getLogger("asyncrl.queue")
 
+RETIRE_WEIGHTS = """
+-- KEYS[1] state hash. A trainer starting on this run (fresh or resumed): forget the announced
+-- weights and close admission until its prepare() configures it again, so no generator loads
+-- a predecessor's weights or is admitted against its budget. Returns the highest version the
+-- run ever announced (kept in versions_retired_upto, so a second restart still knows it).
+local f = redis.call('HMGET', KEYS[1], 'weights_version', 'policy_version', 'versions_retired_upto')
+local top = 0
+for i = 1, 3 do
+  local v = tonumber(f[i] or '')
+  if v ~= nil and v > top then top = v end
+end
+redis.call('HSET', KEYS[1], 'versions_retired_upto', top)
+redis.call('HDEL', KEYS[1], 'weights_location', 'weights_version', 'max_staleness', 'groups_per_step')
+return top
+"""
+
+RESTART_ADMISSION = """
+-- KEYS[1] counters hash, KEYS[2] rollouts stream, then ARGV[2] in-flight hashes whose prompts
+-- will be re-issued (counted), then in-flight hashes nobody will re-issue (deleted); ARGV[1]
+-- the base count. groups_started = base + entries in the stream (queued or pending) + the
+-- counted notes, in one step: a put moves a note into the stream atomically, so nothing is
+-- counted twice or missed. Returns the count.
+local total = tonumber(ARGV[1]) + redis.call('XLEN', KEYS[2])
+local counted = tonumber(ARGV[2])
+for i = 3, 2 + counted do total = total + redis.call('HLEN', KEYS[i]) end
+for i = 3 + counted, #KEYS do redis.call('DEL', KEYS[i]) end
+if total < 0 then total = 0 end
+redis.call('HSET', KEYS[1], 'groups_started', total)
+return total
+"""
+
 MAX_SMALL_RECORD = 1 << 20
 """Bound on a heartbeat or metrics record (bytes): they are small by design."""
 
@@ -89,6 +120,8 @@ class RunState:
         self._try_admit = client.register_script(TRY_ADMIT)
         self._release = client.register_script(RELEASE_ADMISSION)
         self._release_inflight = client.register_script(RELEASE_INFLIGHT)
+        self._retire_weights = client.register_script(RETIRE_WEIGHTS)
+        self._restart_admission = client.register_script(RESTART_ADMISSION)
 
     @classmethod
     def connect(
@@ -196,6 +229,38 @@ class RunState:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"release_admission(n): n must be an int >= 0, got {n!r}")
         return int(self._retry(self._release, keys=[self._k_counters], args=[n]))
+
+    def retire_weights(self) -> int:
+        """A trainer is starting: forget the announced weights, close admission (until
+        configure_admission) and return the highest version this run ever announced."""
+        return int(self._retry(self._retire_weights, keys=[self._k_state]))
+
+    def admission_open(self) -> bool:
+        """Whether the trainer has configured admission (its prepare() ran) since it started."""
+        ms, gps = self._retry(self._r.hmget, self._k_state, ["max_staleness", "groups_per_step"])
+        return ms is not None and gps is not None
+
+    def inflight_generators(self) -> list[str]:
+        """Ids of generators with admitted prompts noted in Redis (alive, or dead and not yet replaced)."""
+        prefix = keys.inflight(self.run, "")
+        found = self._retry(lambda: list(self._r.scan_iter(match=f"{prefix}*", count=1000)))
+        return sorted(k.decode()[len(prefix) :] for k in found)
+
+    def restart_admission(self, base: int, reissued_by: list[str], orphaned: list[str] = ()) -> int:
+        """Set groups_started for a (re)starting trainer: ``base`` plus every entry in the stream
+        plus the prompts noted for the generators in ``reissued_by`` (a successor re-issues them
+        without a new admission, so they must be counted here); the notes of ``orphaned``
+        generators (nobody will re-issue them) are deleted. One atomic step; returns the count."""
+        if not isinstance(base, int):
+            raise ValueError(f"base must be an int, got {base!r}")
+        inflight = [keys.inflight(self.run, g) for g in (*reissued_by, *orphaned)]
+        return int(
+            self._retry(
+                self._restart_admission,
+                keys=[self._k_counters, keys.rollouts(self.run), *inflight],
+                args=[base, len(reissued_by)],
+            )
+        )
 
     def reset_admission(self, groups_started: int) -> None:
         """Set groups_started outright (resume: trained + still queued or pending)."""

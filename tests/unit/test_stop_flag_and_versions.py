@@ -1,0 +1,65 @@
+"""The trainer's signal handling and its version bookkeeping across a resume, without a job.
+
+StopFlag is installed by train() and again by TrainLoop.run() on the same flag, exactly as
+below; the handlers are real (os.kill to this process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from asyncrl.control.state import LoopState, StopFlag
+
+
+def test_a_stop_flag_installed_twice_hands_the_second_signal_on_and_restores_on_exit():
+    seen = []
+
+    def outer(signum, frame):
+        seen.append(signum)
+
+    original = signal.signal(signal.SIGINT, outer)
+    try:
+        stop = StopFlag()
+        stop.install()  # train()
+        stop.install()  # TrainLoop.run()
+        os.kill(os.getpid(), signal.SIGINT)  # first Ctrl-C: finish the step
+        assert stop.is_set and seen == []
+        os.kill(os.getpid(), signal.SIGINT)  # second Ctrl-C: what was there before us
+        assert seen == [signal.SIGINT]
+        stop.restore()  # TrainLoop.run() returns: train() still owns the handlers
+        stop.restore()  # train() returns
+        assert signal.getsignal(signal.SIGINT) is outer
+        assert signal.getsignal(signal.SIGTERM) is not stop._handle
+    finally:
+        signal.signal(signal.SIGINT, original)
+
+
+def test_after_train_returns_sigint_no_longer_belongs_to_the_flag():
+    original = signal.getsignal(signal.SIGINT)
+    stop = StopFlag()
+    stop.install()
+    stop.install()
+    assert signal.getsignal(signal.SIGINT) == stop._handle
+    stop.restore()
+    assert signal.getsignal(signal.SIGINT) == stop._handle  # the inner restore leaves it installed
+    stop.restore()
+    assert signal.getsignal(signal.SIGINT) is original
+    stop.restore()  # one too many: nothing to undo
+    assert signal.getsignal(signal.SIGINT) is original
+    with pytest.raises(KeyboardInterrupt):  # Python's own handler is back
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_resume_continues_versions_past_every_announced_one_and_keeps_the_offset():
+    state = LoopState(step=50, version=50, trained_count=800)
+    assert state.continue_past(50, max_staleness=2) == 0 and state.version == 50  # nothing past the checkpoint
+    assert state.continue_past(57, max_staleness=2) == 10
+    # Every label up to 57 is now older than the staleness window of the first resumed step.
+    assert state.version == 60 and state.version_offset == 10 and 57 < state.version - 2
+    state.step, state.version = 53, 63
+    again = LoopState.from_extra(state.to_extra())
+    assert again.version == 63 and again.version_offset == 10 and again.version - again.version_offset == 53
+    assert again.continue_past(70, max_staleness=0) == 8 and again.version_offset == 18
+    assert LoopState.from_extra({"step": 3, "version": 3, "trained_count": 12}).version_offset == 0  # older checkpoints
