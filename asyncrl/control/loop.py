@@ -147,7 +147,8 @@ class TrainLoop:
 
                 record_trained(self.rt.run_dir, self.state.step, self.state.skip_ids)
         self.run_state.reset_admission(self.state.trained_count + alive)
-        self.run_state.configure_admission(self.max_staleness, c.groups_per_step)
+        m = self.cfg.learner.mini_batches_per_step
+        self.run_state.configure_admission(self.max_staleness, c.groups_per_step, m)
         self._counters_seen = self.run_state.counters()
 
     # ------------------------------------------------------------------ one step
@@ -244,10 +245,12 @@ class TrainLoop:
         items.sort(key=lambda item: item[1].group_id)  # arrival order is timing; float sums follow the order
         ids = [entry_id for entry_id, _ in items]
         groups = [g for _, g in items]
-        staleness = [self.state.version - g.behavior_version for g in groups]
 
         t1 = time.perf_counter()
         metrics = self._train(groups)
+        # At the version of each group's own mini-batch: with m mini-batches the step's start
+        # version would understate the staleness of all but the first.
+        staleness = [t.staleness for t in self.last_trained]
         t_train = time.perf_counter() - t1
         before = self.state.version
         self.state.version = int(metrics.get("learner/version", before + self.cfg.learner.mini_batches_per_step))

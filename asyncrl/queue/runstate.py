@@ -3,7 +3,7 @@ generator heartbeats and the metrics stream. The stream itself is `RolloutQueue`
 the two are separate objects that may share one connection.
 
     rs = RunState.connect(url, run="demo")       # or RunState.of(queue): the queue's connection
-    rs.configure_admission(max_staleness=1, groups_per_step=8)   # trainer, once
+    rs.configure_admission(max_staleness=1, groups_per_step=8, mini_batches_per_step=1)  # trainer
     if rs.try_admit():                           # generator, before starting a group
         ...
     rs.set_policy_version(3); rs.policy_version()            # -> 3
@@ -174,15 +174,22 @@ class RunState:
 
     # ------------------------------------------------------------------ admission
 
-    def configure_admission(self, max_staleness: int, groups_per_step: int) -> None:
+    def configure_admission(self, max_staleness: int, groups_per_step: int, mini_batches_per_step: int = 1) -> None:
+        """The trainer's bound and step shape: a step takes groups_per_step groups and raises
+        the policy version by mini_batches_per_step (one version per optimizer step)."""
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
         if not isinstance(groups_per_step, int) or groups_per_step < 1:
             raise ValueError(f"groups_per_step must be an int >= 1, got {groups_per_step!r}")
-        self.set_state(max_staleness=max_staleness, groups_per_step=groups_per_step)
+        if not isinstance(mini_batches_per_step, int) or mini_batches_per_step < 1:
+            raise ValueError(f"mini_batches_per_step must be an int >= 1, got {mini_batches_per_step!r}")
+        self.set_state(
+            max_staleness=max_staleness, groups_per_step=groups_per_step, mini_batches_per_step=mini_batches_per_step
+        )
 
     def try_admit(self, n: int = 1) -> bool:
-        """Start n more groups iff groups_started + n <= (v + max_staleness + 1) * groups_per_step.
+        """Start n more groups iff groups_started + n <= admission_budget(v, max_staleness,
+        groups_per_step, mini_batches_per_step) = floor((v + max_staleness + 1) / m) * groups_per_step.
 
         Atomic (one Lua script), so racing generators never overshoot. False until the
         trainer has called configure_admission.
