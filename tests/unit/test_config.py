@@ -394,3 +394,28 @@ def test_config_parse_imports_no_torch_and_is_quick():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[1] == "False", "parsing a config imported torch"
     assert float(out[0]) < 3.0, f"config parse took {out[0]} s"
+
+
+@pytest.mark.parametrize("shape", [["sync.sync_every=2"], ["learner.mini_batches_per_step=2"]])
+def test_sync_mode_checks_the_bound_it_really_trains_with(shape):
+    """The sync mode forces the staleness bound to 0: data a sync_every or mini-batch shape
+    makes older than that would all be dropped as stale, and the run would wait forever."""
+    rejects(
+        ["control.mode=sync", "control.max_staleness=5", *shape],
+        "control.mode='sync'",
+        "staleness bound of 0",
+        "control.mode='async'",
+    )
+    cfg = load_config(None, ["control.mode=async", "control.max_staleness=1", *shape])
+    assert cfg.control.mode == "async"
+    assert load_config(None, ["control.mode=sync"]).control.mode == "sync"
+
+
+def test_mini_batches_without_overlap_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        load_config(None, ["learner.mini_batches_per_step=2", "control.max_staleness=2"])
+    assert "generation cannot overlap training" in caplog.text and "control.max_staleness=3" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        load_config(None, ["learner.mini_batches_per_step=2", "control.max_staleness=3"])
+    assert "overlap" not in caplog.text
