@@ -61,6 +61,22 @@ def validate(cfg: Config) -> None:
                 "MaxRL is meant for rewards in [0, 1]; consider grpo or dr_grpo.",
                 why,
             )
+    if a.correction.tis_auto and not r.logprobs:
+        a.correction.tis = "none"  # the default yields to engine logprobs turned off on purpose
+    if (
+        c.mode == "async"
+        and c.max_staleness > 0
+        and not a.correction.enabled
+        and not a.rollout_anchored
+        and a.policy_loss.type != "cross_entropy"
+    ):
+        log.warning(
+            "control.mode='async' with control.max_staleness=%d trains on data up to that many versions old, "
+            "and no off-policy correction is on (algo.correction.tis='none', no mask): the stale data is "
+            "trained as if on-policy. Set algo.correction.tis=%s (capped at algo.correction.tis_cap) or a mask.",
+            c.max_staleness,
+            "'sequence'" if a.policy_loss.sequence_level else "'token'",
+        )
     if a.needs_rollout_logprobs and not r.logprobs:
         log.warning(
             "algo.correction / algo.rollout_kl_coef / algo.policy_loss=%r need engine logprobs: "
