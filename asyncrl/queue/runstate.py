@@ -26,6 +26,7 @@ import redis
 
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
+from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
 from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, TRY_ADMIT
 
 log = logging.getLogger("asyncrl.queue")
@@ -167,6 +168,25 @@ class RunState:
 
     def incr(self, name: str, n: int = 1) -> int:
         return int(self._retry(self._r.hincrby, self._k_counters, name, n))
+
+    def incr_many(self, counts: dict[str, int]) -> None:
+        """Add to several counters in one transaction."""
+        self._transaction(lambda pipe: [pipe.hincrby(self._k_counters, k, n) for k, n in counts.items()])
+
+    def pop_reissued(self) -> ReissuedPrompt | None:
+        """A prompt whose group was dropped as stale, to run again (asyncrl.queue.reissue);
+        None when there is none. Each is handed to one generator only (LPOP)."""
+        while True:
+            raw = self._retry(self._r.lpop, keys.reissue(self.run))
+            if raw is None:
+                return None
+            try:
+                prompt = parse_reissued(unpack_small(raw))
+            except Exception as e:
+                prompt = None
+                log.warning("re-issue entry unreadable (%s); skipped", e)
+            if prompt is not None:
+                return prompt
 
     def counters(self) -> dict[str, int]:
         raw = self._retry(self._r.hgetall, self._k_counters)

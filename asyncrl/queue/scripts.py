@@ -17,12 +17,19 @@ PUT_BOUNDED = """
 -- returns the ids added, possibly fewer than given. Recording in the ledger and deleting
 -- the prompts' in-flight notes in the same script keeps both exact across crashes: a
 -- prompt is either still noted (a successor re-issues it) or its group is in the stream.
+-- The note moves into the entry (field 'n'), so a consumer that drops the group as stale
+-- can re-issue its prompt (asyncrl.queue.reissue).
 local room = tonumber(ARGV[1]) - redis.call('XLEN', KEYS[1])
 local n = tonumber(ARGV[3])
 local ids = {}
 for i = 1, n do
   if room <= 0 then break end
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i])
+  local note = KEYS[4] and redis.call('HGET', KEYS[4], ARGV[3 + 2 * n + i])
+  if note then
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i], 'n', note)
+  else
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i])
+  end
   if ARGV[2] == '1' then redis.call('SADD', KEYS[3], ARGV[3 + n + i]) end
   if KEYS[4] then redis.call('HDEL', KEYS[4], ARGV[3 + 2 * n + i]) end
   room = room - 1

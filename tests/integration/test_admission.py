@@ -6,6 +6,7 @@ optimizer steps (mini-batches), driven the way the generators and the trainer lo
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from asyncrl.control.staleness import admission_budget, min_behavior_version
@@ -69,4 +70,51 @@ def test_a_generator_faster_than_the_learner_never_makes_stale_groups(redis_url,
     counters = rs.counters()
     assert counters.get("dropped_stale", 0) == 0, f"{counters['dropped_stale']} of {made} groups dropped as stale"
     assert counters["groups_produced"] <= steps * gps + admission_budget(0, bound, gps, m)
+    q.close()
+
+
+def _note(text: str, metadata: dict) -> bytes:
+    return msgpack.packb({"text": text, "metadata": metadata}, use_bin_type=True)
+
+
+def test_a_stale_group_s_prompt_is_reissued_a_bounded_number_of_times(redis_url):
+    """The consumer that drops a group as stale pushes its prompt (the in-flight note its put
+    carried) back under a new id; a generator pops it before drawing a new prompt. After
+    queue.stale_reissues tries it is given up; every outcome is counted, with the response
+    lengths of dropped against trained groups."""
+    q = RolloutQueue.connect(redis_url, "reissue", stale_reissues=2)
+    rs = RunState.of(q)
+    rs.configure_admission(max_staleness=0, groups_per_step=100)
+    meta = {"target": "abc"}
+
+    def produce(prompt_id: str, text: str, metadata: dict, version: int, n_tokens: int) -> None:
+        assert rs.admit_prompt("gen-0", prompt_id, _note(text, metadata), weights_version=version)
+        sample = Sample(list(range(n_tokens)), [-0.5] * n_tokens, [1] * n_tokens, 1.0, version)
+        q.put(RolloutGroup(prompt_id, prompt_id, [1, 2], [sample, sample]), inflight_of="gen-0")
+
+    produce("p0", "abc=", meta, version=0, n_tokens=8)  # slow: will be stale
+    q.put(_group("no-note", 0))  # a producer that put no note: cannot be re-issued
+    rs.set_policy_version(1)
+    produce("p1", "xyz=", meta, version=1, n_tokens=2)  # fresh
+    got = q.get_batch(3, min_version=1, timeout=1.0)
+    assert [g.group_id for _, g in got] == ["p1"]
+    assert q.dropped_ids() == {"p0", "no-note"}
+    again = rs.pop_reissued()
+    assert (again.prompt_id, again.text) == ("p0/stale1", "abc=")
+    assert again.metadata == {"target": "abc", "stale_reissues": 1, "reissue_of": "p0"}
+    assert rs.pop_reissued() is None  # handed to one generator only
+    # Dropped again (still slow), then once more: the second re-issue is the last.
+    produce(again.prompt_id, again.text, again.metadata, version=1, n_tokens=8)
+    rs.set_policy_version(2)
+    assert q.get_batch(1, min_version=2, timeout=0.2) == []
+    again = rs.pop_reissued()
+    assert again.prompt_id == "p0/stale2" and again.metadata["stale_reissues"] == 2
+    produce(again.prompt_id, again.text, again.metadata, version=2, n_tokens=8)
+    assert q.get_batch(1, min_version=3, timeout=0.2) == []
+    assert rs.pop_reissued() is None
+    counters = rs.counters()
+    assert (counters["dropped_stale"], counters["stale_reissued"], counters["stale_abandoned"]) == (4, 2, 2)
+    # Mean response length of the dropped samples: p0 three times (8 tokens), no-note (2).
+    assert counters["dropped_response_tokens"] / counters["dropped_samples"] == (3 * 2 * 8 + 1 * 2) / 7
+    assert rs.inflight_prompts("gen-0") == {}
     q.close()

@@ -81,6 +81,8 @@ def test_catalogue_covers_the_data_contract():
     sync/seconds sync/apply_s reward/mean reward/std response/length_mean eval/reward_mean eval/reward_std
     eval/response_length_mean eval/reward_errors eval/prompts loss/policy loss/kl_ref loss/rollout_kl
     loss/entropy loss/total learner/version learner/grad_norm learner/lr""".split()
+    contract += "queue/stale_reissued queue/stale_abandoned queue/dropped_response_len_mean".split()
+    contract += ["queue/trained_response_len_mean"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"
