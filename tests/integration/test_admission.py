@@ -77,7 +77,7 @@ def _note(text: str, metadata: dict) -> bytes:
     return msgpack.packb({"text": text, "metadata": metadata}, use_bin_type=True)
 
 
-def test_a_stale_group_s_prompt_is_reissued_a_bounded_number_of_times(redis_url):
+def test_the_prompt_of_a_stale_group_is_reissued_a_bounded_number_of_times(redis_url):
     """The consumer that drops a group as stale pushes its prompt (the in-flight note its put
     carried) back under a new id; a generator pops it before drawing a new prompt. After
     queue.stale_reissues tries it is given up; every outcome is counted, with the response
