@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from asyncrl.config.base import (
     ADVANTAGE_ESTIMATORS,
@@ -29,8 +29,10 @@ class CorrectionConfig(Section):
     All ratios are exp(old_logprob - rollout_logprob). See docs/algorithms.md.
     """
 
-    tis: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance sampling weight: per token, or one per sequence (product of ratios)."""
+    tis: Literal["auto", "none", "token", "sequence"] = "auto"
+    """Truncated importance sampling weight: per token, or one per sequence (product of ratios).
+    'auto' (the default) resolves at load to 'token', except 'none' for a policy loss that is
+    already anchored at the rollout policy, is sequence-level, or is cross_entropy."""
     tis_cap: float = Field(2.0, gt=0)
     """Upper cap of the TIS weight."""
     geo_mask: bool = False
@@ -49,6 +51,12 @@ class CorrectionConfig(Section):
     """Token IS mask: zero only the tokens whose ratio lies outside [token_mask_low,
     token_mask_high] (bounds keep), the rest of the sequence trains. On when both are set."""
     token_mask_high: float | None = None
+    _tis_auto: bool = PrivateAttr(False)
+    """tis was 'auto' (resolved by AlgoConfig): a cross-section rule may still turn it off."""
+
+    @property
+    def tis_auto(self) -> bool:
+        return self._tis_auto
 
     @property
     def token_mask(self) -> bool:
@@ -136,6 +144,9 @@ class AlgoConfig(Section):
 
     @model_validator(mode="after")
     def _rules(self) -> AlgoConfig:
+        if self.correction.tis == "auto":
+            self.correction.tis = default_tis(self.policy_loss)
+            self.correction._tis_auto = True
         one_of("algo.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS, import_path_ok=True)
         one_of("algo.loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
@@ -183,3 +194,18 @@ class AlgoConfig(Section):
                 f"use one of {', '.join(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')}"
             )
         return self
+
+
+def default_tis(loss: PolicyLoss) -> Literal["none", "token"]:
+    """What algo.correction.tis='auto' means for `loss`.
+
+    Token TIS capped at tis_cap (default 2): a learner's data is off-policy whenever it is
+    stale (async) and, in any mode, wherever the engine's numerics differ from the learner's
+    (Yao et al. 2025), and the weight is 1 where neither holds. 'none' where a TIS weight has
+    no place: the loss's ratio already is against the rollout policy (it would correct twice),
+    its objective is per sequence (tis='sequence' is the explicit choice there), or it is
+    plain cross-entropy.
+    """
+    if loss.rollout_anchored or loss.sequence_level or loss.type == "cross_entropy":
+        return "none"
+    return "token"

@@ -158,6 +158,10 @@ class QueueConfig(Section):
     ledger: bool = False
     """Record every produced group id in Redis (asyncrl:{run}:produced) so a run can be
     audited: produced = trained + dropped-stale + dead-lettered + still queued."""
+    stale_reissues: int = Field(2, ge=0)
+    """How many times a prompt whose group was dropped as too stale is run again (under a new
+    id; 0: never). Stale groups are mostly the slow ones, so dropping them for good would
+    bias training against long answers and hard prompts."""
     claim_idle_s: float = Field(900.0, gt=0)
     """Another consumer's un-acked entry idle this long is presumed orphaned and claimed;
     keep it above the time between checkpoints (entries stay un-acked until then)."""

@@ -61,6 +61,22 @@ def validate(cfg: Config) -> None:
                 "MaxRL is meant for rewards in [0, 1]; consider grpo or dr_grpo.",
                 why,
             )
+    if a.correction.tis_auto and not r.logprobs:
+        a.correction.tis = "none"  # the default yields to engine logprobs turned off on purpose
+    if (
+        c.mode == "async"
+        and c.max_staleness > 0
+        and not a.correction.enabled
+        and not a.rollout_anchored
+        and a.policy_loss.type != "cross_entropy"
+    ):
+        log.warning(
+            "control.mode='async' with control.max_staleness=%d trains on data up to that many versions old, "
+            "and no off-policy correction is on (algo.correction.tis='none', no mask): the stale data is "
+            "trained as if on-policy. Set algo.correction.tis=%s (capped at algo.correction.tis_cap) or a mask.",
+            c.max_staleness,
+            "'sequence'" if a.policy_loss.sequence_level else "'token'",
+        )
     if a.needs_rollout_logprobs and not r.logprobs:
         log.warning(
             "algo.correction / algo.rollout_kl_coef / algo.policy_loss=%r need engine logprobs: "
@@ -84,11 +100,33 @@ def validate(cfg: Config) -> None:
     # Weights are published at the end of the trainer step in which the version reaches a
     # multiple of sync_every; the last mini-batch of a step trains on data up to this old.
     floor = s.sync_every + lr.mini_batches_per_step - 2
+    if c.mode == "sync" and floor > 0:
+        # The sync mode trains with the bound forced to 0, whatever control.max_staleness
+        # says: checked against the configured value, every group would be dropped as stale
+        # and the run would wait forever.
+        raise ConfigError(
+            f"control.mode='sync' trains with a staleness bound of 0 (control.max_staleness is not used), "
+            f"which needs sync.sync_every=1 and learner.mini_batches_per_step=1; got sync.sync_every="
+            f"{s.sync_every} and learner.mini_batches_per_step={lr.mini_batches_per_step}, whose data is "
+            f"{floor} version(s) old when its last mini-batch trains, so every group would be dropped as "
+            f"stale. Use control.mode='async' with control.max_staleness >= {floor}, or set both to 1."
+        )
     if c.max_staleness < floor:
         raise ConfigError(
             f"control.max_staleness={c.max_staleness} must be >= sync.sync_every + "
             f"learner.mini_batches_per_step - 2 = {floor}: generators only see new weights every "
             f"sync_every optimizer steps, so fresher data cannot exist"
+        )
+    overlap = (c.max_staleness + 1) // lr.mini_batches_per_step - 1
+    if c.mode == "async" and lr.mini_batches_per_step > 1 and overlap < 1:
+        log.warning(
+            "control.max_staleness=%d with learner.mini_batches_per_step=%d: a step raises the version by %d, "
+            "so admission lets generators run only the next step's groups and generation cannot overlap "
+            "training. control.max_staleness=%d allows one step ahead.",
+            c.max_staleness,
+            lr.mini_batches_per_step,
+            lr.mini_batches_per_step,
+            2 * lr.mini_batches_per_step - 1,
         )
     if c.mode == "async" and r.num_generators < 1:
         raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")

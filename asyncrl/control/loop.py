@@ -152,7 +152,9 @@ class TrainLoop:
         restart_admission(
             self.cfg, self.run_state, self.state, queued_skips=queued_skips, max_staleness=self.max_staleness
         )
-        self.run_state.configure_admission(self.max_staleness, c.groups_per_step)
+        self.run_state.configure_admission(
+            self.max_staleness, c.groups_per_step, self.cfg.learner.mini_batches_per_step
+        )
         self._counters_seen = self.run_state.counters()
 
     # ------------------------------------------------------------------ one step
@@ -249,16 +251,25 @@ class TrainLoop:
         items.sort(key=lambda item: item[1].group_id)  # arrival order is timing; float sums follow the order
         ids = [entry_id for entry_id, _ in items]
         groups = [g for _, g in items]
-        staleness = [self.state.version - g.behavior_version for g in groups]
 
         t1 = time.perf_counter()
         metrics = self._train(groups)
+        # At the version of each group's own mini-batch: with m mini-batches the step's start
+        # version would understate the staleness of all but the first.
+        staleness = [t.staleness for t in self.last_trained]
         t_train = time.perf_counter() - t1
         before = self.state.version
         self.state.version = int(metrics.get("learner/version", before + self.cfg.learner.mini_batches_per_step))
         self.state.step += 1
         self.state.trained([g.group_id for g in groups], ids)
-        self.run_state.incr("groups_trained", len(groups))
+        samples = [s for g in groups for s in g.samples]
+        self.run_state.incr_many(
+            {
+                "groups_trained": len(groups),
+                "trained_samples": len(samples),
+                "trained_response_tokens": sum(len(s.response_ids) for s in samples),
+            }
+        )
         # The policy version trails the trainer while a publish is in flight; supervisors
         # (asyncrl.testing.job) and the dashboard read the trainer's own step here.
         self.run_state.set_state(trainer_step=self.state.step)
@@ -299,10 +310,16 @@ class TrainLoop:
             "queue/pending": float(self.queue.pending()),
             "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
             "queue/dead_lettered": float(counters.get("dead_lettered", 0)),
+            "queue/stale_reissued": float(counters.get("stale_reissued", 0)),
+            "queue/stale_abandoned": float(counters.get("stale_abandoned", 0)),
             "learner/version": float(self.state.version),
             "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(t_step, 1e-9),
             "throughput/step_tokens_per_s": gen_tokens / max(t_step, 1e-9),
         }
+        for kind in ("dropped", "trained"):  # are the dropped groups the long ones?
+            if counters.get(f"{kind}_samples", 0):
+                mean = counters.get(f"{kind}_response_tokens", 0) / counters[f"{kind}_samples"]
+                out[f"queue/{kind}_response_len_mean"] = mean
         # After a resume, rollouts made by weights newer than the restored checkpoint come back
         # (they were never trained into these weights): their staleness is negative. They are
         # trained like any off-policy data and counted apart rather than hidden as 0.

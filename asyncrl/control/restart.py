@@ -46,9 +46,9 @@ def restart_admission(
     resume renumbered the weights (LoopState.continue_past), the budget at the new version
     is larger by the versions skipped, and so is the count.
     """
-    c = cfg.control
-    skipped = admission_budget(state.version, max_staleness, c.groups_per_step) - admission_budget(
-        state.version - state.version_offset, max_staleness, c.groups_per_step
+    c, m = cfg.control, cfg.learner.mini_batches_per_step
+    skipped = admission_budget(state.version, max_staleness, c.groups_per_step, m) - admission_budget(
+        state.version - state.version_offset, max_staleness, c.groups_per_step, m
     )
     ours = set(own_generator_ids(cfg))
     now = time.time()

@@ -152,6 +152,7 @@ class Runtime(contextlib.ExitStack):
             retry_deadline_s=q.retry_deadline_s,
             outage_deadline_s=q.outage_deadline_s,
             ledger=q.ledger,
+            stale_reissues=q.stale_reissues,
         )
         self.callback(self.queue.close)
         self.run_state = RunState.of(self.queue)

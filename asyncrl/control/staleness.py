@@ -16,13 +16,17 @@ def min_behavior_version(policy_version: int, max_staleness: int, mini_batches: 
     return policy_version + mini_batches - 1 - max_staleness
 
 
-def admission_budget(policy_version: int, max_staleness: int, groups_per_step: int) -> int:
+def admission_budget(policy_version: int, max_staleness: int, groups_per_step: int, mini_batches: int = 1) -> int:
     """Groups that may have been started in total at this version (AReaL-style admission).
 
-    A group started now runs version <= policy_version, and will be trained at the latest
-    after `max_staleness` more steps; anything beyond this budget would arrive too stale.
+    A group sampled at version v is usable by a trainer step starting at v' only if
+    v' + m - 1 - max_staleness <= v (min_behavior_version). Steps start at versions 0, m,
+    2m, ..., so the last step that can take it is floor((v + max_staleness + 1) / m) - 1,
+    and the steps up to it take groups_per_step each: anything beyond this budget would
+    arrive too stale. With m = 1 this is (v + max_staleness + 1) * groups_per_step. The
+    Lua script TRY_ADMIT (asyncrl.queue.scripts) enforces the same number.
     """
-    return (policy_version + max_staleness + 1) * groups_per_step
+    return (policy_version + max_staleness + 1) // mini_batches * groups_per_step
 
 
 def staleness_values(train_version: int, behavior_versions: Iterable[int]) -> list[int]:

@@ -74,6 +74,7 @@ def run_summary(
         "  groups          produced {0}, trained {1}, dropped as stale {2}, dead-lettered {3}".format(
             *(counters.get(k, 0) for k in ("groups_produced", "groups_trained", "dropped_stale", "dead_lettered"))
         ),
+        *_stale_lines(counters),
         f"  checkpoint      {checkpoint or '-'}",
         f"  model (HF)      {hf_dir or '-'}",
         f"  metrics         {metrics}",
@@ -84,6 +85,23 @@ def run_summary(
         lines.append(f"  dashboard       {dashboard_cmd} (any time: reads the run dir)")
     lines.append(f"  resume          {resume_cmd}")
     return "\n".join(lines)
+
+
+def _stale_lines(counters: Mapping[str, int]) -> list[str]:
+    """What became of the stale-dropped groups: re-issued or given up, and whether they were
+    the long ones (mean response length, dropped against trained)."""
+    if not counters.get("dropped_stale", 0):
+        return []
+
+    def mean(kind: str) -> str:
+        n = counters.get(f"{kind}_samples", 0)
+        return f"{counters.get(f'{kind}_response_tokens', 0) / n:.1f}" if n else "-"
+
+    return [
+        f"  stale prompts   re-issued {counters.get('stale_reissued', 0)}, given up "
+        f"{counters.get('stale_abandoned', 0)}; response length dropped {mean('dropped')} vs "
+        f"trained {mean('trained')} tokens"
+    ]
 
 
 def write_summary_file(run_dir: str | Path, record: Mapping[str, Any]) -> Path:

@@ -68,6 +68,10 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("queue/pending", "max", "groups delivered to the learner but not yet acked", "groups"),
     _m("queue/dropped_stale", "max", "groups dropped as older than max_staleness", "groups", "counter"),
     _m("queue/dead_lettered", "max", "malformed records moved to the dead-letter stream", "groups", "counter"),
+    _m("queue/stale_reissued", "max", "prompts of stale-dropped groups run again", "groups", "counter"),
+    _m("queue/stale_abandoned", "max", "stale-dropped groups whose prompt was not run again", "groups", "counter"),
+    _m("queue/dropped_response_len_mean", "max", "mean response length of groups dropped as stale (run)", "tokens"),
+    _m("queue/trained_response_len_mean", "max", "mean response length of trained groups (run)", "tokens"),
     # Train/rollout drift: train-side logprob (old) vs the engine's rollout logprob.
     _m("drift/rollout_kl", "mean", "k3 estimate of KL(rollout || train): mean of exp(d) - 1 - d, d = old - rollout"),
     _m("drift/abs_logp_diff", "mean", "mean |old_logprob - rollout_logprob| over response tokens", "nats"),

@@ -1,7 +1,8 @@
 """Redis key layout of one run. Every component names keys through this module only.
 
 asyncrl:runs                      set    names of runs this Redis holds
-asyncrl:{run}:rollouts            stream rollout groups, field b"d" = msgpack record
+asyncrl:{run}:rollouts            stream rollout groups, field b"d" = msgpack record, b"n" = the
+                                         prompt's in-flight note (generators' puts; re-issue)
 asyncrl:{run}:deadletter          stream malformed records: b"reason", b"d" (raw bytes), b"source_id"
 asyncrl:{run}:metrics             stream field b"d" = msgpack {"step", "time", "source", "metrics": {name: float}}
 asyncrl:{run}:state               hash   policy_version, weights_version, weights_location,
@@ -12,6 +13,8 @@ asyncrl:{run}:counters            hash   groups_started, groups_produced, droppe
 asyncrl:{run}:dropped             set    group ids dropped as too stale
 asyncrl:{run}:produced            set    every group id put (only with queue.ledger on)
 asyncrl:{run}:inflight:{gen}      hash   a generator's admitted, unfinished prompts (re-issued on restart)
+asyncrl:{run}:reissue             list   msgpack {"prompt_id", "text", "metadata"}: prompts of groups
+                                         dropped as stale, to run again (asyncrl.queue.reissue)
 asyncrl:{run}:engine_pids         hash   generator id -> msgpack {"host", "pids", "segments", "started"}
                                          (its predecessor's processes, reaped on restart)
 asyncrl:{run}:incarnation:{gen}   int    how many times this generator id has started in the run
@@ -24,6 +27,7 @@ PREFIX = "asyncrl"
 RUNS = f"{PREFIX}:runs"
 CONSUMER_GROUP = "learners"
 RECORD_FIELD = b"d"
+NOTE_FIELD = b"n"
 
 
 def _key(run: str, name: str) -> str:
@@ -74,3 +78,7 @@ def inflight(run: str, generator_id: str) -> str:
 
 def engine_pids(run: str) -> str:
     return _key(run, "engine_pids")
+
+
+def reissue(run: str) -> str:
+    return _key(run, "reissue")

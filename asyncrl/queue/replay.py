@@ -27,7 +27,8 @@ maxlen must exceed groups_per_step * checkpoint_every, or producers and trainer 
 each other.
 
 Filtering on the way out: records older than `min_version` are acked, their group ids added
-to the run's dropped set and counted `dropped_stale`; records that fail validation are moved
+to the run's dropped set and counted `dropped_stale`, and their prompts re-issued up to
+`stale_reissues` times (asyncrl.queue.reissue); records that fail validation are moved
 to the dead-letter stream (reason, raw bytes, source entry id) and counted `dead_lettered`.
 """
 
@@ -42,6 +43,7 @@ import redis
 from asyncrl.data.codec import DEFAULT_MAX_BYTES, RecordError, decode_group, encode_group
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
+from asyncrl.queue.reissue import StaleDrops, note_of
 from asyncrl.queue.scripts import PUT_BOUNDED
 from asyncrl.types import RolloutGroup
 
@@ -81,6 +83,7 @@ class RolloutQueue:
         claim_idle_s: float,
         seen_capacity: int = 100_000,
         ledger: bool = False,
+        stale_reissues: int = 0,
     ):
         self._r = client
         self.run = run
@@ -95,6 +98,8 @@ class RolloutQueue:
         self._k_dropped = keys.dropped(run)
         self._k_produced = keys.produced(run)
         self.ledger = ledger
+        self.stale_reissues = stale_reissues
+        self._k_reissue = keys.reissue(run)
         self._put = client.register_script(PUT_BOUNDED)
         self._own_cursor: str | None = "0"  # own pending entries still to re-read; None when done
         self._next_claim = 0.0
@@ -116,12 +121,14 @@ class RolloutQueue:
         retry_deadline_s: float = 30.0,
         outage_deadline_s: float | None = 0.0,
         ledger: bool = False,
+        stale_reissues: int = 0,
     ) -> RolloutQueue:
         """Connect, create the consumer group (and stream) if missing, register the run.
 
         claim_idle_s: another consumer's pending entry idle this long is presumed orphaned
         (its consumer died) and claimed. Keep it above the trainer's checkpoint interval.
         retry_deadline_s, outage_deadline_s: see Retrier (the default gives up at the first).
+        stale_reissues: how often a prompt whose group this consumer drops as stale is re-issued.
         """
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
@@ -136,6 +143,7 @@ class RolloutQueue:
             max_record_bytes=max_record_bytes,
             claim_idle_s=claim_idle_s,
             ledger=ledger,
+            stale_reissues=stale_reissues,
         )
         retry(client.ping)
         try:
@@ -289,6 +297,7 @@ class RolloutQueue:
         finished: list[str] = []  # entries acked and deleted here, never handed out
         dead: list[dict] = []
         dropped: list[str] = []
+        stale = StaleDrops(self.stale_reissues)
         duplicates = 0
         batch_groups: set[str] = set()
         for raw_id, fields in entries:
@@ -312,6 +321,7 @@ class RolloutQueue:
             elif group.behavior_version < min_version:
                 dropped.append(group.group_id)
                 finished.append(entry_id)
+                stale.add(group, note_of(entry_id, fields.get(keys.NOTE_FIELD)))
             else:
                 out.append((entry_id, group))
                 batch_groups.add(group.group_id)
@@ -324,7 +334,10 @@ class RolloutQueue:
             if finished:
                 pipe.xack(self._k_stream, keys.CONSUMER_GROUP, *finished)
                 pipe.xdel(self._k_stream, *finished)
-            for name, n in (("dead_lettered", len(dead)), ("dropped_stale", len(dropped)), ("duplicates", duplicates)):
+            if stale.records:
+                pipe.rpush(self._k_reissue, *stale.records)
+            counts = {"dead_lettered": len(dead), "dropped_stale": len(dropped), "duplicates": duplicates}
+            for name, n in {**counts, **stale.counts}.items():
                 if n:
                     pipe.hincrby(self._k_counters, name, n)
 

@@ -3,7 +3,7 @@ generator heartbeats and the metrics stream. The stream itself is `RolloutQueue`
 the two are separate objects that may share one connection.
 
     rs = RunState.connect(url, run="demo")       # or RunState.of(queue): the queue's connection
-    rs.configure_admission(max_staleness=1, groups_per_step=8)   # trainer, once
+    rs.configure_admission(max_staleness=1, groups_per_step=8, mini_batches_per_step=1)  # trainer
     if rs.try_admit():                           # generator, before starting a group
         ...
     rs.set_policy_version(3); rs.policy_version()            # -> 3
@@ -26,6 +26,7 @@ import redis
 
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
+from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
 from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, TRY_ADMIT
 
 log = logging.getLogger("asyncrl.queue")
@@ -201,21 +202,47 @@ class RunState:
     def incr(self, name: str, n: int = 1) -> int:
         return int(self._retry(self._r.hincrby, self._k_counters, name, n))
 
+    def incr_many(self, counts: dict[str, int]) -> None:
+        """Add to several counters in one transaction."""
+        self._transaction(lambda pipe: [pipe.hincrby(self._k_counters, k, n) for k, n in counts.items()])
+
+    def pop_reissued(self) -> ReissuedPrompt | None:
+        """A prompt whose group was dropped as stale, to run again (asyncrl.queue.reissue);
+        None when there is none. Each is handed to one generator only (LPOP)."""
+        while True:
+            raw = self._retry(self._r.lpop, keys.reissue(self.run))
+            if raw is None:
+                return None
+            try:
+                prompt = parse_reissued(unpack_small(raw))
+            except Exception as e:
+                prompt = None
+                log.warning("re-issue entry unreadable (%s); skipped", e)
+            if prompt is not None:
+                return prompt
+
     def counters(self) -> dict[str, int]:
         raw = self._retry(self._r.hgetall, self._k_counters)
         return {k.decode(): int(v) for k, v in raw.items()}
 
     # ------------------------------------------------------------------ admission
 
-    def configure_admission(self, max_staleness: int, groups_per_step: int) -> None:
+    def configure_admission(self, max_staleness: int, groups_per_step: int, mini_batches_per_step: int = 1) -> None:
+        """The trainer's bound and step shape: a step takes groups_per_step groups and raises
+        the policy version by mini_batches_per_step (one version per optimizer step)."""
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
         if not isinstance(groups_per_step, int) or groups_per_step < 1:
             raise ValueError(f"groups_per_step must be an int >= 1, got {groups_per_step!r}")
-        self.set_state(max_staleness=max_staleness, groups_per_step=groups_per_step)
+        if not isinstance(mini_batches_per_step, int) or mini_batches_per_step < 1:
+            raise ValueError(f"mini_batches_per_step must be an int >= 1, got {mini_batches_per_step!r}")
+        self.set_state(
+            max_staleness=max_staleness, groups_per_step=groups_per_step, mini_batches_per_step=mini_batches_per_step
+        )
 
     def try_admit(self, n: int = 1) -> bool:
-        """Start n more groups iff groups_started + n <= (v + max_staleness + 1) * groups_per_step.
+        """Start n more groups iff groups_started + n <= admission_budget(v, max_staleness,
+        groups_per_step, mini_batches_per_step) = floor((v + max_staleness + 1) / m) * groups_per_step.
 
         Atomic (one Lua script), so racing generators never overshoot. False until the
         trainer has called configure_admission.

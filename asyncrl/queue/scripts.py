@@ -17,12 +17,19 @@ PUT_BOUNDED = """
 -- returns the ids added, possibly fewer than given. Recording in the ledger and deleting
 -- the prompts' in-flight notes in the same script keeps both exact across crashes: a
 -- prompt is either still noted (a successor re-issues it) or its group is in the stream.
+-- The note moves into the entry (field 'n'), so a consumer that drops the group as stale
+-- can re-issue its prompt (asyncrl.queue.reissue).
 local room = tonumber(ARGV[1]) - redis.call('XLEN', KEYS[1])
 local n = tonumber(ARGV[3])
 local ids = {}
 for i = 1, n do
   if room <= 0 then break end
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i])
+  local note = KEYS[4] and redis.call('HGET', KEYS[4], ARGV[3 + 2 * n + i])
+  if note then
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i], 'n', note)
+  else
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[3 + i])
+  end
   if ARGV[2] == '1' then redis.call('SADD', KEYS[3], ARGV[3 + n + i]) end
   if KEYS[4] then redis.call('HDEL', KEYS[4], ARGV[3 + 2 * n + i]) end
   room = room - 1
@@ -35,8 +42,12 @@ TRY_ADMIT = """
 -- KEYS[1] state hash, KEYS[2] counters hash, KEYS[3] (optional) a generator's in-flight hash;
 -- ARGV[1] n, and with KEYS[3]: ARGV[2] prompt id, ARGV[3] its note (n must be 1), and
 -- optionally ARGV[4] the version of the weights the group will be sampled with.
--- Admitted iff groups_started + n <= (v + max_staleness + 1) * groups_per_step, with
--- v = min(policy_version, ARGV[4]) (AReaL-style throttle, docs/design.md). A generator whose
+-- Admitted iff groups_started + n <= floor((v + max_staleness + 1) / m) * groups_per_step,
+-- with v = min(policy_version, ARGV[4]) and m = mini_batches_per_step (AReaL-style throttle,
+-- docs/design.md). A trainer step takes groups_per_step groups and raises the version by m,
+-- and it trains a group only if v' + m - 1 - max_staleness <= its version (v' the step's
+-- start), so a group sampled at v is usable up to trainer step floor((v + max_staleness +
+-- 1) / m) - 1, counting from 0; every step before it takes groups_per_step. A generator whose
 -- engine lags the announced version (an elastic one still loading it) is budgeted by what it
 -- will really sample with, so it is not admitted to groups that would be dropped as stale.
 -- Returns 1 admitted, 0 refused,
@@ -48,10 +59,11 @@ if KEYS[3] and redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then return 1 end
 local ms = tonumber(redis.call('HGET', KEYS[1], 'max_staleness') or '')
 local gps = tonumber(redis.call('HGET', KEYS[1], 'groups_per_step') or '')
 if ms == nil or gps == nil then return -1 end
+local m = tonumber(redis.call('HGET', KEYS[1], 'mini_batches_per_step') or '1')
 local v = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
 if ARGV[4] then v = math.min(v, tonumber(ARGV[4])) end
 local started = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0')
-if started + n <= (v + ms + 1) * gps then
+if started + n <= math.floor((v + ms + 1) / m) * gps then
   redis.call('HINCRBY', KEYS[2], 'groups_started', n)
   if KEYS[3] then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
   return 1

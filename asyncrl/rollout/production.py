@@ -129,7 +129,12 @@ class Production:
         return None
 
     def _next_prompt(self) -> PromptItem | None:
-        prompt_id, text, metadata = next(self.prompts)
+        # A prompt whose group the trainer dropped as stale comes first (asyncrl.queue.reissue).
+        reissued = self.run_state.pop_reissued()
+        if reissued is not None:
+            prompt_id, text, metadata = reissued.prompt_id, reissued.text, reissued.metadata
+        else:
+            prompt_id, text, metadata = next(self.prompts)
         ids = self.encode(text)
         if len(ids) > self.rollout.max_prompt_tokens:
             self.counts["prompts_skipped"] += 1

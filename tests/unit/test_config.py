@@ -274,7 +274,8 @@ def test_rollout_anchored_losses_need_engine_logprobs():
     ):
         cfg = load_config(None, overrides + ["rollout.logprobs=false"])
         assert cfg.rollout.logprobs is True and cfg.algo.needs_rollout_logprobs
-    assert not load_config(None, ["algo.policy_loss=cispo"]).algo.needs_rollout_logprobs
+    old_anchored = load_config(None, ["algo.policy_loss=cispo", "algo.correction.tis=none"]).algo
+    assert not old_anchored.needs_rollout_logprobs
 
 
 def test_cispo_rollout_anchor_rejects_tis(caplog):
@@ -301,7 +302,7 @@ def test_token_mask_needs_both_bounds_in_order():
         "algo.correction.token_mask_high=0.5",
     )
     rejects(["algo.correction.token_mask_low=0", "algo.correction.token_mask_high=2"], "algo.correction.token_mask_low")
-    assert not load_config(None, []).algo.correction.enabled
+    assert not load_config(None, ["algo.correction.tis=none"]).algo.correction.enabled
 
 
 # ----------------------------------------------------------------------------- issue 18: the schema
@@ -373,7 +374,7 @@ def test_help_config_lists_sections_fields_and_losses():
     for fragment in (
         "algo:  The RL objective",
         "  outage_deadline_s: float | None = None  (> 0)",
-        "  tis: 'none' | 'token' | 'sequence' = 'none'",
+        "  tis: 'auto' | 'none' | 'token' | 'sequence' = 'auto'",
         "Truncated importance sampling weight",
         "  type: sapo ",
         "    sapo_tau_neg: float = 1.05  (> 0)",
@@ -394,3 +395,64 @@ def test_config_parse_imports_no_torch_and_is_quick():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[1] == "False", "parsing a config imported torch"
     assert float(out[0]) < 3.0, f"config parse took {out[0]} s"
+
+
+@pytest.mark.parametrize("shape", [["sync.sync_every=2"], ["learner.mini_batches_per_step=2"]])
+def test_sync_mode_checks_the_bound_it_really_trains_with(shape):
+    """The sync mode forces the staleness bound to 0: data a sync_every or mini-batch shape
+    makes older than that would all be dropped as stale, and the run would wait forever."""
+    rejects(
+        ["control.mode=sync", "control.max_staleness=5", *shape],
+        "control.mode='sync'",
+        "staleness bound of 0",
+        "control.mode='async'",
+    )
+    cfg = load_config(None, ["control.mode=async", "control.max_staleness=1", *shape])
+    assert cfg.control.mode == "async"
+    assert load_config(None, ["control.mode=sync"]).control.mode == "sync"
+
+
+def test_mini_batches_without_overlap_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        load_config(None, ["learner.mini_batches_per_step=2", "control.max_staleness=2"])
+    assert "generation cannot overlap training" in caplog.text and "control.max_staleness=3" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        load_config(None, ["learner.mini_batches_per_step=2", "control.max_staleness=3"])
+    assert "overlap" not in caplog.text
+
+
+def test_the_default_correction_is_token_tis_where_it_composes(caplog):
+    """algo.correction.tis='auto' (the default) is token TIS capped at 2, in either mode; 'none'
+    where a TIS weight has no place, and where engine logprobs were turned off on purpose.
+    An async run left with no correction at all says so at load."""
+
+    def tis(*overrides: str) -> tuple[str, float]:
+        c = load_config(None, list(overrides)).algo.correction
+        return c.tis, c.tis_cap
+
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        assert tis() == ("token", 2.0)
+        assert tis("control.mode=sync", "control.max_staleness=0") == ("token", 2.0)
+        assert load_config(None, []).to_dict()["algo"]["correction"]["tis"] == "token"
+        assert tis("algo.policy_loss=importance_sampling")[0] == "token"
+    assert "no off-policy correction" not in caplog.text
+    assert tis("algo.policy_loss=rollout_is")[0] == "none"
+    assert tis("algo.policy_loss=dppo")[0] == "none"
+    assert tis("algo.policy_loss=cispo", "algo.policy_loss.cispo_anchor=rollout")[0] == "none"
+    assert tis("algo.policy_loss=cross_entropy")[0] == "none"
+    assert tis("algo.correction.tis=sequence") == ("sequence", 2.0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        assert tis("algo.policy_loss=gmpo", "algo.loss_reduction=sequence_mean")[0] == "none"
+    assert "no off-policy correction" in caplog.text and "algo.correction.tis='sequence'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        cfg = load_config(None, ["rollout.logprobs=false"])
+    assert (cfg.algo.correction.tis, cfg.rollout.logprobs) == ("none", False)
+    assert "no off-policy correction" in caplog.text and "algo.correction.tis='token'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        tis("algo.correction.tis=none", "control.mode=sync", "control.max_staleness=0")
+        tis("algo.correction.tis=none", "algo.correction.geo_mask=true")
+    assert "no off-policy correction" not in caplog.text

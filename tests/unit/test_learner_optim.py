@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config import AlgoConfig, LearnerConfig
+from asyncrl.config import AlgoConfig, CorrectionConfig, LearnerConfig
 from asyncrl.learner.optim import build_optimizer, build_scheduler, lr_factor
 from asyncrl.learner.validate import validate_minibatches
 from asyncrl.types import TrainSequence
@@ -63,7 +63,8 @@ def _seq(n=6, **over) -> TrainSequence:
 
 
 def test_validation_names_field_and_sequence():
-    plain, rkl = AlgoConfig(), AlgoConfig(rollout_kl_coef=0.1)
+    plain = AlgoConfig(correction=CorrectionConfig(tis="none"))
+    rkl = AlgoConfig(rollout_kl_coef=0.1, correction=CorrectionConfig(tis="none"))
     validate_minibatches([[_seq(), _seq()]], rkl, max_positions=8, vocab_size=20)
     nan = _seq(rollout_logprobs=np.array([-1, -1, np.nan, -1, -1, -1], dtype=np.float32))
     # Without rollout-KL or a correction the loss never reads rollout logprobs: accepted.

@@ -530,6 +530,9 @@ def test_configured_loss_settings_reach_the_loss():
 
     corr = CorrectionConfig()
     for f in dataclasses.fields(CorrectionParams):
+        if f.name == "tis":  # 'auto' is resolved by the config (token TIS for this loss)
+            assert (corr.tis, AlgoConfig().correction.tis) == ("auto", "token")
+            continue
         assert getattr(corr, f.name) == f.default, f.name
     cfg = config.load_config(
         None,

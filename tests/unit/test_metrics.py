@@ -82,6 +82,8 @@ def test_catalogue_covers_the_data_contract():
     eval/response_length_mean eval/reward_errors eval/prompts loss/policy loss/kl_ref loss/rollout_kl
     loss/entropy loss/total learner/version learner/grad_norm learner/lr
     drift/logprob_abs_diff_max drift/outside_kept_frac policy/ref_outside_kept_frac""".split()
+    contract += "queue/stale_reissued queue/stale_abandoned queue/dropped_response_len_mean".split()
+    contract += ["queue/trained_response_len_mean"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"

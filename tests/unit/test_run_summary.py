@@ -113,3 +113,14 @@ def test_summary_shows_response_length_against_the_tasks_target():
     demo.rollout.prompts = "prompts.jsonl"
     assert task_target_length(demo.rollout) is None
     assert run_summary(rows(20), **kwargs).splitlines()[2] == "  response length 7.5 -> 6.5 tokens"
+
+
+def test_summary_says_what_became_of_stale_groups():
+    counters = {"groups_produced": 40, "groups_trained": 32, "dropped_stale": 5, "stale_reissued": 4}
+    counters |= {"stale_abandoned": 1, "dropped_samples": 10, "dropped_response_tokens": 120}
+    counters |= {"trained_samples": 64, "trained_response_tokens": 256}
+    common = dict(startup_s=1.0, wall_s=2.0, max_staleness=2, status="finished", metrics=Path("/r/m.jsonl"))
+    common |= dict(checkpoint=None, hf_dir=None, dashboard_url=None, resume_cmd="asyncrl train --resume /r")
+    text = run_summary(rows(3), counters=counters, **common)
+    assert "  stale prompts   re-issued 4, given up 1; response length dropped 12.0 vs trained 4.0 tokens" in text
+    assert "stale prompts" not in run_summary(rows(3), counters={"groups_trained": 32}, **common)
