@@ -103,7 +103,13 @@ class GroupMaker:
             env = make_env(self.rollout.env, self.rollout.env_kwargs)  # episode state is per trajectory
             return await run_trajectory(env, item.text, item.metadata, policy, codec, budget)
 
-        trajectories = await asyncio.gather(*(one(k) for k in range(self.rollout.n_samples)))
+        tasks = [asyncio.ensure_future(one(k)) for k in range(self.rollout.n_samples)]
+        try:
+            trajectories = await asyncio.gather(*tasks)
+        except BaseException:  # one void trajectory voids the group (it is re-issued): stop the others
+            for t in tasks:
+                t.cancel()
+            raise
         if self.cfg.algo.stepwise:
             return [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
         return [to_interleaved_sample(t, self.generator_id) for t in trajectories]

@@ -28,12 +28,9 @@ from asyncrl.rollout.envs.multiturn import (
     to_step_samples,
 )
 from asyncrl.rollout.prompts import encode_prompt
+from asyncrl.testing.chat import CHATML, llama_style_tokenizer
 from asyncrl.types import RolloutGroup
 
-CHATML = (
-    "{% for m in messages %}<bos>{{ m['role'] }}:{{ m['content'] }}<eos>|{% endfor %}"
-    "{% if add_generation_prompt %}<bos>assistant:{% endif %}"
-)
 # The generation prompt "assistant: " is not how an assistant message is rendered ("<bos>assistant: ...").
 HEADER_MISMATCH = (
     "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
@@ -47,24 +44,10 @@ LAST_DIFFERS = (
 )
 
 
-def llama_style(tmp_path, template: str | None):
-    """The character tokenizer with a BOS post-processor (like Llama's) and ``template``."""
-    from tokenizers import processors
-    from transformers import AutoTokenizer
-
-    from asyncrl.rollout.tiny import write_tokenizer
-
-    tok = write_tokenizer(tmp_path)
-    bos = tok.bos_token_id
-    tok._tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos)]
-    )
-    if template is not None:
-        tok.chat_template = template
-    tok.save_pretrained(tmp_path)
-    loaded = AutoTokenizer.from_pretrained(tmp_path)
-    assert loaded.encode("5>")[0] == bos  # really Llama-style: plain encode adds a BOS
-    return loaded
+def llama_style(tmp_path, template):
+    tok = llama_style_tokenizer(tmp_path, template)
+    assert tok.encode("5>")[0] == tok.bos_token_id  # really Llama-style: plain encode adds a BOS
+    return tok
 
 
 @pytest.fixture
