@@ -127,7 +127,11 @@ class Runtime(contextlib.ExitStack):
         if r.chat_template:
             from transformers import AutoTokenizer
 
-            check_chat_template(AutoTokenizer.from_pretrained(self.model_path), r.model)
+            from asyncrl.rollout.envs.chat import check_turn_template
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            check_chat_template(tokenizer, r.model)
+            check_turn_template(tokenizer, r.env)
 
     def _start_redis(self) -> None:
         q = self.cfg.queue

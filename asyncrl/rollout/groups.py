@@ -19,6 +19,7 @@ import numpy as np
 from asyncrl.config import Config
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.envs import make_env, score_completion
+from asyncrl.rollout.envs.chat import turn_codec
 from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
 from asyncrl.rollout.prompts import PromptItem
 from asyncrl.types import RolloutGroup, Sample
@@ -30,6 +31,10 @@ class GroupMaker:
     def __init__(self, cfg: Config, env, tokenizer, engine: RolloutEngine, generator_id: str, counts: dict):
         self.cfg, self.rollout, self.env, self.tokenizer = cfg, cfg.rollout, env, tokenizer
         self.engine, self.generator_id, self.counts = engine, generator_id, counts
+        # Multi-turn contexts: built (and a chat template that cannot grow turn by turn refused) once.
+        role = getattr(env, "observation_role", "user")
+        chat = cfg.rollout.chat_template
+        self.codec = turn_codec(tokenizer, chat_template=chat, role=role) if env.multi_turn else None
 
     async def make(self, item: PromptItem) -> RolloutGroup:
         t0 = time.time()
@@ -82,6 +87,8 @@ class GroupMaker:
         )
 
     async def _multi_turn_samples(self, item: PromptItem) -> list[Sample]:
+        assert self.codec is not None
+        codec = self.codec
         budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
 
         async def one(k: int):
@@ -94,17 +101,15 @@ class GroupMaker:
                 return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
 
             env = make_env(self.rollout.env, self.rollout.env_kwargs)  # episode state is per trajectory
-            return await run_trajectory(
-                env,
-                item.text,
-                item.metadata,
-                policy,
-                self.tokenizer.encode,
-                lambda t: self.tokenizer.decode(t, skip_special_tokens=True),
-                budget,
-            )
+            return await run_trajectory(env, item.text, item.metadata, policy, codec, budget)
 
-        trajectories = await asyncio.gather(*(one(k) for k in range(self.rollout.n_samples)))
+        tasks = [asyncio.ensure_future(one(k)) for k in range(self.rollout.n_samples)]
+        try:
+            trajectories = await asyncio.gather(*tasks)
+        except BaseException:  # one void trajectory voids the group (it is re-issued): stop the others
+            for t in tasks:
+                t.cancel()
+            raise
         if self.cfg.algo.stepwise:
             return [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
         return [to_interleaved_sample(t, self.generator_id) for t in trajectories]

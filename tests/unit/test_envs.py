@@ -140,6 +140,19 @@ def _decode(ids):
     return "".join(chr(i) for i in ids)
 
 
+class _CharTurns:
+    """A TurnCodec with one id per character and no chat template."""
+
+    def prompt(self, text):
+        return _encode(text)
+
+    def observation(self, text, reply_ids, finish_reason):
+        return _encode(text)
+
+    def reply_text(self, reply_ids):
+        return _decode(reply_ids)
+
+
 def test_countdown_trajectory_step_wise_and_interleaved():
     env = make_env("countdown_chat", {"max_turns": 3})
     replies = iter(["4", "x", "2"])  # right, wrong, right
@@ -149,7 +162,7 @@ def test_countdown_trajectory_step_wise_and_interleaved():
         text = next(replies)
         return Turn(token_ids=_encode(text), logprobs=[-0.5] * len(text), versions=next(versions))
 
-    traj = asyncio.run(run_trajectory(env, "5>", {"start": 5}, policy, _encode, _decode, 64))
+    traj = asyncio.run(run_trajectory(env, "5>", {"start": 5}, policy, _CharTurns(), 64))
     assert traj.rewards == pytest.approx([1 / 3, 0.0, 1 / 3])
     assert traj.total_reward == pytest.approx(2 / 3)
     # the env restates the true count after each reply; no observation after the last step
@@ -162,6 +175,7 @@ def test_countdown_trajectory_step_wise_and_interleaved():
     assert [s.behavior_version for s in steps] == [5, 5, 6]
 
     flat = to_interleaved_sample(traj)
+    assert _decode(flat.prompt_ids.tolist()) == "5>"
     assert _decode(flat.response_ids.tolist()) == "4;4>x;3>2"
     assert flat.loss_mask.tolist() == [1, 0, 0, 0, 1, 0, 0, 0, 1]
     np.testing.assert_allclose(flat.rollout_logprobs, [-0.5, 0, 0, 0, -0.5, 0, 0, 0, -0.5])

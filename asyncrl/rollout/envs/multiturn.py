@@ -10,6 +10,18 @@
 one Sample per step (``to_step_samples``: each step's prompt is the whole context so
 far, every step carries the trajectory's return, as step-wise GRPO wants) or one
 interleaved Sample (``to_interleaved_sample``: observation tokens with loss_mask 0).
+
+Every sample carries its own ``prompt_ids``: the ids the engine was given for its first
+token, so the learner conditions on exactly what the engine sampled from (the group's
+``prompt_ids`` are never substituted). A ``TurnCodec`` (``chat.py``) turns the text into
+ids: the first prompt as single-turn prompts are encoded (rollout.chat_template
+respected), the engine's replies as sampled, observations as chat turns or bare text.
+
+A turn the engine aborted (its request cancelled, e.g. by an engine rebuild) or that holds
+no token raises ``TurnAborted``: the episode cannot go on from a torn reply, and a
+trajectory cut there would be trained with a return the environment never gave. The
+generator then runs the prompt again under the same id (the group is whole or not at
+all, and counted in ``group_errors``).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollout.envs.base import Environment
+from asyncrl.rollout.envs.chat import TurnCodec
 from asyncrl.types import Sample
 
 
@@ -30,6 +43,8 @@ class MultiTurnEnvironment(Environment):
 
     multi_turn = True
     max_turns = 4
+    observation_role = "user"
+    """The chat role observations take with rollout.chat_template (e.g. "tool" for tool output)."""
 
     def reset(self, prompt: str, metadata: dict[str, Any]) -> str:
         """Start an episode; return the first observation (usually the prompt itself)."""
@@ -56,7 +71,7 @@ class Turn:
 @dataclass
 class Trajectory:
     """One episode: the initial prompt ids, then per step the policy turn, its reward and the
-    observation that followed (token ids, empty after the last step)."""
+    observation ids that followed (empty after the last step: no turn was sampled after it)."""
 
     prompt_ids: list[int]
     turns: list[Turn] = field(default_factory=list)
@@ -71,27 +86,47 @@ class Trajectory:
 Policy = Callable[[list[int]], Awaitable[Turn]]
 
 
+class TurnAborted(RuntimeError):
+    """A turn came back aborted or empty: the episode is void (see the module doc)."""
+
+
 async def run_trajectory(
     env: MultiTurnEnvironment,
     prompt: str,
     metadata: dict[str, Any],
     policy: Policy,
-    encode: Callable[[str], list[int]],
-    decode: Callable[[list[int]], str],
+    codec: TurnCodec,
     max_context_tokens: int,
 ) -> Trajectory:
-    """Alternate policy turns and env steps until done, max_turns, or the context is full."""
-    traj = Trajectory(prompt_ids=encode(env.reset(prompt, metadata)))
+    """Alternate policy turns and env steps until done, max_turns, or the context is full.
+
+    The context handed to the policy is always ``prompt_ids`` + (turn + observation)... with
+    the turns' ids as sampled: the samples built from the trajectory rebuild it the same way."""
+    traj = Trajectory(prompt_ids=codec.prompt(env.reset(prompt, metadata)))
     context = list(traj.prompt_ids)
-    for _ in range(env.max_turns):
+    for k in range(env.max_turns):
         turn = await policy(context)
+        if turn.finish_reason == "abort" or not turn.token_ids:
+            raise TurnAborted(
+                f"turn {k} came back {turn.finish_reason!r} with {len(turn.token_ids)} tokens: "
+                f"the episode cannot go on from it"
+            )
+        if not len(turn.versions) == len(turn.logprobs) == len(turn.token_ids):
+            raise ValueError(
+                f"turn {k}: {len(turn.token_ids)} tokens, {len(turn.logprobs)} logprobs, {len(turn.versions)} versions"
+            )
         traj.turns.append(turn)
-        observation, reward, done = env.step(decode(turn.token_ids))
+        observation, reward, done = env.step(codec.reply_text(turn.token_ids))
         traj.rewards.append(float(reward))
-        obs_ids = [] if done else encode(observation)
-        traj.observation_ids.append(obs_ids)
-        context = context + list(turn.token_ids) + obs_ids
-        if done or len(context) >= max_context_tokens:
+        traj.observation_ids.append([])
+        context = context + list(turn.token_ids)  # a new list: the policy may keep the one it got
+        if done or k + 1 == env.max_turns or len(context) >= max_context_tokens:
+            break
+        obs_ids = codec.observation(observation, turn.token_ids, turn.finish_reason)
+        traj.observation_ids[-1] = obs_ids
+        context = context + obs_ids
+        if len(context) >= max_context_tokens:  # no room for another turn: the observation was never seen
+            traj.observation_ids[-1] = []
             break
     return traj
 
@@ -107,7 +142,7 @@ def to_step_samples(traj: Trajectory, trajectory_id: int, generator_id: str = ""
                 rollout_logprobs=np.asarray(turn.logprobs, np.float32),
                 loss_mask=np.ones(n, np.uint8),
                 reward=traj.total_reward,
-                behavior_version=min(turn.versions) if turn.versions else 0,
+                behavior_version=min(turn.versions),
                 stop_reason=turn.finish_reason,
                 token_versions=np.asarray(turn.versions, np.int32),
                 generator_id=generator_id,
@@ -121,7 +156,11 @@ def to_step_samples(traj: Trajectory, trajectory_id: int, generator_id: str = ""
 
 
 def to_interleaved_sample(traj: Trajectory, generator_id: str = "") -> Sample:
-    """One Sample whose response interleaves turns (loss_mask 1) and observations (loss_mask 0)."""
+    """One Sample whose response interleaves turns (loss_mask 1) and observations (loss_mask 0);
+    its prompt_ids are the first prompt's, so prompt + response is the last turn's context
+    plus that turn. Observation tokens carry the version of the turn before them."""
+    if not traj.turns:
+        raise ValueError("a trajectory with no turns makes no sample")
     ids, logps, mask, versions = [], [], [], []
     for turn, obs in zip(traj.turns, traj.observation_ids):
         ids += turn.token_ids
@@ -131,17 +170,17 @@ def to_interleaved_sample(traj: Trajectory, generator_id: str = "") -> Sample:
         ids += obs
         logps += [0.0] * len(obs)
         mask += [0] * len(obs)
-        versions += [versions[-1] if versions else 0] * len(obs)
-    policy_versions = [v for t in traj.turns for v in t.versions]
+        versions += [versions[-1]] * len(obs)
     return Sample(
         response_ids=np.asarray(ids, np.int32),
         rollout_logprobs=np.asarray(logps, np.float32),
         loss_mask=np.asarray(mask, np.uint8),
         reward=traj.total_reward,
-        behavior_version=min(policy_versions) if policy_versions else 0,
-        stop_reason=traj.turns[-1].finish_reason if traj.turns else "stop",
+        behavior_version=min(v for t in traj.turns for v in t.versions),
+        stop_reason=traj.turns[-1].finish_reason,
         token_versions=np.asarray(versions, np.int32),
         generator_id=generator_id,
+        prompt_ids=np.asarray(traj.prompt_ids, np.int32),
     )
 
 

