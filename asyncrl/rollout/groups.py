@@ -54,7 +54,10 @@ class GroupMaker:
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
         if self.cfg.sync.inflight == "keep" and any(
-            s.token_versions is not None and len(set(s.token_versions.tolist())) > 1 for s in samples
+            s.token_versions is not None
+            and s.token_versions.size > 0
+            and (len(set(s.token_versions.tolist())) > 1 or s.behavior_version < s.token_versions.min())
+            for s in samples
         ):
             meta["stale_kv"] = True  # tokens after a mid-request update attended to older weights' KV
         # One group per prompt: a prompt re-issued after a crash that had in fact been put
@@ -73,12 +76,18 @@ class GroupMaker:
         if error is not None:
             self.counts["reward_errors"] += 1
         n = len(c.token_ids)
+        versions = list(c.versions) or [self.engine.version]
+        if self.cfg.sync.inflight == "keep" and c.submitted_version is not None:
+            # Submitted before an update but run after it: its prompt may have come from the
+            # prefix cache of the weights it was submitted under, so those are the oldest that
+            # shaped it (its tokens alone would all say the newer version).
+            versions.append(c.submitted_version)
         return Sample(
             response_ids=np.asarray(c.token_ids, np.int32),
             rollout_logprobs=np.asarray(c.logprobs, np.float32),
             loss_mask=np.ones(n, np.uint8),
             reward=reward,
-            behavior_version=min(c.versions) if c.versions else self.engine.version,
+            behavior_version=min(versions),
             stop_reason=c.finish_reason,
             token_versions=np.asarray(c.versions, np.int32),
             generator_id=self.generator_id,

@@ -10,7 +10,9 @@ once; a finished group is held through a full queue (put's timeout is logged, ne
 to drop it) and, while held, keeps its task counted so no more prompts are drawn. A rollout
 that fails (engine trouble) is re-issued under the same id; a put that fails for good is
 handed to ``on_fail``, since a line that went on without it would leave the trainer one group
-short for good.
+short for good. A request aborted under a group (an engine rebuild) fails the whole group
+(RequestAborted, counted in ``aborted``): torn samples are never scored or put. Re-issued
+prompts wait, like new ones, while the announced weights cannot be loaded.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import msgpack
 from asyncrl.config import Config
 from asyncrl.queue.replay import QueueFull, RolloutQueue
 from asyncrl.queue.runstate import RunState
-from asyncrl.rollout.engine import RolloutEngine
+from asyncrl.rollout.engine import RequestAborted, RolloutEngine
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.prompts import PromptItem
 from asyncrl.rollout.watcher import WeightWatcher
@@ -72,7 +74,7 @@ class Production:
             # The next prompt is admitted (and noted) while every slot is still busy, so a
             # freed slot is refilled at once instead of idling the engine for two Redis
             # round trips. If we stop first, the stop releases it with the other noted ones.
-            item = self.retry.popleft() if self.retry else await self._admit_next()
+            item = await self._reissue_next() if self.retry else await self._admit_next()
             if item is None:
                 continue
             while self._busy() and not self.stopping:
@@ -106,6 +108,14 @@ class Production:
             self.slots_taken >= self.rollout.max_inflight_groups
             or len(self.tasks) >= 2 * self.rollout.max_inflight_groups
         )
+
+    async def _reissue_next(self) -> PromptItem | None:
+        """The next admitted prompt to run again, once the engine runs weights it may generate
+        with (admitted already, so no second admission; but a prompt run while the announced
+        weights cannot load would only make a group dropped as stale). None if stopping."""
+        while self.weights.blocked is not None and not self.stopping:
+            await asyncio.sleep(BLOCKED_POLL_S)
+        return None if self.stopping else self.retry.popleft()
 
     async def _admit_next(self) -> PromptItem | None:
         """Draw a prompt and wait until admission lets it start; None if skipped or stopping."""
@@ -167,6 +177,8 @@ class Production:
             raise
         except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
             self.counts["group_errors"] += 1
+            if isinstance(e, RequestAborted):  # its partial tokens were never scored nor put
+                self.counts["aborted"] += 1
             log.warning(
                 "%s: prompt %s failed (%s: %s); re-issuing it", self.generator_id, item.prompt_id, type(e).__name__, e
             )
