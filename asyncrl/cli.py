@@ -110,6 +110,14 @@ def _cmd_train(args) -> int:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        from asyncrl.control.preflight import preflight
+
+        try:
+            for line in preflight(cfg):
+                print(f"check: {line}")
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         return 0
     from asyncrl.control.train import train  # heavy imports only after the config is valid
     from asyncrl.rollout.prompts import PromptSourceError

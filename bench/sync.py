@@ -125,14 +125,14 @@ def measure_size(label: str, hidden: int, layers: int, reps: int, redis_url: str
             t0 = time.perf_counter()
             info = sync.publish(state, version=i + 1)
             t_ours = time.perf_counter() - t0
-            assert info["errors"] == [] and gen.version() == i + 1, info
+            assert info.errors == () and gen.version() == i + 1, info
             t_raw = raw_copy(state, os.path.join(cfg.sync.shm_dir, f"asyncrl-bench-raw-{os.getpid()}"), dest)
             if i:
                 ours.append(t_ours)
                 raw.append(t_raw)
-                loads.append(info["engine_load_s"])
-                writes.append(info["write_s"])
-                applies.append(info["apply_s"])
+                loads.append(info.engine_load_s)
+                writes.append(info.write_s)
+                applies.append(info.apply_s)
             progress.advance(task)
         check_engine_runs(gen, model_dir, state)
     finally:
@@ -207,7 +207,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
                 t0 = time.perf_counter()
                 info = sync.publish(state, version=i + 1)
                 t_ours = time.perf_counter() - t0
-                assert info["errors"] == [] and ray.get(gen.version.remote()) == i + 1, info
+                assert info.errors == () and ray.get(gen.version.remote()) == i + 1, info
                 blob = safetensors_blob(state)
                 t0 = time.perf_counter()
                 ray.get(pull.remote([ray.put(blob)]))
@@ -215,8 +215,8 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
                 if i:
                     ours.append(t_ours)
                     raw.append(t_raw)
-                    loads.append(info["engine_load_s"])
-                    fetches.append(info["fetch_s"])
+                    loads.append(info.engine_load_s)
+                    fetches.append(info.fetch_s)
                 progress.advance(task)
             check_engine_runs(gen, model_dir, state, sample=lambda *a: ray.get(gen.sample.remote(*a)))
         finally:

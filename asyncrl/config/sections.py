@@ -242,6 +242,12 @@ class SyncConfig(Section):
     inflight: Literal["recompute", "keep"] = "recompute"
     """In-flight requests at a sync: recompute with the new weights, or finish on stale KV."""
     shm_dir: str = "/dev/shm"
+    publish_deadline_s: float | None = Field(None, gt=0)
+    """A publish whose weights cannot be written (shm_dir full, Ray's object store full) is
+    retried with backoff, one line a minute saying what is full and how much is needed, while
+    the engines keep their weights and admission holds the staleness bound. None: wait for
+    space for ever; a number: after that many seconds the trainer checkpoints, prints the
+    resume command and fails (WeightsUnwritable)."""
 
 
 class ControlConfig(Section):

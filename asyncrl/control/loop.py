@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from asyncrl.config import Config
-from asyncrl.control.publish import Publisher
+from asyncrl.control.publish import Publisher, WeightsUnwritable
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
 from asyncrl.control.state import LoopState, StopFlag
 from asyncrl.queue import QueueUnavailable
@@ -105,7 +105,14 @@ class TrainLoop:
         from asyncrl.control.watchdog import GeneratorWatchdog
 
         self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
-        self.publisher = Publisher(self.learner, runtime.weight_sync, self.run_state, self.state)
+        self.publisher = Publisher(
+            self.learner,
+            runtime.weight_sync,
+            self.run_state,
+            self.state,
+            deadline_s=cfg.sync.publish_deadline_s,
+            stop=self.stop,
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -408,6 +415,11 @@ class TrainLoop:
         except NoGenerators:
             # The learners are fine: keep what they trained, so the run resumes from here.
             self._checkpoint_for_resume("no generator can run", "generators can run")
+            raise
+        except WeightsUnwritable as e:
+            # Past sync.publish_deadline_s: the checkpoint goes to run_dir, not to the full shm_dir.
+            self.publisher.join()
+            self._checkpoint_for_resume(str(e), "there is space for the weights")
             raise
         except QueueUnavailable as e:
             # Past queue.outage_deadline_s. The weights are on local disk; Redis keeps the rest.

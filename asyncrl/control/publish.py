@@ -1,35 +1,108 @@
 """Weights from the learners to the engines, at most one publish in flight.
 
-    pub = Publisher(rt.learner, rt.weight_sync, rt.run_state, state)
+    pub = Publisher(rt.learner, rt.weight_sync, rt.run_state, state, deadline_s=None, stop=stop)
     seconds = pub.publish(version, overlap=True)   # export now; the engines load meanwhile
     pub.finish()                                   # wait for the one in flight, raise its error here
 
-The policy version in Redis is raised only after every engine applied the weights, so
-admission never lets a generator start work counted against weights it lacks. With
-`overlap` the engines' part runs in a background thread while the loop trains the next
-step (docs/design.md, "The async learner does not wait for the engines to load").
+The policy version in Redis is raised only after every engine applied the weights (or failed
+to and closed its own admission: ``PublishResult.errors``, logged here), so admission never
+lets a generator start work counted against weights it lacks. With `overlap` the engines'
+part runs in a background thread while the loop trains the next step (docs/design.md, "The
+async learner does not wait for the engines to load").
+
+An export that fails for want of space (``shm_dir`` full, Ray's object store full) is treated
+like a Redis outage: said once with what is full and how much one export needs, retried with
+backoff (one line a minute) while the engines keep their weights and admission holds the
+staleness bound (the policy version does not move), and past ``sync.publish_deadline_s``
+raised as WeightsUnwritable, on which the loop checkpoints and prints the resume command.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import shutil
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from asyncrl.sync.weight_sync import PublishResult, WeightSync
 
 if TYPE_CHECKING:
-    from asyncrl.control.state import LoopState
+    from asyncrl.control.state import LoopState, StopFlag
     from asyncrl.learner import LearnerGroup
     from asyncrl.queue import RunState
 
+log = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
+RETRY_LOG_S = 60.0
+"""While waiting for space, how often that is said again."""
+_NO_SPACE = ("no space left on device", "disk quota exceeded", "objectstorefullerror", "outofdiskerror")
+
+
+class WeightsUnwritable(OSError):
+    """The weights could not be written within sync.publish_deadline_s (a full shm_dir or object store)."""
+
+
+def no_space(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps: a learner rank's error comes through Ray) is a full
+    filesystem or object store, which waiting can fix, rather than a bug."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = f"{type(e).__name__}: {e}".lower()
+        if any(k in text for k in _NO_SPACE):
+            return True
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return False
+
+
+def space_report(path: str, need: int | None) -> str:
+    """'/dev/shm has 3.1 MB free of 300.0 MB; one export needs 45.2 MB' (what can be known)."""
+    where = os.path.dirname(path) or "."
+    if "://" in path:
+        where_text = "Ray's object store"
+        usage = ""
+    else:
+        where_text = where
+        try:
+            du = shutil.disk_usage(where)
+            usage = f" has {du.free / 1e6:.1f} MB free of {du.total / 1e6:.1f} MB"
+        except OSError:
+            usage = ""
+    needed = f"; one export needs {need / 1e6:.1f} MB" if need else ""
+    return f"{where_text}{usage}{needed}"
+
 
 class Publisher:
-    def __init__(self, learner: LearnerGroup, weight_sync: Any, run_state: RunState, state: LoopState):
+    def __init__(
+        self,
+        learner: LearnerGroup,
+        weight_sync: WeightSync,
+        run_state: RunState,
+        state: LoopState,
+        *,
+        deadline_s: float | None = None,
+        stop: StopFlag | None = None,
+    ):
         self.learner = learner
         self.weight_sync = weight_sync
         self.run_state = run_state
         self.state = state
+        self.deadline_s = deadline_s
+        """sync.publish_deadline_s: how long an unwritable export is retried (None: for ever)."""
+        self.stop = stop
         self.last_apply_s = 0.0
         """How long the engines took to apply the last publish (pause, load, resume)."""
+        self.last_result: PublishResult | None = None
+        self.export_bytes: int | None = None
+        """Size of the last export that was written (what the next one needs)."""
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -40,7 +113,7 @@ class Publisher:
         t0 = time.perf_counter()
         self.finish()
         path = self.weight_sync.path_for(version)
-        self.learner.export_to_file(path)
+        self._export(path, version)
         self.state.published_version = version
         if overlap:
             self._inflight = threading.Thread(
@@ -52,9 +125,77 @@ class Publisher:
             self._raise_error()
         return time.perf_counter() - t0
 
+    def _export(self, path: str, version: int) -> None:
+        """learner.export_to_file, waiting out a full filesystem or object store (see the module doc)."""
+        t0 = time.monotonic()
+        wait, next_say, failures = RETRY_FIRST_S, 0.0, 0
+        while True:
+            try:
+                self.learner.export_to_file(path)
+                break
+            except Exception as e:
+                if not no_space(e):
+                    raise
+                failures += 1
+                now = time.monotonic()
+                waited = now - t0
+                where = space_report(path, self.export_bytes or self._last_file_size())
+                if self.deadline_s is not None and waited >= self.deadline_s:
+                    raise WeightsUnwritable(
+                        errno.ENOSPC,
+                        f"weights v{version} could not be written to {path} for {waited:.0f}s "
+                        f"({failures} attempts, sync.publish_deadline_s={self.deadline_s:g}): {where}",
+                    ) from e
+                if now >= next_say:
+                    limit = "none" if self.deadline_s is None else f"{self.deadline_s:g}s"
+                    log.error(
+                        "weights v%d cannot be written to %s: %s (%s). Retrying with backoff; the engines keep "
+                        "v%s and admission holds the staleness bound (sync.publish_deadline_s=%s)",
+                        version,
+                        path,
+                        where,
+                        _first_line(e),
+                        self.state.published_version,
+                        limit,
+                    )
+                    next_say = now + RETRY_LOG_S
+                if self.stop is not None and self.stop.is_set:
+                    raise WeightsUnwritable(
+                        errno.ENOSPC, f"stopped while waiting to write weights v{version}: {where}"
+                    ) from e
+                time.sleep(wait if self.deadline_s is None else max(0.0, min(wait, self.deadline_s - waited)))
+                wait = min(wait * 2, RETRY_MAX_S)
+        if failures:
+            log.warning(
+                "weights v%d written to %s after %.0fs of waiting for space", version, path, time.monotonic() - t0
+            )
+        if "://" not in path:
+            try:
+                self.export_bytes = os.path.getsize(path)
+            except OSError:
+                pass
+
+    def _last_file_size(self) -> int | None:
+        """The published version's file, when it is one: as large as the next export."""
+        try:
+            return os.path.getsize(self.weight_sync.path_for(self.state.published_version))
+        except (OSError, TypeError):
+            return None
+
     def _apply_and_announce(self, path: str, version: int) -> None:
         try:
-            self.last_apply_s = self.weight_sync.publish_file(path, version)["apply_s"]
+            result = self.weight_sync.publish_file(path, version)
+            if result.errors:
+                # Each failed generator closed its own admission until it loads this version.
+                log.error(
+                    "weights v%d: %d of %d generator(s) could not apply them and admit nothing until they do: %s",
+                    version,
+                    len(result.errors),
+                    result.engines,
+                    "; ".join(result.errors),
+                )
+            self.last_result = result
+            self.last_apply_s = result.apply_s
             self.run_state.set_policy_version(version)
         except BaseException as e:  # handed to the loop's thread by finish()
             self._error = e
@@ -74,3 +215,8 @@ class Publisher:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"

@@ -12,6 +12,7 @@ numpy dicts (cheap to ship through Ray) and are collated here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -235,20 +236,27 @@ class LearnerActor:
         """Collective; the full HF-named state dict on rank 0, {} on the others."""
         return fsdp.full_state_dict(self.model)
 
-    def write_weights(self, path: str) -> int:
-        """Collective; rank 0 writes safetensors to `path` (atomically). Returns the version."""
+    def write_weights(self, path: str) -> int | str:
+        """Collective; rank 0 writes safetensors to `path` (atomically). Returns the version, or
+        on rank 0 the write's error as text: the collective is over by then, so a full disk is
+        the caller's to wait out, not a reason to mark the group broken."""
         from safetensors.torch import save_file
 
         state = fsdp.full_state_dict(self.model)
         if self.rank == 0:
             tmp = f"{path}.tmp-{os.getpid()}"
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            save_file(
-                {k: v.contiguous() for k, v in state.items()},
-                tmp,
-                metadata={"format": "pt", "version": str(self.version)},
-            )
-            os.replace(tmp, path)
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                save_file(
+                    {k: v.contiguous() for k, v in state.items()},
+                    tmp,
+                    metadata={"format": "pt", "version": str(self.version)},
+                )
+                os.replace(tmp, path)
+            except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # a partial file only holds the space the next attempt needs
+                return f"{type(e).__name__}: {e}"
         return self.version
 
     def export_blob(self):

@@ -305,6 +305,8 @@ class LearnerGroup:
             self._exports = {str(path): pairs[0][1]}  # one in flight: older ones are not needed
             return str(path), int(versions[0])
         versions = self._call("write_weights", [(str(path),)] * self.num_ranks)
+        if isinstance(versions[0], str):
+            raise OSError(f"learner rank 0 could not write the weights to {path}: {versions[0]}")
         return str(path), int(versions[0])
 
     def take_export(self, path: str):

@@ -111,21 +111,26 @@ class RolloutEngine:
         """Set while requests may be submitted: cleared during a weight update (so a request takes
         the new version's cache salt) and while the engine holds no weights it can label."""
         self._open.set()
+        self.weight_transfer: str | None = None
+        """vLLM's weight-transfer backend the engine was built with (a rebuild keeps it)."""
 
     @classmethod
-    async def start(cls, rollout: RolloutConfig, model_path: str, version: int = 0, *, seed: int) -> RolloutEngine:
+    async def start(
+        cls, rollout: RolloutConfig, model_path: str, version: int = 0, *, seed: int, weight_transfer: str | None = None
+    ) -> RolloutEngine:
         import psutil
         from vllm.v1.engine.async_llm import AsyncLLM
 
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
-        llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path, seed))
+        llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path, seed, weight_transfer))
         pids = [
             [p.pid, p.create_time()]
             for p in me.children(recursive=True)
             if p.pid not in before and not is_resource_tracker(p)
         ]
         engine = cls(llm, rollout, model_path, pids, seed)
+        engine.weight_transfer = weight_transfer
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
         engine.shm_segments = sorted(shm_segments_of([pid for pid, _ in pids] + [os.getpid()]))
@@ -355,7 +360,9 @@ class RolloutEngine:
         with contextlib.suppress(Exception):
             await self.abort_all()
         self.llm.shutdown()
-        fresh = await RolloutEngine.start(self.rollout, self.model_path, self.base_version, seed=self.seed)
+        fresh = await RolloutEngine.start(
+            self.rollout, self.model_path, self.base_version, seed=self.seed, weight_transfer=self.weight_transfer
+        )
         self.llm, self.engine_pids, self.shm_segments = fresh.llm, fresh.engine_pids, fresh.shm_segments
         if self.version == self.base_version:  # what a fresh engine holds already
             self.closed = None
@@ -373,7 +380,7 @@ class RolloutEngine:
         self.closed = None
 
     # NCCL weight transfer (GPU): sync/nccl.py drives these through GeneratorActor.transfer_*;
-    # the engine was built with weight_transfer_config nccl.
+    # the engine was built with weight_transfer_config (engine_args' weight_transfer).
 
     def transfer_world_size(self) -> int:
         return self.llm.vllm_config.parallel_config.world_size
@@ -382,18 +389,41 @@ class RolloutEngine:
         await self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     async def transfer_begin(self, inflight: str) -> None:
+        """Pause (keep requests) and start an update; from here until transfer_finish or
+        transfer_abort the layers are on the meta device, so the engine stays paused."""
         await self.pause(clear_cache=inflight == "recompute")
-        await self.llm.start_weight_update()
+        try:
+            await self.llm.start_weight_update()
+        except BaseException:
+            await self.llm.resume_generation()  # nothing was touched: go on with the old weights
+            raise
 
     async def transfer_receive(self, update_info: dict) -> None:
         await self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
-    async def transfer_finish(self, version: int, inflight: str) -> None:
+    async def transfer_finish(self, version: int, inflight: str, path: str | None = None) -> None:
+        """Finish the update, label ``version``, resume; ``path`` (the same weights as a file)
+        becomes the last good weights a failed update restores."""
         await self.llm.finish_weight_update()
         await self.set_version(version)
+        if path is not None and os.path.isfile(path):
+            self.last_good_path = self._keep(path)
         if inflight == "recompute":
             await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.llm.resume_generation()
+
+    async def transfer_abort(self, timeout_s: float = 60.0) -> None:
+        """After a failed transfer: put every layer back from the meta device, end the worker's
+        update and resume on the weights it ran before (the caller then loads the file). A
+        worker that does not answer (stuck in a collective its peer left) gets the engine rebuilt."""
+        try:
+            await asyncio.wait_for(self.llm.collective_rpc("asyncrl_abandon_transfer"), timeout_s)
+        except Exception as e:
+            log.error("abandoning a failed weight transfer failed (%s): rebuilding the engine", e)
+            await self._rebuild()
+            return
+        if not self.llm.errored:
+            await self.llm.resume_generation()
 
     async def weights_sum(self) -> float:
         return (await self.llm.collective_rpc("asyncrl_weights_sum"))[0]

@@ -58,6 +58,7 @@ from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.production import Production
 from asyncrl.rollout.prompts import encode_prompt, open_prompts
+from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
 
@@ -159,7 +160,11 @@ class GeneratorActor:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{generator_id}-loop", daemon=True)
         self._thread.start()
-        self.engine: RolloutEngine = self._call(RolloutEngine.start(self.rollout, model_path, seed=rollout_seed(cfg)))
+        self.engine: RolloutEngine = self._call(
+            RolloutEngine.start(
+                self.rollout, model_path, seed=rollout_seed(cfg), weight_transfer=transfer_backend(cfg.sync)
+            )
+        )
         self.engine.allowed_token_ids = allowed_token_ids(self.rollout.env, self.tokenizer)
         # One name per generator, so a crashed predecessor's kept weights are replaced, not leaked.
         self.engine.keep_path = os.path.join(cfg.sync.shm_dir, f".asyncrl-{run}-{generator_id}-last-good.safetensors")
@@ -345,9 +350,19 @@ class GeneratorActor:
     def transfer_receive(self, update_info: dict) -> None:
         self._call(self.engine.transfer_receive(update_info))
 
-    def transfer_finish(self, version: int) -> None:
-        self._call(self.engine.transfer_finish(version, self.cfg.sync.inflight))
+    def transfer_finish(self, version: int, path: str | None = None) -> None:
+        self._call(self.engine.transfer_finish(version, self.cfg.sync.inflight, path))
         self.counts["weight_updates"] += 1
+        self.weights.blocked = None
+
+    def transfer_abort(self, path: str, version: int) -> dict:
+        """A transfer failed part-way: make the engine whole and resume, then load ``path`` as
+        ``version`` like a pushed file (on failure admission stays closed and this raises)."""
+        pids = self.engine.engine_pids
+        self._call(self.engine.transfer_abort())
+        if self.engine.engine_pids is not pids:  # rebuilt: its new processes must be reapable
+            self._record_engine()
+        return self.update_weights(path, version)
 
     # ------------------------------------------------------------------ crash recovery
 

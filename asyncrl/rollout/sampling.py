@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from asyncrl.config import RolloutConfig
+from asyncrl.config import RolloutConfig, SyncConfig
 from asyncrl.rollout.worker_ext import WORKER_EXTENSION
 
 
@@ -43,8 +43,12 @@ def _executor_kwargs(user_kwargs: dict) -> dict:
     return {"distributed_executor_backend": "uni"}
 
 
-def engine_args(rollout: RolloutConfig, model_path: str, seed: int):
-    """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here."""
+def engine_args(rollout: RolloutConfig, model_path: str, seed: int, weight_transfer: str | None = None):
+    """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here.
+
+    ``weight_transfer`` names vLLM's weight-transfer backend ("nccl" when sync.backend
+    resolves to nccl, see ``transfer_backend``): without it the engine refuses every
+    ``init_weight_transfer_engine``, and a NCCL publish would fail on every engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
@@ -60,8 +64,18 @@ def engine_args(rollout: RolloutConfig, model_path: str, seed: int):
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
     )
+    if weight_transfer is not None:
+        kwargs["weight_transfer_config"] = {"backend": weight_transfer}
     kwargs.update(rollout.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
+
+
+def transfer_backend(sync: SyncConfig) -> str | None:
+    """The engine's vLLM weight-transfer backend for this sync config: "nccl" when it resolves
+    to nccl (in this process: ``auto`` is nccl where CUDA is visible), else None."""
+    from asyncrl.sync.weight_sync import resolve_backend
+
+    return "nccl" if resolve_backend(sync.backend) == "nccl" else None
 
 
 def sampling_params(

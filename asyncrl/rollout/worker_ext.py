@@ -70,6 +70,19 @@ class WeightLoaderExtension:
             raise
         return count
 
+    def asyncrl_abandon_transfer(self) -> int:
+        """End a weight-transfer update that failed part-way (between vLLM's
+        ``start_weight_update`` and ``finish_weight_update``): every layer gets its own
+        storage back from the meta device and the worker takes a new update again. Returns
+        how many layers were put back; the model then holds its previous weights, except
+        layers that completed with the failed update's values, until the caller loads a file."""
+        restored = abandon_reload(self.model_runner.get_model())
+        self._weight_update_active = False
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.reset_weight_update_target()
+        return restored
+
     def asyncrl_weights_sum(self) -> float:
         """Sum of all parameters, float64: changes when weights change. Not equal to the
         checkpoint's sum: vLLM pads the vocabulary and, on CPU, keeps repacked weight copies."""

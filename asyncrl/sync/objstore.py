@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import struct
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from asyncrl.config import SyncConfig
 from asyncrl.sync.shm import SAFETENSORS_DTYPES, call_engines
+from asyncrl.sync.weight_sync import PublishResult, engine_errors
+
+log = logging.getLogger(__name__)
 
 SCHEME = "ray-object://"
 NAMESPACE = "asyncrl"
@@ -172,23 +177,24 @@ class ObjectStoreWeightSync:
     def path_for(self, version: int) -> str:
         return f"{SCHEME}{self.run}/v{version}"
 
-    def publish(self, state_dict: dict, version: int) -> dict:
+    def publish(self, state_dict: dict, version: int) -> PublishResult:
         import ray
 
         t0 = time.perf_counter()
         blob = safetensors_blob(state_dict)
-        info = self.publish_ref(self.path_for(version), ray.put(blob), version)
-        info.update(write_s=info["start"] - t0, bytes=int(blob.nbytes), seconds=time.perf_counter() - t0)
-        return info
+        ref = ray.put(blob)
+        write_s = time.perf_counter() - t0
+        result = self.publish_ref(self.path_for(version), ref, version)
+        return replace(result, write_s=write_s, bytes=int(blob.nbytes), seconds=time.perf_counter() - t0)
 
-    def publish_file(self, path: str, version: int) -> dict:
+    def publish_file(self, path: str, version: int) -> PublishResult:
         """Announce the object the learner exported under ``path`` and wait until generators run it."""
         ref = self.learner.take_export(path) if self.learner is not None else None
         if ref is None:
             raise FileNotFoundError(f"no exported weights under {path}: call learner.export_to_file({path!r}) first")
         return self.publish_ref(path, ref, version)
 
-    def publish_ref(self, location: str, ref, version: int) -> dict:
+    def publish_ref(self, location: str, ref, version: int) -> PublishResult:
         import ray
 
         if self.version is not None and version <= self.version:
@@ -198,18 +204,21 @@ class ObjectStoreWeightSync:
         if self.run_state is not None:
             self.run_state.set_weights(location, version)
         results = call_engines(self.engines, "update_weights", location, version)
-        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
+        errors = engine_errors(results)
+        if errors:
+            log.warning("weights v%d: %d generator(s) failed to load: %s", version, len(errors), errors)
         self.version = version
         applied = [r for r in results if isinstance(r, dict)]
-        return {
-            "version": version,
-            "start": start,
-            "apply_s": time.perf_counter() - start,
-            "engines": len(self.engines),
-            "errors": errors,
-            "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0),
-            "fetch_s": max((r.get("fetch_s", 0.0) for r in applied), default=0.0),
-        }
+        apply_s = time.perf_counter() - start
+        return PublishResult(
+            version=version,
+            seconds=apply_s,
+            apply_s=apply_s,
+            engines=len(self.engines),
+            errors=errors,
+            engine_load_s=max((r.get("load_s", 0.0) for r in applied), default=0.0),
+            fetch_s=max((r.get("fetch_s", 0.0) for r in applied), default=0.0),
+        )
 
     def close(self) -> None:
         import ray

@@ -2,7 +2,7 @@
 
     sync = ShmWeightSync(cfg.sync, run_state=run_state, run="demo")
     sync.register(generator_handle)                 # Ray actor handle or in-process GeneratorActor
-    info = sync.publish(model.state_dict(), version=3)
+    result = sync.publish(model.state_dict(), version=3)     # a PublishResult (sync/weight_sync.py)
     # or, when the learner writes the file itself:  sync.publish_file(sync.path_for(3), 3)
 
 publish: write /dev/shm/asyncrl-{run}-v{version}.safetensors (temp name + rename, so a
@@ -22,8 +22,10 @@ import os
 import struct
 import sys
 import time
+from dataclasses import replace
 
 from asyncrl.config import SyncConfig
+from asyncrl.sync.weight_sync import PublishResult, engine_errors
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +125,16 @@ class ShmWeightSync:
     def path_for(self, version: int) -> str:
         return os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v{version}.safetensors")
 
-    def publish(self, state_dict: dict, version: int) -> dict:
-        """Write ``state_dict`` as ``version`` and apply it on every generator; return timings."""
+    def publish(self, state_dict: dict, version: int) -> PublishResult:
+        """Write ``state_dict`` as ``version`` and apply it on every generator."""
         t0 = time.perf_counter()
         path = self.path_for(version)
         nbytes = save_state_dict(state_dict, path)
-        info = self.publish_file(path, version)
-        info.update(write_s=info["start"] - t0, bytes=nbytes, seconds=time.perf_counter() - t0)
-        return info
+        write_s = time.perf_counter() - t0
+        result = self.publish_file(path, version)
+        return replace(result, write_s=write_s, bytes=nbytes, seconds=time.perf_counter() - t0)
 
-    def publish_file(self, path: str, version: int) -> dict:
+    def publish_file(self, path: str, version: int) -> PublishResult:
         """Announce an already written file as ``version`` and wait until the generators run it."""
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights file {path} does not exist")
@@ -142,21 +144,22 @@ class ShmWeightSync:
         if self.run_state is not None:
             self.run_state.set_weights(path, version)
         results = call_engines(self.engines, "update_weights", path, version)
-        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)]
+        errors = engine_errors(results)
         if errors:
             log.warning("weights v%d: %d generator(s) failed to load: %s", version, len(errors), errors)
         self.version = version
         if not errors:
             self._delete_older(version)
         applied = [r for r in results if isinstance(r, dict)]
-        return {
-            "version": version,
-            "start": start,
-            "apply_s": time.perf_counter() - start,
-            "engines": len(self.engines),
-            "errors": errors,
-            "engine_load_s": max((r.get("load_s", 0.0) for r in applied), default=0.0),
-        }
+        apply_s = time.perf_counter() - start
+        return PublishResult(
+            version=version,
+            seconds=apply_s,
+            apply_s=apply_s,
+            engines=len(self.engines),
+            errors=errors,
+            engine_load_s=max((r.get("load_s", 0.0) for r in applied), default=0.0),
+        )
 
     def _delete_older(self, version: int) -> None:
         for old in glob.glob(os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v*.safetensors")):

@@ -1,20 +1,87 @@
-"""Pick the weight-sync backend for this run.
+"""The weight-sync contract, and which backend a run uses.
 
     sync = build_weight_sync(cfg.sync, run_state=run_state, run=cfg.control.run_name, learner=group)
+    sync.register(generator_handle)
+    result = sync.publish_file(sync.path_for(3), 3)     # PublishResult, the same for every backend
+
+Every backend is a ``WeightSync``: register(handle), path_for(version), publish(state_dict,
+version), publish_file(path, version), close(). publish and publish_file return a frozen
+``PublishResult`` once every registered generator has applied the version or failed to;
+a generator that failed is named in ``errors`` and has closed its own admission (the
+generator's weight watcher blocks it until it loads the announced version), so announcing
+the version cannot let it start work counted against weights it lacks.
 
 "auto" is NCCL (vLLM's weight-transfer API, learner rank 0 -> engine workers) when CUDA
 is available; on CPU it is shared memory (/dev/shm safetensors, the fastest on one host)
 when the Ray cluster is this one machine, and Ray's object store when it has other nodes
-(any generator, elastic ones included, may sit there, and no filesystem is shared). All
-expose register(handle), path_for(version), publish(state_dict, version),
-publish_file(path, version), close().
+(any generator, elastic ones included, may sit there, and no filesystem is shared).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
 from asyncrl.config import SyncConfig
 
 BACKENDS = ("auto", "shm", "nccl", "object_store")
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one publish did; every backend fills the same fields."""
+
+    version: int
+    seconds: float
+    """Wall time of the whole call (write, if any, plus apply)."""
+    apply_s: float
+    """From announcing the version until every registered generator applied it (or failed)."""
+    engines: int
+    """Registered generators asked to apply it."""
+    errors: tuple[str, ...] = ()
+    """One line per generator that failed to apply it (it then admits nothing until it can)."""
+    write_s: float = 0.0
+    """Writing or serialising the weights in this call (0 when the learner exported them)."""
+    bytes: int = 0
+    """Bytes written in this call (0 when the learner exported them)."""
+    engine_load_s: float = 0.0
+    """The slowest generator's own load (pause excluded), where the backend reports it."""
+    fetch_s: float = 0.0
+    """The slowest generator's fetch of the bytes to its node (object_store)."""
+    fallbacks: int = 0
+    """Generators that got this version from the file after their direct transfer failed (nccl)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+@runtime_checkable
+class WeightSync(Protocol):
+    """Weights from the learner to the registered generators' engines."""
+
+    def register(self, handle) -> None:
+        """Push every later publish to this generator (Ray actor handle or in-process object)."""
+
+    def path_for(self, version: int) -> str:
+        """Where the learner exports ``version`` for ``publish_file`` (a file or a ray-object:// name)."""
+        ...
+
+    def publish(self, state_dict: dict, version: int) -> PublishResult:
+        """Write ``state_dict`` as ``version`` and have every generator apply it."""
+        ...
+
+    def publish_file(self, path: str, version: int) -> PublishResult:
+        """Announce weights already exported under ``path`` as ``version`` and have every generator apply them."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds (files, stores, transfer groups)."""
+
+
+def engine_errors(results: list) -> tuple[str, ...]:
+    """The failures among ``call_engines`` results, one line each naming the generator's index."""
+    return tuple(f"generator {i}: {type(r).__name__}: {r}" for i, r in enumerate(results) if isinstance(r, Exception))
 
 
 def cluster_is_multinode() -> bool:
@@ -45,7 +112,7 @@ def build_weight_sync(
     engines: list | None = None,
     learner=None,
     model_package: dict | None = None,
-):
+) -> WeightSync:
     match resolve_backend(cfg.backend, multinode=cfg.backend == "auto" and cluster_is_multinode()):
         case "shm":
             from asyncrl.sync.shm import ShmWeightSync
@@ -61,3 +128,4 @@ def build_weight_sync(
             return ObjectStoreWeightSync(
                 cfg, run_state=run_state, run=run, engines=engines, learner=learner, model_package=model_package
             )
+    raise AssertionError("unreachable")

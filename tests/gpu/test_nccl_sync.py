@@ -30,7 +30,7 @@ def test_nccl_publish_switches_engine_weights_and_version(tiny_model_dir, redis_
         state = {k: v + 0.01 for k, v in model.state_dict().items()}
         sync = build_weight_sync(SyncConfig(backend="nccl"), run="gpu", engines=[gen])
         info = sync.publish(state, version=1)
-        assert info["errors"] == [] and gen.version() == 1
+        assert info.errors == () and gen.version() == 1
         # the engine samples with the new weights: its logprobs equal an HF forward with them
         # (parameter sums are no fingerprint: vLLM may keep repacked copies of the weights)
         model.load_state_dict(state)

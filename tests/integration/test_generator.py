@@ -256,7 +256,7 @@ def test_publish_during_generation_switches_versions_and_matches_hf(
         running = [gen.sample.remote(short_prompt, 1, 200, 0.0) for _ in range(3)]
         time.sleep(0.3)
         info = sync.publish(new_state, version=1)
-        assert info["errors"] == [] and os.path.exists(sync.path_for(1))
+        assert info.errors == () and os.path.exists(sync.path_for(1))
         outs = [ray.get(r)[0] for r in running]
 
         hf_model_v1 = type(hf_model)(hf_model.config).eval()

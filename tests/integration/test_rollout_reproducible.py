@@ -189,7 +189,7 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
         running = [gen.sample.remote(prompt, 1, 150, 1.0, True) for _ in range(3)]
         time.sleep(0.5)
         info = sync.publish(state, version=1)
-        assert info["errors"] == []
+        assert info.errors == ()
         outs = [ray.get(r)[0] for r in running]
     finally:
         sync.close()

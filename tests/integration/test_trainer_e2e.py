@@ -273,7 +273,7 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
         steps.append(loop.state.step)
         if loop.state.step == 1:
 
-            def broken(path: str, version: int) -> dict:
+            def broken(path: str, version: int):
                 raise RuntimeError(f"injected: engines could not load v{version}")
 
             loop.rt.weight_sync.publish_file = broken
