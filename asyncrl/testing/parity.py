@@ -88,8 +88,11 @@ class ParityResult:
     def ok(self) -> bool:
         return not self.problems
 
-    def why(self) -> str:
-        return f"variant {self.variant} ({self.covers}) is not at parity:\n  " + "\n  ".join(self.problems)
+    def why(self, most: int = 12) -> str:
+        shown = list(self.problems[:most])
+        if len(self.problems) > most:
+            shown.append(f"... and {len(self.problems) - most} more")
+        return f"variant {self.variant} ({self.covers}) is not at parity:\n  " + "\n  ".join(shown)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok, "tolerance": asdict(self.tolerance)}

@@ -61,15 +61,13 @@ def check(parity_report, variant: str, covers: str, run_dir: Path, dtype: str = 
     return result
 
 
-def test_parity_async_top_p_top_k_temperature_template_two_minibatches(
-    ray_session, tmp_path, chat_model, parity_report
-):
+def run_a(tmp_path: Path, model: str, *extra: str) -> Path:
     """A: the sampling options users set (top_p, top_k, temperature != 1) on chat-templated
     prompts, trained as two mini-batches per step by the async loop."""
     cfg = parity_config(
         tmp_path,
         "parity-a",
-        chat_model,
+        model,
         "control.mode=async",
         "control.max_staleness=2",
         "control.total_steps=5",
@@ -80,21 +78,29 @@ def test_parity_async_top_p_top_k_temperature_template_two_minibatches(
         "rollout.chat_template=true",
         "learner.mini_batches_per_step=2",
         "sync.inflight=recompute",
+        *extra,
     )
     state = train(cfg)
     assert state.step == 5 and state.version == 10  # two optimizer steps (versions) per trainer step
+    return tmp_path / "parity-a"
+
+
+def test_parity_async_top_p_top_k_temperature_template_two_minibatches(
+    ray_session, tmp_path, chat_model, parity_report
+):
+    run_a(tmp_path, chat_model)
     covers = "async, top_p 0.9, top_k 20, T 0.7, chat template, m=2, inflight recompute"
     check(parity_report, "A", covers, tmp_path / "parity-a")
 
 
-def test_parity_sync_temperature_stepwise_multiturn_dropout_model(ray_session, tmp_path, dropout_model, parity_report):
+def run_b(tmp_path: Path, model: str, *extra: str) -> Path:
     """B: the synchronous loop at temperature 1.3, untemplated multi-turn prompts trained step
     by step (one sequence per turn), with a model whose config asks for dropout: the engine
     samples without it, so the learner must score without it too."""
     cfg = parity_config(
         tmp_path,
         "parity-b",
-        dropout_model,
+        model,
         *COUNTDOWN,
         "control.mode=sync",
         "control.max_staleness=0",
@@ -106,9 +112,15 @@ def test_parity_sync_temperature_stepwise_multiturn_dropout_model(ray_session, t
         "algo.stepwise=true",
         "learner.mini_batches_per_step=1",
         "sync.inflight=recompute",
+        *extra,
     )
     state = train(cfg)
     assert state.step == 4
+    return tmp_path / "parity-b"
+
+
+def test_parity_sync_temperature_stepwise_multiturn_dropout_model(ray_session, tmp_path, dropout_model, parity_report):
+    run_b(tmp_path, dropout_model)
     covers = "sync, T 1.3, no template, multi-turn step-wise, dropout 0.1 in the model config"
     check(parity_report, "B", covers, tmp_path / "parity-b")
 
@@ -117,9 +129,7 @@ class _Crash(RuntimeError):
     """Ends the first leg of run C between two checkpoints, like a crashed trainer."""
 
 
-def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
-    ray_session, tmp_path, chat_model, parity_report
-):
+def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
     """C: chat-templated multi-turn trajectories trained as one interleaved sequence each, with
     in-flight requests kept across weight updates; the trainer dies one step after its step-3
     checkpoint and resumes from it (the queue redelivers what the dead trainer consumed), then
@@ -128,7 +138,7 @@ def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
     cfg = parity_config(
         tmp_path,
         "parity-c",
-        chat_model,
+        model,
         *COUNTDOWN,
         "control.mode=async",
         "control.max_staleness=1",
@@ -139,6 +149,7 @@ def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
         "rollout.chat_template=true",
         "algo.stepwise=false",
         "sync.inflight=keep",
+        *extra,
     )
 
     def crash_at_4(loop, metrics):
@@ -181,5 +192,12 @@ def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
                 proc.kill()
     assert seen["first"] == 4, f"resumed at step {seen['first']}, not from the step-3 checkpoint"
     assert seen["elastic_groups"] > 0, f"no elastic group trained:\n{log_path.read_text()[-3000:]}"
+    return run_dir
+
+
+def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
+    ray_session, tmp_path, chat_model, parity_report
+):
+    run_dir = run_c(tmp_path, chat_model)
     covers = "async, multi-turn interleaved, chat template, inflight keep, crash+resume at 3, elastic generator"
     check(parity_report, "C", covers, run_dir)
