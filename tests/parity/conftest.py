@@ -12,8 +12,9 @@ import pytest
 
 from asyncrl.testing.parity import ParityResult, format_table
 
+# Prefix-stable, as multi-turn needs (a conversation's rendering extends its earlier turns').
 TEMPLATE = (
-    "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
+    "<bos>{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
