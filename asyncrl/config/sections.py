@@ -195,7 +195,8 @@ class LearnerConfig(Section):
     """FSDP2 learner ranks, optimiser and schedule."""
 
     num_ranks: int = Field(1, ge=1)
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(1e-4, ge=0)
+    """0 is allowed: the policy then never moves, which parity checks and eval-only runs rely on."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0)

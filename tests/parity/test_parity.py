@@ -1,0 +1,203 @@
+"""Log-prob parity across the config space: real vLLM-CPU engines, the real FSDP learner, and
+`learner.lr=0`, so the policy never moves and every trained token's learner log-prob must equal
+the engine's rollout log-prob (float32: max |diff| < 1e-3, every step's mean < 1e-4), every TIS
+ratio must be 1 and no mask may fire (asyncrl.testing.parity).
+
+    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/parity -q
+
+Three short runs cover the options users set, several at once each (a run costs a start-up,
+so the matrix is folded):
+
+| run | covers |
+|---|---|
+| A | async, top_p 0.9, top_k 20, temperature 0.7, chat template, mini_batches_per_step 2, inflight recompute |
+| B | sync mode, temperature 1.3, no template, multi-turn step-wise, a model with dropout in its config |
+| C | async, multi-turn interleaved, chat template, inflight keep, crash + resume mid-run, elastic generator |
+
+Each test prints the table of every variant run so far and writes it to parity.json under
+the session's tmp dir; the table is also printed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.control.train import train
+from asyncrl.testing.parity import PARITY_OVERRIDES, parity_of_run
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+# Small steps: parity is per token, so a few steps of 8 groups x 4 samples say as much as a long run.
+SMALL = ("control.groups_per_step=8", "rollout.n_samples=4", "monitor.console=false", "monitor.dashboard=false")
+COUNTDOWN = ("rollout.env=countdown_chat", "rollout.env_kwargs={start_min: 2, start_max: 6, max_turns: 3}")
+
+
+def parity_config(tmp_path: Path, name: str, model: str, *overrides: str):
+    return load_config(
+        ROOT / "configs" / "demo.yaml",
+        [
+            f"control.run_name={name}",
+            f"control.run_dir={tmp_path / name}",
+            f"rollout.model={model}",
+            "queue.ledger=true",
+            *SMALL,
+            *PARITY_OVERRIDES,
+            *overrides,
+        ],
+    )
+
+
+def check(parity_report, variant: str, covers: str, run_dir: Path, dtype: str = "float32"):
+    result = parity_of_run(variant, run_dir, covers=covers, dtype=dtype)
+    parity_report(result)
+    assert result.ok, result.why()
+    return result
+
+
+def run_a(tmp_path: Path, model: str, *extra: str) -> Path:
+    """A: the sampling options users set (top_p, top_k, temperature != 1) on chat-templated
+    prompts, trained as two mini-batches per step by the async loop."""
+    cfg = parity_config(
+        tmp_path,
+        "parity-a",
+        model,
+        "control.mode=async",
+        "control.max_staleness=2",
+        "control.total_steps=5",
+        "control.checkpoint_every=5",
+        "rollout.top_p=0.9",
+        "rollout.top_k=20",
+        "rollout.temperature=0.7",
+        "rollout.chat_template=true",
+        "learner.mini_batches_per_step=2",
+        "sync.inflight=recompute",
+        *extra,
+    )
+    state = train(cfg)
+    assert state.step == 5 and state.version == 10  # two optimizer steps (versions) per trainer step
+    return tmp_path / "parity-a"
+
+
+def test_parity_async_top_p_top_k_temperature_template_two_minibatches(
+    ray_session, tmp_path, chat_model, parity_report
+):
+    run_a(tmp_path, chat_model)
+    covers = "async, top_p 0.9, top_k 20, T 0.7, chat template, m=2, inflight recompute"
+    check(parity_report, "A", covers, tmp_path / "parity-a")
+
+
+def run_b(tmp_path: Path, model: str, *extra: str) -> Path:
+    """B: the synchronous loop at temperature 1.3, untemplated multi-turn prompts trained step
+    by step (one sequence per turn), with a model whose config asks for dropout: the engine
+    samples without it, so the learner must score without it too."""
+    cfg = parity_config(
+        tmp_path,
+        "parity-b",
+        model,
+        *COUNTDOWN,
+        "control.mode=sync",
+        "control.max_staleness=0",
+        "control.total_steps=4",
+        "control.checkpoint_every=4",
+        "rollout.temperature=1.3",
+        "rollout.max_tokens=4",
+        "rollout.chat_template=false",
+        "algo.stepwise=true",
+        "learner.mini_batches_per_step=1",
+        "sync.inflight=recompute",
+        *extra,
+    )
+    state = train(cfg)
+    assert state.step == 4
+    return tmp_path / "parity-b"
+
+
+def test_parity_sync_temperature_stepwise_multiturn_dropout_model(ray_session, tmp_path, dropout_model, parity_report):
+    run_b(tmp_path, dropout_model)
+    covers = "sync, T 1.3, no template, multi-turn step-wise, dropout 0.1 in the model config"
+    check(parity_report, "B", covers, tmp_path / "parity-b")
+
+
+class _Crash(RuntimeError):
+    """Ends the first leg of run C between two checkpoints, like a crashed trainer."""
+
+
+def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
+    """C: chat-templated multi-turn trajectories trained as one interleaved sequence each, with
+    in-flight requests kept across weight updates; the trainer dies one step after its step-3
+    checkpoint and resumes from it (the queue redelivers what the dead trainer consumed), then
+    an elastic generator joins from another process, knowing only Redis, and its groups train."""
+    run_dir = tmp_path / "parity-c"
+    cfg = parity_config(
+        tmp_path,
+        "parity-c",
+        model,
+        *COUNTDOWN,
+        "control.mode=async",
+        "control.max_staleness=1",
+        "control.total_steps=1000",  # the second leg ends once the elastic generator's groups trained
+        "control.checkpoint_every=3",
+        "rollout.temperature=1.0",
+        "rollout.max_tokens=4",
+        "rollout.chat_template=true",
+        "algo.stepwise=false",
+        "sync.inflight=keep",
+        *extra,
+    )
+
+    def crash_at_4(loop, metrics):
+        if loop.state.step == 4:
+            raise _Crash("simulated crash after step 4")
+
+    with pytest.raises(_Crash):
+        train(cfg, on_step=crash_at_4)
+
+    seen: dict = {"first": None, "elastic": None, "elastic_groups": 0, "done_at": None}
+    log_path = tmp_path / "elastic.log"
+    deadline = time.monotonic() + 300
+
+    def on_step(loop, metrics):
+        if seen["first"] is None:
+            seen["first"] = loop.state.step
+            seen["elastic"] = subprocess.Popen(
+                [sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url, "--run", "parity-c"]
+                + ["--id", "elastic-1", "--max-groups", "3"],
+                stdout=log_path.open("w"),
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        seen["elastic_groups"] += sum(g.generator_id == "elastic-1" for g in loop.last_trained)
+        left = seen["elastic"].poll() is not None
+        if left and seen["elastic_groups"] and seen["done_at"] is None:
+            seen["done_at"] = loop.state.step
+        if (seen["done_at"] is not None and loop.state.step >= seen["done_at"] + 2) or time.monotonic() > deadline:
+            loop.stop.event.set()
+
+    try:
+        train(cfg, resume_dir=run_dir, on_step=on_step)
+    finally:
+        proc = seen["elastic"]
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert seen["first"] == 4, f"resumed at step {seen['first']}, not from the step-3 checkpoint"
+    assert seen["elastic_groups"] > 0, f"no elastic group trained:\n{log_path.read_text()[-3000:]}"
+    return run_dir
+
+
+def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
+    ray_session, tmp_path, chat_model, parity_report
+):
+    run_dir = run_c(tmp_path, chat_model)
+    covers = "async, multi-turn interleaved, chat template, inflight keep, crash+resume at 3, elastic generator"
+    check(parity_report, "C", covers, run_dir)
