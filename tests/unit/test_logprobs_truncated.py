@@ -229,7 +229,8 @@ def test_no_drift_metrics_when_the_engines_recorded_no_logprobs():
     """rollout.logprobs = false leaves zeros in rollout_logprobs: comparing against them
     reports a made-up drift (here |logp - 0| ~ 1 nat, KL ~ 0.4), so none is reported."""
     logits, mb = loss_batch()
-    algo = AlgoConfig()
+    # No correction: it needs engine log-probs (with them off the config resolves tis to none).
+    algo = AlgoConfig.model_validate({"correction": {"tis": "none"}})
     recorded = learner_loss_fn(algo, Sampling.of(RolloutConfig()), old_from_current=True)
     _, with_logprobs = recorded(logits, dict(mb, rollout_logprobs=torch.zeros_like(mb["loss_mask"])))
     assert with_logprobs["drift/abs_logp_diff"].value.item() > 0.5  # what the zeros would report
