@@ -15,7 +15,7 @@ Other entry points:
     off_policy_correction(old, rollout, mask, params=...)        TIS + token/sequence masks (correction.py)
     corrected_policy_loss(loss_fn, ...)                          the path every loss takes (losses.py)
     reduction_weights(loss_mask, reduction, constant=..., group_ids=...)  per-token weights (reduction.py)
-    logprobs_from_logits / entropy_from_logits                   at a temperature      (logprobs.py)
+    logprobs_from_logits / entropy_from_logits                   T, top-k, top-p       (logprobs.py)
     broadcast_trajectory_advantages / merge_prefix_steps         step-wise             (stepwise.py)
 Formulas and sources: docs/algorithms.md.
 """

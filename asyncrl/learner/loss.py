@@ -255,12 +255,14 @@ def microbatch_loss(
 
     if algo.kl_coef > 0:
         ref = mb["ref_logprobs"].to(dtype)
+        in_kl = mask > 0
         if truncated:  # KL to a reference that cannot sample the token is infinite: left out, counted
             ref_out = (mask > 0) & torch.isneginf(ref)
             ref = torch.where(torch.isfinite(ref), ref, logp.detach())
+            in_kl = in_kl & ~ref_out
             metrics["policy/ref_outside_kept_frac"] = MetricValue("mean", ref_out.sum().to(dtype), n_tokens)
         kl = kl_penalty(logp, ref, algo.kl_estimator)
-        kl_term = (weights * torch.where(mask > 0, kl, torch.zeros_like(kl))).sum()
+        kl_term = (weights * torch.where(in_kl, kl, torch.zeros_like(kl))).sum()
         total = total + algo.kl_coef * kl_term
         metrics["loss/kl_ref"] = MetricValue("sum", kl_term.detach())
     if rollout is not None:

@@ -259,3 +259,20 @@ def test_logprob_diff_alert():
     assert not M.evaluate_alerts({"drift/logprob_abs_diff_max": 0.5}, **kw)
     (alert,) = M.evaluate_alerts({"drift/logprob_abs_diff_max": 0.9}, **kw)
     assert alert["kind"] == "logprob_diff_max" and alert["threshold"] == 0.5
+
+
+def test_a_token_the_reference_cannot_sample_is_left_out_of_the_kl_term_only():
+    logits, mb = loss_batch()
+    mb["input_ids"] = torch.tensor([[2, 0, 1, 0]])  # every loss token inside the policy's top-2
+    mb["ref_logprobs"] = torch.tensor([[0.0, -0.4, -torch.inf, -0.5]], dtype=D)
+    logits.requires_grad_(True)
+    algo = AlgoConfig(kl_coef=1.0, kl_estimator="k1")
+    loss, m = microbatch_loss(logits, mb, algo, temperature=1.0, top_k=2, old_from_current=True)
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    assert m["policy/ref_outside_kept_frac"].value.item() == pytest.approx(1 / 3)
+    assert "drift/outside_kept_frac" in m and m["drift/outside_kept_frac"].value.item() == 0.0
+    # k1 = logp - ref over the two tokens the reference keeps, weights 1/3 each.
+    lp = math.log(0.5 / 0.8)
+    assert m["loss/kl_ref"].value.item() == pytest.approx(((lp + 0.4) + (lp + 0.5)) / 3, abs=1e-12)
