@@ -43,7 +43,8 @@ class Sample:
     error: str | None = None
     """Why the reward is missing (the reward function raised or returned NaN/None)."""
     prompt_ids: np.ndarray | None = None
-    """int32 [P] or None: this sample's own prompt (step-wise steps); None means the group's."""
+    """int32 [P] or None: this sample's own prompt, exactly the ids the engine was given for its
+    first token (every multi-turn sample: step-wise steps and interleaved); None means the group's."""
     trajectory_id: int = 0
     """Step-wise: which trajectory of the group this step belongs to."""
     step_index: int = 0

@@ -16,7 +16,9 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
 3. The groups are split into ``num_minibatches`` contiguous mini-batches of whole groups.
 4. Reduction weights per mini-batch over all its sequences (``asyncrl.algo.reduction``;
    ``prompt_mean`` groups them by rollout group, i.e. by prompt).
-5. ``TrainSequence``: input_ids = prompt + response; rollout_logprobs, advantages and
+5. ``TrainSequence``: input_ids = prompt + response, the prompt being the sample's own
+   ``prompt_ids`` when it has them (every multi-turn sample: what the engine was given),
+   else the group's; rollout_logprobs, advantages and
    loss_mask at the response positions (position t predicts input_ids[t]); token_versions
    from the sample's token_versions, else its behavior_version.
 """
