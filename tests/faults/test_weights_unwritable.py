@@ -10,6 +10,7 @@ import contextlib
 import errno
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -34,32 +35,49 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def fill(directory: Path) -> Path:
-    """Write a file until the filesystem is full; return it."""
-    filler = directory / "filler"
-    chunk = b"\0" * 65536
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(chunk)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-    return filler
+class Filler:
+    """Keeps a filesystem full, as another process writing to it would: the run deletes older
+    weight files after each publish, and that space is taken again at once."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / "filler"
+        self.stop = threading.Event()
+        self.full = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.full.wait(30), "the filesystem never filled up"
+
+    def _run(self) -> None:
+        chunk = b"\0" * 4096
+        with open(self.path, "ab", buffering=0) as f:
+            while not self.stop.is_set():
+                try:
+                    f.write(chunk)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    self.full.set()
+                    time.sleep(0.01)
+
+    def free(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
 
 
 def test_a_full_sync_dir_pauses_publishing_and_only_the_deadline_ends_the_run(train_job, small_tmpfs):
     job = train_job(
         "full",
-        "control.total_steps=200",
+        "control.total_steps=1000",
         "sync.backend=shm",
         f"sync.shm_dir={small_tmpfs}",
         "sync.publish_deadline_s=25",
     )
+    filler: Filler | None = None
     try:
         job.start()
         job.wait_for_step(3, timeout=400)
-        filler = fill(small_tmpfs)
+        filler = Filler(small_tmpfs)
         time.sleep(10)  # well inside the deadline
         assert job.running(), job.log_tail()
         stuck = job.trainer_step()
@@ -75,13 +93,13 @@ def test_a_full_sync_dir_pauses_publishing_and_only_the_deadline_ends_the_run(tr
             log,
         )
         assert said, log[-4000:]
-        filler.unlink()
+        filler.free()
         job.wait_for_step(stuck + 3, timeout=300)
         assert re.search(
             rf"weights v{said.group(1)} written to \S+ after \d+s of waiting for space", job.log_tail(400_000)
         )
 
-        filler = fill(small_tmpfs)  # for good this time: past the deadline the run ends
+        filler = Filler(small_tmpfs)  # for good this time: past the deadline the run ends
         t0 = time.monotonic()
         assert job.wait(300) != 0
         print(f"the job ended {time.monotonic() - t0:.0f} s after the directory filled up")
@@ -97,5 +115,5 @@ def test_a_full_sync_dir_pauses_publishing_and_only_the_deadline_ends_the_run(tr
         assert ckpt is not None and ckpt.name == f"step_{int(found.group(1)):06d}"
         assert "Traceback" not in log.split("checkpointed step")[0][-2000:]  # said before any traceback
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            (small_tmpfs / "filler").unlink()
+        if filler is not None:
+            filler.free()

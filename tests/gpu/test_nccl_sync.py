@@ -18,19 +18,21 @@ pytestmark = [
 def test_nccl_publish_switches_engine_weights_and_version(tiny_model_dir, redis_server):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.config import Config, SyncConfig
+    from asyncrl.config import Config
     from asyncrl.rollout.generator import GeneratorActor
     from asyncrl.sync import build_weight_sync
 
     cfg = Config()
-    cfg.rollout.engine_kwargs = {"weight_transfer_config": {"backend": "nccl"}, "dtype": "float32"}
+    cfg.sync.backend = "nccl"  # engine_args gives the engine vLLM's nccl weight transfer by itself
     gen = GeneratorActor(cfg, tiny_model_dir, "gpu-0", redis_server.url, "gpu", autostart=False)
     try:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         state = {k: v + 0.01 for k, v in model.state_dict().items()}
-        sync = build_weight_sync(SyncConfig(backend="nccl"), run="gpu", engines=[gen])
+        sync = build_weight_sync(cfg.sync, run="gpu", engines=[gen])
         info = sync.publish(state, version=1)
-        assert info.errors == () and gen.version() == 1
+        assert gen.engine.weight_transfer == "nccl"
+        assert (info.errors, info.fallbacks) == ((), 0) and gen.version() == 1  # through NCCL, not the file
+        assert info.apply_s > 0 and info.bytes > 0
         # the engine samples with the new weights: its logprobs equal an HF forward with them
         # (parameter sums are no fingerprint: vLLM may keep repacked copies of the weights)
         model.load_state_dict(state)
