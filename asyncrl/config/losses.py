@@ -275,7 +275,7 @@ def wrong_loss_field(loss: str, field: str) -> str:
 
 
 def moved_loss_field(field: str) -> str:
-    """The message for a loss knob still given at algo level (where it was before issue 18)."""
+    """The message for a loss knob still given at algo level (where older configs put it)."""
     owners = LOSS_FIELDS[field]
     return (
         f"algo.{field}: loss settings moved into algo.policy_loss; write "

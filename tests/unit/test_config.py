@@ -213,7 +213,7 @@ def test_registry_keys_equal_the_config_name_tuples():
     assert set(config.OUTCOME_ESTIMATORS) <= set(ADVANTAGE_REGISTRY)
 
 
-# ----------------------------------------------------------------------------- issue 16: new losses, masks, guards
+# ----------------------------------------------------------------------------- new losses, masks, guards
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "maxrl"])
@@ -305,7 +305,7 @@ def test_token_mask_needs_both_bounds_in_order():
     assert not load_config(None, ["algo.correction.tis=none"]).algo.correction.enabled
 
 
-# ----------------------------------------------------------------------------- issue 18: the schema
+# ----------------------------------------------------------------------------- the schema
 
 
 def test_policy_loss_is_a_tagged_section_with_a_string_shorthand():
