@@ -121,6 +121,13 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
                 for gen in loop.rt.generators:
                     assert ray.get(gen.version.remote()) == loop.state.version
                     seen["diff"] = _engine_matches_learner(loop, gen)
+                # The elastic generator (it held the crashed run's newest weights) must reach the
+                # version just published; one that skipped it as "not newer" would stay behind.
+                deadline, version = time.monotonic() + 60, -1
+                while time.monotonic() < deadline and version != loop.state.version:
+                    version = int(loop.run_state.generators().get("elastic-1", {}).get("version", -1))
+                    time.sleep(0.2)
+                seen["elastic_first"] = (version, loop.state.version)
                 seen["checked"] = True
             if loop.state.step == CKPT + RESUMED_STEPS:
                 deadline = time.monotonic() + 60
@@ -146,6 +153,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
 
     assert state.step == CKPT + RESUMED_STEPS
     assert len(seen["trained"]) == RESUMED_STEPS * 4
+    assert seen["elastic_first"][0] == seen["elastic_first"][1], seen["elastic_first"]
     # Every trained group is labelled with a version the resumed learner had already published
     # when it was trained (never "ahead": such a label is the crashed run's, for other weights,
     # from its queued backlog or the elastic generator that kept the crashed weights) ...
