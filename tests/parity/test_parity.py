@@ -20,6 +20,8 @@ the session's tmp dir; the table is also printed at the end of the session.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -36,6 +38,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 # Small steps: parity is per token, so a few steps of 8 groups x 4 samples say as much as a long run.
 SMALL = ("control.groups_per_step=8", "rollout.n_samples=4", "monitor.console=false", "monitor.dashboard=false")
+STALL_S = 150  # a run that has not finished by then is stopped and fails (its steps take seconds)
 COUNTDOWN = ("rollout.env=countdown_chat", "rollout.env_kwargs={start_min: 2, start_max: 6, max_turns: 3}")
 
 
@@ -52,6 +55,26 @@ def parity_config(tmp_path: Path, name: str, model: str, *overrides: str):
             *overrides,
         ],
     )
+
+
+def train_within(seconds: float, cfg, **kwargs):
+    """train(cfg, **kwargs), stopped gracefully (as Ctrl-C stops it) if it runs past `seconds`:
+    a stalled run (a dead engine, a wait for data that never ends) calls no on_step, so only
+    a signal reaches its loop. Returns (state, stalled)."""
+    stalled = threading.Event()
+
+    def interrupt() -> None:
+        # Only while train's own handler is installed: a SIGINT elsewhere would end the session.
+        if type(getattr(signal.getsignal(signal.SIGINT), "__self__", None)).__name__ == "StopFlag":
+            stalled.set()
+            os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(seconds, interrupt)
+    timer.start()
+    try:
+        return train(cfg, **kwargs), stalled.is_set()
+    finally:
+        timer.cancel()
 
 
 def check(parity_report, variant: str, covers: str, run_dir: Path, dtype: str = "float32"):
@@ -80,8 +103,8 @@ def run_a(tmp_path: Path, model: str, *extra: str) -> Path:
         "sync.inflight=recompute",
         *extra,
     )
-    state = train(cfg)
-    assert state.step == 5 and state.version == 10  # two optimizer steps (versions) per trainer step
+    state, stalled = train_within(STALL_S, cfg)
+    assert not stalled and state.step == 5 and state.version == 10  # two optimizer steps (versions) per trainer step
     return tmp_path / "parity-a"
 
 
@@ -114,8 +137,8 @@ def run_b(tmp_path: Path, model: str, *extra: str) -> Path:
         "sync.inflight=recompute",
         *extra,
     )
-    state = train(cfg)
-    assert state.step == 4
+    state, stalled = train_within(STALL_S, cfg)
+    assert not stalled and state.step == 4, f"stopped at step {state.step} of 4 (stalled: {stalled})"
     return tmp_path / "parity-b"
 
 
@@ -157,7 +180,8 @@ def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
             raise _Crash("simulated crash after step 4")
 
     with pytest.raises(_Crash):
-        train(cfg, on_step=crash_at_4)
+        _, stalled = train_within(STALL_S, cfg, on_step=crash_at_4)
+        assert not stalled, "the first leg stalled before its crash at step 4"
 
     seen: dict = {"first": None, "elastic": None, "elastic_groups": 0, "done_at": None, "loop": None}
     log_path = tmp_path / "elastic.log"
@@ -180,19 +204,10 @@ def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
         if seen["done_at"] is not None and loop.state.step >= seen["done_at"] + 2:
             loop.stop.event.set()
 
-    def give_up() -> None:
-        # A stalled run calls no on_step: stop it from here, so the test fails with a reason
-        # instead of waiting for the suite's timeout (a graceful stop ends even a wait for data).
-        seen["gave_up"] = True
-        if seen["loop"] is not None:
-            seen["loop"].stop.event.set()
-
-    timer = threading.Timer(240, give_up)
-    timer.start()
+    stalled = True
     try:
-        train(cfg, resume_dir=run_dir, on_step=on_step)
+        _, stalled = train_within(2 * STALL_S, cfg, resume_dir=run_dir, on_step=on_step)
     finally:
-        timer.cancel()
         proc = seen["elastic"]
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -201,8 +216,8 @@ def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
             except subprocess.TimeoutExpired:
                 proc.kill()
     elastic_log = log_path.read_text()[-3000:] if log_path.exists() else "(no elastic log)"
-    assert not seen.get("gave_up"), (
-        f"the resumed run stalled or the elastic generator never left: stopped after 240 s at step "
+    assert not stalled, (
+        f"the resumed run stalled or the elastic generator never left: stopped after {2 * STALL_S} s at step "
         f"{seen['loop'].state.step if seen['loop'] else '?'} (engine errors are in Ray's worker logs)\n{elastic_log}"
     )
     assert seen["first"] == 4, f"resumed at step {seen['first']}, not from the step-3 checkpoint"
