@@ -178,10 +178,16 @@ class RolloutEngine:
         # later block's hash chains on it).
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"asyncrl-v{submitted}")
         final = None
+        llm = self.llm
         self._requests.add(request_id)
         try:
-            async for out in self.llm.generate(prompt, params, request_id):
+            async for out in llm.generate(prompt, params, request_id):
                 final = out
+        except Exception as e:
+            if not llm.errored:
+                raise
+            await self._replace_dead(llm, e)
+            raise RequestAborted(f"request {request_id}: the engine died ({type(e).__name__}: {e})") from e
         finally:
             self._requests.discard(request_id)
         if final is None:
@@ -351,6 +357,16 @@ class RolloutEngine:
         except Exception as e:
             log.error("restoring weights failed (%s): rebuilding the engine", e)
         await self._rebuild()
+
+    async def _replace_dead(self, llm, error: BaseException) -> None:
+        """A dead EngineCore fails every request at once and never comes back: the first caller
+        to see it rebuilds the engine (under the update lock, so a load cannot interleave), the
+        others find it replaced. Without this the generator would re-issue its prompts onto the
+        dead engine for ever while its heartbeat says it is alive."""
+        async with self._update_lock:
+            if self.llm is llm:
+                log.error("the engine died (%s: %s): rebuilding it", type(error).__name__, error)
+                await self._rebuild()
 
     async def _rebuild(self) -> None:
         """Replace a broken engine with a fresh one on the last good weights. Its running requests

@@ -43,6 +43,21 @@ def _executor_kwargs(user_kwargs: dict) -> dict:
     return {"distributed_executor_backend": "uni"}
 
 
+def _scheduler_kwargs(rollout: RolloutConfig) -> dict:
+    """On CPU, no chunked prefill: a request with its own seed (every one of ours) whose prompt
+    is prefilled in chunks makes vLLM rewind its sampling generator's offset, which a CPU
+    torch.Generator does not have; the EngineCore dies with "CPU Generator does not use offset"
+    (seen with multi-turn contexts, whose prompts grow turn by turn). A whole-prompt prefill
+    needs a token budget of at least one context. A user's own choice is left as it is."""
+    from vllm.platforms import current_platform
+
+    user = rollout.engine_kwargs
+    if not current_platform.is_cpu() or "enable_chunked_prefill" in user:
+        return {}
+    budget = max(int(user.get("max_num_batched_tokens", 4096)), rollout.engine_max_model_len)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+
+
 def engine_args(rollout: RolloutConfig, model_path: str, seed: int, weight_transfer: str | None = None):
     """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here.
 
@@ -54,6 +69,7 @@ def engine_args(rollout: RolloutConfig, model_path: str, seed: int, weight_trans
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
     kwargs = dict(
         _executor_kwargs(rollout.engine_kwargs),
+        **_scheduler_kwargs(rollout),
         model=model_path,
         dtype="float32",
         max_model_len=rollout.engine_max_model_len,
