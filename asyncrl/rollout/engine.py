@@ -297,7 +297,7 @@ class RolloutEngine:
                 # "keep" the running requests hold their blocks, so vLLM cannot reset the cache
                 # without preempting them (reset_prefix_cache refuses while blocks are in use);
                 # requests from now on carry the new version's cache salt instead (generate).
-                self.last_good_path = self._keep(path)
+                self.last_good_path = self.keep_copy(path)
             finally:
                 if not self.llm.errored:
                     await self.llm.resume_generation()
@@ -313,7 +313,7 @@ class RolloutEngine:
                 "requests_inflight": len(self._requests),
             }
 
-    def _keep(self, path: str) -> str:
+    def keep_copy(self, path: str) -> str:
         """Hard-link ``path`` to ``keep_path`` and return the path that will stay loadable."""
         if self.keep_path is None:
             return path
@@ -356,7 +356,7 @@ class RolloutEngine:
             return
         except Exception as e:
             log.error("restoring weights failed (%s): rebuilding the engine", e)
-        await self._rebuild()
+        await self.rebuild()
 
     async def _replace_dead(self, llm, error: BaseException) -> None:
         """A dead EngineCore fails every request at once and never comes back: the first caller
@@ -366,9 +366,9 @@ class RolloutEngine:
         async with self._update_lock:
             if self.llm is llm:
                 log.error("the engine died (%s: %s): rebuilding it", type(error).__name__, error)
-                await self._rebuild()
+                await self.rebuild()
 
-    async def _rebuild(self) -> None:
+    async def rebuild(self) -> None:
         """Replace a broken engine with a fresh one on the last good weights. Its running requests
         are aborted (their callers get RequestAborted); the fresh engine is labelled ``version``
         and takes requests only once it holds that version's weights, else it stays ``closed``."""
@@ -394,52 +394,6 @@ class RolloutEngine:
             return
         await self.set_version(self.version)
         self.closed = None
-
-    # NCCL weight transfer (GPU): sync/nccl.py drives these through GeneratorActor.transfer_*;
-    # the engine was built with weight_transfer_config (engine_args' weight_transfer).
-
-    def transfer_world_size(self) -> int:
-        return self.llm.vllm_config.parallel_config.world_size
-
-    async def transfer_init(self, init_info: dict) -> None:
-        await self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
-
-    async def transfer_begin(self, inflight: str) -> None:
-        """Pause (keep requests) and start an update; from here until transfer_finish or
-        transfer_abort the layers are on the meta device, so the engine stays paused."""
-        await self.pause(clear_cache=inflight == "recompute")
-        try:
-            await self.llm.start_weight_update()
-        except BaseException:
-            await self.llm.resume_generation()  # nothing was touched: go on with the old weights
-            raise
-
-    async def transfer_receive(self, update_info: dict) -> None:
-        await self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
-
-    async def transfer_finish(self, version: int, inflight: str, path: str | None = None) -> None:
-        """Finish the update, label ``version``, resume; ``path`` (the same weights as a file)
-        becomes the last good weights a failed update restores."""
-        await self.llm.finish_weight_update()
-        await self.set_version(version)
-        if path is not None and os.path.isfile(path):
-            self.last_good_path = self._keep(path)
-        if inflight == "recompute":
-            await self.llm.reset_prefix_cache(reset_running_requests=True)
-        await self.llm.resume_generation()
-
-    async def transfer_abort(self, timeout_s: float = 60.0) -> None:
-        """After a failed transfer: put every layer back from the meta device, end the worker's
-        update and resume on the weights it ran before (the caller then loads the file). A
-        worker that does not answer (stuck in a collective its peer left) gets the engine rebuilt."""
-        try:
-            await asyncio.wait_for(self.llm.collective_rpc("asyncrl_abandon_transfer"), timeout_s)
-        except Exception as e:
-            log.error("abandoning a failed weight transfer failed (%s): rebuilding the engine", e)
-            await self._rebuild()
-            return
-        if not self.llm.errored:
-            await self.llm.resume_generation()
 
     async def weights_sum(self) -> float:
         return (await self.llm.collective_rpc("asyncrl_weights_sum"))[0]

@@ -50,7 +50,7 @@ import zlib
 from collections import deque
 
 from asyncrl.config import Config
-from asyncrl.rollout import recovery
+from asyncrl.rollout import recovery, transfer
 from asyncrl.rollout.affinity import pin_to_cores
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError
 from asyncrl.rollout.envs import allowed_token_ids
@@ -336,22 +336,22 @@ class GeneratorActor:
         self.queue.close()
 
     # ------------------------------------------------------------------ NCCL weight transfer (GPU)
-    # sync/nccl.py calls these on the actor; the engine does the work (RolloutEngine.transfer_*).
+    # sync/nccl.py calls these on the actor; the engine side is rollout/transfer.py.
 
     def transfer_world_size(self) -> int:
-        return self.engine.transfer_world_size()
+        return transfer.world_size(self.engine)
 
     def transfer_init(self, init_info: dict) -> None:
-        self._call(self.engine.transfer_init(init_info))
+        self._call(transfer.init(self.engine, init_info))
 
     def transfer_begin(self) -> None:
-        self._call(self.engine.transfer_begin(self.cfg.sync.inflight))
+        self._call(transfer.begin(self.engine, self.cfg.sync.inflight))
 
     def transfer_receive(self, update_info: dict) -> None:
-        self._call(self.engine.transfer_receive(update_info))
+        self._call(transfer.receive(self.engine, update_info))
 
     def transfer_finish(self, version: int, path: str | None = None) -> None:
-        self._call(self.engine.transfer_finish(version, self.cfg.sync.inflight, path))
+        self._call(transfer.finish(self.engine, version, self.cfg.sync.inflight, path))
         self.counts["weight_updates"] += 1
         self.weights.blocked = None
 
@@ -359,7 +359,7 @@ class GeneratorActor:
         """A transfer failed part-way: make the engine whole and resume, then load ``path`` as
         ``version`` like a pushed file (on failure admission stays closed and this raises)."""
         pids = self.engine.engine_pids
-        self._call(self.engine.transfer_abort())
+        self._call(transfer.abort(self.engine))
         if self.engine.engine_pids is not pids:  # rebuilt: its new processes must be reapable
             self._record_engine()
         return self.update_weights(path, version)

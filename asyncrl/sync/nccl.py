@@ -9,7 +9,7 @@ publish through ``NCCLTrainerWeightTransferEngine.trainer_init`` (vllm/distribut
 weight_transfer/nccl_engine.py). A round is: generator pauses (keep) and calls
 ``start_weight_update``; its ``update_weights`` receives while we broadcast; then
 ``finish_weight_update`` labels the version, drops stale KV/prefix cache and resumes. The
-generator side of these calls is ``GeneratorActor.transfer_*``, done by ``RolloutEngine.transfer_*``.
+generator side of these calls is ``GeneratorActor.transfer_*``, done by rollout/transfer.py.
 Between start and finish the engine's layers are on the meta device, so it must stay paused.
 
 The weights are also a file (the learner's export, or written here): elastic generators

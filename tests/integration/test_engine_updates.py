@@ -233,3 +233,27 @@ def test_a_rebuilt_engine_never_trains_torn_or_mislabelled_groups(gen, hf, queue
                 checked += 1
     assert checked >= 4
     assert any(s.behavior_version == 3 for g in groups for s in g.samples)  # the re-issued prompts ran on v3
+
+
+def test_a_dead_engine_is_rebuilt_by_the_request_that_finds_it(gen, hf, tokenizer):
+    """An EngineCore that dies (killed here; on CPU a chunked prefill of a seeded request used
+    to kill it) fails the request in flight as aborted, never as a sample, and that request
+    rebuilds the engine on the weights it is labelled with. Before, every later request failed
+    on the dead engine for good while the generator's heartbeat said it was alive."""
+    import os
+    import signal
+
+    prompt = tokenizer.encode("abc=")
+    dead = gen.engine_pids()
+    assert dead and gen.engine.version == 3
+    for pid, _ in dead:
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(Exception, match="the engine died"):
+        gen.sample(prompt, 1, 8, TEMPERATURE)
+    assert gen.engine_pids() != dead
+    out = gen.sample(prompt, 4, 8, TEMPERATURE)
+    v3 = model_of(hf, weights(hf, 13))
+    for c in out:
+        assert c["versions"] == [3] * len(c["token_ids"])
+        d = np.abs(np.asarray(c["logprobs"]) - hf_logprobs(v3, prompt, c["token_ids"], TEMPERATURE))
+        assert d.max() < 1e-3, f"the rebuilt engine is labelled v3 but samples other weights ({d.max():.2e})"
