@@ -208,17 +208,7 @@ class ObjectStoreWeightSync:
         if errors:
             log.warning("weights v%d: %d generator(s) failed to load: %s", version, len(errors), errors)
         self.version = version
-        applied = [r for r in results if isinstance(r, dict)]
-        apply_s = time.perf_counter() - start
-        return PublishResult(
-            version=version,
-            seconds=apply_s,
-            apply_s=apply_s,
-            engines=len(self.engines),
-            errors=errors,
-            engine_load_s=max((r.get("load_s", 0.0) for r in applied), default=0.0),
-            fetch_s=max((r.get("fetch_s", 0.0) for r in applied), default=0.0),
-        )
+        return PublishResult.of_apply(version, start, len(self.engines), results, errors)
 
     def close(self) -> None:
         import ray

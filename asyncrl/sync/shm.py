@@ -150,16 +150,7 @@ class ShmWeightSync:
         self.version = version
         if not errors:
             self._delete_older(version)
-        applied = [r for r in results if isinstance(r, dict)]
-        apply_s = time.perf_counter() - start
-        return PublishResult(
-            version=version,
-            seconds=apply_s,
-            apply_s=apply_s,
-            engines=len(self.engines),
-            errors=errors,
-            engine_load_s=max((r.get("load_s", 0.0) for r in applied), default=0.0),
-        )
+        return PublishResult.of_apply(version, start, len(self.engines), results, errors)
 
     def _delete_older(self, version: int) -> None:
         for old in glob.glob(os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v*.safetensors")):

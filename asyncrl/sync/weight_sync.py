@@ -19,6 +19,7 @@ when the Ray cluster is this one machine, and Ray's object store when it has oth
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -54,6 +55,25 @@ class PublishResult:
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    @classmethod
+    def of_apply(
+        cls, version: int, start: float, engines: int, results: list, errors: tuple[str, ...]
+    ) -> PublishResult:
+        """The result of asking ``engines`` generators to apply a version announced at ``start``
+        (perf_counter); ``results`` holds each generator's reply, a dict of its timings where it
+        loaded (``load_s``, ``fetch_s``)."""
+        applied = [r for r in results if isinstance(r, dict)]
+        apply_s = time.perf_counter() - start
+        return cls(
+            version=version,
+            seconds=apply_s,
+            apply_s=apply_s,
+            engines=engines,
+            errors=errors,
+            engine_load_s=max((r.get("load_s", 0.0) for r in applied), default=0.0),
+            fetch_s=max((r.get("fetch_s", 0.0) for r in applied), default=0.0),
+        )
 
 
 @runtime_checkable
