@@ -371,7 +371,8 @@ class RolloutEngine:
     async def rebuild(self) -> None:
         """Replace a broken engine with a fresh one on the last good weights. Its running requests
         are aborted (their callers get RequestAborted); the fresh engine is labelled ``version``
-        and takes requests only once it holds that version's weights, else it stays ``closed``."""
+        and takes requests only once it holds that version's weights, else it stays ``closed``
+        (a later good load opens it)."""
         self._open.clear()
         with contextlib.suppress(Exception):
             await self.abort_all()
@@ -380,20 +381,25 @@ class RolloutEngine:
             self.rollout, self.model_path, self.base_version, seed=self.seed, weight_transfer=self.weight_transfer
         )
         self.llm, self.engine_pids, self.shm_segments = fresh.llm, fresh.engine_pids, fresh.shm_segments
+        self.closed = await self._load_last_good()
+        if self.closed is None:
+            self._open.set()
+        else:
+            log.error("engine rebuilt without weights it can label: %s", self.closed)
+
+    async def _load_last_good(self) -> str | None:
+        """Bring a fresh engine to ``version``'s weights; why it could not, or None."""
         if self.version == self.base_version:  # what a fresh engine holds already
-            self.closed = None
-            return
+            return None
         path = self._last_good()
         try:
             if path is None:
                 raise FileNotFoundError(f"the last good weights file {self.last_good_path} is gone")
             await self._rpc_load(path)
         except Exception as e:
-            self.closed = f"rebuilt, but version {self.version}'s weights did not load: {e}"
-            log.error("engine rebuilt without weights it can label: %s", self.closed)
-            return
+            return f"rebuilt, but version {self.version}'s weights did not load: {e}"
         await self.set_version(self.version)
-        self.closed = None
+        return None
 
     async def weights_sum(self) -> float:
         return (await self.llm.collective_rpc("asyncrl_weights_sum"))[0]
