@@ -273,7 +273,9 @@ def evaluate_alerts(
 
     rollout_kl:   drift/rollout_kl > thresholds.rollout_kl
     masked_frac:  drift/masked_frac > thresholds.masked_frac
-    logprob_diff_max: drift/logprob_abs_diff_max > thresholds.logprob_diff_max
+    logprob_diff_max: drift/logprob_abs_diff_max > thresholds.logprob_diff_max on a step that trained only
+                  fresh data (staleness/max = 0: the learner's weights are the ones that sampled, so
+                  any gap is a mismatch; with stale tokens the policy's own updates show up here too)
     staleness:    staleness/max >= thresholds.staleness_frac * max_staleness (only if max_staleness > 0:
                   with 0 every sample is on-policy and staleness/max = 0 is the normal state)
     generator_lag: policy_version - generator version > max_staleness (its groups would all be dropped)
@@ -293,7 +295,8 @@ def evaluate_alerts(
             f"rollout KL {kl:.4g} > {thresholds.rollout_kl:.4g}: train and rollout policies disagree",
         )
     worst = latest.get("drift/logprob_abs_diff_max")
-    if worst is not None and worst > thresholds.logprob_diff_max:
+    fresh = not latest.get("staleness/max")
+    if worst is not None and fresh and worst > thresholds.logprob_diff_max:
         add(
             "logprob_diff_max",
             worst,
