@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.control.restart import own_generator_ids
 from asyncrl.queue import RolloutQueue, RunState
 
 if TYPE_CHECKING:
@@ -226,11 +227,11 @@ class Runtime(contextlib.ExitStack):
         from asyncrl.rollout.generator import GeneratorActor
 
         self.callback(self._stop_generators)
-        for i in range(self.cfg.rollout.num_generators):
+        for generator_id in own_generator_ids(self.cfg):  # a restart counts their notes as ours
             handle = GeneratorActor.remote_actor(
                 self.cfg,
                 model_path=self.model_path,
-                generator_id=f"gen-{i}",
+                generator_id=generator_id,
                 redis_url=self.redis_url,
                 run=self.cfg.control.run_name,
                 password=self.cfg.queue.password,
