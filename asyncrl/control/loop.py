@@ -327,9 +327,10 @@ class TrainLoop:
             if counters.get(f"{kind}_samples", 0):
                 mean = counters.get(f"{kind}_response_tokens", 0) / counters[f"{kind}_samples"]
                 out[f"queue/{kind}_response_len_mean"] = mean
-        # After a resume, rollouts made by weights newer than the restored checkpoint come back
-        # (they were never trained into these weights): their staleness is negative. They are
-        # trained like any off-policy data and counted apart rather than hidden as 0.
+        # A label newer than the learner's version (negative staleness) is counted apart rather
+        # than hidden as 0. A resume can no longer make one: it numbers the restored weights past
+        # every version the crashed run announced (asyncrl.control.restart), so this stays 0
+        # unless versions are reused again, which is what it is there to show.
         out["staleness/ahead"] = float(sum(1 for s in staleness if s < 0))
         out.update(staleness_summary([max(0, s) for s in staleness], self.cfg.control.max_staleness))
         gens = self.run_state.generators()
