@@ -28,6 +28,23 @@ def _pickle_payload(marker) -> bytes:
     return f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()
 
 
+def _kill_between_checkpoints(job, timeout: float) -> int:
+    """SIGKILL the job at a step that is not a checkpoint step; returns that step. The driver is
+    stopped while its step is read, so the step cannot move on to a checkpoint between the read
+    and the kill (reading, then killing a running trainer raced it at several steps a second)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(job.pid, signal.SIGSTOP)
+        step = job.trainer_step()
+        if step % CKPT != 0:
+            job.signal(signal.SIGKILL)
+            return step
+        os.kill(job.pid, signal.SIGCONT)
+        while job.trainer_step() == step and time.monotonic() < deadline:
+            time.sleep(0.02)
+    raise TimeoutError(f"the trainer stayed at checkpoint step {job.trainer_step()} for {timeout}s")
+
+
 def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_path):
     job = train_job("faults", f"control.total_steps={STEPS}")
     job.start()
@@ -71,11 +88,7 @@ def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_p
     assert new_gen and old_gen not in new_gen
 
     # 5. The trainer dies between a step and the next checkpoint (version % CKPT != 0).
-    deadline = time.monotonic() + 120
-    while job.trainer_step() % CKPT == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    killed_at = job.trainer_step()
-    job.signal(signal.SIGKILL)
+    killed_at = _kill_between_checkpoints(job, timeout=120)
     job.wait(30)
     assert killed_at % CKPT != 0 and killed_at < STEPS, killed_at
     resumed_from = killed_at // CKPT * CKPT
