@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +117,7 @@ def run_mode(
     t0 = time.perf_counter()
     train(cfg, on_step=on_step)
     wall = time.perf_counter() - t0
-    steady = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+    steady = [b - a for a, b in pairwise(stamps[warmup:])]
     steady_rows = rows[warmup + 1 :]
     hist: dict[int, float] = {}
     for g in trained:
@@ -202,7 +203,7 @@ def generation_alone(
             if progress is not None:
                 progress.update(task, advance=1)
     return GenerationAlone(
-        step_s=statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])),
+        step_s=statistics.median(b - a for a, b in pairwise(stamps[warmup:])),
         group_seconds=seconds,
         tokens_per_group=statistics.fmean(tokens),
     )

@@ -82,6 +82,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -368,7 +369,7 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
         out["completions_per_s"] = sum(raw["completions"][1:]) / span
         out["tokens_per_s"] = sum(raw["tokens"][1:]) / span
         # Robust to a few slow steps (another process on the box): 1 / the median step time.
-        out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in zip(steps, steps[1:])), 1e-9)
+        out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in pairwise(steps)), 1e-9)
     padding = [p for p in raw.get("padding", []) if p is not None]  # asyncrl's learner/padding_frac
     if padding:
         out["learner_padding"] = statistics.fmean(padding)
@@ -431,7 +432,7 @@ def plot(report: dict, paths: list[Path]) -> None:
         bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
         axes[0][i].bar_label(
             bars,
-            [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals)],
+            [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals, strict=True)],
             fontsize=8,
         )
         axes[0][i].set_title(f"{wl}: completions / s (steady)")
@@ -494,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
     t_all = time.perf_counter()
     try:
         venv = ensure_venv(log)
-        log(f"peers venv: {'installed in %.0f s' % venv['install_s'] if venv['installed'] else 'up to date'}")
+        state = f"installed in {venv['install_s']:.0f} s" if venv["installed"] else "up to date"
+        log(f"peers venv: {state}")
     except Exception as e:  # the TRL peers then fail to start and are reported as failed; asyncrl still runs
         venv = {"installed": False, "install_s": 0.0, "error": f"{type(e).__name__}: {e}"}
         shutil.rmtree(VENV, ignore_errors=True)

@@ -103,7 +103,7 @@ def run(spec: dict, result: dict) -> None:
     def env_reward(prompts, completions, completion_ids, target, budget, **_):
         out = []
         tokens = 0
-        for prompt, ids, tgt, b in zip(prompts, completion_ids, target, budget):
+        for prompt, ids, tgt, b in zip(prompts, completion_ids, target, budget, strict=True):
             ids = list(ids)
             tokens += len(ids)
             # TRL has one max_completion_length per run: the prompt's own budget is applied here.

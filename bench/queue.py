@@ -27,6 +27,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -41,10 +42,10 @@ import redis
 from rich.console import Console
 from rich.progress import Progress
 
-from asyncrl.data.codec import encode_group  # noqa: E402
-from asyncrl.queue import RolloutQueue, keys  # noqa: E402
-from asyncrl.queue.server import EmbeddedRedis  # noqa: E402
-from asyncrl.types import RolloutGroup, Sample  # noqa: E402
+from asyncrl.data.codec import encode_group
+from asyncrl.queue import RolloutQueue, keys
+from asyncrl.queue.server import EmbeddedRedis
+from asyncrl.types import RolloutGroup, Sample
 
 MAXLEN = 512  # bounds Redis memory: 512 x ~150 KB records
 
@@ -115,10 +116,8 @@ def consume(kind: str, url: str, run: str, t0: float, t1: float) -> tuple[int, l
         return received, latencies
     r = redis.Redis.from_url(url)
     stream = keys.rollouts(run)
-    try:
+    with contextlib.suppress(redis.ResponseError):
         r.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
-    except redis.ResponseError:
-        pass
     while time.time() < t1 + 0.5:
         resp = r.xreadgroup(keys.CONSUMER_GROUP, "raw", {stream: ">"}, count=64, block=100)
         entries = resp[0][1] if resp else []

@@ -53,7 +53,7 @@ def raw_copy(state: dict, path: str, dest: dict) -> float:
         for t in state.values():
             f.write(t.numpy().data)
     with open(path, "rb") as f:
-        for name, t in dest.items():
+        for t in dest.values():
             f.readinto(t.numpy().data.cast("B"))
     elapsed = time.perf_counter() - t0
     os.unlink(path)
@@ -297,9 +297,12 @@ def main_object_store(args) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t_start = time.perf_counter()
     label, hidden, layers = QUICK_SIZES[0]
-    with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
-        with EmbeddedRedis(os.path.join(tmp, "redis"), aof=False) as server:
-            row = measure_object_store(label, hidden, layers, 3 if args.quick else args.reps, server.url, tmp, progress)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Progress(transient=True) as progress,
+        EmbeddedRedis(os.path.join(tmp, "redis"), aof=False) as server,
+    ):
+        row = measure_object_store(label, hidden, layers, 3 if args.quick else args.reps, server.url, tmp, progress)
     print(
         f"{label:>9}: {row['mib']:8.2f} MiB  object store {row['ours_s'] * 1e3:8.1f} ms (fetch on node 2 "
         f"{row['fetch_s'] * 1e3:.1f}, engine load {row['engine_load_s'] * 1e3:.1f})  raw put+remote get "

@@ -42,7 +42,7 @@ class EchoFirstEnv(Environment):
 
 
 def exact_copy(prompts, completions, target, **_):
-    return [1.0 if c.strip() == t else 0.0 for c, t in zip(completions, target)]
+    return [1.0 if c.strip() == t else 0.0 for c, t in zip(completions, target, strict=True)]
 
 
 def brevity(prompts, completions, **_):

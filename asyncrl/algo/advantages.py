@@ -23,8 +23,8 @@ the outcome reward placed on the sample's last mask token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

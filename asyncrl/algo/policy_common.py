@@ -8,7 +8,7 @@ and the registry in ``losses.py`` can import both without a cycle.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -12,7 +12,7 @@ reads ``params.kwargs``), and the registry there is keyed by POLICY_LOSSES. Torc
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
@@ -175,21 +175,19 @@ def _loss_tag(value: Any) -> str | None:
 
 
 PolicyLoss = Annotated[
-    Union[
-        Annotated[PpoLoss, Tag("ppo")],
-        Annotated[DualClipLoss, Tag("dual_clip")],
-        Annotated[GspoLoss, Tag("gspo")],
-        Annotated[SapoLoss, Tag("sapo")],
-        Annotated[CispoLoss, Tag("cispo")],
-        Annotated[GmpoLoss, Tag("gmpo")],
-        Annotated[ClipCovLoss, Tag("clip_cov")],
-        Annotated[KlCovLoss, Tag("kl_cov")],
-        Annotated[CrossEntropyLoss, Tag("cross_entropy")],
-        Annotated[ImportanceSamplingLoss, Tag("importance_sampling")],
-        Annotated[RolloutIsLoss, Tag("rollout_is")],
-        Annotated[DppoLoss, Tag("dppo")],
-        Annotated[CustomLoss, Tag("custom")],
-    ],
+    Annotated[PpoLoss, Tag("ppo")]
+    | Annotated[DualClipLoss, Tag("dual_clip")]
+    | Annotated[GspoLoss, Tag("gspo")]
+    | Annotated[SapoLoss, Tag("sapo")]
+    | Annotated[CispoLoss, Tag("cispo")]
+    | Annotated[GmpoLoss, Tag("gmpo")]
+    | Annotated[ClipCovLoss, Tag("clip_cov")]
+    | Annotated[KlCovLoss, Tag("kl_cov")]
+    | Annotated[CrossEntropyLoss, Tag("cross_entropy")]
+    | Annotated[ImportanceSamplingLoss, Tag("importance_sampling")]
+    | Annotated[RolloutIsLoss, Tag("rollout_is")]
+    | Annotated[DppoLoss, Tag("dppo")]
+    | Annotated[CustomLoss, Tag("custom")],
     Discriminator(_loss_tag),
 ]
 

@@ -68,7 +68,7 @@ class Evaluator:
             for i, (_, _, ids) in enumerate(self.prompts)
         ]
         rewards, lengths, errors = [], [], 0
-        for (text, meta, _), out in zip(self.prompts, ray.get(refs)):
+        for (text, meta, _), out in zip(self.prompts, ray.get(refs), strict=True):
             token_ids = out[0]["token_ids"]
             lengths.append(len(token_ids))
             reward, error = score_completion(self.env, self.tokenizer, text, token_ids, meta)

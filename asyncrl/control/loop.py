@@ -29,8 +29,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from asyncrl.config import Config
 from asyncrl.control.publish import Publisher, WeightsUnwritable

@@ -19,6 +19,7 @@ raised as WeightsUnwritable, on which the loop checkpoints and prints the resume
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -170,10 +171,8 @@ class Publisher:
                 "weights v%d written to %s after %.0fs of waiting for space", version, path, time.monotonic() - t0
             )
         if "://" not in path:
-            try:
+            with contextlib.suppress(OSError):
                 self.export_bytes = os.path.getsize(path)
-            except OSError:
-                pass
 
     def _last_file_size(self) -> int | None:
         """The published version's file, when it is one: as large as the next export."""

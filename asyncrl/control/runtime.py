@@ -259,10 +259,15 @@ class Runtime(contextlib.ExitStack):
             out.update(
                 {
                     f"learner rank {r}": (a, info["node_id"])
-                    for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info))
+                    for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info, strict=True))
                 }
             )
-        out.update({f"gen-{i}": (g, node) for i, (g, node) in enumerate(zip(self.generators, self.generator_nodes))})
+        out.update(
+            {
+                f"gen-{i}": (g, node)
+                for i, (g, node) in enumerate(zip(self.generators, self.generator_nodes, strict=True))
+            }
+        )
         return out
 
     def report_lost_actors(self, error: BaseException) -> list[str]:
@@ -278,7 +283,7 @@ class Runtime(contextlib.ExitStack):
         wait_s = 30.0 if isinstance(error, (LearnerError, RayError)) else 0.0
         try:
             lines = lost_actors(self.placed_actors(), wait_s=wait_s)
-        except Exception as e:  # noqa: BLE001 - a report must never hide the failure itself
+        except Exception as e:  # a report must never hide the failure itself
             log.warning("could not tell which actors were lost: %s", e)
             return []
         for line in lines:
@@ -322,5 +327,5 @@ def _alive(handle) -> bool:
 
     try:
         return actor_state(handle)[0] == "ALIVE"
-    except Exception:  # noqa: BLE001 - unknown: try the call, it is bounded by a timeout
+    except Exception:  # unknown: try the call, it is bounded by a timeout
         return True

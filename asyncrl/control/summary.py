@@ -71,7 +71,7 @@ def run_summary(
         + (f" (a correct answer: {target_length:.3g} characters + EOS)" if target_length is not None else ""),
         f"  staleness       mean {_f(_mean(rows, 'staleness/mean'), '.2f')}, max {_f(stale_max, '.0f')} "
         f"(bound {max_staleness})",
-        "  groups          produced {0}, trained {1}, dropped as stale {2}, dead-lettered {3}".format(
+        "  groups          produced {}, trained {}, dropped as stale {}, dead-lettered {}".format(
             *(counters.get(k, 0) for k in ("groups_produced", "groups_trained", "dropped_stale", "dead_lettered"))
         ),
         *_stale_lines(counters),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -213,7 +214,7 @@ def build_minibatches(
         raise ValueError(f"{len(groups)} groups cannot fill num_minibatches={num_minibatches} (groups are never split)")
     rows = _rows(groups)
     advs = _stepwise_advantages(rows, algo) if algo.stepwise else _outcome_advantages(rows, algo)
-    fields = [_sequence_fields(r, a) for r, a in zip(rows, advs)]
+    fields = [_sequence_fields(r, a) for r, a in zip(rows, advs, strict=True)]
     metrics = _metrics(rows, advs)
     if algo.stepwise and algo.merge_stepwise:
         fields, sources = _merge_steps(rows, fields)
@@ -227,7 +228,7 @@ def build_minibatches(
     # Whole groups, contiguous, as even in group count as possible.
     bounds = np.linspace(0, len(groups), num_minibatches + 1).round().astype(int)
     minibatches: list[list[TrainSequence]] = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in pairwise(bounds):
         members = [i for i, src in enumerate(sources) if lo <= rows[src[0]].group_index < hi]
         masks = _padded([fields[i]["loss_mask"].numpy() for i in members])
         group_ids = torch.tensor([rows[sources[i][0]].group_index for i in members], dtype=torch.long)
@@ -269,7 +270,9 @@ def _train_sequence(f: dict, w: torch.Tensor, src: list[_Row], groups: list[Roll
 def _metrics(rows: list[_Row], advs: list[np.ndarray]) -> dict[str, float]:
     rewards = np.array([r.sample.reward for r in rows if r.valid], dtype=np.float64)
     lengths = np.array([r.sample.num_tokens for r in rows], dtype=np.float64)
-    masked_adv = np.concatenate([a[r.sample.loss_mask > 0] for r, a in zip(rows, advs) if r.valid] or [np.zeros(0)])
+    masked_adv = np.concatenate(
+        [a[r.sample.loss_mask > 0] for r, a in zip(rows, advs, strict=True) if r.valid] or [np.zeros(0)]
+    )
     out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std())} if rewards.size else {}
     return out | {
         "reward/num_failed": float(sum(not r.valid for r in rows)),

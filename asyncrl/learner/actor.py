@@ -67,7 +67,7 @@ class LearnerActor:
         if cores:  # benchmarks keep learners and generators on disjoint cores
             os.sched_setaffinity(0, cores)
         # Ray sets OMP_NUM_THREADS from num_cpus; torch reads it only at start-up, so set it.
-        torch.set_num_threads(max(1, int(round(lc.cpus_per_rank))))
+        torch.set_num_threads(max(1, round(lc.cpus_per_rank)))
         torch.manual_seed(learner_seed(self.cfg) + self.rank)
         np.random.seed(learner_seed(self.cfg) + self.rank)
         self.device = fsdp.pick_device(lc.gpus_per_rank)
@@ -178,7 +178,7 @@ class LearnerActor:
             disallowed=self.disallowed,
         )
         if proximal_key is not None:
-            for mb, old in zip(mbs, self._proximal.pop(proximal_key)):
+            for mb, old in zip(mbs, self._proximal.pop(proximal_key), strict=True):
                 mb["old_logprobs"] = old
         t1 = time.perf_counter()
         from asyncrl.learner import loss
@@ -253,7 +253,7 @@ class LearnerActor:
                     metadata={"format": "pt", "version": str(self.version)},
                 )
                 os.replace(tmp, path)
-            except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
+            except Exception as e:  # reported to the driver, which raises it
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)  # a partial file only holds the space the next attempt needs
                 return f"{type(e).__name__}: {e}"

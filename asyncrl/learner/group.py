@@ -182,7 +182,7 @@ class LearnerGroup:
                     ray.get(ref, timeout=0)
                 except RayActorError:
                     return rank_of[ref]
-                except Exception:  # noqa: BLE001 - another peer that lost the collective
+                except Exception:  # another peer that lost the collective
                     continue
         return None
 
@@ -202,7 +202,7 @@ class LearnerGroup:
             [[lengths[i] for i in share] for share in shares], self.micro_batch_tokens
         )
         per_rank, origin = [], []
-        for share, plan in zip(shares, plans):
+        for share, plan in zip(shares, plans, strict=True):
             per_rank.append([[sequences[share[i]] for i in mb] for mb in plan])
             origin.append([[share[i] for i in mb] for mb in plan])
         return per_rank, count, origin
@@ -279,9 +279,10 @@ class LearnerGroup:
         per_rank, count, origin = self._plan(seqs)
         out = self._call("logprobs", [(p, count, temperature) for p in per_rank])
         result: list[np.ndarray | None] = [None] * len(sequences)
-        for rank_out, rank_origin in zip(out, origin):
-            for mb_out, mb_origin in zip(rank_out, rank_origin):
-                for arr, i in zip(mb_out, mb_origin):
+        for rank_out, rank_origin in zip(out, origin, strict=True):
+            # A rank pads its plan up to the common count; the padding micro-batches return no rows.
+            for mb_out, mb_origin in zip(rank_out, rank_origin, strict=False):
+                for arr, i in zip(mb_out, mb_origin, strict=True):
                     result[i] = arr
         return result  # type: ignore[return-value]
 
@@ -340,7 +341,7 @@ class LearnerGroup:
         if actors and not self._broken:
             try:
                 ray.get([a.close.remote() for a in actors], timeout=10)
-            except Exception as e:  # noqa: BLE001 - the actors are killed next either way
+            except Exception as e:  # the actors are killed next either way
                 log.warning("learner ranks did not leave the process group cleanly: %s", e)
         for a in actors:
             ray.kill(a, no_restart=True)

@@ -157,7 +157,7 @@ def sequence_logprobs(
 ) -> list[list[Any]]:
     """Per micro-batch, per real row: token logprobs trimmed to the row's length (numpy)."""
     out = []
-    for mb, lens in zip(microbatches, lengths):
+    for mb, lens in zip(microbatches, lengths, strict=True):
         ids = mb["input_ids"].to(device)
         logp = logprob_fn(policy_logits(model, ids, disallowed), ids, temperature).cpu().numpy()
         out.append([] if mb.get(PADDING_KEY, False) else [logp[k, :n].copy() for k, n in enumerate(lens)])

@@ -183,7 +183,7 @@ class RolloutQueue:
         each prompt's in-flight note is deleted in the same script that adds its group.
         """
         records = [encode_group(g) for g in groups]
-        for g, rec in zip(groups, records):
+        for g, rec in zip(groups, records, strict=True):
             if len(rec) > self.max_record_bytes:
                 raise RecordError("oversize", f"group {g.group_id!r}: {len(rec)} bytes > {self.max_record_bytes}")
         ids: list[str] = []

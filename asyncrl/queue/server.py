@@ -179,7 +179,7 @@ class EmbeddedRedis:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._stop_orphan()
         # An auto-picked port can be taken between free_port() and bind(): try a few.
-        for attempt in range(1 if self._fixed_port else 5):
+        for _ in range(1 if self._fixed_port else 5):
             if not self._fixed_port:
                 self.port = free_port(self.host)
             conf = self._write_config()

@@ -203,7 +203,7 @@ class RolloutEngine:
             if c.logprobs is not None:
                 logps = [
                     next(iter(step.values())).logprob if len(step) == 1 else step[t].logprob
-                    for t, step in zip(ids, c.logprobs)
+                    for t, step in zip(ids, c.logprobs, strict=True)
                 ]
             else:
                 logps = [0.0] * len(ids)

@@ -100,11 +100,10 @@ def shm_segments_of(pids: list[int]) -> set[str]:
     """The /dev/shm/psm_* segments mapped by these processes (from /proc/PID/maps)."""
     found = set()
     for pid in pids:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    if "/dev/shm/psm_" in line:
-                        found.add(line.split()[-1].replace(" (deleted)", ""))
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if "/dev/shm/psm_" in line:
+                    found.add(line.split()[-1].replace(" (deleted)", ""))
     return found
 
 

@@ -58,7 +58,7 @@ class WeightLoaderExtension:
         def tensors():
             nonlocal count
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
                     count += 1
                     yield name, f.get_tensor(name)
 

@@ -175,7 +175,7 @@ class NcclWeightSync(ShmWeightSync):
         if engine is not None:
             try:
                 engine.shutdown()
-            except Exception as e:  # noqa: BLE001 - the group is unusable either way
+            except Exception as e:  # the group is unusable either way
                 log.warning("closing a failed weight-transfer group: %s", e)
 
     def publish(self, state_dict: dict, version: int) -> PublishResult:

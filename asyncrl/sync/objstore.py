@@ -127,7 +127,7 @@ def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
     run = location[len(SCHEME) :].rsplit("/", 1)[0]
     try:
         ref = ray.get(open_store(run).get.remote(version), timeout=60)
-    except Exception as e:  # noqa: BLE001 - any Ray failure is a failed load with its reason
+    except Exception as e:  # any Ray failure is a failed load with its reason
         raise OSError(f"weights v{version}: the run's weight store is unreachable: {e}") from e
     if ref is None:
         raise OSError(

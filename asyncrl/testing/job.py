@@ -265,10 +265,9 @@ class TrainJob:
         self._seen[proc.pid] = psutil.Process(proc.pid).create_time()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with contextlib.suppress(redis.RedisError, RuntimeError):
-                with self.client() as r:
-                    if r.info("server")["process_id"] == proc.pid and r.info("persistence")["loading"] == 0:
-                        return proc.pid
+            with contextlib.suppress(redis.RedisError, RuntimeError), self.client() as r:
+                if r.info("server")["process_id"] == proc.pid and r.info("persistence")["loading"] == 0:
+                    return proc.pid
             if proc.poll() is not None:
                 break
             time.sleep(0.05)

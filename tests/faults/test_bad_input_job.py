@@ -116,12 +116,13 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     url = job.redis_url()
     assert f":{PASSWORD}@127.0.0.1:" in url
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    with redis.Redis(host="127.0.0.1", port=port, socket_timeout=5) as anon:
-        with pytest.raises(redis.AuthenticationError):
-            anon.ping()
-    with redis.Redis(host="127.0.0.1", port=port, password="wrong", socket_timeout=5) as wrong:
-        with pytest.raises(redis.AuthenticationError):
-            wrong.ping()
+    with redis.Redis(host="127.0.0.1", port=port, socket_timeout=5) as anon, pytest.raises(redis.AuthenticationError):
+        anon.ping()
+    with (
+        redis.Redis(host="127.0.0.1", port=port, password="wrong", socket_timeout=5) as wrong,
+        pytest.raises(redis.AuthenticationError),
+    ):
+        wrong.ping()
     with job.client() as r:
         assert r.config_get("bind") == {"bind": "127.0.0.1"}
         assert r.config_get("protected-mode") == {"protected-mode": "yes"}

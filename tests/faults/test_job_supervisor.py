@@ -4,6 +4,7 @@ log), not waited on until a timeout."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import msgpack
@@ -57,7 +58,7 @@ def test_a_job_that_exits_is_reported_at_once_with_its_log(tmp_path):
     job = TrainJob(ROOT_CFG, ["learner.lr=-1"], run_dir=tmp_path / "bad", run_name="bad")
     job.start()
     t0 = time.monotonic()
-    with pytest.raises(JobDied, match="learner.lr"):
+    with pytest.raises(JobDied, match=re.escape("learner.lr")):
         job.wait_for_step(1, timeout=120)
     assert time.monotonic() - t0 < 60
     assert job.wait(10) == 2  # a config error

@@ -384,7 +384,7 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     admitted = queued | inflight_before
     old_pid = ray.get(gen.pid.remote())
     old_engine = [p for p, _ in ray.get(gen.engine_pids.remote())]
-    old_segments = shm_segments_of(old_engine + [old_pid])
+    old_segments = shm_segments_of([*old_engine, old_pid])
     assert old_engine and old_segments
     os.kill(old_pid, signal.SIGKILL)
 
@@ -469,7 +469,7 @@ def test_shutdown_leaves_no_engine_processes_or_shm_even_if_they_hang(ray_sessio
     ray = ray_session
     pid = ray.get(gen.pid.remote())
     engine = [p for p, _ in ray.get(gen.engine_pids.remote())]
-    segments = shm_segments_of(engine + [pid])
+    segments = shm_segments_of([*engine, pid])
     assert segments
     # Frozen engine processes outlast vLLM's shutdown grace period and are force-killed, so
     # they never unlink their segments (a Ctrl-C run in CI left one that way): ours must.

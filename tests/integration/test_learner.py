@@ -43,7 +43,7 @@ def minibatch(lengths: list[int], seed: int, vocab: int) -> list[TrainSequence]:
         masks.append(m)
     total = sum(m.sum() for m in masks)
     out = []
-    for i, (n, m) in enumerate(zip(lengths, masks)):
+    for i, (n, m) in enumerate(zip(lengths, masks, strict=True)):
         out.append(
             TrainSequence(
                 input_ids=rng.integers(VOCAB_LOW, vocab, n).astype(np.int32),
@@ -128,7 +128,7 @@ def test_ranks_and_microbatch_budgets_give_identical_parameters(groups, batches,
     for ranks, budget in [(1, 1), (1, 40), (2, 1), (2, 40), (2, 100_000)]:
         state, metrics = run(started[ranks], init[ranks], batches, budget)
         assert max_diff(state, reference) <= 1e-5, (ranks, budget)
-        for got, want in zip(metrics, ref_metrics):
+        for got, want in zip(metrics, ref_metrics, strict=True):
             assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-5), (ranks, budget)
             assert got["learner/grad_norm"] == pytest.approx(want["learner/grad_norm"], rel=1e-4)
             assert got["learner/lr"] == want["learner/lr"]
@@ -168,7 +168,7 @@ def test_exported_state_dict_loads_into_plain_hf_model(groups, batches, tiny_mod
     temperature = 0.7
     learner_logp = group.compute_logprobs(seqs, temperature)
     with torch.no_grad():
-        for seq, got in zip(seqs, learner_logp):
+        for seq, got in zip(seqs, learner_logp, strict=True):
             ids = torch.as_tensor(seq.input_ids, dtype=torch.long)[None]
             logits, logits2 = hf(ids).logits, hf2(ids).logits
             assert torch.equal(logits, logits2)

@@ -117,7 +117,7 @@ def test_learner_logprobs_equal_the_engines_under_top_p_top_k(ray_session, tiny_
     group = LearnerGroup(cfg, tiny_model_dir, num_ranks=1)
     try:
         got = group.compute_logprobs(seqs, TEMPERATURE)
-        learner = np.concatenate([g[len(p) :] for g, (p, _, _) in zip(got, engine_samples)])
+        learner = np.concatenate([g[len(p) :] for g, (p, _, _) in zip(got, engine_samples, strict=True)])
         diff = np.abs(learner - engine)
         ratio = np.exp(learner - engine)
         print(
@@ -159,7 +159,7 @@ def test_learner_forwards_are_dropout_free(ray_session, dropout_model_dir):
     rng = np.random.default_rng(0)
     samples = []
     with torch.no_grad():
-        for i in range(4):
+        for _ in range(4):
             prompt = [int(t) for t in rng.integers(4, hf.config.vocab_size, 5)]
             response = [int(t) for t in rng.integers(4, hf.config.vocab_size, 10)]
             logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
@@ -172,9 +172,9 @@ def test_learner_forwards_are_dropout_free(ray_session, dropout_model_dir):
     group = LearnerGroup(make_config(temperature=TEMPERATURE), dropout_model_dir, num_ranks=1)
     try:
         first, second = (group.compute_logprobs(seqs, TEMPERATURE) for _ in range(2))
-        for a, b in zip(first, second):
+        for a, b in zip(first, second, strict=True):
             np.testing.assert_array_equal(a, b)
-        learner = np.concatenate([g[len(p) :] for g, (p, _, _) in zip(first, samples)])
+        learner = np.concatenate([g[len(p) :] for g, (p, _, _) in zip(first, samples, strict=True)])
         np.testing.assert_allclose(learner, expected, atol=1e-5)
         m = group.train_step([seqs])  # the training forward, with gradients
         assert m["drift/logprob_abs_diff_max"] < 1e-4, m["drift/logprob_abs_diff_max"]

@@ -120,7 +120,7 @@ def turns_of(group, stepwise: bool) -> dict[int, list[list[int]]]:
             out.setdefault(s.trajectory_id, []).append((s.step_index, s.response_ids.tolist()))
             continue
         replies, run = [], []
-        for i, m in zip(s.response_ids.tolist(), s.loss_mask.tolist()):
+        for i, m in zip(s.response_ids.tolist(), s.loss_mask.tolist(), strict=True):
             if m:
                 run.append(i)
             elif run:
@@ -192,7 +192,9 @@ def test_learner_sees_and_scores_what_the_engine_sampled(
         logprob_fn=token_logprobs,
         device=torch.device("cpu"),
     )
-    diffs = np.concatenate([np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs)])
+    diffs = np.concatenate(
+        [np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs, strict=True)]
+    )
     trained = int(sum((s.loss_mask > 0).sum() for s in seqs))
     assert diffs.size == trained >= len(STARTS) * N * 2
     variant = f"{'chat' if chat_template else 'plain'}/{'stepwise' if stepwise else 'interleaved'}"
@@ -202,4 +204,4 @@ def test_learner_sees_and_scores_what_the_engine_sampled(
 
 def sampled_positions(contexts: list[list[int]], replies: list[list[int]]) -> set[int]:
     """Positions of the last context that hold a sampled token (the model may sample a BOS itself)."""
-    return {p for c, reply in zip(contexts, replies) for p in range(len(c), len(c) + len(reply))}
+    return {p for c, reply in zip(contexts, replies, strict=True) for p in range(len(c), len(c) + len(reply))}

@@ -96,7 +96,7 @@ def test_engine_samples_from_templated_prompts_of_a_dataset_split(ray_session, r
         word = g.metadata["answer"].lower()  # the "solution" column, handed over as the answer
         assert g.metadata["answer"] == word.upper() and "solution" not in g.metadata
         # What the engine sampled from: the template's rendering, <bos> as its special token.
-        want = [tok.bos_token_id] + tok.encode(f"user: {word}=|assistant: ")
+        want = [tok.bos_token_id, *tok.encode(f"user: {word}=|assistant: ")]
         assert g.prompt_ids.tolist() == want
         assert tok.decode(want, skip_special_tokens=False) == f"<bos>user: {word}=|assistant: "
         for s in g.samples:  # the copy reward saw the raw "abc=" (a templated text would fail it)

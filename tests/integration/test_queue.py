@@ -68,7 +68,7 @@ def assert_same_group(a: RolloutGroup, b: RolloutGroup) -> None:
     )
     assert a.prompt_ids.dtype == b.prompt_ids.dtype and np.array_equal(a.prompt_ids, b.prompt_ids)
     assert len(a.samples) == len(b.samples)
-    for x, y in zip(a.samples, b.samples):
+    for x, y in zip(a.samples, b.samples, strict=True):
         for name in ("response_ids", "rollout_logprobs", "loss_mask", "token_versions", "token_rewards", "prompt_ids"):
             u, v = getattr(x, name), getattr(y, name)
             assert (u is None) == (v is None), name
@@ -108,7 +108,7 @@ def test_1000_groups_round_trip_exactly(redis_url):
     assert q.depth() == 1000 and q.pending() == 0 and rs.counters()["groups_produced"] == 1000
     got = drain(q, 1000)
     assert [entry_id for entry_id, _ in got] == ids  # stream order
-    for g, (_, back) in zip(groups, got):
+    for g, (_, back) in zip(groups, got, strict=True):
         assert_same_group(g, back)
     assert q.depth() == 0 and q.pending() == 1000
     assert q.get_batch(1, 0, timeout=0.05) == []  # nothing delivered twice
@@ -205,7 +205,7 @@ def test_malformed_records_are_dead_lettered_and_good_ones_still_served(redis_ur
     }
     raw.xadd(stream, {b"other": b"no d field"})
     expected_good = []
-    for i, (name, (data, _)) in enumerate(cases.items()):
+    for i, (data, _) in enumerate(cases.values()):
         raw.xadd(stream, {keys.RECORD_FIELD: data})
         q.put(small_group(f"good-{i}"))
         expected_good.append(f"good-{i}")
@@ -214,7 +214,7 @@ def test_malformed_records_are_dead_lettered_and_good_ones_still_served(redis_ur
     dead = q.deadletter_entries()
     assert len(dead) == len(cases) + 1 and rs.counters()["dead_lettered"] == len(cases) + 1
     assert dead[0]["reason"] == "missing_field" and dead[0]["d"] == b""
-    for entry, (name, (data, reason)) in zip(dead[1:], cases.items()):
+    for entry, (name, (data, reason)) in zip(dead[1:], cases.items(), strict=True):
         assert entry["d"] == data, name
         if reason is not None:
             assert entry["reason"] == reason, name

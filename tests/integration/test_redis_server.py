@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import redis
@@ -42,7 +44,7 @@ def test_session_server_binds_loopback_with_protected_mode(redis_server):
 def test_start_stop_by_pid_and_restart_on_the_same_port(tmp_path):
     server = EmbeddedRedis(tmp_path / "r", aof=True, password="pw")
     with pytest.raises(RuntimeError, match="start"):
-        server.url
+        _ = server.url
     with server:
         pid, port = server.pid, server.port
         assert alive(pid)
@@ -112,11 +114,10 @@ def test_orphaned_server_from_a_killed_owner_is_stopped_and_its_port_reused(tmp_
         client.close()
     finally:
         second.stop()
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(orphan_pid, os.WNOHANG)  # it was our child in this test: reap the zombie
-    except ChildProcessError:
-        pass
-    assert not os.path.exists(f"/proc/{orphan_pid}") or open(f"/proc/{orphan_pid}/stat").read().split()[2] == "Z"
+    proc_stat = Path(f"/proc/{orphan_pid}/stat")
+    assert not proc_stat.exists() or proc_stat.read_text().split()[2] == "Z"
 
 
 def test_a_relative_run_dir_works(tmp_path, monkeypatch):

@@ -79,8 +79,18 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
     def crash_on_step(loop, metrics):
         if loop.state.step == 1 and "proc" not in elastic:
             elastic["proc"] = subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url, "--run", "rv"]
-                + ["--id", "elastic-1"],
+                [
+                    sys.executable,
+                    "-m",
+                    "asyncrl.cli",
+                    "generate",
+                    "--redis",
+                    loop.rt.redis_url,
+                    "--run",
+                    "rv",
+                    "--id",
+                    "elastic-1",
+                ],
                 stdout=(tmp_path / "elastic.log").open("w"),
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,

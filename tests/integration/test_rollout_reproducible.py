@@ -131,7 +131,7 @@ def test_two_fresh_runs_give_identical_multi_turn_groups(ray_session, gens, queu
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    a, b = (first_groups(ray_session, g, q) for g, q in zip(gens, queues))
+    a, b = (first_groups(ray_session, g, q) for g, q in zip(gens, queues, strict=True))
     # Incarnation 1 on both fresh runs: the same ids, prompts, seeds, hence tokens.
     assert sorted(a) == sorted(b) == [f"g0.1:{i}" for i in range(GROUPS)]
     for gid, ga in a.items():
@@ -142,7 +142,7 @@ def test_two_fresh_runs_give_identical_multi_turn_groups(ray_session, gens, queu
         key = lambda s: (s.trajectory_id, s.step_index)  # noqa: E731
         sa, sb = sorted(ga.samples, key=key), sorted(gb.samples, key=key)
         assert [key(s) for s in sa] == [key(s) for s in sb]
-        for x, y in zip(sa, sb):
+        for x, y in zip(sa, sb, strict=True):
             assert x.response_ids.tolist() == y.response_ids.tolist()
             np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-6)
         check_step_wise_group(ga, tokenizer)
@@ -157,7 +157,7 @@ def test_engine_processes_run_on_the_configured_cores(ray_session, gens):
     for gen in gens:
         engine = [p for p, _ in ray_session.get(gen.engine_pids.remote())]
         assert engine
-        for pid in engine + [ray_session.get(gen.pid.remote())]:
+        for pid in [*engine, ray_session.get(gen.pid.remote())]:
             assert os.sched_getaffinity(pid) == {CORE}, psutil.Process(pid).cmdline()
             # every thread too: vLLM binds its OpenMP threads to VLLM_CPU_OMP_THREADS_BIND
             for tid in os.listdir(f"/proc/{pid}/task"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +31,10 @@ def test_written_file_reads_back_exactly_with_safetensors(tmp_path):
     n = save_state_dict(state, path)
     assert n == os.path.getsize(path)
     # 15*4 + 4*2 + 24*4 + 8 + 3 + 0 data bytes after the 8-byte length and the padded header
-    (header_len,) = struct.unpack("<Q", open(path, "rb").read(8))
+    data = Path(path).read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
     assert header_len % 8 == 0 and n == 8 + header_len + 60 + 8 + 96 + 8 + 3
-    header = json.loads(open(path, "rb").read(8 + header_len)[8:])
+    header = json.loads(data[8 : 8 + header_len])
     assert header["half"]["dtype"] == "BF16" and header["t"]["shape"] == [6, 4]
     with safe_open(path, framework="pt") as f:
         assert set(f.keys()) == set(state)

@@ -50,7 +50,7 @@ def test_two_sync_runs_with_one_seed_are_identical_at_every_step(ray_session, tm
     a = sync_run(tmp_path, "same-seed-a", seed=7)
     b = sync_run(tmp_path, "same-seed-b", seed=7)
     assert len(a) == len(b) == STEPS
-    for step, (x, y) in enumerate(zip(a, b), start=1):
+    for step, (x, y) in enumerate(zip(a, b, strict=True), start=1):
         assert x == y, f"step {step}: {x} != {y}"  # exactly: not within a tolerance
     # Not trivially equal: the policy moved, so later steps sampled from trained weights.
     assert len({row["loss/total"] for row in a}) == STEPS

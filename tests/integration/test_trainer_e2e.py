@@ -3,6 +3,7 @@ generator training the tiny model on the copy task through `asyncrl.control.trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -333,10 +334,8 @@ def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
             port = _run_port(run_dir)
             if port:
-                try:
+                with contextlib.suppress(redis.ConnectionError):
                     step = int(redis.Redis(port=port).hget("asyncrl:sigint:state", "policy_version") or 0)
-                except redis.ConnectionError:
-                    pass
             time.sleep(1)
         assert step >= 3, "the job never reached step 3"
         started = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}

@@ -191,8 +191,20 @@ def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
         if seen["first"] is None:
             seen["first"] = loop.state.step
             seen["elastic"] = subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.cli", "generate", "--redis", loop.rt.redis_url, "--run", "parity-c"]
-                + ["--id", "elastic-1", "--max-groups", "3"],
+                [
+                    sys.executable,
+                    "-m",
+                    "asyncrl.cli",
+                    "generate",
+                    "--redis",
+                    loop.rt.redis_url,
+                    "--run",
+                    "parity-c",
+                    "--id",
+                    "elastic-1",
+                    "--max-groups",
+                    "3",
+                ],
                 stdout=log_path.open("w"),
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,

@@ -4,6 +4,7 @@ the trained-ids audit (queue.ledger) still lists every group exactly once."""
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import fields
 
@@ -84,7 +85,7 @@ def test_audit_lines_a_resume_rewrites_or_a_crash_cut_count_once(tmp_path):
         f.write('\n{"step": 12, "ids": ["f"]}\n')
     with pytest.raises(ValueError, match=f"{TRAINED_FILE}:5: unreadable line"):
         trained_ids(tmp_path, upto_step=12)  # a bad line in the middle is corruption, not a crash
-    with pytest.raises(FileNotFoundError, match="queue.ledger=true"):
+    with pytest.raises(FileNotFoundError, match=re.escape("queue.ledger=true")):
         trained_ids(tmp_path / "nowhere", upto_step=1)
 
 

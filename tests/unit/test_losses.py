@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -209,7 +210,7 @@ def test_rollout_is_keeps_the_open_band_and_ignores_old():
     assert torch.allclose(loss, t([[-1.2 * LN(1.2), 0.0, 0.0, 0.0, 0.0]]))
     assert torch.allclose(grad, t([[-1.2, 0.0, 0.0, 0.0, 0.0]]))
     assert math.isclose(m["clip_frac"].item(), 3 / 5)  # the zero-advantage token changed nothing
-    with pytest.raises(ValueError, match="rollout_is.*rollout_logprobs"):
+    with pytest.raises(ValueError, match=r"rollout_is.*rollout_logprobs"):
         POLICY_LOSS_REGISTRY["rollout_is"](logp, old, adv, mask, params=params)
 
 
@@ -229,9 +230,9 @@ def test_dppo_binary_tv_masks_only_moves_past_delta_in_the_advantage_direction()
     p, q = [0.9, 0.3, 0.3, 0.9, 0.75, 0.9], [0.6, 0.6, 0.6, 0.6, 0.5, 0.1]
     adv = [1.0, 1.0, -1.0, -1.0, 2.0, 0.0]
     loss, grad, m = dppo_case(p, q, adv, dppo_mask="binary_tv", dppo_delta_low=0.2, dppo_delta_high=0.25)
-    r = [a / b for a, b in zip(p, q)]
+    r = [a / b for a, b in zip(p, q, strict=True)]
     keep = [0, 1, 0, 1, 1, 1]
-    expected = t([[-ri * a * k for ri, a, k in zip(r, adv, keep)]])
+    expected = t([[-ri * a * k for ri, a, k in zip(r, adv, keep, strict=True)]])
     assert torch.allclose(loss, expected) and torch.allclose(grad, expected)  # d/dlogp (-r A) = -r A
     assert math.isclose(m["clip_frac"].item(), 2 / 6)
 
@@ -247,7 +248,7 @@ def test_dppo_binary_kl_masks_by_the_bernoulli_kl():
     # A small move, KL 0.00084 < 0.05: kept.
     p, q, adv = [0.9, 0.3, 0.3, 0.62], [0.6, 0.6, 0.6, 0.6], [1.0, -1.0, 1.0, 1.0]
     loss, _, m = dppo_case(p, q, adv, dppo_mask="binary_kl", dppo_delta_low=0.05, dppo_delta_high=0.05)
-    r = [a / b for a, b in zip(p, q)]
+    r = [a / b for a, b in zip(p, q, strict=True)]
     assert torch.allclose(loss, t([[0.0, 0.0, -r[2], -r[3]]]))
     assert math.isclose(m["clip_frac"].item(), 2 / 4)
     # On the boundary: a bound just above the KL keeps the token, just below masks it.
@@ -385,7 +386,7 @@ def test_registry_names_match_config_and_import_paths_resolve():
     assert get_policy_loss("asyncrl.algo.losses:ppo") is POLICY_LOSS_REGISTRY["ppo"]
     with pytest.raises(ValueError, match="'nope'"):
         get_policy_loss("nope")
-    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'"):
+    with pytest.raises(ValueError, match=re.escape("cannot import module 'no_such_pkg.mod'")):
         get_policy_loss("no_such_pkg.mod:fn")
     with pytest.raises(ValueError, match="no callable 'missing'"):
         get_policy_loss("asyncrl.algo.losses:missing")

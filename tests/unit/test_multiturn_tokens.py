@@ -12,6 +12,7 @@ engine never samples after the ``<eos>`` it stops on.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -135,7 +136,7 @@ def test_interleaved_samples_are_trained_on_their_own_prompt(chat_tok):
 def test_an_observation_never_followed_by_a_turn_is_not_in_the_sample(chat_tok):
     tok = chat_tok
     env = make_env("countdown_chat", {"max_turns": 2})  # the env is not done after 2 of 5 counts
-    policy, contexts = scripted(tok, [("4<eos>", "stop"), ("3<eos>", "stop")])
+    policy, _ = scripted(tok, [("4<eos>", "stop"), ("3<eos>", "stop")])
     traj = asyncio.run(run_trajectory(env, "5>", {"start": 5}, policy, ChatTurns(tok), 256))
     assert traj.observation_ids[-1] == []
     flat = to_interleaved_sample(traj)
@@ -160,7 +161,7 @@ def test_a_template_that_cannot_grow_turn_by_turn_is_refused_at_start_up(tmp_pat
     tok = llama_style(tmp_path, template)
     with pytest.raises(ChatTemplateError, match=match):
         ChatTurns(tok)
-    with pytest.raises(ChatTemplateError, match="rollout.env='countdown_chat'"):
+    with pytest.raises(ChatTemplateError, match=re.escape("rollout.env='countdown_chat'")):
         check_turn_template(tok, "countdown_chat")
     check_turn_template(tok, "copy")  # single-turn: one rendering, nothing to extend
 

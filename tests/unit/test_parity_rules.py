@@ -4,6 +4,7 @@ accepting learner.lr=0 (the parity runs' premise: the policy never moves)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -67,5 +68,5 @@ def test_bfloat16_has_its_own_tolerance():
 
 def test_learning_rate_zero_is_a_valid_config_and_negative_is_not():
     assert load_config(None, list(PARITY_OVERRIDES)).learner.lr == 0.0
-    with pytest.raises(ConfigError, match="learner.lr"):
+    with pytest.raises(ConfigError, match=re.escape("learner.lr")):
         load_config(None, ["learner.lr=-1e-5"])

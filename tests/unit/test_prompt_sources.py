@@ -142,7 +142,7 @@ def test_chat_template_renders_the_user_turn_and_is_required(tmp_path):
     tok.chat_template = TEMPLATE
     check_chat_template(tok, "tiny")
     ids = encode_prompt(tok, "abc=", chat_template=True)
-    assert ids == [tok.bos_token_id] + tok.encode("user: abc=|assistant: ")  # <bos> once: the template's
+    assert ids == [tok.bos_token_id, *tok.encode("user: abc=|assistant: ")]  # <bos> once: the template's
 
 
 def test_evaluation_prompts_come_from_the_eval_split_templated(dataset_dict, tmp_path):
@@ -168,4 +168,4 @@ def test_evaluation_prompts_come_from_the_eval_split_templated(dataset_dict, tmp
     )
     ev = Evaluator(cfg, str(tmp_path / "tok"))
     assert [(text, meta["answer"]) for text, meta, _ in ev.prompts] == [("3+3=", "6")] * 2  # "test", cycled
-    assert ev.prompts[0][2] == [tok.bos_token_id] + tok.encode("user: 3+3=|assistant: ")
+    assert ev.prompts[0][2] == [tok.bos_token_id, *tok.encode("user: 3+3=|assistant: ")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -41,7 +42,7 @@ def test_a_function_that_fails_fails_only_that_sample():
             self.fn, self.weight = fn, 1.0
 
     env = WeightedRewards(make_env("copy", COPY), [Spec("math:sqrt")])  # sqrt(prompts=...) raises TypeError
-    with pytest.raises(RewardError, match="WeightedRewards.reward raised TypeError"):
+    with pytest.raises(RewardError, match=re.escape("WeightedRewards.reward raised TypeError")):
         score(env, "abc=", "abc", {"target": "abc"})
     env = WeightedRewards(make_env("copy", COPY), [Spec("tests.unit.test_reward_fns:returns_nan")])
     with pytest.raises(RewardError, match=r"returns_nan returned nan, expected a finite number"):

@@ -29,11 +29,12 @@ def _wants_html(request: Request) -> bool:
 def error_response(request: Request, status: int, title: str, message: str) -> Response:
     if not _wants_html(request):
         return JSONResponse({"error": title, "message": message}, status_code=status)
+    t, m = html.escape(title), html.escape(message)
     page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>asyncrl: {t}</title>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>asyncrl: {t}</title>"
         "<link rel='stylesheet' href='/static/style.css'></head><body class='error-page'>"
-        "<main><h1>{t}</h1><p class='error-message'>{m}</p><p><a href='/'>All runs</a></p></main></body></html>"
-    ).format(t=html.escape(title), m=html.escape(message))
+        f"<main><h1>{t}</h1><p class='error-message'>{m}</p><p><a href='/'>All runs</a></p></main></body></html>"
+    )
     return HTMLResponse(page, status_code=status)
 
 

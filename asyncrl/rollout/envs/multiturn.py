@@ -162,7 +162,7 @@ def to_interleaved_sample(traj: Trajectory, generator_id: str = "") -> Sample:
     if not traj.turns:
         raise ValueError("a trajectory with no turns makes no sample")
     ids, logps, mask, versions = [], [], [], []
-    for turn, obs in zip(traj.turns, traj.observation_ids):
+    for turn, obs in zip(traj.turns, traj.observation_ids, strict=True):
         ids += turn.token_ids
         logps += turn.logprobs
         mask += [1] * len(turn.token_ids)
@@ -220,7 +220,8 @@ class CountdownChatEnv(MultiTurnEnvironment):
         if self.turn >= self.turns_total:
             raise RuntimeError("countdown_chat: step() after the episode ended; call reset() first")
         target = str(self.count - 1)
-        hits = sum(1 for r, t in zip(response, target) if r == t)
+        # Lengths may differ: the overlap is scored, the length error is penalised below.
+        hits = sum(1 for r, t in zip(response, target, strict=False) if r == t)
         credit = hits / len(target) - 0.05 * abs(len(response) - len(target))
         self.count -= 1
         self.turn += 1

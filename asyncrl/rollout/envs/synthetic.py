@@ -29,7 +29,8 @@ def positional_credit(response: str, target: str, length_penalty: float) -> floa
     """Fraction of target positions matched, minus ``length_penalty`` per character of length error."""
     if not target:
         raise ValueError("target must be a non-empty string")
-    hits = sum(1 for r, t in zip(response, target) if r == t)
+    # Lengths may differ: the overlap is scored, the length error is penalised below.
+    hits = sum(1 for r, t in zip(response, target, strict=False) if r == t)
     return hits / len(target) - length_penalty * abs(len(response) - len(target))
 
 
@@ -74,7 +75,7 @@ class _StringTask(Environment):
         chars = "".join(rng.choice(self.alphabet) for _ in range(n))
         metadata: dict[str, Any] = {"target": self.target_of(chars)}
         if self.long_tail:
-            weights, budgets = zip(*self.LONG_TAIL_BUDGETS)
+            weights, budgets = zip(*self.LONG_TAIL_BUDGETS, strict=True)
             metadata["max_tokens"] = rng.choices(budgets, weights=weights)[0]
         return chars + self.separator, metadata
 
