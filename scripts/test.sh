@@ -8,16 +8,17 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
         || echo "[test] chromium could not be installed; browser tests will skip"
 fi
-# Lint first (under a minute): pyflakes, pycodestyle and isort rules plus the formatter, as
-# configured in pyproject.toml's [tool.ruff], and mypy on the math and the learner ([tool.mypy]).
+# Lint first (under a minute): pyflakes, pycodestyle, isort, bugbear, pyupgrade, simplify and
+# ruff's own rules plus the formatter, as configured in pyproject.toml's [tool.ruff], and mypy
+# on the whole package ([tool.mypy]).
 # A lint or type error fails the run, like a failing test.
 lint_rc=0
 .venv/bin/ruff check asyncrl tests bench examples || lint_rc=1
 .venv/bin/ruff format --check asyncrl tests bench examples || lint_rc=1
 [ "$lint_rc" = 0 ] || echo "[test] lint failed: run .venv/bin/ruff check --fix and .venv/bin/ruff format"
-if ! .venv/bin/mypy asyncrl/algo asyncrl/learner; then
+if ! .venv/bin/mypy asyncrl; then
     lint_rc=1
-    echo "[test] type check failed: .venv/bin/mypy asyncrl/algo asyncrl/learner"
+    echo "[test] type check failed: .venv/bin/mypy asyncrl"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 if [ $# -eq 0 ]; then

@@ -18,7 +18,7 @@ from asyncrl.config.base import (
     one_of,
     ordered,
 )
-from asyncrl.config.losses import LOSS_FIELDS, PolicyLoss, moved_loss_field, normalise_loss, params_for
+from asyncrl.config.losses import LOSS_FIELDS, PolicyLoss, PpoLoss, moved_loss_field, normalise_loss
 
 log = logging.getLogger("asyncrl.config")
 
@@ -95,7 +95,7 @@ class AlgoConfig(Section):
     """Discount (reinforce_pp, gae)."""
     lam: float = Field(1.0, ge=0, le=1)
     """GAE lambda (gae only)."""
-    policy_loss: PolicyLoss = Field(default_factory=lambda: params_for("ppo"))
+    policy_loss: PolicyLoss = Field(default_factory=PpoLoss)
     """The policy loss and its own settings: a name (ppo; its defaults), {type: NAME, field: value, ...},
     or {type: 'package.module:function', kwargs: {...}}. `asyncrl train --help-config` lists every loss."""
     loss_reduction: str = "token_mean"

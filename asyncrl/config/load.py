@@ -117,8 +117,8 @@ def _message(err: Any) -> str:
     if kind == "literal_error":
         return f"{where}={value!r}: must be one of {ctx.get('expected')}"
     if kind in ("too_short", "too_long"):
-        n = ctx.get("max_length") if kind == "too_long" else ctx.get("min_length")
-        return f"{where}={value!r}: expected a list of {n} values"
+        size = ctx.get("max_length") if kind == "too_long" else ctx.get("min_length")
+        return f"{where}={value!r}: expected a list of {size} values"
     reason = _EXPECTED.get(kind) or err["msg"]
     return f"{where}={value!r}: {reason}"
 

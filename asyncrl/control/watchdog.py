@@ -20,6 +20,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
     from asyncrl.queue import RunState
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ class GeneratorWatchdog:
         self._starting_at: dict[str, float] = {}
         self._blocked: dict[str, str | None] = {}
 
-    def _own(self) -> dict[str, object]:
+    def _own(self) -> dict[str, ActorHandle]:
         return {f"gen-{i}": handle for i, handle in enumerate(self.generators)}
 
     def check(self) -> list[str]:

@@ -191,20 +191,24 @@ def _check_plain(value: Any, where: str, depth: int = 0) -> None:
 def _decode_sample(obj: Any, i: int) -> Sample:
     where = f"samples[{i}]"
     f = _fields(obj, _SAMPLE_FIELDS, where)
-    arrays: dict[str, np.ndarray | None] = {}
+    required: dict[str, np.ndarray] = {}
+    optional: dict[str, np.ndarray | None] = {}
     for name, wire in _SAMPLE_ARRAYS.items():
-        if f[name] is None and name in _OPTIONAL_SAMPLE_ARRAYS:
-            arrays[name] = None
+        if name not in _OPTIONAL_SAMPLE_ARRAYS:
+            required[name] = _decode_array(f[name], wire, f"{where}.{name}")
+        elif f[name] is None:
+            optional[name] = None
         else:
-            arrays[name] = _decode_array(f[name], wire, f"{where}.{name}")
-    n = arrays["response_ids"].shape[0]
+            optional[name] = _decode_array(f[name], wire, f"{where}.{name}")
+    arrays: dict[str, np.ndarray | None] = {**required, **optional}
+    n = required["response_ids"].shape[0]
     for name in _PER_TOKEN:
         a = arrays[name]
         if a is not None and a.shape[0] != n:
             raise RecordError("length_mismatch", f"{where}.{name}: {a.shape[0]} entries for {n} response tokens")
-    if not np.isfinite(arrays["rollout_logprobs"]).all():
+    if not np.isfinite(required["rollout_logprobs"]).all():
         raise RecordError("nonfinite_logprob", f"{where}: NaN or inf in rollout_logprobs")
-    if arrays["loss_mask"].size and arrays["loss_mask"].max() > 1:
+    if required["loss_mask"].size and required["loss_mask"].max() > 1:
         raise RecordError("bad_mask", f"{where}.loss_mask: values other than 0 and 1")
     reward = float(_typed(f["reward"], (float, int), f"{where}.reward"))
     if math.isinf(reward):  # NaN is allowed: it means "reward failed" (see Sample.error)
@@ -221,9 +225,9 @@ def _decode_sample(obj: Any, i: int) -> Sample:
     if behavior_version < 0:
         raise RecordError("bad_type", f"{where}.behavior_version: {behavior_version} < 0")
     return Sample(
-        response_ids=arrays["response_ids"],
-        rollout_logprobs=arrays["rollout_logprobs"],
-        loss_mask=arrays["loss_mask"],
+        response_ids=required["response_ids"],
+        rollout_logprobs=required["rollout_logprobs"],
+        loss_mask=required["loss_mask"],
         reward=reward,
         behavior_version=behavior_version,
         stop_reason=_typed(f["stop_reason"], str, f"{where}.stop_reason"),

@@ -181,7 +181,7 @@ def build_rank_microbatches(
         raise ValueError(f"plan has {len(plan)} micro-batches, more than the common count {count}")
     mbs: list[dict[str, Any]] = []
     for idx in plan:
-        mb = collate([seqs[i] for i in idx], pad_token_id=pad_token_id)
+        mb: dict[str, Any] = collate([seqs[i] for i in idx], pad_token_id=pad_token_id)
         if set(mb) != set(fields):
             raise ValueError(f"micro-batch fields {sorted(mb)} differ from the mini-batch's {sorted(fields)}")
         mb[PADDING_KEY] = False

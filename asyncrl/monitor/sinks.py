@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgpack
 
@@ -88,7 +88,14 @@ class WandbSink:
     Metric names are already wandb-style sections ("drift/rollout_kl" shows under "drift").
     """
 
-    def __init__(self, mode: str, project: str, run_name: str, config: Mapping[str, Any], dir: str | Path):
+    def __init__(
+        self,
+        mode: Literal["disabled", "offline", "online"],
+        project: str,
+        run_name: str,
+        config: Mapping[str, Any],
+        dir: str | Path,
+    ):
         if mode not in ("disabled", "offline", "online"):
             raise ValueError(f"WandbSink mode={mode!r}: must be 'disabled', 'offline' or 'online'")
         import wandb
@@ -129,7 +136,7 @@ class JsonlSink:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         import json
 
-        row = {"step": int(step), "time": round(time.time(), 3)}
+        row: dict[str, float | None] = {"step": int(step), "time": round(time.time(), 3)}
         row.update({k: (v if math.isfinite(v) else None) for k, v in clean(metrics).items()})
         self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
         self._file.flush()

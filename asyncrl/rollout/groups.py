@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 
 import numpy as np
 
@@ -20,7 +21,13 @@ from asyncrl.config import Config
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.envs import make_env, score_completion
 from asyncrl.rollout.envs.chat import turn_codec
-from asyncrl.rollout.envs.multiturn import Turn, run_trajectory, to_interleaved_sample, to_step_samples
+from asyncrl.rollout.envs.multiturn import (
+    MultiTurnEnvironment,
+    Turn,
+    run_trajectory,
+    to_interleaved_sample,
+    to_step_samples,
+)
 from asyncrl.rollout.prompts import PromptItem
 from asyncrl.types import RolloutGroup, Sample
 
@@ -109,7 +116,8 @@ class GroupMaker:
                 c = (await self.engine.generate(context, 1, f"{item.prompt_id}/t{k}/{turns}"))[0]
                 return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
 
-            env = make_env(self.rollout.env, self.rollout.env_kwargs)  # episode state is per trajectory
+            # Episode state is per trajectory. multi_turn (checked by make()) means a stepped env.
+            env = cast(MultiTurnEnvironment, make_env(self.rollout.env, self.rollout.env_kwargs))
             return await run_trajectory(env, item.text, item.metadata, policy, codec, budget)
 
         tasks = [asyncio.ensure_future(one(k)) for k in range(self.rollout.n_samples)]

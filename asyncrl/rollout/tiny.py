@@ -85,10 +85,10 @@ def write_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     model.save_pretrained(str(path), safe_serialization=True)
     (path / "asyncrl_tiny.json").write_text(json.dumps({"alphabet": alphabet, "seed": seed}))
     return path

@@ -16,6 +16,11 @@ layer's own storage back and clears that state, so loading the last good file th
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 WORKER_EXTENSION = "asyncrl.rollout.worker_ext.WeightLoaderExtension"
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -43,6 +48,11 @@ def quiet_weightless_layer_warnings() -> None:
 
 class WeightLoaderExtension:
     """Mixed into vLLM's Worker class; ``self`` is the worker."""
+
+    if TYPE_CHECKING:  # what the Worker provides; at run time they must not exist here (vLLM refuses clashes)
+        model_runner: Any
+
+        def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None) -> None: ...
 
     def asyncrl_load_safetensors(self, path: str) -> int:
         """Reload every tensor of ``path`` (HF names) into the model; return how many were read.

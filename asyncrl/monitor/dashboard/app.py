@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -304,8 +305,6 @@ def serve(
     if (redis_url is None) == (run_dir is None):
         raise ValueError("give exactly one of a Redis URL (a live run) or a run directory (a finished run)")
     check_host(host, token)
-    import uvicorn
-
     if run_dir is not None:
         app = create_run_dir_app(run_dir, token=token)
         what = f" (finished run {app.state.source.run!r} from {app.state.source.display})"
@@ -317,6 +316,14 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
+class DashboardServer(uvicorn.Server):
+    """A uvicorn Server that knows the port its socket is bound to (port 0 picks one)."""
+
+    def __init__(self, config: uvicorn.Config, bound_port: int):
+        super().__init__(config)
+        self.bound_port = bound_port
+
+
 def serve_in_thread(
     redis_url: str,
     run: str | None = None,
@@ -324,22 +331,19 @@ def serve_in_thread(
     port: int = 8470,
     token: str | None = None,
     password: str | None = None,
-):
+) -> DashboardServer:
     """Start the dashboard on a daemon thread (the trainer's own copy); returns the uvicorn
     Server, whose `should_exit = True` stops it. Port 0 picks a free port. Off the main
     thread uvicorn leaves signal handling to the caller (the trainer owns SIGINT/SIGTERM)."""
     import socket
     import threading
 
-    import uvicorn
-
     check_host(host, token)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     app = create_app(redis_url, run=run, password=password, token=token)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = DashboardServer(uvicorn.Config(app, log_level="warning"), bound_port=sock.getsockname()[1])
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="dashboard")
     thread.start()
-    server.bound_port = sock.getsockname()[1]
     return server

@@ -234,17 +234,16 @@ def read_series(
 def thresholds_of(state: dict[str, Any]) -> Thresholds:
     """Alert thresholds from the run state, MonitorConfig's defaults where the trainer wrote none."""
     d = Thresholds()
+
+    def written_or(key: str, default: float) -> float:
+        value = state.get(key)
+        return default if value is None else value
+
     return Thresholds(
-        rollout_kl=state.get("alert_rollout_kl") if state.get("alert_rollout_kl") is not None else d.rollout_kl,
-        masked_frac=state.get("alert_masked_frac") if state.get("alert_masked_frac") is not None else d.masked_frac,
-        staleness_frac=(
-            state.get("alert_staleness_frac") if state.get("alert_staleness_frac") is not None else d.staleness_frac
-        ),
-        logprob_diff_max=(
-            state.get("alert_logprob_diff_max")
-            if state.get("alert_logprob_diff_max") is not None
-            else d.logprob_diff_max
-        ),
+        rollout_kl=written_or("alert_rollout_kl", d.rollout_kl),
+        masked_frac=written_or("alert_masked_frac", d.masked_frac),
+        staleness_frac=written_or("alert_staleness_frac", d.staleness_frac),
+        logprob_diff_max=written_or("alert_logprob_diff_max", d.logprob_diff_max),
     )
 
 
