@@ -254,18 +254,20 @@ class Runtime(contextlib.ExitStack):
 
     def placed_actors(self) -> dict[str, tuple]:
         """name -> (actor handle, node id it was started on): learner ranks and generators."""
+        # Not strict: this feeds a failure report, which may come before the generators were
+        # launched (no nodes yet) or after the learner group shut down (no actors left).
         out = {}
         if self.learner is not None:
             out.update(
                 {
                     f"learner rank {r}": (a, info["node_id"])
-                    for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info, strict=True))
+                    for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info, strict=False))
                 }
             )
         out.update(
             {
                 f"gen-{i}": (g, node)
-                for i, (g, node) in enumerate(zip(self.generators, self.generator_nodes, strict=True))
+                for i, (g, node) in enumerate(zip(self.generators, self.generator_nodes, strict=False))
             }
         )
         return out
