@@ -29,7 +29,7 @@ from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.recovery import shm_segments_of
 from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
-from asyncrl.testing.job import pid_running
+from tests.support.job import pid_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -5,7 +5,7 @@ ids the engine saw and sampled, with the chat template on and off, step-wise and
 
 The generator's own GroupMaker drives the ``countdown_chat`` environment on one engine (the
 tiny model) with a Llama-style tokenizer (a BOS on every plain ``encode``) and a ChatML-like
-template (asyncrl.testing.chat). Every context the engine is given is recorded on its way in.
+template (tests.support.chat). Every context the engine is given is recorded on its way in.
 Then ``build_minibatches`` makes the learner's sequences and the learner's log-prob code
 scores them with the same weights (a float32 HF forward): on every trained token it must
 match the engine's log-prob.
@@ -26,7 +26,7 @@ from asyncrl.learner.loss import token_logprobs
 from asyncrl.learner.step import sequence_logprobs
 from asyncrl.rollout.envs.multiturn import CountdownChatEnv
 from asyncrl.rollout.prompts import PromptItem, encode_prompt
-from asyncrl.testing.chat import CHATML, llama_style_tokenizer
+from tests.support.chat import CHATML, llama_style_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -1,7 +1,7 @@
 """Log-prob parity across the config space: real vLLM-CPU engines, the real FSDP learner, and
 `learner.lr=0`, so the policy never moves and every trained token's learner log-prob must equal
 the engine's rollout log-prob (float32: max |diff| < 1e-3, every step's mean < 1e-4), every TIS
-ratio must be 1 and no mask may fire (asyncrl.testing.parity).
+ratio must be 1 and no mask may fire (tests.support.parity).
 
     flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/parity -q
 
@@ -31,7 +31,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
-from asyncrl.testing.parity import PARITY_OVERRIDES, parity_of_run
+from tests.support.parity import PARITY_OVERRIDES, parity_of_run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
