@@ -21,6 +21,7 @@ import torch
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
 from asyncrl.sync.shm import save_state_dict
+from tests.support.waiting import holds_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -200,8 +201,8 @@ def test_a_rebuilt_engine_never_trains_torn_or_mislabelled_groups(gen, hf, queue
     torn = [g.group_id for g in queue.queued_groups() if any(s.stop_reason == "abort" for s in g.samples)]
     assert not torn, f"aborted requests were put as groups: {torn}"
     produced = run_state.counters().get("groups_produced", 0)
-    time.sleep(3)  # blocked: neither new nor re-issued prompts run
-    assert run_state.counters().get("groups_produced", 0) == produced
+    # blocked: neither new nor re-issued prompts run
+    holds_for(lambda: run_state.counters().get("groups_produced", 0) == produced, 3, "nothing produced", interval=0.1)
     stats = gen.stats()
     assert stats.get("aborted", 0) >= 1, stats
     assert stats["weights_blocked"] is not None and stats["version"] == 2
