@@ -12,7 +12,7 @@ For 2,048-token groups with n = 1 and 8 samples, and 1 and 4 producer processes,
             missing and running as root, unless --no-install) XADD only, one client per
             producer, of the same payload: the C client's write-only ceiling.
 `ratio` = ours / baseline groups/s summed over configurations, baseline being redis-benchmark
-when present (as the issue asks), else the raw loop; `ratio_vs_raw_loop` is always given.
+when present (the C client's write ceiling is the fairest bar), else the raw loop; `ratio_vs_raw_loop` is always given.
 """
 
 from __future__ import annotations

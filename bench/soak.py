@@ -48,7 +48,7 @@ from rich.console import Console, Group  # noqa: E402
 from rich.live import Live  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from asyncrl.testing.job import JobDied, TrainJob  # noqa: E402
+from tests.support.job import JobDied, TrainJob  # noqa: E402
 
 FAULTS = ("generator_kill", "redis_restart", "connection_drop", "trainer_kill")
 OVERRIDES = [

@@ -16,7 +16,7 @@ with ``ratio`` (ours / raw, median seconds, on the largest model; goal <= 1.5) a
     .venv/bin/python bench/sync.py --object-store   # two Ray nodes on this machine (root: unshare)
 
 ``--object-store`` measures ``ObjectStoreWeightSync`` across a real two-node cluster
-(asyncrl.testing.twonode: the second node has its own /dev/shm and /tmp): publish -> applied
+(tests.support.twonode: the second node has its own /dev/shm and /tmp): publish -> applied
 in an engine on the second node, against a raw ``ray.put`` of the same bytes and a
 ``ray.get`` of them in a task on the second node, alternating. ``ratio`` is ours / raw;
 ``ratio_excl_repack`` leaves out vLLM-CPU's own reload (``engine_load_s``, reported
@@ -37,6 +37,8 @@ import numpy as np
 
 # bench/ holds scripts named like stdlib modules (bench/queue.py); keep it off the import path.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+# The repository root instead: --object-store starts its cluster with the tests' harness (tests.support).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (label, hidden, layers): tiny is the test model; the wider ones make the bytes dominate.
 SIZES = (("tiny", 64, 2), ("h512-l4", 512, 4), ("h1024-l8", 1024, 8))
@@ -164,7 +166,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
     from asyncrl.rollout.tiny import write_tiny_model
     from asyncrl.sync.model_ship import ship_model
     from asyncrl.sync.objstore import ObjectStoreWeightSync, safetensors_blob
-    from asyncrl.testing.twonode import two_node_cluster
+    from tests.support.twonode import two_node_cluster
 
     model_dir = str(
         write_tiny_model(

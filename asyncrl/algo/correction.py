@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.algo.policy_common import LOG_RATIO_CLAMP
+from asyncrl.algo.policy_common import LOG_RATIO_CLAMP, masked_mean
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,6 @@ class CorrectionParams:
     @property
     def enabled(self) -> bool:
         return self.tis != "none" or self.geo_mask or self.product_mask or self.outlier_mask or self.token_mask
-
-
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def off_policy_correction(

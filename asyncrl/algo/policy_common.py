@@ -29,6 +29,7 @@ def log_ratio(logp: Tensor, other_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x over the mask's tokens (0 for an empty mask, never NaN): every loss and correction metric."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 

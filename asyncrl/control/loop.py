@@ -279,7 +279,7 @@ class TrainLoop:
             }
         )
         # The policy version trails the trainer while a publish is in flight; supervisors
-        # (asyncrl.testing.job) and the dashboard read the trainer's own step here.
+        # (tests.support.job) and the dashboard read the trainer's own step here.
         self.run_state.set_state(trainer_step=self.state.step)
 
         t_sync = 0.0

@@ -28,12 +28,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.config.sections import RolloutConfig
 from asyncrl.types import MetricValue
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 KINDS = ("gauge", "counter")
-HEARTBEAT_TIMEOUT_S = 10.0
-"""A generator whose last heartbeat is older than this is shown as gone."""
+DEFAULT_HEARTBEAT_TIMEOUT_S: float = RolloutConfig.model_fields["heartbeat_timeout_s"].default
+"""rollout.heartbeat_timeout_s's default, for a run whose own setting is unknown: a generator
+silent this long is one the trainer's watchdog kills, so the dashboard shows it gone from then on."""
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ def evaluate_alerts(
     policy_version: int | None,
     generators: Mapping[str, Mapping[str, Any]],
     now: float,
-    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> list[dict[str, Any]]:
     """The alert badges of a run. Each alert: {"kind", "message", "value", "threshold", "subject"}.
 
@@ -279,7 +281,8 @@ def evaluate_alerts(
     staleness:    staleness/max >= thresholds.staleness_frac * max_staleness (only if max_staleness > 0:
                   with 0 every sample is on-policy and staleness/max = 0 is the normal state)
     generator_lag: policy_version - generator version > max_staleness (its groups would all be dropped)
-    generator_heartbeat: now - heartbeat > heartbeat_timeout_s (crashed, hung, or removed)
+    generator_heartbeat: now - heartbeat > heartbeat_timeout_s (crashed, hung, or removed): the
+                  run's rollout.heartbeat_timeout_s, after which the trainer's watchdog kills it
     """
     alerts: list[dict[str, Any]] = []
 

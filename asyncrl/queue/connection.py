@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -37,16 +37,29 @@ class QueueUnavailable(ConnectionError):
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password removed: safe for logs and error messages."""
+    """The URL with any password removed, for logs, error messages and the dashboard: the one
+    in the user info (the user name stays, it tells which account) and a ``password=`` query
+    parameter (redis-py reads one there too, e.g. for unix:// sockets). The user info ends at
+    the last "@", so an unescaped "@" in a password does not leak the rest of it."""
     parts = urlsplit(url)
-    if parts.password is None:
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    netloc = parts.netloc
+    if at and ":" in userinfo:
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}@{hostport}" if user else hostport
+    query = parts.query
+    if query:
+        fields = parse_qsl(query, keep_blank_values=True)
+        kept = [(k, v) for k, v in fields if k != "password"]
+        if len(kept) != len(fields):
+            query = urlencode(kept)
+    if netloc == parts.netloc and query == parts.query:
         return url
-    host = parts.hostname or ""
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    netloc = f"{parts.username}@" if parts.username else ""
-    netloc += host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    # Not urlunsplit: it drops the empty host of unix:///path URLs.
+    head = f"{parts.scheme}://" if "://" in url else f"{parts.scheme}:" if parts.scheme else ""
+    return (
+        head + netloc + parts.path + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    )
 
 
 def _is_auth_error(e: Exception) -> bool:

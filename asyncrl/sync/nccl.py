@@ -22,7 +22,7 @@ too is the generator named in ``PublishResult.errors``; it has then closed its o
 admission until it loads the announced version. The next publish opens a new group.
 
 ``transfer`` is the seam to vLLM's trainer-side engine: ``NcclTransfer`` (the default)
-needs CUDA; a test passes one that moves the tensors without NCCL (asyncrl.testing.loopback).
+needs CUDA; a test passes one that moves the tensors without NCCL (tests.support.loopback).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fault-suite fixtures: a supervised `asyncrl train` job (asyncrl.testing.job.TrainJob), always
+"""Fault-suite fixtures: a supervised `asyncrl train` job (tests.support.job.TrainJob), always
 cleaned up by PID (including a redis-server its restart_redis() started).
 
     def test_x(train_job):
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.testing.job import TrainJob
+from tests.support.job import TrainJob
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from asyncrl.queue.server import EmbeddedRedis
-from asyncrl.testing.job import JobDied, TrainJob
+from tests.support.job import JobDied, TrainJob
 
 ROOT_CFG = "configs/demo.yaml"
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from asyncrl.control.train import latest_checkpoint
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(900)
 GROUPS = 4  # tests/faults/conftest.py FAST: 4 groups a step, a checkpoint every 3
@@ -30,7 +31,16 @@ def test_an_outage_past_the_retry_deadline_pauses_the_job_and_it_trains_on(train
     job.wait_for_step(3, timeout=400)
     (gen,) = job.pids_named("ray::GeneratorActor")
     job.kill_redis()
-    time.sleep(12)  # six retry deadlines, two heartbeat timeouts
+    t0 = time.monotonic()
+    # The outage lasts until the trainer has said it is waiting past its retry deadline, and at
+    # least six retry deadlines and two heartbeat timeouts; the job must be alive all along.
+    waiting = re.compile(r"redis at \S+ unreachable for \d+s; waiting")
+    wait_for(
+        lambda: not job.running() or (waiting.search(job.log_tail(400_000)) and time.monotonic() - t0 >= 12),
+        300,
+        "the trainer waiting out the outage",
+        interval=0.5,
+    )
     assert job.running(), job.log_tail()
     job.start_redis()
     before = job.trainer_step()

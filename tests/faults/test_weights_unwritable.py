@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.control.train import latest_checkpoint
+from tests.support.waiting import holds_for, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 MOUNT_MB = 4  # the demo's weights file is ~0.33 MB: room for the files a run keeps
@@ -78,12 +79,23 @@ def test_a_full_sync_dir_pauses_publishing_and_only_the_deadline_ends_the_run(tr
         job.start()
         job.wait_for_step(3, timeout=400)
         filler = Filler(small_tmpfs)
-        time.sleep(10)  # well inside the deadline
+        # Once the trainer says it cannot write the weights it waits in the publish, well inside
+        # the deadline: alive, and neither its step nor the policy version moves.
+        wait_for(
+            lambda: not job.running() or "cannot be written to" in job.log_tail(400_000),
+            60,
+            "the trainer reporting the full directory",
+            interval=0.2,
+        )
         assert job.running(), job.log_tail()
         stuck = job.trainer_step()
         version = job.policy_version()
-        time.sleep(3)
-        assert job.trainer_step() == stuck and job.policy_version() == version  # waiting in the publish
+        holds_for(
+            lambda: job.running() and job.trainer_step() == stuck and job.policy_version() == version,
+            3,
+            "waiting in the publish",
+            interval=0.2,
+        )
         log = job.log_tail(400_000)
         said = re.search(
             rf"weights v(\d+) cannot be written to {re.escape(str(small_tmpfs))}/asyncrl-full-v\d+\.safetensors: "

@@ -82,7 +82,7 @@ def filled(redis_url):
         mapping={
             "gen-0": msgpack.packb({"version": 10, "heartbeat": now - 1, "groups": 40, "tokens_per_s": 700.5}),
             "gen-1": msgpack.packb({"version": 7, "heartbeat": now - 2, "groups": 30, "tokens_per_s": 500.0}),
-            "gen-2": msgpack.packb({"version": 9, "heartbeat": now - 60, "groups": 20, "tokens_per_s": 0.0}),
+            "gen-2": msgpack.packb({"version": 9, "heartbeat": now - 90, "groups": 20, "tokens_per_s": 0.0}),
         },
     )
     sink = RedisSink(client, RUN)
@@ -138,15 +138,33 @@ def test_generators_show_version_lag_and_liveness(api):
     gens = {g["id"]: g for g in body["generators"]}
     assert (gens["gen-0"]["version"], gens["gen-0"]["lag"], gens["gen-0"]["status"]) == (10, 0, "ok")
     assert (gens["gen-1"]["lag"], gens["gen-1"]["status"]) == (3, "lagging")
-    assert gens["gen-2"]["status"] == "gone" and gens["gen-2"]["heartbeat_age_s"] > 59
+    assert gens["gen-2"]["status"] == "gone" and gens["gen-2"]["heartbeat_age_s"] > 89
     assert gens["gen-0"]["tokens_per_s"] == 700.5 and gens["gen-0"]["groups"] == 40
 
 
 def test_alerts(api):
     body = api.get(f"/api/run/{RUN}/alerts").json()
     kinds = {(a["kind"], a["subject"]) for a in body["alerts"]}
-    # rollout KL 0.009 > 0.005; staleness max 1 < 2; masked 0.02 < 0.2; gen-1 lags 3 > 2; gen-2 silent 60 s.
+    # rollout KL 0.009 > 0.005; staleness max 1 < 2; masked 0.02 < 0.2; gen-1 lags 3 > 2; gen-2 silent 90 s.
     assert kinds == {("rollout_kl", ""), ("generator_lag", "gen-1"), ("generator_heartbeat", "gen-2")}
+
+
+@pytest.mark.parametrize(("timeout_s", "status"), [(60, "ok"), (10, "gone")])
+def test_a_generator_is_gone_after_the_runs_own_heartbeat_timeout(redis_url, timeout_s, status):
+    """The dashboard judges heartbeats by the run's rollout.heartbeat_timeout_s (from the config
+    in its state), the silence after which the trainer's watchdog kills a generator: 20 s of
+    silence is a pause under the 60 s default, and a dead generator under 10 s."""
+    client = redis.Redis.from_url(redis_url)
+    config = {"control": {"max_staleness": 2}, "rollout": {"heartbeat_timeout_s": timeout_s}}
+    client.hset(keys.state("hb"), mapping={"policy_version": 5, "max_staleness": 2, "config": json.dumps(config)})
+    client.hset(keys.generators("hb"), "gen-0", msgpack.packb({"version": 5, "heartbeat": time.time() - 20}))
+    client.sadd(keys.RUNS, "hb")
+    with TestClient(create_app(redis_url, run=None)) as c:
+        (gen,) = c.get("/api/run/hb/generators").json()["generators"]
+        alerts = {a["kind"] for a in c.get("/api/run/hb/alerts").json()["alerts"]}
+    client.close()
+    assert gen["status"] == status and 19 < gen["heartbeat_age_s"] < 60
+    assert ("generator_heartbeat" in alerts) == (status == "gone")
 
 
 def test_series_values_names_and_since(api, filled):

@@ -29,7 +29,8 @@ from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.recovery import shm_segments_of
 from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
-from asyncrl.testing.job import pid_running
+from tests.support.job import pid_running
+from tests.support.waiting import holds_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -332,8 +333,7 @@ def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_
     run_state.set_policy_version(0)
     run_state.configure_admission(max_staleness=0, groups_per_step=started + 2)  # room for 2 more groups
     ray.get(gen.start.remote())
-    time.sleep(3)
-    assert run_state.counters().get("groups_started", 0) == started
+    holds_for(lambda: run_state.counters().get("groups_started", 0) == started, 3, "no group admitted", interval=0.2)
     # ...and says so in its heartbeat, which the trainer turns into a console warning.
     assert "cannot load the announced weights v3" in (run_state.generators()["g0"].get("blocked") or "")
     path = str(tmp_path / "good.safetensors")
@@ -378,9 +378,13 @@ def test_sigkill_restarts_reissues_inflight_prompts_and_reaps_engine(ray_session
     queued = {g.prompt_id for g in queue.queued_groups()}
     inflight_before = {k.decode() for k in r.hkeys(inflight)}
     assert len(queued) == 3 and len(inflight_before) == 3, (queued, inflight_before)
-    # Several put timeouts later the 3 finished groups are still held, not dropped.
-    time.sleep(4 * 1.0)
-    assert ray.get(gen.stats.remote())["inflight"] == 3 and r.hlen(inflight) == 3
+    # Through several put timeouts the 3 finished groups are still held, not dropped.
+    holds_for(
+        lambda: ray.get(gen.stats.remote())["inflight"] == 3 and r.hlen(inflight) == 3,
+        4 * 1.0,
+        "the finished groups held while the queue is full",
+        interval=0.2,
+    )
     admitted = queued | inflight_before
     old_pid = ray.get(gen.pid.remote())
     old_engine = [p for p, _ in ray.get(gen.engine_pids.remote())]

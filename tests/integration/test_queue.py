@@ -23,6 +23,7 @@ import redis
 from asyncrl.data.codec import RecordError, decode_group, encode_group
 from asyncrl.queue import QueueFull, RolloutQueue, RunState, keys
 from asyncrl.types import RolloutGroup, Sample
+from tests.support.waiting import wait_for
 
 
 def random_group(rng: np.random.Generator, group_id: str, version: int | None = None) -> RolloutGroup:
@@ -269,6 +270,11 @@ def test_fuzz_1200_mutated_records_interleaved_with_good_ones(redis_url):
     q.close()
 
 
+def _last_command(client, name: str) -> str | None:
+    """The last command Redis ran for the connection named `name` (CLIENT LIST)."""
+    return next((c["cmd"] for c in client.client_list() if c.get("name") == name), None)
+
+
 def test_put_blocks_when_full_and_resumes_after_get_and_ack(redis_url):
     q = RolloutQueue.connect(redis_url, "bp", maxlen=4)
     rs = RunState.of(q)
@@ -276,15 +282,18 @@ def test_put_blocks_when_full_and_resumes_after_get_and_ack(redis_url):
         q.put(small_group(f"g{i}"))
     with pytest.raises(QueueFull, match="maxlen=4"):
         q.put(small_group("late"), timeout=0.2)
-    done = threading.Event()
     producer = RolloutQueue.connect(redis_url, "bp", maxlen=4)
+    batch = q.get_batch(2, 0, timeout=1.0)
+    with pytest.raises(QueueFull, match="maxlen=4"):  # delivered but un-acked entries still count against maxlen
+        producer.put(small_group("g4"), timeout=0.3)
+    # A put waiting for room resumes once entries are acked. The ack comes only after the put has
+    # found the queue full (its connection ran the put script), so it resumes rather than just succeeds.
+    producer.client.client_setname("bp-producer")  # the producer's one pooled connection: the put's
+    done = threading.Event()
     t = threading.Thread(target=lambda: (producer.put(small_group("g4"), timeout=20), done.set()))
     t.start()
-    time.sleep(0.4)
+    wait_for(lambda: _last_command(q.client, "bp-producer") == "evalsha", 10, "the waiting put's first attempt")
     assert not done.is_set()
-    batch = q.get_batch(2, 0, timeout=1.0)
-    time.sleep(0.3)
-    assert not done.is_set()  # delivered but un-acked entries still count against maxlen
     q.ack([entry_id for entry_id, _ in batch])
     assert done.wait(5.0)
     t.join()

@@ -19,9 +19,12 @@ import time
 import pytest
 import redis
 
-from asyncrl.queue import QueueAuthError, QueueUnavailable, RolloutQueue, RunState
+from asyncrl.queue import QueueAuthError, QueueUnavailable, RolloutQueue, RunState, keys
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.types import RolloutGroup, Sample
+from tests.support.waiting import wait_for
+
+CLAIM_IDLE_S = 1.0
 
 
 def group(group_id: str, version: int = 0) -> RolloutGroup:
@@ -69,11 +72,22 @@ def test_sigkilled_consumer_entries_are_claimed_by_a_new_consumer(redis_url):
     assert held == ids[:5]
 
     # claim_idle_s is short here; in training it must exceed the checkpoint interval
-    heir = RolloutQueue.connect(redis_url, "crash2", consumer="learner-1", claim_idle_s=0.3)
+    heir = RolloutQueue.connect(redis_url, "crash2", consumer="learner-1", claim_idle_s=CLAIM_IDLE_S)
+    # The held entries' idle clock (Redis's) restarts now, not at the dead consumer's read, which a
+    # busy machine can leave a long way behind: XCLAIM to their own consumer with IDLE 0, which
+    # neither moves them nor counts a delivery.
+    stream = keys.rollouts("crash2")
+    t0 = time.monotonic()
+    heir.client.xclaim(stream, keys.CONSUMER_GROUP, "learner-doomed", 0, held, idle=0, justid=True)
     new_first = heir.get_batch(3, 0, timeout=1.0)
     assert [i for i, _ in new_first] == ids[5:]  # nothing is idle long enough to claim yet
-    time.sleep(0.35)
-    claimed = heir.get_batch(5, 0, timeout=1.0)
+    idle_ms = [
+        p["time_since_delivered"]
+        for p in heir.client.xpending_range(stream, keys.CONSUMER_GROUP, "-", "+", 10, "learner-doomed")
+    ]
+    assert max(idle_ms) < CLAIM_IDLE_S * 1000, f"the check above ran after the entries were claimable: {idle_ms}"
+    claimed = wait_for(lambda: heir.get_batch(5, 0, timeout=0.2), 30, "the dead consumer's entries claimed")
+    assert time.monotonic() - t0 >= CLAIM_IDLE_S  # not before they were idle that long
     assert sorted(i for i, _ in claimed) == held
     assert heir.get_batch(1, 0, timeout=0.5) == []  # its own held entries are never re-claimed to itself
     assert heir.ack(ids) == 8 and heir.pending() == 0

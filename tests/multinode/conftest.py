@@ -1,4 +1,4 @@
-"""The two-node Ray cluster the tests of this directory share (asyncrl.testing.twonode).
+"""The two-node Ray cluster the tests of this directory share (tests.support.twonode).
 
 The second node runs in its own mount namespace (fresh /dev/shm and /tmp), so it shares no
 shared memory and no temp files with the head, as a second host would not; it carries the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.testing.twonode import two_node_cluster, unshare_permitted
+from tests.support.twonode import two_node_cluster, unshare_permitted
 
 ROOT = Path(__file__).resolve().parents[2]
 

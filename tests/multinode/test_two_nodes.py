@@ -19,7 +19,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.ledger import audit, trained_ids
 from asyncrl.control.train import latest_checkpoint, train
-from asyncrl.testing.twonode import client_server_logs, private_host_command
+from tests.support.twonode import client_server_logs, private_host_command
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.testing.parity import ParityResult, format_table
+from tests.support.parity import ParityResult, format_table
 
 # Prefix-stable, as multi-turn needs (a conversation's rendering extends its earlier turns').
 TEMPLATE = (

@@ -1,9 +1,12 @@
 """Log-prob parity across the config space: real vLLM-CPU engines, the real FSDP learner, and
 `learner.lr=0`, so the policy never moves and every trained token's learner log-prob must equal
 the engine's rollout log-prob (float32: max |diff| < 1e-3, every step's mean < 1e-4), every TIS
-ratio must be 1 and no mask may fire (asyncrl.testing.parity).
+ratio must be 1 and no mask may fire (tests.support.parity).
 
-    flock /tmp/asyncrl-heavy.lock .venv/bin/python -m pytest tests/parity -q
+    .venv/bin/python -m pytest tests/parity -q
+
+(Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
+other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 
 Three short runs cover the options users set, several at once each (a run costs a start-up,
 so the matrix is folded):
@@ -31,7 +34,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
-from asyncrl.testing.parity import PARITY_OVERRIDES, parity_of_run
+from tests.support.parity import PARITY_OVERRIDES, parity_of_run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

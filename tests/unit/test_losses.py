@@ -136,7 +136,7 @@ def test_clip_cov_and_kl_cov_pick_the_top_covariance_token():
 
 
 def test_clip_cov_skips_tokens_the_ppo_clip_already_clipped():
-    # Token 0 is the case: A = 1.028, ratio 1.698 > 1 + 0.2, so PPO already clipped it
+    # Token 0 is the case that catches the bug: A = 1.028, ratio 1.698 > 1 + 0.2, so PPO already clipped it
     # (no gradient). Its covariance is the highest, but Clip-Cov must spend its one slot on
     # token 3, the live token with the next covariance in (lb, ub).
     logp = t([[-1.0, -2.0, -3.0, -4.0]])

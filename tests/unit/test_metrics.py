@@ -195,13 +195,16 @@ def test_generator_alerts_lag_and_heartbeat():
         "g-old": {"version": 7, "heartbeat": 999.0},  # lag 3 > 2
         "g-dead": {"version": 10, "heartbeat": 980.0},  # 20 s without heartbeat
     }
-    alerts = M.evaluate_alerts(
-        {}, thresholds=M.Thresholds(), max_staleness=2, policy_version=10, generators=gens, now=1000.0
-    )
+    args = dict(thresholds=M.Thresholds(), max_staleness=2, policy_version=10, generators=gens, now=1000.0)
+    alerts = M.evaluate_alerts({}, **args, heartbeat_timeout_s=10.0)
     by = {(a["kind"], a["subject"]): a for a in alerts}
     assert set(by) == {("generator_lag", "g-old"), ("generator_heartbeat", "g-dead")}
     assert by[("generator_lag", "g-old")]["value"] == 3.0
     assert by[("generator_heartbeat", "g-dead")]["value"] == pytest.approx(20.0)
+    assert by[("generator_heartbeat", "g-dead")]["threshold"] == 10.0
+    # Unless told otherwise the timeout is rollout.heartbeat_timeout_s's default (60 s): 20 s is not dead.
+    assert M.DEFAULT_HEARTBEAT_TIMEOUT_S == 60.0
+    assert {a["kind"] for a in M.evaluate_alerts({}, **args)} == {"generator_lag"}
 
 
 def test_prometheus_name():

@@ -29,8 +29,8 @@ from asyncrl.rollout.envs.multiturn import (
     to_step_samples,
 )
 from asyncrl.rollout.prompts import encode_prompt
-from asyncrl.testing.chat import CHATML, llama_style_tokenizer
 from asyncrl.types import RolloutGroup
+from tests.support.chat import CHATML, llama_style_tokenizer
 
 # The generation prompt "assistant: " is not how an assistant message is rendered ("<bos>assistant: ...").
 HEADER_MISMATCH = (

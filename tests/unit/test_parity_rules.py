@@ -1,4 +1,4 @@
-"""The parity suite's rules (asyncrl.testing.parity) on hand-made metric rows, and the config
+"""The parity suite's rules (tests.support.parity) on hand-made metric rows, and the config
 accepting learner.lr=0 (the parity runs' premise: the policy never moves)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.testing.parity import PARITY_OVERRIDES, format_table, parity_of_rows
+from tests.support.parity import PARITY_OVERRIDES, format_table, parity_of_rows
 
 
 def row(step: int, **drift: float | None) -> dict:

@@ -6,24 +6,12 @@ training-bound async, and the staleness bound under long tails with many generat
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
+import bench.simulate as sim
 
-def _load_simulate():
-    path = Path(__file__).resolve().parents[2] / "bench" / "simulate.py"
-    spec = importlib.util.spec_from_file_location("asyncrl_bench_simulate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load_simulate()
 # Every group takes exactly 1 s and a generator runs a whole batch at full speed.
 BASE = sim.Scenario(
     generators=1,

@@ -47,6 +47,7 @@ from asyncrl.monitor.dashboard import data
 from asyncrl.monitor.dashboard.guard import TokenAuth, check_host, error_response
 from asyncrl.monitor.dashboard.prometheus import prometheus_text
 from asyncrl.monitor.dashboard.sources import RedisSource, Source
+from asyncrl.queue.connection import redact_url
 
 STATIC_DIR = Path(__file__).parent / "static"
 STREAM_INTERVAL_S = 1.0
@@ -225,14 +226,6 @@ async def prometheus(request: Request) -> Response:
 # ----------------------------------------------------------------------------- app
 
 
-def _display_url(redis_url: str) -> str:
-    """The Redis URL without a password, for error messages."""
-    scheme, sep, rest = redis_url.partition("://")
-    if sep and "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return f"{scheme}{sep}{rest}"
-
-
 def create_app(
     redis_url: str,
     *,
@@ -243,11 +236,11 @@ def create_app(
 ) -> Starlette:
     """The live dashboard. `password` is the Redis password (if not in the URL); `token` guards the app."""
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis_url={redis_url!r}: must start with redis://, rediss:// or unix://")
+        raise ValueError(f"redis_url={redact_url(redis_url)!r}: must start with redis://, rediss:// or unix://")
     import redis
 
     client = redis.Redis.from_url(redis_url, password=password, socket_connect_timeout=2, socket_timeout=5)
-    source = RedisSource(client, _display_url(redis_url))
+    source = RedisSource(client, redact_url(redis_url))
     return build_app(source, run=run, token=token, stream_interval=stream_interval)
 
 

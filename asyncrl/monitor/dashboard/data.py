@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.monitor.metrics import HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts
+from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts
 from asyncrl.queue import keys
 
 STATE_INT_FIELDS = ("policy_version", "weights_version", "max_staleness", "groups_per_step")
@@ -131,13 +131,30 @@ def read_counters(client: Any, run: str) -> dict[str, int]:
     return out
 
 
+def heartbeat_timeout_of(state: dict[str, Any]) -> float:
+    """The run's rollout.heartbeat_timeout_s, from the config the trainer put in its state (the
+    default where there is none): the silence after which its watchdog kills a generator."""
+    config = state.get("config")
+    rollout = config.get("rollout") if isinstance(config, dict) else None
+    value = rollout.get("heartbeat_timeout_s") if isinstance(rollout, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return DEFAULT_HEARTBEAT_TIMEOUT_S
+
+
 def read_generators(
-    client: Any, run: str, *, now: float, policy_version: int | None, max_staleness: int | None
+    client: Any,
+    run: str,
+    *,
+    now: float,
+    policy_version: int | None,
+    max_staleness: int | None,
+    heartbeat_timeout_s: float,
 ) -> list[dict[str, Any]]:
     """Each generator: id, version, lag (policy_version - version), heartbeat age, groups, tok/s, status.
 
     status: 'ok', 'lagging' (lag > max_staleness: everything it makes would be dropped) or 'gone'
-    (no heartbeat for HEARTBEAT_TIMEOUT_S: crashed, hung or scaled down).
+    (no heartbeat for the run's heartbeat_timeout_s: crashed, hung or scaled down).
     """
     out = []
     for gid, raw in client.hgetall(keys.generators(run)).items():
@@ -152,7 +169,7 @@ def read_generators(
         heartbeat = json_float(rec.get("heartbeat"))
         lag = policy_version - version if policy_version is not None and version is not None else None
         age = now - heartbeat if heartbeat is not None else None
-        if age is None or age > HEARTBEAT_TIMEOUT_S:
+        if age is None or age > heartbeat_timeout_s:
             status = "gone"
         elif lag is not None and max_staleness is not None and lag > max_staleness:
             status = "lagging"
@@ -255,7 +272,15 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
     latest, step = latest_metrics(client, run)
     policy_version = state.get("policy_version")
     max_staleness = state.get("max_staleness")
-    generators = read_generators(client, run, now=now, policy_version=policy_version, max_staleness=max_staleness)
+    heartbeat_timeout_s = heartbeat_timeout_of(state)
+    generators = read_generators(
+        client,
+        run,
+        now=now,
+        policy_version=policy_version,
+        max_staleness=max_staleness,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+    )
     thresholds = thresholds_of(state)
     alerts = evaluate_alerts(
         {k: v for k, v in latest.items() if v is not None},
@@ -264,6 +289,7 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
         policy_version=policy_version,
         generators={g["id"]: g for g in generators},
         now=now,
+        heartbeat_timeout_s=heartbeat_timeout_s,
     )
     started = state.get("started_at")
     summary = {

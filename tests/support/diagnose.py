@@ -1,6 +1,6 @@
 """What a stalled or dead `asyncrl train` job looks like from outside: its Redis state and log.
 
-    print(diagnosis(job))     # job: an asyncrl.testing.job.TrainJob
+    print(diagnosis(job))     # job: an tests.support.job.TrainJob
 
 TrainJob.wait_for_step puts it in the error when a job stalls or dies under a test.
 """

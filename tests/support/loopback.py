@@ -25,7 +25,7 @@ from asyncrl.rollout.worker_ext import WeightLoaderExtension
 BACKEND = "asyncrl_loopback"
 LOOPBACK_ENGINE_KWARGS = {
     "weight_transfer_config": {"backend": BACKEND},
-    "worker_extension_cls": "asyncrl.testing.loopback.LoopbackWorkerExtension",
+    "worker_extension_cls": "tests.support.loopback.LoopbackWorkerExtension",
 }
 
 

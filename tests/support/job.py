@@ -134,8 +134,8 @@ class TrainJob:
         return self.log_path.read_text(errors="replace")[-n_chars:] if self.log_path.exists() else "(no log)"
 
     def diagnosis(self, n_lines: int = 60) -> str:
-        """A stalled or dead job as Redis and its log show it (asyncrl.testing.diagnose)."""
-        from asyncrl.testing.diagnose import diagnosis
+        """A stalled or dead job as Redis and its log show it (tests.support.diagnose)."""
+        from tests.support.diagnose import diagnosis
 
         return diagnosis(self, n_lines)
 

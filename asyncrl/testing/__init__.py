@@ -1,1 +1,0 @@
-"""Helpers for tests and benchmarks that need real multi-process set-ups."""
