@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 class TrainedGroup(NamedTuple):
     """One group of the last step, as trained: what tests and benchmarks collect in on_step."""
 
