@@ -103,7 +103,7 @@ def measure(model_dir: str, cfg, batch, *, steps: int, ranks: int, threads: int,
     tokens = sum(s.num_tokens for s in batch)
     task = progress.add_task(f"baseline vs LearnerGroup ({ranks} rank)", total=steps)
     t_base, t_learner = [], []
-    last: dict = {}
+    last: dict[str, float] = {}
     try:
         baseline_step(model, optimizer, batch, cfg, pad)  # warm-up both sides
         group.train_step([batch])
@@ -111,7 +111,7 @@ def measure(model_dir: str, cfg, batch, *, steps: int, ranks: int, threads: int,
             t0 = time.perf_counter()
             baseline_step(model, optimizer, batch, cfg, pad)
             t1 = time.perf_counter()
-            last = group.train_step([batch])
+            last = group.train_step([batch]).metrics
             t_base.append(t1 - t0)
             t_learner.append(time.perf_counter() - t1)
             progress.advance(task)

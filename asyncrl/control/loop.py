@@ -22,6 +22,9 @@ pending for the resume) and ends, printing the resume command.
 generators start exactly one step's groups per version, so they generate while the
 learner waits, sit idle (blocked by admission) while it trains, and resume only once the
 new weights are published -- generate, train, sync, with no code of its own to drift.
+
+Waiting for a step's groups is asyncrl.control.collect, the loop's own metrics
+asyncrl.control.step_metrics, and the handles it drives come from asyncrl.control.runtime.
 """
 
 from __future__ import annotations
@@ -31,33 +34,27 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from asyncrl.config import Config
+from asyncrl.control.collect import BatchCollector, NoGenerators
 from asyncrl.control.publish import Publisher, WeightsUnwritable
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
 from asyncrl.control.state import LoopState, StopFlag
+from asyncrl.control.step_metrics import StepTimes, step_metrics
 from asyncrl.queue import QueueUnavailable
 
 if TYPE_CHECKING:
     from asyncrl.control.evaluate import Evaluator
     from asyncrl.control.progress import StepProgress
-    from asyncrl.control.runtime import Runtime
+    from asyncrl.control.runtime import StartedRun
     from asyncrl.learner import LearnerGroup
+    from asyncrl.learner.result import StepResult
     from asyncrl.monitor.sinks import MetricsLogger
     from asyncrl.queue import RolloutQueue, RunState
+    from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
-
-LEARNER_CHECK_S = 5.0
-"""While waiting for data, how often the learner ranks' liveness and the generators'
-heartbeats are checked."""
-WAIT_LOG_S = 60.0
-"""Past control.batch_timeout_s, a trainer still waiting for its generators says so this often."""
-
-
-class NoGenerators(TimeoutError):
-    """No full batch within control.batch_timeout_s, and no generator left that could make one."""
 
 
 class TrainedGroup(NamedTuple):
@@ -77,15 +74,13 @@ class TrainLoop:
     def __init__(
         self,
         cfg: Config,
-        runtime: Runtime,
+        runtime: StartedRun,
         metrics_logger: MetricsLogger,
         *,
         state: LoopState | None = None,
         stop: StopFlag | None = None,
         progress: StepProgress | None = None,
     ):
-        if runtime.queue is None or runtime.run_state is None or runtime.learner is None or not runtime.model_path:
-            raise RuntimeError("TrainLoop needs a started Runtime: `with Runtime(cfg, run_dir) as rt`")
         self.cfg = cfg
         self.rt = runtime
         self.queue: RolloutQueue = runtime.queue
@@ -101,11 +96,11 @@ class TrainLoop:
         self.ckpt_root = Path(runtime.run_dir) / "checkpoints"
         self.last_trained: list[TrainedGroup] = []
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
-        self._counters_seen: dict[str, int] = {}
         self._evaluator: Evaluator | None = None
         from asyncrl.control.watchdog import GeneratorWatchdog
 
         self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
+        self.collector = BatchCollector(cfg, self.queue, self.run_state, self.learner, self.watchdog, self.stop)
         self.publisher = Publisher(
             self.learner,
             runtime.weight_sync,
@@ -163,7 +158,7 @@ class TrainLoop:
         self.run_state.configure_admission(
             self.max_staleness, c.groups_per_step, self.cfg.learner.mini_batches_per_step
         )
-        self._counters_seen = self.run_state.counters()
+        self.collector.start_counting()
 
     # ------------------------------------------------------------------ one step
 
@@ -174,50 +169,8 @@ class TrainLoop:
     def _min_version(self) -> int:
         return min_behavior_version(self.state.version, self.max_staleness, self.cfg.learner.mini_batches_per_step)
 
-    def _collect(self) -> list[tuple[str, Any]]:
-        """Block until a full step's groups are here (or stop was asked for)."""
-        want = self.cfg.control.groups_per_step
-        items: list = []
-        t0 = time.monotonic()
-        deadline = t0 + self.cfg.control.batch_timeout_s
-        next_check = t0 + LEARNER_CHECK_S
-        while len(items) < want and not self.stop.is_set:
-            if time.monotonic() > next_check:
-                self.learner.check_alive()  # a rank lost meanwhile (its node died) ends the wait
-                self.watchdog.check()  # a hung generator is killed, and Ray restarts it
-                next_check = time.monotonic() + LEARNER_CHECK_S
-            if time.monotonic() > deadline:
-                # Wait on while any generator can still produce (alive, or being restarted by
-                # Ray); a multi-day run must not die of one slow restart.
-                runnable = self.watchdog.runnable()
-                if not runnable:
-                    raise NoGenerators(
-                        f"no full batch for {time.monotonic() - t0:.0f} s ({len(items)}/{want} groups) and no "
-                        f"generator can run (own ones dead, no elastic heartbeat within "
-                        f"rollout.heartbeat_timeout_s={self.cfg.rollout.heartbeat_timeout_s:g}); "
-                        f"counters={self.run_state.counters()}"
-                    )
-                log.warning(
-                    "no full batch for %.0f s (%d/%d groups); waiting for %s",
-                    time.monotonic() - t0,
-                    len(items),
-                    want,
-                    ", ".join(runnable),
-                )
-                deadline = time.monotonic() + WAIT_LOG_S
-            items += self.queue.get_batch(want - len(items), self._min_version(), timeout=1.0)
-            self._release_lost_admissions()
-        return items
-
-    def _release_lost_admissions(self) -> None:
-        """Dropped-stale and dead-lettered groups will never be trained: free their slots."""
-        now = self.run_state.counters()
-        lost = sum(now.get(k, 0) - self._counters_seen.get(k, 0) for k in ("dropped_stale", "dead_lettered"))
-        if lost > 0:
-            self.run_state.release_admission(lost)
-        self._counters_seen = now
-
-    def _train(self, groups: list) -> dict[str, float]:
+    def _train(self, groups: list[RolloutGroup]) -> tuple[StepResult, dict[str, float]]:
+        """The learner's step over `groups` and the batch's own metrics (advantages, rewards)."""
         from asyncrl.data.batch import build_minibatches, minibatch_of
 
         m = self.cfg.learner.mini_batches_per_step
@@ -237,9 +190,7 @@ class TrainLoop:
             )
             for g in groups
         ]
-        metrics = self.learner.train_step(minibatches)
-        metrics.update(batch_metrics)
-        return metrics
+        return self.learner.train_step(minibatches), batch_metrics
 
     @property
     def _overlap_publish(self) -> bool:
@@ -251,7 +202,7 @@ class TrainLoop:
     def step(self) -> dict[str, float] | None:
         c = self.cfg.control
         t0 = time.perf_counter()
-        items = self._collect()
+        items = self.collector.collect(self._min_version())
         if self.stop.is_set and len(items) < c.groups_per_step:
             # Not trained: leave them un-acked so a resume redelivers them.
             return None
@@ -261,13 +212,14 @@ class TrainLoop:
         groups = [g for _, g in items]
 
         t1 = time.perf_counter()
-        metrics = self._train(groups)
+        result, batch_metrics = self._train(groups)
+        metrics = {**result.metrics, **batch_metrics}
         # At the version of each group's own mini-batch: with m mini-batches the step's start
         # version would understate the staleness of all but the first.
         staleness = [t.staleness for t in self.last_trained]
         t_train = time.perf_counter() - t1
         before = self.state.version
-        self.state.version = int(metrics.get("learner/version", before + self.cfg.learner.mini_batches_per_step))
+        self.state.version = result.version
         self.state.step += 1
         self.state.trained([g.group_id for g in groups], ids)
         samples = [s for g in groups for s in g.samples]
@@ -298,51 +250,21 @@ class TrainLoop:
         if c.eval_every and self.state.step % c.eval_every == 0 and self.rt.generators:
             metrics.update(self.evaluate())
 
-        metrics.update(self._step_metrics(groups, staleness, t_wait, t_train, t_sync, time.perf_counter() - t0))
+        times = StepTimes(t_wait, t_train, t_sync, self.publisher.last_apply_s, time.perf_counter() - t0)
+        metrics.update(
+            step_metrics(
+                groups,
+                staleness,
+                times,
+                version=self.state.version,
+                max_staleness=c.max_staleness,
+                queue=self.queue,
+                run_state=self.run_state,
+                watchdog=self.watchdog,
+            )
+        )
         self.logger.log(self.state.step, metrics)
         return metrics
-
-    def _step_metrics(self, groups, staleness, t_wait, t_train, t_sync, t_step) -> dict[str, float]:
-        from asyncrl.monitor.metrics import staleness_summary
-
-        counters = self.run_state.counters()
-        gen_tokens = sum(g.num_tokens for g in groups)
-        out = {
-            "time/wait_data": t_wait,
-            "time/train": t_train,
-            "time/sync": t_sync,
-            "time/step": t_step,
-            "sync/seconds": t_sync,
-            "sync/apply_s": self.publisher.last_apply_s,
-            "queue/depth": float(self.queue.depth()),
-            "queue/pending": float(self.queue.pending()),
-            "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
-            "queue/dead_lettered": float(counters.get("dead_lettered", 0)),
-            "queue/stale_reissued": float(counters.get("stale_reissued", 0)),
-            "queue/stale_abandoned": float(counters.get("stale_abandoned", 0)),
-            "learner/version": float(self.state.version),
-            "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(t_step, 1e-9),
-            "throughput/step_tokens_per_s": gen_tokens / max(t_step, 1e-9),
-        }
-        for kind in ("dropped", "trained"):  # are the dropped groups the long ones?
-            if counters.get(f"{kind}_samples", 0):
-                mean = counters.get(f"{kind}_response_tokens", 0) / counters[f"{kind}_samples"]
-                out[f"queue/{kind}_response_len_mean"] = mean
-        # A label newer than the learner's version (negative staleness) is counted apart rather
-        # than hidden as 0. A resume can no longer make one: it numbers the restored weights past
-        # every version the crashed run announced (asyncrl.control.restart), so this stays 0
-        # unless versions are reused again, which is what it is there to show.
-        out["staleness/ahead"] = float(sum(1 for s in staleness if s < 0))
-        out.update(staleness_summary([max(0, s) for s in staleness], self.cfg.control.max_staleness))
-        gens = self.run_state.generators()
-        for news in self.watchdog.news(gens):
-            log.warning(news)
-        for gid, info in gens.items():
-            out[f"generator/{gid}/lag"] = float(self.state.version - int(info.get("version", 0)))
-        tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]
-        if tps:
-            out["throughput/gen_tokens_per_s"] = sum(tps)
-        return out
 
     # ------------------------------------------------------------------ checkpoint
 

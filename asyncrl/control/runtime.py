@@ -1,6 +1,6 @@
 """Bring-up and tear-down of everything a run needs, in one ExitStack.
 
-    with Runtime(cfg, run_dir) as rt:
+    with Runtime(cfg, run_dir) as rt:          # rt: a StartedRun, every handle set
         rt.queue, rt.run_state, rt.learner, rt.weight_sync, rt.generators ...
 
 Order matters only where one part needs another: Redis first (everything reports there),
@@ -22,15 +22,20 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.control import bringup
 from asyncrl.control.restart import own_generator_ids
 from asyncrl.queue import RolloutQueue, RunState
 
 if TYPE_CHECKING:
     from asyncrl.learner import LearnerGroup
+    from asyncrl.queue.server import EmbeddedRedis
+    from asyncrl.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -47,229 +52,151 @@ def resolve_model(cfg: Config, run_dir: Path) -> str:
     return str(path)
 
 
-class Runtime(contextlib.ExitStack):
-    """Owns the processes and actors of one run; closing it stops exactly those."""
+class Runtime:
+    """Owns the processes and actors of one run; leaving it stops exactly those. Entering
+    brings them up and returns the StartedRun that holds them."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, start_generators: bool = True):
-        super().__init__()
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.start_generators = start_generators
-        self.redis_url: str | None = None
-        self.embedded_redis = None
-        self.queue: RolloutQueue | None = None
-        """The rollout stream (this trainer's consumer)."""
-        self.run_state: RunState | None = None
-        """The run's state hash, counters, admission and heartbeats, over the queue's connection."""
-        self.learner: LearnerGroup | None = None
-        self.weight_sync: Any = None
-        """The sync backend (asyncrl.sync: shm, nccl or object_store), built before the learner."""
-        self.generators: list = []
-        self.generator_nodes: list[str] = []
-        """The Ray node each generator was started on (for the lost-actor report)."""
-        self.model_path: str | None = None
-        self.model_package: dict | None = None
-        self.highest_version = 0
-        """The highest weights version this run's Redis announced before this start (a crashed
-        predecessor's): the restored weights are numbered past it (LoopState.continue_past)."""
-        self._t0 = time.perf_counter()
-        self.startup: dict[str, float] = {}
-        """Seconds from the runtime's start until each part was ready."""
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> StartedRun:
+        stack = self._stack.__enter__()
+        try:
+            return self._bring_up(stack)
+        except BaseException:
+            stack.close()
+            raise
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stack.__exit__(*exc)
+
+    def _bring_up(self, stack: contextlib.ExitStack) -> StartedRun:
+        cfg, run_dir = self.cfg, self.run_dir
+        t0 = time.perf_counter()
+        startup: dict[str, float] = {}
+
+        def mark(what: str) -> None:
+            startup[what] = round(time.perf_counter() - t0, 1)
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        redis_url, embedded_redis = bringup.start_redis(cfg, run_dir, stack)
+        queue = bringup.connect_queue(cfg, redis_url, stack)
+        run_state = RunState.of(queue)
+        # Before any generator exists: a predecessor's announced weights and open admission
+        # would have them load discarded weights and start work against its budget.
+        highest_version = run_state.retire_weights()
+        mark("redis")
+        bringup.start_ray(cfg, run_dir, stack)
+        mark("ray")
+        model_path = resolve_model(cfg, run_dir)
+        bringup.check_prompts(cfg, model_path)
+        from asyncrl.sync.model_ship import ship_model
+        from asyncrl.sync.weight_sync import cluster_is_multinode
+
+        # Other nodes get a local model directory through Ray, as weights "version 0".
+        model_package = ship_model(model_path) if cluster_is_multinode() else None
+        weight_sync = bringup.start_weight_sync(cfg, run_state, model_package, stack)
+        generators: list[Any] = []
+        if self.start_generators:  # their engines load while the learners do
+            _create_generators(cfg, generators, weight_sync, stack, model_path, redis_url, model_package)
+        learner = bringup.start_learner(cfg, model_path, model_package, stack)
+        # The sync is built before the learners so generators can register while those
+        # load; the object-store backend reads the learner's exports only at publish time.
+        from asyncrl.sync.objstore import ObjectStoreWeightSync
+
+        if isinstance(weight_sync, ObjectStoreWeightSync):
+            weight_sync.learner = learner
+        mark("learner")
+        return StartedRun(
+            cfg=cfg,
+            run_dir=run_dir,
+            redis_url=redis_url,
+            embedded_redis=embedded_redis,
+            queue=queue,
+            run_state=run_state,
+            weight_sync=weight_sync,
+            learner=learner,
+            model_path=model_path,
+            model_package=model_package,
+            highest_version=highest_version,
+            generators=generators,
+            startup=startup,
+            stack=stack,
+            t0=t0,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class StartedRun:
+    """A run that is up: every handle is set. The handles never change; the generator list
+    fills in once (at bring-up or at launch_generators) and empties at tear-down."""
+
+    cfg: Config
+    run_dir: Path
+    redis_url: str
+    embedded_redis: EmbeddedRedis | None
+    """The Redis this runtime started; None when queue.redis_url names one (left running)."""
+    queue: RolloutQueue
+    """The rollout stream (this trainer's consumer)."""
+    run_state: RunState
+    """The run's state hash, counters, admission and heartbeats, over the queue's connection."""
+    weight_sync: WeightSync
+    """The sync backend (asyncrl.sync: shm, nccl or object_store), built before the learner."""
+    learner: LearnerGroup
+    model_path: str
+    model_package: dict | None
+    """A local model directory shipped through Ray for other nodes; None on one node."""
+    highest_version: int
+    """The highest weights version this run's Redis announced before this start (a crashed
+    predecessor's): the restored weights are numbered past it (LoopState.continue_past)."""
+    generators: list[Any]
+    """The generator actors' handles."""
+    startup: dict[str, float]
+    """Seconds from the runtime's start until each part was ready."""
+    stack: contextlib.ExitStack = field(repr=False)
+    """Tear-down, run in reverse when the Runtime is left."""
+    t0: float = field(repr=False)
+    generator_nodes: list[str] = field(default_factory=list)
+    """The Ray node each generator was started on (for the lost-actor report)."""
 
     def mark(self, what: str) -> None:
-        self.startup[what] = round(time.perf_counter() - self._t0, 1)
+        self.startup[what] = round(time.perf_counter() - self.t0, 1)
 
-    # ------------------------------------------------------------------ bring-up
+    def callback(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        """Run fn(*args, **kwargs) at tear-down, before everything brought up so far is stopped."""
+        self.stack.callback(fn, *args, **kwargs)
 
-    def __enter__(self) -> Runtime:
-        super().__enter__()
-        try:
-            self._t0 = time.perf_counter()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._start_redis()
-            # Before any generator exists: a predecessor's announced weights and open admission
-            # would have them load discarded weights and start work against its budget.
-            self.highest_version = self.run_state.retire_weights()
-            self.mark("redis")
-            self._start_ray()
-            self.mark("ray")
-            self.model_path = resolve_model(self.cfg, self.run_dir)
-            self._check_prompts()
-            from asyncrl.sync.model_ship import ship_model
-            from asyncrl.sync.weight_sync import cluster_is_multinode
-
-            # Other nodes get a local model directory through Ray, as weights "version 0".
-            self.model_package = ship_model(self.model_path) if cluster_is_multinode() else None
-            self._start_weight_sync()
-            if self.start_generators:
-                self._create_generators()  # their engines load while the learners do
-            self._start_learner()
-            # The sync is built before the learners so generators can register while those
-            # load; the object-store backend reads the learner's exports only at publish time.
-            self.weight_sync.learner = self.learner
-            self.mark("learner")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def _check_prompts(self) -> None:
-        """Open the prompt sources and check the chat template once, here: a missing column or
-        split, or a tokenizer without a template, would otherwise fail every generator's start
-        (which Ray retries for ever) and the evaluator's."""
-        from asyncrl.rollout.prompts import check_chat_template, open_prompts
-
-        r, c = self.cfg.rollout, self.cfg.control
-        fields = dict(prompt_field=r.prompt_field, answer_field=r.answer_field, seed=0, id_prefix="check")
-        if r.prompts:
-            next(open_prompts(r.prompts, None, split=r.prompt_split, **fields))
-        if c.eval_every and c.eval_prompts:
-            next(open_prompts(c.eval_prompts, None, split=c.eval_split, where="control.eval_prompts", **fields))
-        if r.chat_template:
-            from transformers import AutoTokenizer
-
-            from asyncrl.rollout.envs.chat import check_turn_template
-
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            check_chat_template(tokenizer, r.model)
-            check_turn_template(tokenizer, r.env)
-
-    def _start_redis(self) -> None:
-        q = self.cfg.queue
-        if q.redis_url is None:
-            from asyncrl.queue.server import EmbeddedRedis
-
-            server = EmbeddedRedis(self.run_dir / "redis", password=q.password, aof=q.aof, bind=q.bind)
-            server.start()
-            self.callback(server.stop)
-            self.embedded_redis = server
-            self.redis_url = server.url
-        else:
-            self.redis_url = q.redis_url
-        self.queue = RolloutQueue.connect(
-            self.redis_url,
-            self.cfg.control.run_name,
-            password=q.password,
-            consumer="learner-0",
-            maxlen=q.maxlen,
-            max_record_bytes=q.max_record_bytes,
-            claim_idle_s=q.claim_idle_s,
-            retry_deadline_s=q.retry_deadline_s,
-            outage_deadline_s=q.outage_deadline_s,
-            ledger=q.ledger,
-            stale_reissues=q.stale_reissues,
-        )
-        self.callback(self.queue.close)
-        self.run_state = RunState.of(self.queue)
-
-    def _start_ray(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            return  # a caller (tests, notebooks) owns Ray; leave it running
-        c = self.cfg.control
-        env_vars = {
-            "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.rollout.kvcache_gib),
-            "TOKENIZERS_PARALLELISM": "false",
-            # vLLM's per-engine INFO lines drown the trainer's progress; WARNING keeps problems.
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-            # So user code named by import path (envs, losses) imports in every worker too.
-            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
-        }
-        from asyncrl.control.cluster import connect_ray
-
-        connect_ray(c, env_vars, verbose=self.cfg.monitor.verbose)
-        self.callback(ray.shutdown)
-        self._link_ray_logs()
-
-    def _link_ray_logs(self) -> None:
-        """run_dir/logs/ray -> this Ray session's log directory (worker and engine output)."""
-        import ray
-
-        try:
-            session = Path(ray._private.worker._global_node.get_session_dir_path())
-        except AttributeError:  # a client or an attached driver without a local node
-            return
-        link = self.run_dir / "logs" / "ray"
-        link.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            link.unlink()
-        link.symlink_to(session / "logs", target_is_directory=True)
-        if not self.cfg.monitor.verbose:
-            log.info("Ray worker and vLLM engine logs: %s (asyncrl train --verbose streams them here)", link)
-
-    def _start_learner(self) -> None:
-        from asyncrl.learner import LearnerGroup
-
-        self.learner = LearnerGroup(
-            self.cfg,
-            self.model_path,
-            collective_timeout_s=self.cfg.learner.collective_timeout_s,
-            model_package=self.model_package,
-        )
-        self.callback(self.learner.shutdown)
-
-    def _start_weight_sync(self) -> None:
-        from asyncrl.sync import build_weight_sync
-
-        self.weight_sync = build_weight_sync(
-            self.cfg.sync,
-            run_state=self.run_state,
-            run=self.cfg.control.run_name,
-            learner=self.learner,
-            model_package=self.model_package,
-        )
-        self.callback(self.weight_sync.close)
-
-    def _create_generators(self) -> None:
-        """Create cfg.rollout.num_generators Ray actors (each restarts on a crash) without
-        waiting for them: their engines come up in the background, idle until started."""
-        from asyncrl.rollout.generator import GeneratorActor
-
-        self.callback(self._stop_generators)
-        for generator_id in own_generator_ids(self.cfg):  # a restart counts their notes as ours
-            handle = GeneratorActor.remote_actor(
-                self.cfg,
-                model_path=self.model_path,
-                generator_id=generator_id,
-                redis_url=self.redis_url,
-                run=self.cfg.control.run_name,
-                password=self.cfg.queue.password,
-                model_package=self.model_package,
-            )
-            self.generators.append(handle)
-            self.weight_sync.register(handle)
-
-    def launch_generators(self) -> list:
+    def launch_generators(self) -> list[Any]:
         """Start generating (creating the actors first if the runtime did not); waits until
         every engine is up."""
         import ray
 
         if not self.generators:
-            self._create_generators()
+            _create_generators(
+                self.cfg,
+                self.generators,
+                self.weight_sync,
+                self.stack,
+                self.model_path,
+                self.redis_url,
+                self.model_package,
+            )
         ray.get([g.start.remote() for g in self.generators])
-        self.generator_nodes = ray.get([g.__ray_call__.remote(_node_id) for g in self.generators])
+        self.generator_nodes[:] = ray.get([g.__ray_call__.remote(_node_id) for g in self.generators])
         self.mark("generators")
         return self.generators
 
-    def placed_actors(self) -> dict[str, tuple]:
+    def placed_actors(self) -> dict[str, tuple[Any, str]]:
         """name -> (actor handle, node id it was started on): learner ranks and generators."""
         # Not strict: this feeds a failure report, which may come before the generators were
         # launched (no nodes yet) or after the learner group shut down (no actors left).
-        out = {}
-        if self.learner is not None:
-            out.update(
-                {
-                    f"learner rank {r}": (a, info["node_id"])
-                    for r, (a, info) in enumerate(zip(self.learner.actors, self.learner.rank_info, strict=False))
-                }
-            )
-        out.update(
-            {
-                f"gen-{i}": (g, node)
-                for i, (g, node) in enumerate(zip(self.generators, self.generator_nodes, strict=False))
-            }
-        )
+        pairs = zip(self.learner.actors, self.learner.rank_info, strict=False)
+        out = {f"learner rank {r}": (a, info["node_id"]) for r, (a, info) in enumerate(pairs)}
+        nodes = zip(self.generators, self.generator_nodes, strict=False)
+        out.update({f"gen-{i}": (g, node) for i, (g, node) in enumerate(nodes)})
         return out
 
     def report_lost_actors(self, error: BaseException) -> list[str]:
@@ -292,21 +219,6 @@ class Runtime(contextlib.ExitStack):
             log.error("lost actor: %s", line)
         return lines
 
-    def _stop_generators(self) -> None:
-        import ray
-
-        # An actor Ray is still restarting (its node died) would take the call only once it
-        # is back: ask only the live ones to stop their engines; every one is killed below.
-        refs = [g.shutdown.remote() for g in self.generators if _alive(g)]
-        with contextlib.suppress(Exception):
-            ray.get(refs, timeout=60)
-        for g in self.generators:
-            with contextlib.suppress(Exception):
-                ray.kill(g, no_restart=True)
-        self.generators.clear()
-
-    # ------------------------------------------------------------------ helpers
-
     def write_config(self) -> Path:
         import yaml
 
@@ -316,6 +228,48 @@ class Runtime(contextlib.ExitStack):
         with os.fdopen(fd, "w") as f:
             f.write(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         return path
+
+
+def _create_generators(
+    cfg: Config,
+    into: list[Any],
+    weight_sync: WeightSync,
+    stack: contextlib.ExitStack,
+    model_path: str,
+    redis_url: str,
+    model_package: dict | None,
+) -> None:
+    """Create cfg.rollout.num_generators Ray actors (each restarts on a crash) into `into`
+    without waiting for them: their engines come up in the background, idle until started."""
+    from asyncrl.rollout.generator import GeneratorActor
+
+    stack.callback(_stop_generators, into)
+    for generator_id in own_generator_ids(cfg):  # a restart counts their notes as ours
+        handle = GeneratorActor.remote_actor(
+            cfg,
+            model_path=model_path,
+            generator_id=generator_id,
+            redis_url=redis_url,
+            run=cfg.control.run_name,
+            password=cfg.queue.password,
+            model_package=model_package,
+        )
+        into.append(handle)
+        weight_sync.register(handle)
+
+
+def _stop_generators(generators: list[Any]) -> None:
+    import ray
+
+    # An actor Ray is still restarting (its node died) would take the call only once it
+    # is back: ask only the live ones to stop their engines; every one is killed below.
+    refs = [g.shutdown.remote() for g in generators if _alive(g)]
+    with contextlib.suppress(Exception):
+        ray.get(refs, timeout=60)
+    for g in generators:
+        with contextlib.suppress(Exception):
+            ray.kill(g, no_restart=True)
+    generators.clear()
 
 
 def _node_id(_actor) -> str:

@@ -15,9 +15,17 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
 from asyncrl.queue.connection import redact_url
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from asyncrl.control.loop import TrainLoop
+    from asyncrl.control.runtime import StartedRun
+    from asyncrl.control.state import LoopState
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +37,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return steps[-1] if steps else None
 
 
-def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
+def train(
+    cfg: Config,
+    *,
+    resume_dir: str | Path | None = None,
+    on_step: Callable[[TrainLoop, dict[str, float]], None] | None = None,
+) -> LoopState:
     """Run one job to `control.total_steps` (or until SIGINT/SIGTERM); return the LoopState."""
     from asyncrl.control.loop import TrainLoop
     from asyncrl.control.progress import StepProgress
@@ -110,7 +123,7 @@ def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
 
 
 def _summary(
-    rt,
+    rt: StartedRun,
     run_dir: Path,
     first_step: int,
     max_staleness: int,
@@ -145,7 +158,9 @@ def _summary(
     )
 
 
-def _write_summary_file(rt, run_dir: Path, state, first_step: int, max_staleness: int, status: str, wall_s: float):
+def _write_summary_file(
+    rt: StartedRun, run_dir: Path, state: LoopState, first_step: int, max_staleness: int, status: str, wall_s: float
+) -> None:
     """run_dir/summary.json: what `asyncrl dashboard RUN_DIR` shows of a run whose Redis is gone."""
     from asyncrl.control.summary import write_summary_file
 
@@ -168,23 +183,33 @@ def _write_summary_file(rt, run_dir: Path, state, first_step: int, max_staleness
     )
 
 
-def _start_dashboard(cfg: Config, rt) -> str | None:
+def _start_dashboard(cfg: Config, rt: StartedRun) -> str | None:
     """Serve the dashboard from the trainer process; a busy port falls back to a free one."""
     if not cfg.monitor.dashboard:
         return None
     from asyncrl.monitor.dashboard.app import serve_in_thread
 
     m = cfg.monitor
-    kwargs = dict(run=cfg.control.run_name, host=m.dashboard_host, token=m.dashboard_token, password=cfg.queue.password)
+
+    def serve(port: int):
+        return serve_in_thread(
+            rt.redis_url,
+            run=cfg.control.run_name,
+            host=m.dashboard_host,
+            port=port,
+            token=m.dashboard_token,
+            password=cfg.queue.password,
+        )
+
     try:
-        server = serve_in_thread(rt.redis_url, port=m.dashboard_port, **kwargs)
+        server = serve(m.dashboard_port)
     except OSError:
-        server = serve_in_thread(rt.redis_url, port=0, **kwargs)
+        server = serve(0)
     rt.callback(setattr, server, "should_exit", True)
     return f"http://{m.dashboard_host}:{server.bound_port}/"
 
 
-def _announce(cfg: Config, rt, dashboard_url: str | None) -> None:
+def _announce(cfg: Config, rt: StartedRun, dashboard_url: str | None) -> None:
     from asyncrl.monitor.sinks import METRICS_FILE
 
     run = cfg.control.run_name

@@ -2,7 +2,7 @@
 
     from asyncrl.learner import LearnerGroup
     group = LearnerGroup(cfg, model_path)
-    metrics = group.train_step(minibatches)
+    result = group.train_step(minibatches)   # StepResult: .version, .metrics
 
 Modules: group.py (driver handle), actor.py (one rank), step.py (the optimizer step as plain
 functions), fsdp.py (all FSDP2 code), optim.py (AdamW + schedule), checkpoint.py (DCP),

@@ -24,6 +24,7 @@ import torch
 from asyncrl.config import Config, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint, fsdp, optim, step
+from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
 
 
@@ -159,7 +160,7 @@ class LearnerActor:
         count: int,
         fields: dict[str, str],
         proximal_key: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> RankStepResult:
         """Pre-pass (reference logprobs), then one optimizer step over `count` micro-batches.
 
         Old logprobs come from `store_proximal(proximal_key, ...)`, or, with no key (one
@@ -203,19 +204,19 @@ class LearnerActor:
         self.step_count += 1
         real = sum(int(mb["loss_mask"].numel()) for mb in mbs if not mb[mbatch.PADDING_KEY])
         tokens = sum(len(s["input_ids"]) for p in plan for s in p)
-        return {
-            "metrics": {k: (m.reduce, m.total, m.count) for k, m in stats.metrics.items()},
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "version": self.version,
-            "tokens": tokens,
-            "padded_tokens": real,
-            "microbatches": count,
-            "padding_microbatches": count - len(plan),
-            "seconds_prepass": t1 - t0,
-            "seconds_forward_backward": stats.seconds_forward_backward,
-            "seconds_optimizer": stats.seconds_optimizer,
-        }
+        return RankStepResult(
+            metrics=stats.metrics,
+            grad_norm=stats.grad_norm,
+            lr=stats.lr,
+            version=self.version,
+            tokens=tokens,
+            padded_tokens=real,
+            microbatches=count,
+            padding_microbatches=count - len(plan),
+            seconds_prepass=t1 - t0,
+            seconds_forward_backward=stats.seconds_forward_backward,
+            seconds_optimizer=stats.seconds_optimizer,
+        )
 
     def logprobs(
         self, plan: list[list[dict[str, np.ndarray]]], count: int, temperature: float

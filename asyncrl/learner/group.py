@@ -1,7 +1,7 @@
 """LearnerGroup: the driver's handle on N FSDP2 ranks running as Ray actors.
 
     group = LearnerGroup(cfg, model_path)                 # cfg.learner.num_ranks actors, gloo/NCCL
-    metrics = group.train_step(minibatches)               # list[list[TrainSequence]] -> dict[str, float]
+    result = group.train_step(minibatches)                # list[list[TrainSequence]] -> StepResult
     path, version = group.export_to_file("/dev/shm/asyncrl/weights.safetensors")
     group.save_checkpoint("runs/x/checkpoints/step_000010", extra={"acked": [...]})
     group.shutdown()
@@ -30,6 +30,7 @@ from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint, placement
 from asyncrl.learner.actor import LearnerActor
+from asyncrl.learner.result import RankStepResult, StepResult
 from asyncrl.learner.validate import validate_minibatches
 from asyncrl.types import MetricValue, TrainSequence, merge_metrics
 
@@ -222,11 +223,12 @@ class LearnerGroup:
         versions = self._call("set_version", [(int(version),)] * self.num_ranks, what="set_version")
         self._version = int(versions[0])
 
-    def train_step(self, minibatches: list[list[TrainSequence]]) -> dict[str, float]:
-        """One optimizer step (one policy version) per mini-batch; merged metrics as floats."""
+    def train_step(self, minibatches: list[list[TrainSequence]]) -> StepResult:
+        """One optimizer step (one policy version) per mini-batch; the version reached and the
+        merged metrics as floats."""
         validate_minibatches(minibatches, self.cfg.algo, max_positions=self.max_positions, vocab_size=self.vocab_size)
         t0 = time.perf_counter()
-        per_mb, results = [], []
+        results: list[list[RankStepResult]] = []
         plans = [self._plan([mbatch.seq_fields(s) for s in mb])[:2] for mb in minibatches]
         several = len(minibatches) > 1
         if several:  # every mini-batch's proximal policy is the weights before the first update
@@ -235,36 +237,30 @@ class LearnerGroup:
         for j, (per_rank, count) in enumerate(plans):
             key = j if several else None
             out = self._call("train_minibatch", [(p, count, FIELD_DTYPES, key) for p in per_rank], what="train_step")
-            per_mb.append(merge_metrics([{k: MetricValue(*v) for k, v in r["metrics"].items()} for r in out]))
             results.append(out)
-            self._version = out[0]["version"]
+            self._version = out[0].version
         seconds = time.perf_counter() - t0
-        return self._step_metrics(per_mb, results, seconds)
+        return StepResult(version=self._version, metrics=self._step_metrics(results, seconds))
 
-    def _step_metrics(
-        self, per_mb: list[dict[str, MetricValue]], results: list[list[dict]], seconds: float
-    ) -> dict[str, float]:
-        metrics = combine_minibatch_metrics(per_mb)
+    def _step_metrics(self, results: list[list[RankStepResult]], seconds: float) -> dict[str, float]:
+        metrics = combine_minibatch_metrics([merge_metrics([r.metrics for r in out]) for out in results])
         flat = [r for out in results for r in out]
-        tokens = sum(r["tokens"] for r in flat)
-        padded = sum(r["padded_tokens"] for r in flat)
+        tokens = sum(r.tokens for r in flat)
+        padded = sum(r.padded_tokens for r in flat)
         metrics.update(
             {
-                "learner/grad_norm": float(np.mean([out[0]["grad_norm"] for out in results])),
-                "learner/lr": float(results[-1][0]["lr"]),
-                "learner/version": float(self._version),
+                "learner/grad_norm": float(np.mean([out[0].grad_norm for out in results])),
+                "learner/lr": float(results[-1][0].lr),
                 "learner/train_tokens": float(tokens),
-                "learner/microbatches": float(np.mean([out[0]["microbatches"] for out in results])),
-                "learner/padding_microbatches": float(sum(r["padding_microbatches"] for r in flat)),
+                "learner/microbatches": float(np.mean([out[0].microbatches for out in results])),
+                "learner/padding_microbatches": float(sum(r.padding_microbatches for r in flat)),
                 "learner/padding_frac": 1.0 - tokens / padded if padded else 0.0,
                 "throughput/train_tokens_per_s": tokens / max(seconds, 1e-9),
                 "time/learner_step": seconds,
                 # Slowest rank per phase: the others wait for it at the next collective.
-                "time/learner_prepass": sum(max(r["seconds_prepass"] for r in out) for out in results),
-                "time/learner_forward_backward": sum(
-                    max(r["seconds_forward_backward"] for r in out) for out in results
-                ),
-                "time/learner_optimizer": sum(max(r["seconds_optimizer"] for r in out) for out in results),
+                "time/learner_prepass": sum(max(r.seconds_prepass for r in out) for out in results),
+                "time/learner_forward_backward": sum(max(r.seconds_forward_backward for r in out) for out in results),
+                "time/learner_optimizer": sum(max(r.seconds_optimizer for r in out) for out in results),
             }
         )
         return metrics

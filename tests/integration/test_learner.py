@@ -100,11 +100,11 @@ def groups(ray_session, tiny_model_dir, tmp_path_factory):
 
 
 def run(group, init, batches, budget):
-    """Reset to the initial weights/optimizer, train the 3 mini-batches, return (state, metrics)."""
+    """Reset to the initial weights/optimizer, train the 3 mini-batches, return (state, step results)."""
     group.load_checkpoint(str(init))
     group.micro_batch_tokens = budget
-    metrics = [group.train_step([mb]) for mb in batches]
-    return group.export_state_dict(), metrics
+    results = [group.train_step([mb]) for mb in batches]
+    return group.export_state_dict(), results
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -119,14 +119,16 @@ def test_ranks_and_microbatch_budgets_give_identical_parameters(groups, batches,
 
     started, init = groups
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    reference, ref_metrics = run(started[1], init[1], batches, budget=100_000)
+    reference, ref_results = run(started[1], init[1], batches, budget=100_000)
     assert started[1].version == 3
-    assert [m["learner/version"] for m in ref_metrics] == [1.0, 2.0, 3.0]
+    assert [r.version for r in ref_results] == [1, 2, 3]
+    ref_metrics = [r.metrics for r in ref_results]
     # The steps moved the weights by far more than the tolerance below (Adam: ~lr per step).
     assert max_diff(reference, {k: initial[k] for k in reference}) > 1e-3
 
     for ranks, budget in [(1, 1), (1, 40), (2, 1), (2, 40), (2, 100_000)]:
-        state, metrics = run(started[ranks], init[ranks], batches, budget)
+        state, results = run(started[ranks], init[ranks], batches, budget)
+        metrics = [r.metrics for r in results]
         assert max_diff(state, reference) <= 1e-5, (ranks, budget)
         for got, want in zip(metrics, ref_metrics, strict=True):
             assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-5), (ranks, budget)
@@ -237,7 +239,7 @@ def test_bad_batch_fails_on_the_driver_before_any_rank_work(groups, batches):
         assert time.perf_counter() - t0 < 1.0
         assert group.version == 0
     # Nothing reached the ranks: the group is in step and trains the good batch.
-    assert group.train_step([good])["learner/version"] == 1.0
+    assert group.train_step([good]).version == 1
 
 
 def test_checkpoint_resume_matches_an_uninterrupted_run(ray_session, groups, batches, tiny_model_dir, tmp_path):
@@ -251,8 +253,8 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(ray_session, groups, bat
     ckpt = tmp_path / "checkpoints" / "step_000002"
     extra = {"step": 2, "acked": ["1-0", "2-0"]}
     group.save_checkpoint(str(ckpt), extra=extra)
-    uninterrupted_metrics = group.train_step(batches[2:])
-    uninterrupted = group.export_state_dict()
+    uninterrupted = group.train_step(batches[2:])
+    uninterrupted_state = group.export_state_dict()
 
     assert (ckpt / checkpoint.COMPLETE_MARKER).exists()
     assert (ckpt.parent / "latest").read_text().strip() == "step_000002"
@@ -263,14 +265,14 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(ray_session, groups, bat
         fresh.micro_batch_tokens = 40
         assert fresh.load_checkpoint(str(ckpt.parent)) == extra  # via the `latest` pointer
         assert fresh.version == 2
-        resumed_metrics = fresh.train_step(batches[2:])
-        resumed = fresh.export_state_dict()
+        resumed = fresh.train_step(batches[2:])
+        resumed_state = fresh.export_state_dict()
     finally:
         fresh.shutdown()
-    assert max_diff(resumed, uninterrupted) <= 1e-6
-    assert resumed_metrics["learner/version"] == 3.0
-    assert resumed_metrics["learner/lr"] == uninterrupted_metrics["learner/lr"]
-    assert resumed_metrics["loss/total"] == pytest.approx(uninterrupted_metrics["loss/total"], abs=1e-7)
+    assert max_diff(resumed_state, uninterrupted_state) <= 1e-6
+    assert resumed.version == uninterrupted.version == 3
+    assert resumed.metrics["learner/lr"] == uninterrupted.metrics["learner/lr"]
+    assert resumed.metrics["loss/total"] == pytest.approx(uninterrupted.metrics["loss/total"], abs=1e-7)
 
 
 def test_killed_rank_raises_learner_error_quickly(ray_session, tiny_model_dir, batches):

@@ -130,7 +130,7 @@ def test_learner_logprobs_equal_the_engines_under_top_p_top_k(ray_session, tiny_
         assert diff.max() < 1e-3, f"max |diff| {diff.max():.3g}, ratio mean {ratio.mean():.3f}"
         assert diff.mean() < 1e-4
         # The training forward, through the loss: ratios 1, no token outside the kept set.
-        m = group.train_step([seqs])
+        m = group.train_step([seqs]).metrics
         assert m["drift/logprob_abs_diff_max"] < 1e-3
         assert m["drift/tis_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
         assert m["drift/outside_kept_frac"] == 0.0
@@ -179,7 +179,7 @@ def test_learner_forwards_are_dropout_free(ray_session, dropout_model_dir):
             np.testing.assert_array_equal(a, b)
         learner = np.concatenate([g[len(p) :] for g, (p, _, _) in zip(first, samples, strict=True)])
         np.testing.assert_allclose(learner, expected, atol=1e-5)
-        m = group.train_step([seqs])  # the training forward, with gradients
+        m = group.train_step([seqs]).metrics  # the training forward, with gradients
         assert m["drift/logprob_abs_diff_max"] < 1e-4, m["drift/logprob_abs_diff_max"]
     finally:
         group.shutdown()

@@ -1,0 +1,147 @@
+"""The steps that bring up one part of a run each, and the matching stops, registered on the
+run's ExitStack as each part comes up (asyncrl.control.runtime puts them in order)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncrl.config import Config
+from asyncrl.queue import RolloutQueue
+
+if TYPE_CHECKING:
+    from asyncrl.learner import LearnerGroup
+    from asyncrl.queue import RunState
+    from asyncrl.queue.server import EmbeddedRedis
+    from asyncrl.sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+def check_prompts(cfg: Config, model_path: str) -> None:
+    """Open the prompt sources and check the chat template once, here: a missing column or
+    split, or a tokenizer without a template, would otherwise fail every generator's start
+    (which Ray retries for ever) and the evaluator's."""
+    from asyncrl.rollout.prompts import check_chat_template, open_prompts
+
+    r, c = cfg.rollout, cfg.control
+
+    def first(source: str, split: str, where: str) -> None:
+        fields = {"prompt_field": r.prompt_field, "answer_field": r.answer_field}
+        next(open_prompts(source, None, seed=0, id_prefix="check", split=split, where=where, **fields))
+
+    if r.prompts:
+        first(r.prompts, r.prompt_split, "rollout.prompts")
+    if c.eval_every and c.eval_prompts:
+        first(c.eval_prompts, c.eval_split, "control.eval_prompts")
+    if r.chat_template:
+        from transformers import AutoTokenizer
+
+        from asyncrl.rollout.envs.chat import check_turn_template
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        check_chat_template(tokenizer, r.model)
+        check_turn_template(tokenizer, r.env)
+
+
+def start_redis(cfg: Config, run_dir: Path, stack: contextlib.ExitStack) -> tuple[str, EmbeddedRedis | None]:
+    """The Redis URL to use, and the server started for it (None: queue.redis_url names one)."""
+    q = cfg.queue
+    if q.redis_url is not None:
+        return q.redis_url, None
+    from asyncrl.queue.server import EmbeddedRedis
+
+    server = EmbeddedRedis(run_dir / "redis", password=q.password, aof=q.aof, bind=q.bind)
+    server.start()
+    stack.callback(server.stop)
+    return server.url, server
+
+
+def connect_queue(cfg: Config, redis_url: str, stack: contextlib.ExitStack) -> RolloutQueue:
+    q = cfg.queue
+    queue = RolloutQueue.connect(
+        redis_url,
+        cfg.control.run_name,
+        password=q.password,
+        consumer="learner-0",
+        maxlen=q.maxlen,
+        max_record_bytes=q.max_record_bytes,
+        claim_idle_s=q.claim_idle_s,
+        retry_deadline_s=q.retry_deadline_s,
+        outage_deadline_s=q.outage_deadline_s,
+        ledger=q.ledger,
+        stale_reissues=q.stale_reissues,
+    )
+    stack.callback(queue.close)
+    return queue
+
+
+def start_ray(cfg: Config, run_dir: Path, stack: contextlib.ExitStack) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return  # a caller (tests, notebooks) owns Ray; leave it running
+    env_vars = {
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kvcache_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+        # vLLM's per-engine INFO lines drown the trainer's progress; WARNING keeps problems.
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # So user code named by import path (envs, losses) imports in every worker too.
+        "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
+    }
+    from asyncrl.control.cluster import connect_ray
+
+    connect_ray(cfg.control, env_vars, verbose=cfg.monitor.verbose)
+    stack.callback(ray.shutdown)
+    _link_ray_logs(run_dir, verbose=cfg.monitor.verbose)
+
+
+def _link_ray_logs(run_dir: Path, *, verbose: bool) -> None:
+    """run_dir/logs/ray -> this Ray session's log directory (worker and engine output)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:  # a client or an attached driver without a local node
+        return
+    session = Path(node.get_session_dir_path())
+    link = run_dir / "logs" / "ray"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to(session / "logs", target_is_directory=True)
+    if not verbose:
+        log.info("Ray worker and vLLM engine logs: %s (asyncrl train --verbose streams them here)", link)
+
+
+def start_learner(
+    cfg: Config, model_path: str, model_package: dict | None, stack: contextlib.ExitStack
+) -> LearnerGroup:
+    from asyncrl.learner import LearnerGroup
+
+    learner = LearnerGroup(
+        cfg,
+        model_path,
+        collective_timeout_s=cfg.learner.collective_timeout_s,
+        model_package=model_package,
+    )
+    stack.callback(learner.shutdown)
+    return learner
+
+
+def start_weight_sync(
+    cfg: Config, run_state: RunState, model_package: dict | None, stack: contextlib.ExitStack
+) -> WeightSync:
+    from asyncrl.sync import build_weight_sync
+
+    weight_sync = build_weight_sync(
+        cfg.sync,
+        run_state=run_state,
+        run=cfg.control.run_name,
+        learner=None,  # not started yet: see Runtime._bring_up
+        model_package=model_package,
+    )
+    stack.callback(weight_sync.close)
+    return weight_sync

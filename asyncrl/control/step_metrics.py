@@ -1,0 +1,83 @@
+"""The loop's own per-step metrics: where the step's time went, the queue, staleness, and the
+generators as the run's state hash reports them (the learner's come in its StepResult)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.control.watchdog import GeneratorWatchdog
+    from asyncrl.queue import RolloutQueue, RunState
+    from asyncrl.types import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of one trainer step, by phase."""
+
+    wait_data: float
+    train: float
+    sync: float
+    """Publishing the weights (the export, and in the synchronous modes the engines' load)."""
+    apply: float
+    """The engines' load of the last publish that finished."""
+    step: float
+
+
+def step_metrics(
+    groups: list[RolloutGroup],
+    staleness: list[int],
+    times: StepTimes,
+    *,
+    version: int,
+    max_staleness: int,
+    queue: RolloutQueue,
+    run_state: RunState,
+    watchdog: GeneratorWatchdog,
+) -> dict[str, float]:
+    """time/*, sync/*, queue/*, staleness/*, throughput/* and generator/* after a step that
+    reached policy `version` (its watchdog news are logged here too)."""
+    from asyncrl.monitor.metrics import staleness_summary
+
+    counters = run_state.counters()
+    gen_tokens = sum(g.num_tokens for g in groups)
+    out = {
+        "time/wait_data": times.wait_data,
+        "time/train": times.train,
+        "time/sync": times.sync,
+        "time/step": times.step,
+        "sync/seconds": times.sync,
+        "sync/apply_s": times.apply,
+        "queue/depth": float(queue.depth()),
+        "queue/pending": float(queue.pending()),
+        "queue/dropped_stale": float(counters.get("dropped_stale", 0)),
+        "queue/dead_lettered": float(counters.get("dead_lettered", 0)),
+        "queue/stale_reissued": float(counters.get("stale_reissued", 0)),
+        "queue/stale_abandoned": float(counters.get("stale_abandoned", 0)),
+        "learner/version": float(version),
+        "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(times.step, 1e-9),
+        "throughput/step_tokens_per_s": gen_tokens / max(times.step, 1e-9),
+    }
+    for kind in ("dropped", "trained"):  # are the dropped groups the long ones?
+        if counters.get(f"{kind}_samples", 0):
+            mean = counters.get(f"{kind}_response_tokens", 0) / counters[f"{kind}_samples"]
+            out[f"queue/{kind}_response_len_mean"] = mean
+    # A label newer than the learner's version (negative staleness) is counted apart rather
+    # than hidden as 0. A resume can no longer make one: it numbers the restored weights past
+    # every version the crashed run announced (asyncrl.control.restart), so this stays 0
+    # unless versions are reused again, which is what it is there to show.
+    out["staleness/ahead"] = float(sum(1 for s in staleness if s < 0))
+    out.update(staleness_summary([max(0, s) for s in staleness], max_staleness))
+    gens = run_state.generators()
+    for news in watchdog.news(gens):
+        log.warning(news)
+    for gid, info in gens.items():
+        out[f"generator/{gid}/lag"] = float(version - int(info.get("version", 0)))
+    tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]
+    if tps:
+        out["throughput/gen_tokens_per_s"] = sum(tps)
+    return out
