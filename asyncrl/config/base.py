@@ -4,6 +4,7 @@ name lists and the small checks the validators use. Imports neither torch nor Ra
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -18,6 +19,8 @@ GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_per_microbatch")
 ENVIRONMENTS = ("copy", "reverse", "arithmetic", "gsm8k", "countdown_chat")
+PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
 
 
 class ConfigError(ValueError):
@@ -76,10 +79,14 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(set(cores))
 
 
+def is_hub_id(source: str) -> bool:
+    """'owner/name' or 'owner/name:config' that is not a path on this machine (asyncrl.rollout.prompts
+    loads it with ``datasets``)."""
+    return bool(HUB_ID.fullmatch(source)) and not source.endswith(PROMPT_FILE_SUFFIXES) and not Path(source).exists()
+
+
 def prompt_source(name: str, value: str | None) -> str | None:
     """A prompt source is an existing path or a hub id; anything else fails here, not in a generator."""
-    from asyncrl.rollout.prompts import is_hub_id  # stdlib only: the parse stays light
-
     if value is None or Path(value).exists() or is_hub_id(value):
         return value
     raise ConfigError(f"{name}={value!r}: no such file or directory, nor a hub dataset id 'owner/name[:config]'")

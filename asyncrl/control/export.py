@@ -17,7 +17,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from asyncrl.learner.checkpoint import complete_checkpoints, replace_dir, step_of
+from asyncrl.learner.checkpoint import replace_dir
+from asyncrl.rundir import complete_checkpoints, step_of
 
 HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"

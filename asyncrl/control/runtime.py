@@ -200,10 +200,12 @@ class Runtime(contextlib.ExitStack):
 
     def _start_learner(self) -> None:
         from asyncrl.learner import LearnerGroup
+        from asyncrl.rollout.envs import resolve_env_class
 
         self.learner = LearnerGroup(
             self.cfg,
             self.model_path,
+            sample_special_tokens=resolve_env_class(self.cfg.rollout.env).sample_special_tokens,
             collective_timeout_s=self.cfg.learner.collective_timeout_s,
             model_package=self.model_package,
         )

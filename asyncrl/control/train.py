@@ -18,15 +18,9 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.queue.connection import redact_url
+from asyncrl.rundir import latest_checkpoint
 
 log = logging.getLogger(__name__)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    from asyncrl.learner.checkpoint import complete_checkpoints
-
-    steps = complete_checkpoints(Path(run_dir) / "checkpoints")
-    return steps[-1] if steps else None
 
 
 def train(cfg: Config, *, resume_dir: str | Path | None = None, on_step=None):
