@@ -9,9 +9,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from asyncrl.algo.params import is_import_path
+
 # Names the registries in asyncrl.algo ship with, kept here so that validating a config never
 # imports torch; tests/unit check they equal the registries' keys. The policy losses' names
-# come from their schema (asyncrl.config.losses).
+# come from their schema (asyncrl.algo.params).
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "maxrl")
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 # Estimators whose baseline is the other samples of the same prompt: useless for groups of one.
@@ -32,10 +34,6 @@ class Section(BaseModel):
     (`asyncrl train --help-config`), a number given for a text field is its text (`run_name=1`)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
-
-
-def is_import_path(name: str) -> bool:
-    return ":" in name
 
 
 def check_import_path(field_name: str, path: str) -> None:

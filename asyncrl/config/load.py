@@ -13,8 +13,9 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from asyncrl.algo.params import LOSS_FIELDS, TAGS, WHERE, ParamsError
 from asyncrl.config.base import ConfigError
-from asyncrl.config.losses import LOSS_FIELDS, TAGS, WHERE, wrong_loss_field
+from asyncrl.config.losses import wrong_loss_field
 from asyncrl.config.tree import Config
 
 _EXPECTED = {
@@ -88,7 +89,7 @@ def _unknown(loc: tuple[Any, ...]) -> str:
 
 def _message(err: Any) -> str:
     kind, loc, value, ctx = err["type"], tuple(err["loc"]), err.get("input"), err.get("ctx") or {}
-    if kind == "value_error" and isinstance(ctx.get("error"), ConfigError):
+    if kind == "value_error" and isinstance(ctx.get("error"), (ConfigError, ParamsError)):
         return str(ctx["error"])
     if kind == "extra_forbidden":
         return _unknown(loc)
