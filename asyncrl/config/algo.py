@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from asyncrl.algo.params import CorrectionParams
+from asyncrl.algo.params import CorrectionParams, params_for
 from asyncrl.config.base import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
@@ -19,7 +19,7 @@ from asyncrl.config.base import (
     Section,
     one_of,
 )
-from asyncrl.config.losses import LOSS_FIELDS, PolicyLoss, moved_loss_field, normalise_loss, params_for
+from asyncrl.config.losses import LOSS_FIELDS, PolicyLoss, moved_loss_field, normalise_loss
 
 log = logging.getLogger("asyncrl.config")
 

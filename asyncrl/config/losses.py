@@ -6,7 +6,8 @@ only the config needs, picked by ``type``:
     policy_loss: {type: ppo, eps_clip_low: 0.2, eps_clip_high: 0.28}
     policy_loss: {type: my_pkg.losses:my_loss, kwargs: {beta: 0.1}}
 
-the shorthand, and errors that name the field and list what is allowed. Torch-free.
+the shorthand, and errors that name the field and list what is allowed. Torch-free. The
+names re-exported here are the config's view of the losses (``asyncrl.config`` exports them).
 """
 
 from __future__ import annotations
@@ -14,50 +15,31 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from pydantic import ValidationError
-
 from asyncrl.algo.params import (
     DEFAULT_LOSS,
     LOSS_FIELDS,
     LOSS_MODELS,
     POLICY_LOSSES,
-    TAGS,
     WHERE,
     CustomLoss,
     LossParams,
-    ParamsError,
     PolicyLoss,
     is_import_path,
 )
-from asyncrl.algo.params import params_for as algo_params_for
 from asyncrl.config.base import ConfigError, check_import_path
 
 __all__ = [
     "LOSS_FIELDS",
     "LOSS_MODELS",
     "POLICY_LOSSES",
-    "TAGS",
     "WHERE",
     "CustomLoss",
     "LossParams",
     "PolicyLoss",
     "moved_loss_field",
     "normalise_loss",
-    "params_for",
     "wrong_loss_field",
 ]
-
-
-def params_for(name_or_path: str, **fields: Any) -> LossParams:
-    """asyncrl.algo.params_for with the config's errors: a ConfigError naming the field."""
-    from asyncrl.config.load import config_error  # load imports the tree, which imports this module
-
-    try:
-        return algo_params_for(name_or_path, **fields)
-    except ParamsError as e:
-        raise ConfigError(str(e)) from None
-    except ValidationError as e:
-        raise config_error(e, prefix=("algo", "policy_loss")) from None
 
 
 def normalise_loss(value: Any) -> Any:
