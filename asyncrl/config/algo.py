@@ -30,9 +30,8 @@ class CorrectionConfig(CorrectionParams):
     All ratios are exp(old_logprob - rollout_logprob). See docs/algorithms.md.
     """
 
-    # The math's CorrectionParams (its fields, defaults and checks), plus tis='auto'.
-
-    # The rules may resolve 'auto' and turn the default off again after validation.
+    # The math's CorrectionParams (its fields, defaults and checks) plus tis='auto'; not frozen,
+    # as the rules resolve 'auto' after validation and a cross-section rule may turn it off.
     model_config = ConfigDict(frozen=False)
 
     tis: Literal["auto", "none", "token", "sequence"] = "auto"  # type: ignore[assignment]  # 'auto' until resolved

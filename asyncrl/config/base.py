@@ -7,9 +7,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
-from asyncrl.algo.params import is_import_path
+from asyncrl.algo.params import Params, is_import_path
 
 # Names the registries in asyncrl.algo ship with, kept here so that validating a config never
 # imports torch; tests/unit check they equal the registries' keys. The policy losses' names
@@ -29,11 +27,10 @@ class ConfigError(ValueError):
     """A config value is wrong. The message names the field, the value and what is allowed."""
 
 
-class Section(BaseModel):
+class Section(Params):
     """A config section: unknown keys are errors, the docstring under a field is its description
-    (`asyncrl train --help-config`), a number given for a text field is its text (`run_name=1`)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
+    (`asyncrl train --help-config`), a number given for a text field is its text (`run_name=1`);
+    the same model settings as the algo layer's parameter types, which the config holds."""
 
 
 def check_import_path(field_name: str, path: str) -> None:
