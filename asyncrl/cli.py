@@ -23,6 +23,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from asyncrl.rundir import CONFIG_FILE
+
 BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
 
 
@@ -92,7 +94,7 @@ def _cmd_train(args) -> int:
         if args.resume:
             # With --resume the positional CONFIG slot holds the first override, if any.
             overrides = ([args.config] if args.config else []) + args.overrides
-            cfg = load_config(Path(args.resume) / "config.yaml", overrides)
+            cfg = load_config(Path(args.resume) / CONFIG_FILE, overrides)
         else:
             if not args.config:
                 print("asyncrl train: a CONFIG file (or --resume RUN_DIR) is required", file=sys.stderr)

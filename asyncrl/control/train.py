@@ -18,7 +18,7 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.queue.connection import redact_url
-from asyncrl.rundir import latest_checkpoint
+from asyncrl.rundir import METRICS_FILE, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,6 @@ def _summary(
     """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
     from asyncrl.control.export import HF_DIR
     from asyncrl.control.summary import run_summary
-    from asyncrl.monitor.sinks import METRICS_FILE
 
     path = run_dir / METRICS_FILE
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -179,8 +178,6 @@ def _start_dashboard(cfg: Config, rt) -> str | None:
 
 
 def _announce(cfg: Config, rt, dashboard_url: str | None) -> None:
-    from asyncrl.monitor.sinks import METRICS_FILE
-
     run = cfg.control.run_name
     log.info("run %r in %s; Redis at %s", run, rt.run_dir, redact_url(rt.redis_url))
     log.info(
