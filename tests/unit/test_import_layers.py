@@ -118,3 +118,12 @@ def test_the_check_sees_function_level_and_relative_imports(tmp_path):
 @pytest.mark.parametrize("part", ["types", "infra", "rundir"])
 def test_the_lowest_parts_import_nothing_from_the_package(part):
     assert not [e for e in _edges() if e[1] == part], f"asyncrl.{part} must stay at the bottom"
+
+
+def test_the_package_root_imports_no_part():
+    """Every import of any part runs asyncrl/__init__.py first: an import there would make
+    every part depend on the imported one."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    named = [t for n in imports for t in _targets("asyncrl", True, n) if t.split(".")[0] == "asyncrl"]
+    assert not named, f"asyncrl/__init__.py imports {named}"
