@@ -23,6 +23,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from asyncrl.rundir import CONFIG_FILE
+
 BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
 
 
@@ -61,14 +63,11 @@ def _parser() -> argparse.ArgumentParser:
         "host that joined the cluster with `ray start`",
     )
 
-    d = sub.add_parser("dashboard", help="serve the staleness/drift dashboard (a live run's Redis or a run dir)")
-    d.add_argument("run_dir", nargs="?", help="a finished run's directory (control.run_dir): reads its metrics.jsonl")
-    d.add_argument("--redis", default=None, help="a live run's Redis URL")
-    d.add_argument("--run", default=None)
-    d.add_argument("--host", default="127.0.0.1")
-    d.add_argument("--port", type=int, default=8470)
-    d.add_argument("--token", default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"))
-    d.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+    # The dashboard parses its own arguments (asyncrl.monitor.dashboard.__main__), so that
+    # `python -m asyncrl.monitor.dashboard` is the same command and needs nothing from here.
+    sub.add_parser(
+        "dashboard", help="serve the staleness/drift dashboard (a live run's Redis or a run dir)", add_help=False
+    )
 
     b = sub.add_parser("bench", help=f"run a benchmark from bench/ ({', '.join(BENCHES)})")
     b.add_argument("name", choices=BENCHES)
@@ -95,7 +94,7 @@ def _cmd_train(args) -> int:
         if args.resume:
             # With --resume the positional CONFIG slot holds the first override, if any.
             overrides = ([args.config] if args.config else []) + args.overrides
-            cfg = load_config(Path(args.resume) / "config.yaml", overrides)
+            cfg = load_config(Path(args.resume) / CONFIG_FILE, overrides)
         else:
             if not args.config:
                 print("asyncrl train: a CONFIG file (or --resume RUN_DIR) is required", file=sys.stderr)
@@ -145,29 +144,9 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_dashboard(args) -> int:
-    from asyncrl.monitor.dashboard.app import serve
+    from asyncrl.monitor.dashboard.__main__ import main as dashboard_main
 
-    if (args.run_dir is None) == (args.redis is None):
-        what = "both given" if args.redis else "neither given"
-        print(f"asyncrl dashboard: give a RUN_DIR (a finished run) or --redis URL (live): {what}", file=sys.stderr)
-        return 2
-    if args.run_dir is not None and args.run is not None:
-        print("asyncrl dashboard: --run is for --redis; a RUN_DIR holds one run", file=sys.stderr)
-        return 2
-    try:
-        serve(
-            args.redis,
-            run=args.run,
-            host=args.host,
-            port=args.port,
-            token=args.token,
-            password=args.password,
-            run_dir=args.run_dir,
-        )
-    except (ValueError, FileNotFoundError) as e:  # rundir.NotARunDir is a FileNotFoundError
-        print(f"asyncrl dashboard: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return dashboard_main(args.dashboard_argv)
 
 
 def _cmd_bench(args) -> int:
@@ -203,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may come before or after flags (`train cfg.yaml --check a.b=1`).
-    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+    if args.command == "dashboard":
+        args.dashboard_argv = extra
+    elif extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

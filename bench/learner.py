@@ -97,9 +97,11 @@ def measure(model_dir: str, cfg, batch, *, steps: int, ranks: int, threads: int,
     """Alternate one baseline step and one learner step, so load changes on a shared machine
     hit both sides alike; return (learner tokens/s per rank, baseline tokens/s, last metrics)."""
     from asyncrl.learner import LearnerGroup
+    from asyncrl.rollout.envs import resolve_env_class
 
     model, optimizer, pad = build_baseline(model_dir, cfg, threads)
-    group = LearnerGroup(cfg, model_dir, num_ranks=ranks)
+    special = resolve_env_class(cfg.rollout.env).sample_special_tokens
+    group = LearnerGroup(cfg, model_dir, num_ranks=ranks, sample_special_tokens=special)
     tokens = sum(s.num_tokens for s in batch)
     task = progress.add_task(f"baseline vs LearnerGroup ({ranks} rank)", total=steps)
     t_base, t_learner = [], []

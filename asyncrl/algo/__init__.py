@@ -17,17 +17,48 @@ Other entry points:
     reduction_weights(loss_mask, reduction, constant=..., group_ids=...)  per-token weights (reduction.py)
     logprobs_from_logits / entropy_from_logits                   T, top-k, top-p       (logprobs.py)
     broadcast_trajectory_advantages / merge_prefix_steps         step-wise             (stepwise.py)
+Parameter types (params.py, torch-free: the config tree holds these very models):
+    params_for(name_or_path, **fields), LossParams and one model per loss, CorrectionParams
 Formulas and sources: docs/algorithms.md.
 """
 
-from asyncrl.algo.advantages import ADVANTAGE_REGISTRY, AdvantageParams, get_advantage_estimator
-from asyncrl.algo.correction import CorrectionParams, off_policy_correction
-from asyncrl.algo.kl import KL_ESTIMATORS, kl_penalty
-from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits
-from asyncrl.algo.losses import POLICY_LOSS_REGISTRY, corrected_policy_loss, get_policy_loss
-from asyncrl.algo.reduction import LOSS_REDUCTIONS, per_microbatch_token_mean_weights, reduction_weights
-from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
-from asyncrl.config.losses import LossParams, params_for
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.algo.params import CorrectionParams, LossParams, params_for
+
+if TYPE_CHECKING:
+    from asyncrl.algo.advantages import ADVANTAGE_REGISTRY, AdvantageParams, get_advantage_estimator
+    from asyncrl.algo.correction import off_policy_correction
+    from asyncrl.algo.kl import KL_ESTIMATORS, kl_penalty
+    from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+    from asyncrl.algo.losses import POLICY_LOSS_REGISTRY, corrected_policy_loss, get_policy_loss
+    from asyncrl.algo.reduction import LOSS_REDUCTIONS, per_microbatch_token_mean_weights, reduction_weights
+    from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
+
+# The config tree imports asyncrl.algo.params, which runs this file first: the torch-backed
+# entry points are loaded on first use, so that reading a config never imports torch.
+_LAZY = {
+    "advantages": ("ADVANTAGE_REGISTRY", "AdvantageParams", "get_advantage_estimator"),
+    "correction": ("off_policy_correction",),
+    "kl": ("KL_ESTIMATORS", "kl_penalty"),
+    "logprobs": ("entropy_from_logits", "logprobs_from_logits"),
+    "losses": ("POLICY_LOSS_REGISTRY", "corrected_policy_loss", "get_policy_loss"),
+    "reduction": ("LOSS_REDUCTIONS", "per_microbatch_token_mean_weights", "reduction_weights"),
+    "stepwise": ("broadcast_trajectory_advantages", "merge_prefix_steps"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ADVANTAGE_REGISTRY",

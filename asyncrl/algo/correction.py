@@ -28,60 +28,11 @@ correction (its token_mask_is_threshold_low/high).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from asyncrl.algo.params import CorrectionParams
 from asyncrl.algo.policy_common import LOG_RATIO_CLAMP, masked_mean
-
-
-@dataclass(frozen=True)
-class CorrectionParams:
-    """The scalars of the correction (mirrors ``asyncrl.config.CorrectionConfig``)."""
-
-    tis: str = "none"
-    tis_cap: float = 2.0
-    geo_mask: bool = False
-    geo_mask_low: float = 0.99
-    geo_mask_high: float = 1.01
-    product_mask: bool = False
-    product_mask_low: float = 0.5
-    product_mask_high: float = 2.0
-    outlier_mask: bool = False
-    outlier_low: float = 1e-4
-    outlier_high: float = 100.0
-    token_mask_low: float | None = None
-    token_mask_high: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.tis not in ("none", "token", "sequence"):
-            raise ValueError(f"tis={self.tis!r}: must be 'none', 'token' or 'sequence'")
-        if not self.tis_cap > 0:
-            raise ValueError(f"tis_cap={self.tis_cap!r}: must be > 0")
-        for name in ("geo_mask", "product_mask", "outlier_mask"):
-            low_name = "outlier_low" if name == "outlier_mask" else f"{name}_low"
-            high_name = "outlier_high" if name == "outlier_mask" else f"{name}_high"
-            low, high = getattr(self, low_name), getattr(self, high_name)
-            if not 0 < low < high:
-                raise ValueError(f"{low_name}={low!r}, {high_name}={high!r}: need 0 < low < high")
-        low, high = self.token_mask_low, self.token_mask_high
-        if (low is None) != (high is None):
-            missing = "token_mask_high" if high is None else "token_mask_low"
-            raise ValueError(
-                f"token_mask_low={low!r}, token_mask_high={high!r}: set both or neither "
-                f"({missing} is missing, and one bound alone would mask nothing)"
-            )
-        if low is not None and high is not None and not 0 < low < high:
-            raise ValueError(f"token_mask_low={low!r}, token_mask_high={high!r}: need 0 < low < high")
-
-    @property
-    def token_mask(self) -> bool:
-        return self.token_mask_low is not None and self.token_mask_high is not None
-
-    @property
-    def enabled(self) -> bool:
-        return self.tis != "none" or self.geo_mask or self.product_mask or self.outlier_mask or self.token_mask
 
 
 def off_policy_correction(

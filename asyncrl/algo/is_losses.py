@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from asyncrl.algo.params import DppoLoss, ImportanceSamplingLoss, RolloutIsLoss
 from asyncrl.algo.policy_common import clean, log_ratio, masked_mean
-from asyncrl.config.losses import DppoLoss, ImportanceSamplingLoss, RolloutIsLoss
 
 # 1 - p for a token the policy is certain of is 0; its log would be -inf.
 _ONE_MINUS_FLOOR = 1e-12

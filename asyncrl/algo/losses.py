@@ -36,8 +36,22 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from asyncrl.algo.correction import CorrectionParams, off_policy_correction
+from asyncrl.algo.correction import off_policy_correction
 from asyncrl.algo.is_losses import dppo, importance_sampling, rollout_is
+from asyncrl.algo.params import (
+    POLICY_LOSSES,
+    CispoLoss,
+    ClipCovLoss,
+    ClippedLoss,
+    CorrectionParams,
+    CrossEntropyLoss,
+    DualClipLoss,
+    GmpoLoss,
+    GspoLoss,
+    KlCovLoss,
+    LossParams,
+    SapoLoss,
+)
 from asyncrl.algo.policy_common import (
     LOG_RATIO_CLAMP,
     PolicyLossFn,
@@ -46,19 +60,6 @@ from asyncrl.algo.policy_common import (
     clipped_surrogate,
     log_ratio,
     masked_mean,
-)
-from asyncrl.config.losses import (
-    POLICY_LOSSES,
-    CispoLoss,
-    ClipCovLoss,
-    ClippedLoss,
-    CrossEntropyLoss,
-    DualClipLoss,
-    GmpoLoss,
-    GspoLoss,
-    KlCovLoss,
-    LossParams,
-    SapoLoss,
 )
 
 
@@ -267,7 +268,7 @@ def cross_entropy(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, 
     return clean(-logp, mask), {"nll": masked_mean(-logp.detach(), mask)}
 
 
-# Keyed by the schema's names (asyncrl.config.losses): each built-in is the function of that name.
+# Keyed by the schema's names (asyncrl.algo.params): each built-in is the function of that name.
 _FUNCTIONS: dict[str, PolicyLossFn] = {
     fn.__name__: fn
     for fn in (

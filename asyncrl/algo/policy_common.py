@@ -1,5 +1,5 @@
 """What every policy loss shares: the masked, clamped ratio helpers. Each loss's parameters
-are its model in ``asyncrl.config.losses`` (the one definition of their names, defaults and
+are its model in ``asyncrl.algo.params`` (the one definition of their names, defaults and
 checks, torch-free); ``params_for("ppo", eps_clip_high=0.28)`` builds one.
 
 Kept apart from the loss modules (``losses.py``, ``is_losses.py``) so that both can use it
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from asyncrl.config.losses import ClippedLoss
+from asyncrl.algo.params import ClippedLoss
 
 LOG_RATIO_CLAMP = 20.0
 

@@ -26,8 +26,8 @@ from asyncrl.config.base import (
     parse_cpu_list,
 )
 from asyncrl.config.help import schema_text
-from asyncrl.config.load import apply_overrides, config_from_dict, load_config
-from asyncrl.config.losses import POLICY_LOSSES, CustomLoss, LossParams, PolicyLoss, params_for
+from asyncrl.config.load import apply_overrides, config_from_dict, load_config, params_for
+from asyncrl.config.losses import POLICY_LOSSES, CustomLoss, LossParams, PolicyLoss
 from asyncrl.config.sections import (
     ControlConfig,
     LearnerConfig,

@@ -1,13 +1,15 @@
-"""The algo section: advantages, the policy loss (asyncrl.config.losses), reduction, KL,
-entropy and the off-policy correction, with the rules that involve only these fields."""
+"""The algo section: advantages, the policy loss and the off-policy correction (their parameter
+types are asyncrl.algo.params's), reduction, KL and entropy, with the rules that involve only
+these fields."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from asyncrl.algo.params import CorrectionParams, PpoLoss
 from asyncrl.config.base import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
@@ -16,41 +18,26 @@ from asyncrl.config.base import (
     ConfigError,
     Section,
     one_of,
-    ordered,
 )
-from asyncrl.config.losses import LOSS_FIELDS, PolicyLoss, PpoLoss, moved_loss_field, normalise_loss
+from asyncrl.config.losses import LOSS_FIELDS, PolicyLoss, moved_loss_field, normalise_loss
 
 log = logging.getLogger("asyncrl.config")
 
 
-class CorrectionConfig(Section):
+class CorrectionConfig(CorrectionParams):
     """Off-policy correction between the proximal (old) policy and the behaviour (rollout) policy.
 
     All ratios are exp(old_logprob - rollout_logprob). See docs/algorithms.md.
     """
 
-    tis: Literal["auto", "none", "token", "sequence"] = "auto"
+    # The math's CorrectionParams (its fields, defaults and checks) plus tis='auto'; not frozen,
+    # as the rules resolve 'auto' after validation and a cross-section rule may turn it off.
+    model_config = ConfigDict(frozen=False)
+
+    tis: Literal["auto", "none", "token", "sequence"] = "auto"  # type: ignore[assignment]  # 'auto' until resolved
     """Truncated importance sampling weight: per token, or one per sequence (product of ratios).
     'auto' (the default) resolves at load to 'token', except 'none' for a policy loss that is
     already anchored at the rollout policy, is sequence-level, or is cross_entropy."""
-    tis_cap: float = Field(2.0, gt=0)
-    """Upper cap of the TIS weight."""
-    geo_mask: bool = False
-    """Mask a sequence whose geometric-mean ratio lies outside [geo_mask_low, geo_mask_high]."""
-    geo_mask_low: float = Field(0.99, gt=0)
-    geo_mask_high: float = 1.01
-    product_mask: bool = False
-    """Mask a sequence whose product of ratios lies outside [product_mask_low, product_mask_high]."""
-    product_mask_low: float = Field(0.5, gt=0)
-    product_mask_high: float = 2.0
-    outlier_mask: bool = False
-    """Mask a whole sequence if any one token's ratio lies outside [outlier_low, outlier_high]."""
-    outlier_low: float = Field(1e-4, gt=0)
-    outlier_high: float = 100.0
-    token_mask_low: float | None = Field(None, gt=0)
-    """Token IS mask: zero only the tokens whose ratio lies outside [token_mask_low,
-    token_mask_high] (bounds keep), the rest of the sequence trains. On when both are set."""
-    token_mask_high: float | None = None
     _tis_auto: bool = PrivateAttr(False)
     """tis was 'auto' (resolved by AlgoConfig): a cross-section rule may still turn it off."""
 
@@ -58,30 +45,9 @@ class CorrectionConfig(Section):
     def tis_auto(self) -> bool:
         return self._tis_auto
 
-    @property
-    def token_mask(self) -> bool:
-        return self.token_mask_low is not None and self.token_mask_high is not None
-
-    @property
-    def enabled(self) -> bool:
-        return self.tis != "none" or self.geo_mask or self.product_mask or self.outlier_mask or self.token_mask
-
-    @model_validator(mode="after")
-    def _ranges(self) -> CorrectionConfig:
-        w = "algo.correction."
-        ordered(w + "geo_mask_low", self.geo_mask_low, w + "geo_mask_high", self.geo_mask_high)
-        ordered(w + "product_mask_low", self.product_mask_low, w + "product_mask_high", self.product_mask_high)
-        ordered(w + "outlier_low", self.outlier_low, w + "outlier_high", self.outlier_high)
-        if (self.token_mask_low is None) != (self.token_mask_high is None):
-            unset = "token_mask_high" if self.token_mask_high is None else "token_mask_low"
-            given = "token_mask_low" if unset == "token_mask_high" else "token_mask_high"
-            raise ConfigError(
-                f"{w}{unset}=None while {w}{given}={getattr(self, given)!r}: the token mask needs both "
-                f"bounds (set {w}{unset}, or unset both to turn it off)"
-            )
-        if self.token_mask_low is not None and self.token_mask_high is not None:
-            ordered(w + "token_mask_low", self.token_mask_low, w + "token_mask_high", self.token_mask_high)
-        return self
+    def params(self) -> CorrectionParams:
+        """The resolved values as the math takes them (frozen)."""
+        return CorrectionParams(**self.model_dump())
 
 
 class AlgoConfig(Section):

@@ -4,13 +4,14 @@ name lists and the small checks the validators use. Imports neither torch nor Ra
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from asyncrl.algo.params import Params, is_import_path
 
 # Names the registries in asyncrl.algo ship with, kept here so that validating a config never
 # imports torch; tests/unit check they equal the registries' keys. The policy losses' names
-# come from their schema (asyncrl.config.losses).
+# come from their schema (asyncrl.algo.params).
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "maxrl")
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 # Estimators whose baseline is the other samples of the same prompt: useless for groups of one.
@@ -18,21 +19,18 @@ GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_per_microbatch")
 ENVIRONMENTS = ("copy", "reverse", "arithmetic", "gsm8k", "countdown_chat")
+PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
 
 
 class ConfigError(ValueError):
     """A config value is wrong. The message names the field, the value and what is allowed."""
 
 
-class Section(BaseModel):
+class Section(Params):
     """A config section: unknown keys are errors, the docstring under a field is its description
-    (`asyncrl train --help-config`), a number given for a text field is its text (`run_name=1`)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
-
-
-def is_import_path(name: str) -> bool:
-    return ":" in name
+    (`asyncrl train --help-config`), a number given for a text field is its text (`run_name=1`);
+    the same model settings as the algo layer's parameter types, which the config holds."""
 
 
 def check_import_path(field_name: str, path: str) -> None:
@@ -76,10 +74,14 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(set(cores))
 
 
+def is_hub_id(source: str) -> bool:
+    """'owner/name' or 'owner/name:config' that is not a path on this machine (asyncrl.rollout.prompts
+    loads it with ``datasets``)."""
+    return bool(HUB_ID.fullmatch(source)) and not source.endswith(PROMPT_FILE_SUFFIXES) and not Path(source).exists()
+
+
 def prompt_source(name: str, value: str | None) -> str | None:
     """A prompt source is an existing path or a hub id; anything else fails here, not in a generator."""
-    from asyncrl.rollout.prompts import is_hub_id  # stdlib only: the parse stays light
-
     if value is None or Path(value).exists() or is_hub_id(value):
         return value
     raise ConfigError(f"{name}={value!r}: no such file or directory, nor a hub dataset id 'owner/name[:config]'")

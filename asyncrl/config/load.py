@@ -13,8 +13,10 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from asyncrl.algo.params import LOSS_FIELDS, TAGS, WHERE, LossParams, ParamsError
+from asyncrl.algo.params import params_for as algo_params_for
 from asyncrl.config.base import ConfigError
-from asyncrl.config.losses import LOSS_FIELDS, TAGS, WHERE, wrong_loss_field
+from asyncrl.config.losses import wrong_loss_field
 from asyncrl.config.tree import Config
 
 _EXPECTED = {
@@ -88,7 +90,7 @@ def _unknown(loc: tuple[Any, ...]) -> str:
 
 def _message(err: Any) -> str:
     kind, loc, value, ctx = err["type"], tuple(err["loc"]), err.get("input"), err.get("ctx") or {}
-    if kind == "value_error" and isinstance(ctx.get("error"), ConfigError):
+    if kind == "value_error" and isinstance(ctx.get("error"), (ConfigError, ParamsError)):
         return str(ctx["error"])
     if kind == "extra_forbidden":
         return _unknown(loc)
@@ -130,6 +132,16 @@ def config_error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigErro
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more: {'; '.join(_message(x) for x in errors[1:4])})"
     return ConfigError(msg)
+
+
+def params_for(name_or_path: str, **fields: Any) -> LossParams:
+    """asyncrl.algo.params_for with the config's errors: a ConfigError naming the field."""
+    try:
+        return algo_params_for(name_or_path, **fields)
+    except ParamsError as e:
+        raise ConfigError(str(e)) from None
+    except ValidationError as e:
+        raise config_error(e, prefix=("algo", "policy_loss")) from None
 
 
 def _parse_scalar(text: str) -> Any:

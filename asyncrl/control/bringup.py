@@ -120,10 +120,12 @@ def start_learner(
     cfg: Config, model_path: str, model_package: dict | None, stack: contextlib.ExitStack
 ) -> LearnerGroup:
     from asyncrl.learner import LearnerGroup
+    from asyncrl.rollout.envs import resolve_env_class
 
     learner = LearnerGroup(
         cfg,
         model_path,
+        sample_special_tokens=resolve_env_class(cfg.rollout.env).sample_special_tokens,
         collective_timeout_s=cfg.learner.collective_timeout_s,
         model_package=model_package,
     )

@@ -17,6 +17,7 @@ import os
 import socket
 
 from asyncrl.config import ControlConfig
+from asyncrl.infra import STARTING, actor_state
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +75,6 @@ def probe(address: str | None, timeout_s: float = 5.0) -> None:
         return  # let Ray parse (and reject) anything else
     with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
         pass
-
-
-STARTING = ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY")
-"""Actor states in which Ray is (re)creating the actor: it is coming back, not hung or lost."""
-
-
-def actor_state(handle) -> tuple[str, str]:
-    """(state, node id) of a Ray actor as the GCS has it: ALIVE, RESTARTING, PENDING_CREATION,
-    DEAD... Read from the GCS directly (``ray.util.state`` would need the dashboard)."""
-    from ray._private import state
-
-    info = state.actors(actor_id=handle._actor_id.hex())
-    return info.get("State", "UNKNOWN"), info.get("Address", {}).get("NodeID", "")
 
 
 def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> list[str]:

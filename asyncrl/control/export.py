@@ -17,7 +17,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from asyncrl.learner.checkpoint import complete_checkpoints, replace_dir, step_of
+from asyncrl.learner.checkpoint import replace_dir
+from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, complete_checkpoints, step_of
 
 HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
@@ -55,7 +56,7 @@ def export_live(learner, model_path: str, out: str | Path) -> Path:
 
 def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
     """The complete checkpoint of `step` in the run, or its latest; FileNotFoundError naming what exists."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS_DIR
     done = complete_checkpoints(root)
     if not done:
         raise FileNotFoundError(f"{root}: no complete checkpoint to export")
@@ -80,10 +81,10 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
     from asyncrl.control.runtime import resolve_model
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
+    if not (run_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     ckpt = checkpoint_dir(run_dir, step)
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run_dir / CONFIG_FILE)
     model_path = resolve_model(cfg, run_dir)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     state = model.state_dict()

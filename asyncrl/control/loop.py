@@ -43,6 +43,7 @@ from asyncrl.control.staleness import check_within_bound, min_behavior_version
 from asyncrl.control.state import LoopState, StopFlag
 from asyncrl.control.step_metrics import StepTimes, step_metrics
 from asyncrl.queue import QueueUnavailable
+from asyncrl.rundir import CHECKPOINTS_DIR
 
 if TYPE_CHECKING:
     from asyncrl.control.evaluate import Evaluator
@@ -93,7 +94,7 @@ class TrainLoop:
         self.progress = progress
         self.on_step: Callable[[TrainLoop, dict[str, float]], None] | None = None
         """Optional callback(loop, metrics) after every step (tests, benchmarks)."""
-        self.ckpt_root = Path(runtime.run_dir) / "checkpoints"
+        self.ckpt_root = Path(runtime.run_dir) / CHECKPOINTS_DIR
         self.last_trained: list[TrainedGroup] = []
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
         self._evaluator: Evaluator | None = None

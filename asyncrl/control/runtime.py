@@ -31,6 +31,7 @@ from asyncrl.config import Config
 from asyncrl.control import bringup
 from asyncrl.control.restart import own_generator_ids
 from asyncrl.queue import RolloutQueue, RunState
+from asyncrl.rundir import CONFIG_FILE
 
 if TYPE_CHECKING:
     from asyncrl.learner import LearnerGroup
@@ -222,7 +223,7 @@ class StartedRun:
     def write_config(self) -> Path:
         import yaml
 
-        path = self.run_dir / "config.yaml"
+        path = self.run_dir / CONFIG_FILE
         # 0600: it may hold queue.password (resume reads it back from here).
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.rundir import SUMMARY_FILE
+
 WINDOW = 10
 """Steps averaged for the "first -> last" reward and response length."""
-SUMMARY_FILE = "summary.json"
 
 
 def _mean(rows: Sequence[Mapping], name: str) -> float | None:

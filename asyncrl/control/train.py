@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
 from asyncrl.queue.connection import redact_url
+from asyncrl.rundir import METRICS_FILE, latest_checkpoint
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -28,13 +29,6 @@ if TYPE_CHECKING:
     from asyncrl.control.state import LoopState
 
 log = logging.getLogger(__name__)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    from asyncrl.learner.checkpoint import complete_checkpoints
-
-    steps = complete_checkpoints(Path(run_dir) / "checkpoints")
-    return steps[-1] if steps else None
 
 
 def train(
@@ -135,7 +129,6 @@ def _summary(
     """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
     from asyncrl.control.export import HF_DIR
     from asyncrl.control.summary import run_summary
-    from asyncrl.monitor.sinks import METRICS_FILE
 
     path = run_dir / METRICS_FILE
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -210,8 +203,6 @@ def _start_dashboard(cfg: Config, rt: StartedRun) -> str | None:
 
 
 def _announce(cfg: Config, rt: StartedRun, dashboard_url: str | None) -> None:
-    from asyncrl.monitor.sinks import METRICS_FILE
-
     run = cfg.control.run_name
     log.info("run %r in %s; Redis at %s", run, rt.run_dir, redact_url(rt.redis_url))
     log.info(

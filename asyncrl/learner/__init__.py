@@ -1,7 +1,7 @@
 """The learner: FSDP2 ranks on Ray that turn mini-batches of TrainSequences into policy versions.
 
     from asyncrl.learner import LearnerGroup
-    group = LearnerGroup(cfg, model_path)
+    group = LearnerGroup(cfg, model_path, sample_special_tokens=False)  # the task's token ban (data/tokens.py)
     result = group.train_step(minibatches)   # StepResult: .version, .metrics
 
 Modules: group.py (driver handle), actor.py (one rank), step.py (the optimizer step as plain

@@ -23,6 +23,7 @@ import torch
 
 from asyncrl.config import Config, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
+from asyncrl.data.tokens import sampleable_ids
 from asyncrl.learner import checkpoint, fsdp, optim, step
 from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
@@ -38,10 +39,12 @@ class LearnerActor:
         *,
         rank: int,
         world_size: int,
+        sample_special_tokens: bool,
         collective_timeout_s: float = 300.0,
         model_package: dict | None = None,
     ) -> None:
         self.cfg, self.model_path, self.model_package = cfg, model_path, model_package
+        self.sample_special_tokens = sample_special_tokens
         self.rank, self.world_size = rank, world_size
         self.collective_timeout_s = collective_timeout_s
         self.version = 0
@@ -114,11 +117,9 @@ class LearnerActor:
         """The tokens the generators may not sample for this task, masked here as well."""
         from transformers import AutoTokenizer
 
-        from asyncrl.rollout.envs import allowed_token_ids, resolve_env_class
-
-        if resolve_env_class(self.cfg.rollout.env).sample_special_tokens:  # most tasks: no tokenizer to load
+        if self.sample_special_tokens:  # most tasks: no tokenizer to load
             return None
-        allowed = allowed_token_ids(self.cfg.rollout.env, AutoTokenizer.from_pretrained(self.model_path))
+        allowed = sampleable_ids(AutoTokenizer.from_pretrained(self.model_path))
         vocab_size: int = self.model.config.vocab_size  # type: ignore[union-attr,assignment]  # a HF PreTrainedModel's config
         return step.disallowed_mask(allowed, vocab_size, self.device)
 

@@ -32,9 +32,7 @@ import msgpack
 import numpy as np
 import torch
 
-COMPLETE_MARKER = ".complete"
-LATEST = "latest"
-EXTRA_FILE = "extra.msgpack"
+from asyncrl.rundir import COMPLETE_MARKER, EXTRA_FILE, LATEST, complete_checkpoints, step_of
 
 
 def rank_file(directory: str | Path, rank: int) -> Path:
@@ -151,18 +149,6 @@ def replace_dir(staging: Path, final: Path) -> None:
         os.replace(staging, final)
 
 
-def step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
-
-
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """The complete ``step_N`` checkpoints under `root`, oldest first (by step number)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()), key=step_of)
-
-
 def publish(staging: Path, final: str | Path, extra: dict[str, Any]) -> Path:
     """Write `extra` and the marker into `staging`, rename it to `final`, point `latest` at it."""
     final = Path(final)
@@ -189,10 +175,6 @@ def resolve(path: str | Path) -> Path:
     if not (path / COMPLETE_MARKER).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
     return path
-
-
-def read_extra(path: str | Path) -> dict[str, Any]:
-    return msgpack.unpackb((Path(path) / EXTRA_FILE).read_bytes(), raw=False)
 
 
 def prune(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:

@@ -1,6 +1,6 @@
 """LearnerGroup: the driver's handle on N FSDP2 ranks running as Ray actors.
 
-    group = LearnerGroup(cfg, model_path)                 # cfg.learner.num_ranks actors, gloo/NCCL
+    group = LearnerGroup(cfg, model_path, sample_special_tokens=False)  # num_ranks actors, gloo/NCCL
     result = group.train_step(minibatches)                # list[list[TrainSequence]] -> StepResult
     path, version = group.export_to_file("/dev/shm/asyncrl/weights.safetensors")
     group.save_checkpoint("runs/x/checkpoints/step_000010", extra={"acked": [...]})
@@ -28,10 +28,12 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
+from asyncrl.infra import actor_state
 from asyncrl.learner import checkpoint, placement
 from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.result import RankStepResult, StepResult
 from asyncrl.learner.validate import validate_minibatches
+from asyncrl.rundir import read_extra
 from asyncrl.types import MetricValue, TrainSequence, merge_metrics
 
 log = logging.getLogger(__name__)
@@ -74,10 +76,13 @@ class LearnerGroup:
         cfg: Config,
         model_path: str,
         *,
+        sample_special_tokens: bool,
         num_ranks: int | None = None,
         collective_timeout_s: float = 300.0,
         model_package: dict | None = None,
     ) -> None:
+        """`sample_special_tokens`: the environment's (``Environment.sample_special_tokens``);
+        False masks the special tokens but EOS out of the logits, as the generators do."""
         import ray
         from transformers import AutoConfig
 
@@ -104,6 +109,7 @@ class LearnerGroup:
                     model_path,
                     rank=r,
                     world_size=self.num_ranks,
+                    sample_special_tokens=sample_special_tokens,
                     collective_timeout_s=collective_timeout_s,
                     model_package=model_package,
                 )
@@ -160,8 +166,6 @@ class LearnerGroup:
         """LearnerError naming a rank whose actor is dead. The trainer calls it while it waits
         for data: no learner call is in flight then, so nothing else would notice a rank (or
         its node) dying until the next step, and that step may never come."""
-        from asyncrl.control.cluster import actor_state
-
         for r, actor in enumerate(getattr(self, "actors", [])):
             if actor_state(actor)[0] == "DEAD":
                 self._broken = f"rank {r} died"
@@ -327,7 +331,7 @@ class LearnerGroup:
         path = checkpoint.resolve(dir)
         versions = self._call("load", [(str(path),)] * self.num_ranks, what="load_checkpoint")
         self._version = int(versions[0])
-        return checkpoint.read_extra(path)
+        return read_extra(path)
 
     def shutdown(self) -> None:
         """Leave the process group where possible, then kill every rank by handle."""

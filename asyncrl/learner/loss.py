@@ -25,7 +25,6 @@ micro-batches per rank * world size. Its gradient depends on the micro-batching 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,10 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.algo.correction import CorrectionParams
 from asyncrl.algo.kl import kl_penalty
 from asyncrl.algo.logprobs import entropy_from_logits, logprobs_from_logits, truncates
 from asyncrl.algo.losses import corrected_policy_loss, get_policy_loss
+from asyncrl.algo.params import CorrectionParams
 from asyncrl.algo.reduction import per_microbatch_token_mean_weights
 from asyncrl.config import AlgoConfig, RolloutConfig
 from asyncrl.types import MetricValue
@@ -103,10 +102,9 @@ def learner_loss_fn(
 
 
 def correction_params(algo: AlgoConfig) -> CorrectionParams:
-    """The config's correction values for the algo layer; the field names are shared, so a
-    field added to one and not the other fails here (and in the unit tests)."""
-    c = algo.correction
-    return CorrectionParams(**{f.name: getattr(c, f.name) for f in dataclasses.fields(CorrectionParams)})
+    """The config's correction (a CorrectionParams with tis resolved) as the frozen value the
+    algo layer takes."""
+    return algo.correction.params()
 
 
 def required_fields(algo: AlgoConfig, *, old_from_current: bool = False) -> tuple[str, ...]:

@@ -16,10 +16,10 @@ actor), never from the driver: 127.0.0.1 on the driver is nobody's address on an
 
 from __future__ import annotations
 
-import socket
 import time
 
 from asyncrl.config import LearnerConfig
+from asyncrl.infra import free_port
 
 
 class PlacementError(RuntimeError):
@@ -83,7 +83,4 @@ def rendezvous_point() -> tuple[str, int]:
     rendezvous loudly (EADDRINUSE), it never joins the wrong group."""
     import ray
 
-    host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return host, s.getsockname()[1]
+    return ray.util.get_node_ip_address(), free_port("")

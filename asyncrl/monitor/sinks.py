@@ -26,10 +26,10 @@ import msgpack
 
 from asyncrl.monitor.metrics import clean
 from asyncrl.queue import keys
+from asyncrl.rundir import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 

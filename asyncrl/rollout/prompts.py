@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from asyncrl.config.base import is_hub_id
 
 DEFAULT_PROMPT_FIELD = "prompt"
 FALLBACK_PROMPT_FIELD = "question"
@@ -38,8 +39,6 @@ FALLBACK_PROMPT_FIELD = "question"
 ANSWER_KEY = "answer"
 """The metadata key the reference answer is handed to the reward under."""
 SPLIT_OPTION = {"rollout.prompts": "rollout.prompt_split", "control.eval_prompts": "control.eval_split"}
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,6 @@ class PromptItem:
 
 class PromptSourceError(ValueError):
     """A prompt source that cannot be used: missing, unreadable, no such split or column."""
-
-
-def is_hub_id(source: str) -> bool:
-    """'owner/name' or 'owner/name:config' that is not a path on this machine."""
-    return bool(HUB_ID.fullmatch(source)) and not source.endswith(FILE_SUFFIXES) and not Path(source).exists()
 
 
 def _pick_split(data, split: str, where: str):

@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import Any, Protocol, cast
 
 from asyncrl.config import SyncConfig
-from asyncrl.queue.server import free_port
+from asyncrl.infra import free_port
 from asyncrl.sync.shm import ShmWeightSync, save_state_dict
 from asyncrl.sync.weight_sync import PublishResult
 

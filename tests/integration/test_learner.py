@@ -77,8 +77,11 @@ def batches(tiny_model_dir):
 
 def _start(ray_session, model_dir, num_ranks, **kw):
     from asyncrl.learner import LearnerGroup
+    from asyncrl.rollout.envs import resolve_env_class
 
-    return LearnerGroup(make_config(), model_dir, num_ranks=num_ranks, **kw)
+    cfg = make_config()
+    special = resolve_env_class(cfg.rollout.env).sample_special_tokens
+    return LearnerGroup(cfg, model_dir, num_ranks=num_ranks, sample_special_tokens=special, **kw)
 
 
 @pytest.fixture(scope="module")

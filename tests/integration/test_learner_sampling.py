@@ -117,7 +117,7 @@ def test_learner_logprobs_equal_the_engines_under_top_p_top_k(ray_session, tiny_
     assert untruncated_ratio < 0.9, untruncated_ratio
 
     cfg = make_config(temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K)
-    group = LearnerGroup(cfg, tiny_model_dir, num_ranks=1)
+    group = LearnerGroup(cfg, tiny_model_dir, num_ranks=1, sample_special_tokens=False)  # the copy task's ban
     try:
         got = group.compute_logprobs(seqs, TEMPERATURE)
         learner = np.concatenate([g[len(p) :] for g, (p, _, _) in zip(got, engine_samples, strict=True)])
@@ -172,7 +172,9 @@ def test_learner_forwards_are_dropout_free(ray_session, dropout_model_dir):
     seqs = sequences(samples)
     expected = np.concatenate([lp for _, _, lp in samples])
 
-    group = LearnerGroup(make_config(temperature=TEMPERATURE), dropout_model_dir, num_ranks=1)
+    group = LearnerGroup(
+        make_config(temperature=TEMPERATURE), dropout_model_dir, num_ranks=1, sample_special_tokens=False
+    )
     try:
         first, second = (group.compute_logprobs(seqs, TEMPERATURE) for _ in range(2))
         for a, b in zip(first, second, strict=True):

@@ -12,7 +12,8 @@ import pytest
 
 from asyncrl.control.ledger import TRAINED_FILE, record_trained, trained_ids
 from asyncrl.control.state import LoopState
-from asyncrl.learner.checkpoint import complete_checkpoints, prune, publish, read_extra
+from asyncrl.learner.checkpoint import prune, publish
+from asyncrl.rundir import complete_checkpoints, read_extra
 
 STEPS, GROUPS, CKPT = 2000, 16, 5
 

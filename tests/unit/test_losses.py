@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
@@ -295,10 +294,13 @@ def test_cispo_rollout_anchor_caps_the_rollout_ratio():
     assert torch.allclose(loss, t([[-1.0, -1.0]]))
     with pytest.raises(ValueError, match="cispo_anchor='rollout' needs rollout_logprobs"):
         POLICY_LOSS_REGISTRY["cispo"](logp, old, adv, mask, params=params)
-    with pytest.raises(ValueError, match="cispo_anchor='bogus'"):
+    with pytest.raises(ValueError, match="cispo_anchor"):
         params_for("cispo", cispo_anchor="bogus")
+    # The config's builder names the field as the config spells it.
+    with pytest.raises(ValueError, match="cispo_anchor='bogus'"):
+        config.params_for("cispo", cispo_anchor="bogus")
     with pytest.raises(ValueError, match="dppo_mask='tv'"):
-        params_for("dppo", dppo_mask="tv")
+        config.params_for("dppo", dppo_mask="tv")
 
 
 def test_corrected_policy_loss_hands_rollout_logprobs_to_losses_that_take_them():
@@ -526,15 +528,16 @@ def test_all_masked_microbatch_is_zero_and_finite():
 
 def test_configured_loss_settings_reach_the_loss():
     """The config's loss section is the loss's params object (one definition, no mirror); the
-    correction's algo-layer class shares the config's field names and defaults."""
+    config's correction is the algo layer's CorrectionParams with an 'auto' default for tis."""
     from asyncrl.learner.loss import correction_params
 
     corr = CorrectionConfig()
-    for f in dataclasses.fields(CorrectionParams):
-        if f.name == "tis":  # 'auto' is resolved by the config (token TIS for this loss)
+    assert isinstance(corr, CorrectionParams)
+    for name, field in CorrectionParams.model_fields.items():
+        if name == "tis":  # 'auto' is resolved by the config (token TIS for this loss)
             assert (corr.tis, AlgoConfig().correction.tis) == ("auto", "token")
             continue
-        assert getattr(corr, f.name) == f.default, f.name
+        assert getattr(corr, name) == field.default, name
     cfg = config.load_config(
         None,
         [

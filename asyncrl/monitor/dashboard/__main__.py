@@ -1,17 +1,62 @@
-"""`python -m asyncrl.monitor.dashboard [RUN_DIR | --redis URL] [...]`: `asyncrl dashboard`,
-for environments without the console script (same arguments, checks and messages).
+"""`python -m asyncrl.monitor.dashboard [RUN_DIR | --redis URL] [...]`, also what `asyncrl
+dashboard` runs (the command line hands the dashboard its arguments): one set of arguments,
+checks and messages for both.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import sys
+
+from asyncrl.monitor.dashboard.app import serve
+
+PROG = "asyncrl dashboard"
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = argparse.ArgumentParser(
+        prog=PROG, description="serve the staleness/drift dashboard (a live run's Redis or a run dir)"
+    )
+    d.add_argument("run_dir", nargs="?", help="a finished run's directory (control.run_dir): reads its metrics.jsonl")
+    d.add_argument("--redis", default=None, help="a live run's Redis URL")
+    d.add_argument("--run", default=None)
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8470)
+    d.add_argument("--token", default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"))
+    d.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+    return d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from asyncrl.cli import main as cli_main
-
-    return cli_main(["dashboard", *(sys.argv[1:] if argv is None else argv)])
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if (args.run_dir is None) == (args.redis is None):
+        what = "both given" if args.redis else "neither given"
+        print(f"{PROG}: give a RUN_DIR (a finished run) or --redis URL (live): {what}", file=sys.stderr)
+        return 2
+    if args.run_dir is not None and args.run is not None:
+        print(f"{PROG}: --run is for --redis; a RUN_DIR holds one run", file=sys.stderr)
+        return 2
+    try:
+        serve(
+            args.redis,
+            run=args.run,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            password=args.password,
+            run_dir=args.run_dir,
+        )
+    except (ValueError, FileNotFoundError) as e:  # rundir.NotARunDir is a FileNotFoundError
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
+    # As `asyncrl dashboard` sets it up.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     sys.exit(main())

@@ -24,10 +24,9 @@ from typing import Any
 
 import yaml
 
-from asyncrl.control.summary import SUMMARY_FILE
 from asyncrl.monitor.dashboard import data
 from asyncrl.monitor.metrics import Thresholds, evaluate_alerts
-from asyncrl.monitor.sinks import METRICS_FILE
+from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, complete_checkpoints, read_extra
 
 
 class NotARunDir(FileNotFoundError):
@@ -106,7 +105,7 @@ class RunDirSource:
     # ------------------------------------------------------------------ files
 
     def _read_config(self) -> dict[str, Any]:
-        path = self.run_dir / "config.yaml"
+        path = self.run_dir / CONFIG_FILE
         if not path.is_file():
             return {}
         try:
@@ -125,9 +124,7 @@ class RunDirSource:
 
     def _checkpoint_extra(self) -> tuple[str | None, dict[str, Any]]:
         """The newest complete checkpoint's name and its `extra` (LoopState.to_extra)."""
-        from asyncrl.learner.checkpoint import complete_checkpoints, read_extra
-
-        found = complete_checkpoints(self.run_dir / "checkpoints")
+        found = complete_checkpoints(self.run_dir / CHECKPOINTS_DIR)
         if not found:
             return None, {}
         try:

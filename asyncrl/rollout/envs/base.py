@@ -18,6 +18,8 @@ import math
 import random
 from typing import Any
 
+from asyncrl.data.tokens import sampleable_ids
+
 BUILTIN = {
     "copy": "asyncrl.rollout.envs.synthetic:CopyEnv",
     "reverse": "asyncrl.rollout.envs.synthetic:ReverseEnv",
@@ -89,14 +91,10 @@ def score_completion(
 def allowed_token_ids(env_name: str, tokenizer) -> list[int] | None:
     """The ids generators may sample for ``env_name`` (None: any). An environment with
     ``sample_special_tokens = False`` gets every token of the tokenizer but its special ones,
-    EOS excepted. The learner masks the same ids out of its logits (asyncrl.learner.step), so
-    the policy it trains is the one the engine sampled from, not a renormalised cousin."""
+    EOS excepted (asyncrl.data.tokens, which the learner masks its logits with as well)."""
     if resolve_env_class(env_name).sample_special_tokens:
         return None
-    special = set(tokenizer.all_special_ids)
-    special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    special.discard(tokenizer.eos_token_id)
-    return [i for i in range(len(tokenizer)) if i not in special]
+    return sampleable_ids(tokenizer)
 
 
 def resolve_env_class(name: str) -> type[Environment]:

@@ -1,0 +1,51 @@
+"""A run directory's layout: the names its writers (the trainer, the metrics sink, the
+checkpointer) and its readers (the dashboard, `asyncrl export`, resume) agree on.
+
+    run_dir/
+      config.yaml             CONFIG_FILE: the validated config the run started with
+      metrics.jsonl           METRICS_FILE: one row per step (asyncrl.monitor.sinks.JsonlSink)
+      summary.json            SUMMARY_FILE: written when the run ends (asyncrl.control.summary)
+      checkpoints/            CHECKPOINTS_DIR (asyncrl.learner.checkpoint writes them)
+        step_000010/          a complete checkpoint: it holds COMPLETE_MARKER
+          extra.msgpack       EXTRA_FILE: the trainer's own state (queue ids, versions)
+        latest                LATEST: names the newest complete checkpoint directory
+
+Reading it needs neither torch nor Ray, so the dashboard of a finished run stays light.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINTS_DIR = "checkpoints"
+COMPLETE_MARKER = ".complete"
+LATEST = "latest"
+EXTRA_FILE = "extra.msgpack"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete ``step_N`` checkpoints under `root`, oldest first (by step number)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()), key=step_of)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The run's newest complete checkpoint, None before its first."""
+    steps = complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
+    return steps[-1] if steps else None
+
+
+def read_extra(path: str | Path) -> dict[str, Any]:
+    return msgpack.unpackb((Path(path) / EXTRA_FILE).read_bytes(), raw=False)
