@@ -356,7 +356,7 @@ class GeneratorActor:
         """A transfer failed part-way: make the engine whole and resume, then load ``path`` as
         ``version`` like a pushed file (on failure admission stays closed and this raises)."""
         self._call(transfer.abort(self.engine))
-        self.engine_record.refresh()  # rebuilt: its new processes must be reapable
+        self.engine_record.refresh()  # if the abort rebuilt the engine, its new processes must be reapable
         return self.update_weights(path, version)
 
     # ------------------------------------------------------------------ the loop
