@@ -34,14 +34,14 @@ def generator_round(gen, queue, consumer, groups: int, admitted: int) -> tuple[f
 
     The trainer's side (reading the groups back) runs after the clock stops: in a real job
     it is another process, here it would compete with the generator for this one's GIL."""
-    target = gen.counts["groups"] + groups
+    target = gen.production.counts.groups + groups
     t0 = time.perf_counter()
     from asyncrl.queue import RunState
 
     RunState.of(queue).configure_admission(max_staleness=0, groups_per_step=admitted + groups)
     deadline = t0 + 600
-    while gen.counts["groups"] < target and time.perf_counter() < deadline:
-        time.sleep(0.002)  # counts["groups"] goes up right after the put returned
+    while gen.production.counts.groups < target and time.perf_counter() < deadline:
+        time.sleep(0.002)  # counts.groups goes up right after the put returned
     seconds = time.perf_counter() - t0
     got = []
     while len(got) < groups and time.perf_counter() < deadline:

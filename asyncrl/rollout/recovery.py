@@ -2,7 +2,9 @@
 and pick up the prompts it had admitted but never put.
 
     was_generating = reap_predecessor(run_state, "gen-0")         # at start, before our engine exists
-    record_engine(run_state, "gen-0", engine, generating=True)    # whenever pids or the started flag change
+    record = EngineRecord(run_state, "gen-0", engine, generating=was_generating)
+    record.write()                    # now, and record.write(generating=True/False) at a start/stop
+    record.refresh()                  # after anything that may rebuild the engine: write if outdated()
     retry = predecessor_prompts(run_state, "gen-0", encode)    # [PromptItem] to run again, not re-admitted
 
 If the process owning a vLLM engine is SIGKILLed, its EngineCore/worker processes survive,
@@ -20,6 +22,7 @@ import re
 import signal
 import socket
 from collections.abc import Callable
+from typing import Protocol
 
 from asyncrl.queue.runstate import RunState, unpack_small
 from asyncrl.rollout.prompts import PromptItem
@@ -123,17 +126,50 @@ def reap_predecessor(run_state: RunState, generator_id: str) -> bool:
     return bool(record.get("started", False))
 
 
-def record_engine(run_state: RunState, generator_id: str, engine, generating: bool) -> None:
-    """What a successor needs after a crash: our engine's PIDs and segments, and whether we were generating."""
-    run_state.set_engine_record(
-        generator_id,
-        {
-            "host": socket.gethostname(),
-            "pids": engine.engine_pids,
-            "segments": engine.shm_segments,
-            "started": generating,
-        },
-    )
+class EngineProcesses(Protocol):
+    """What a crash record needs of an engine (rollout/engine.py: RolloutEngine)."""
+
+    engine_pids: list[list]
+    shm_segments: list[str]
+
+
+class EngineRecord:
+    """Our entry in ``keys.engine_pids``: what a successor needs after a crash (our engine's
+    PIDs and segments, to reap them, and whether we were generating, to go on if so)."""
+
+    def __init__(self, run_state: RunState, generator_id: str, engine: EngineProcesses, generating: bool):
+        self.run_state, self.generator_id, self.engine = run_state, generator_id, engine
+        self.generating = generating
+        self._written: list[list] | None = None  # the engine_pids list last written
+
+    def write(self, generating: bool | None = None) -> None:
+        """Write the record now (``generating``: a start or a stop changes it)."""
+        if generating is not None:
+            self.generating = generating
+        self._written = self.engine.engine_pids
+        self.run_state.set_engine_record(
+            self.generator_id,
+            {
+                "host": socket.gethostname(),
+                "pids": self.engine.engine_pids,
+                "segments": self.engine.shm_segments,
+                "started": self.generating,
+            },
+        )
+
+    def outdated(self) -> bool:
+        """The engine was rebuilt since the last write (a failed weight load or transfer, or a
+        dead engine, rebuilds it): a successor could not reap its new processes."""
+        return self.engine.engine_pids is not self._written
+
+    def refresh(self) -> None:
+        """Write the record again if it is outdated."""
+        if self.outdated():
+            self.write()
+
+    def remove(self) -> None:
+        """After our engine shut down cleanly: nothing left to reap, nothing to resume."""
+        self.run_state.set_engine_record(self.generator_id, None)
 
 
 def predecessor_prompts(run_state: RunState, generator_id: str, encode: Callable[[str], list[int]]) -> list[PromptItem]:

@@ -1,15 +1,17 @@
 """Loading published weights into a generator's engine, pushed or polled, and what happens when
 they cannot be loaded.
 
-    watcher = WeightWatcher(engine, run_state, cfg, "gen-0", "demo", counts, on_rebuilt=record)
+    watcher = WeightWatcher(engine, run_state, cfg, "gen-0", "demo")
     await watcher.update("ray-object://...", 3)     # a push from the trainer (or the poll below)
     await watcher.poll()                            # newer published weights than the engine's? load them
     watcher.blocked                                 # why admission is closed, or None
+    watcher.updates, watcher.update_errors          # loads so far, and failed ones
 
 A version that fails to load closes admission (``blocked``): generating on the old weights
 would only make groups that are dropped as stale. The poll tries the same failed version
 again only after WEIGHTS_RETRY_S, since each attempt pauses the engine; a load that succeeds
-opens admission again.
+opens admission again. A failed load may rebuild the engine: the caller, who owns the
+engine's crash record, compares ``engine.engine_pids`` (rollout/recovery.py: EngineRecord.refresh).
 """
 
 from __future__ import annotations
@@ -39,25 +41,28 @@ class WeightWatcher:
         cfg: Config,
         generator_id: str,
         run: str,
-        counts: dict,
-        on_rebuilt,
     ):
         self.engine, self.run_state, self.cfg = engine, run_state, cfg
-        self.generator_id, self.run, self.counts = generator_id, run, counts
-        self.on_rebuilt = on_rebuilt
-        """Called (in a thread) when a failed load rebuilt the engine: its new processes must be recorded."""
+        self.generator_id, self.run = generator_id, run
+        self.updates = 0  # versions loaded (a push, a poll or an NCCL transfer)
+        self.update_errors = 0
         self.failed: tuple[str, int, float] | None = None  # (location, version, when)
         self.blocked: str | None = None  # why admission is closed: announced weights failed to load
 
     def note_failed(self, location: str, version: int) -> None:
         self.failed = (location, version, time.monotonic())
 
+    def note_transferred(self) -> None:
+        """Weights arrived another way (an NCCL transfer, rollout/transfer.py): admission opens."""
+        self.updates += 1
+        self.blocked = None
+
     async def update(self, location: str, version: int) -> dict:
         """Fetch (a ray-object:// location to a local file first, see sync/objstore.py) and load
         ``version``; raises WeightLoadError / OSError with admission closed if it cannot."""
         if version <= self.engine.version:
             return {"version": self.engine.version, "skipped": True}
-        pids, path, t0 = self.engine.engine_pids, location, time.perf_counter()
+        path, t0 = location, time.perf_counter()
         try:
             path = await asyncio.to_thread(
                 objstore.fetch, location, version, self.cfg.sync.shm_dir, f"{self.run}-{self.generator_id}"
@@ -65,7 +70,7 @@ class WeightWatcher:
             fetch_s = time.perf_counter() - t0
             info = await self.engine.load_weights(path, version, inflight=self.cfg.sync.inflight)
         except (WeightLoadError, OSError) as e:
-            self.counts["weight_update_errors"] += 1
+            self.update_errors += 1
             if self.blocked is None:
                 log.error(
                     "%s: stopped admitting work: cannot load the announced weights v%d (%s): %s",
@@ -78,13 +83,11 @@ class WeightWatcher:
             raise
         finally:
             objstore.discard(path, location)
-            if self.engine.engine_pids is not pids:  # the engine was rebuilt: new processes to reap
-                await asyncio.to_thread(self.on_rebuilt)
         if self.blocked is not None:
             log.warning("%s: weights v%d loaded; admitting work again", self.generator_id, version)
         self.blocked = None
         if not info.get("skipped"):
-            self.counts["weight_updates"] += 1
+            self.updates += 1
         return dict(info, fetch_s=fetch_s)
 
     async def poll(self) -> None:

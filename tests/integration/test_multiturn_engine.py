@@ -101,8 +101,7 @@ def run_groups(loop, engine, tok, chat_template: bool, stepwise: bool):
         seen[request_id] = list(prompt_ids)
         return await generate(prompt_ids, n, request_id, **kw)
 
-    counts = {"reward_errors": 0}
-    maker = GroupMaker(cfg, make_env("countdown_chat", ENV_KWARGS), tok, engine, "g", counts)
+    maker = GroupMaker(cfg, make_env("countdown_chat", ENV_KWARGS), tok, engine, "g")
     engine.generate = recording
     try:
         groups = []

@@ -4,42 +4,37 @@ bar when stdout is not a terminal."""
 from __future__ import annotations
 
 import io
-from collections import deque
 
 from rich.console import Console
 
 from asyncrl.control.progress import StepProgress
-from asyncrl.rollout import generator as gen_mod
-from asyncrl.rollout.generator import GeneratorActor
+from asyncrl.rollout import stats as stats_mod
+from asyncrl.rollout.stats import TokenRate
 
 
 def test_generation_rate_is_over_the_last_window(monkeypatch):
     clock = {"t": 1000.0}
-    monkeypatch.setattr(gen_mod.time, "time", lambda: clock["t"])
-    g = GeneratorActor.__new__(GeneratorActor)  # the rate needs no engine
-    g.counts, g._rate_samples, g._started_at = {"tokens": 0}, deque(), 1000.0
+    monkeypatch.setattr(stats_mod.time, "time", lambda: clock["t"])
+    rate, tokens = TokenRate(started_at=1000.0), 0
     # A slow start-up minute (100 tok/s), then 1,000 tok/s: the rate shows 1,000 after one window,
     # where the average since start would still say 325.
     for _ in range(60):
         clock["t"] += 1.0
-        g.counts["tokens"] += 100
-        g._recent_tokens_per_s()
+        tokens += 100
+        rate.update(tokens)
     for _ in range(20):
         clock["t"] += 1.0
-        g.counts["tokens"] += 1000
-        rate = g._recent_tokens_per_s()
-    assert rate == 1000.0
-    assert g.counts["tokens"] / (clock["t"] - 1000.0) == 325.0
-    assert len(g._rate_samples) <= gen_mod.RATE_WINDOW_S + 2  # bounded, however long it runs
+        tokens += 1000
+        recent = rate.update(tokens)
+    assert recent == 1000.0
+    assert tokens / (clock["t"] - 1000.0) == 325.0
+    assert len(rate.samples) <= stats_mod.RATE_WINDOW_S + 2  # bounded, however long it runs
 
 
 def test_first_calls_report_the_rate_since_start(monkeypatch):
     clock = {"t": 50.0}
-    monkeypatch.setattr(gen_mod.time, "time", lambda: clock["t"])
-    g = GeneratorActor.__new__(GeneratorActor)
-    g.counts, g._rate_samples, g._started_at = {"tokens": 0}, deque(), 48.0
-    g.counts["tokens"] = 400
-    assert g._recent_tokens_per_s() == 200.0  # 400 tokens in the 2 s since start
+    monkeypatch.setattr(stats_mod.time, "time", lambda: clock["t"])
+    assert TokenRate(started_at=48.0).update(400) == 200.0  # 400 tokens in the 2 s since start
 
 
 def test_no_live_bar_when_not_a_terminal():

@@ -1,0 +1,60 @@
+"""A finished vLLM request as the generator uses it: one Completion per sample, with the
+behaviour logprob and the weight version of every token.
+
+    outs = completions(final, version=engine.version, submitted=3)   # final: vLLM's last RequestOutput
+    outs[0].token_ids, outs[0].logprobs, outs[0].versions
+
+Logprobs are vLLM's ``processed_logprobs`` of the sampled token (rollout/sampling.py asks for
+them); per-token versions come from vLLM's ``weight_versions`` spans (rollout/engine.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Completion:
+    """One sampled response: tokens, their behaviour logprobs and the version of each token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    prompt_cache_hit_tokens: int = 0
+    submitted_version: int | None = None
+    """The engine's version when the request was submitted, which salts its prefix-cache lookups.
+    A token labelled later ran after an update: in "keep" mode it may attend to the older
+    weights' KV (a request queued at the update may even have had its whole prompt from the cache)."""
+
+
+def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
+    """Expand vLLM's [(version, start, end)] spans into one int per output token."""
+    out = [fallback] * num_tokens
+    for span in spans or ():
+        for i in range(span.start, min(span.end, num_tokens)):
+            out[i] = int(span.version)
+    return out
+
+
+def completions(final: Any, version: int, submitted: int) -> list[Completion]:
+    """vLLM's last output of a finished request, in sample order; ``version`` labels tokens
+    without a span, ``submitted`` is the version the request was submitted at."""
+    cached = final.num_cached_tokens or 0
+    out = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        ids = list(c.token_ids)
+        if c.logprobs is not None:
+            logps = [
+                next(iter(step.values())).logprob if len(step) == 1 else step[t].logprob
+                for t, step in zip(ids, c.logprobs, strict=True)
+            ]
+        else:
+            logps = [0.0] * len(ids)
+        out.append(
+            Completion(
+                ids, logps, token_versions(c.weight_versions, len(ids), version), c.finish_reason, cached, submitted
+            )
+        )
+    return out
