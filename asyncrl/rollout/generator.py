@@ -3,7 +3,7 @@
     gen = GeneratorActor.remote_actor(cfg, model_path=d, generator_id="gen-0",
                                       redis_url=url, run="demo")          # Ray actor, restarts on crash
     gen.start.remote()
-    ray.get(gen.update_weights.remote("/dev/shm/asyncrl-demo-v1.safetensors", 1))
+    ray.get(gen.update_weights.remote(WeightsFile("/dev/shm/asyncrl-demo-v1.safetensors"), 1))
     ray.get(gen.stats.remote());  ray.get(gen.shutdown.remote())
 
     # in-process (the elastic `asyncrl generate` CLI): the same class, called directly
@@ -61,6 +61,7 @@ from asyncrl.rollout.prompts import encode_prompt, open_prompts
 from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
+from asyncrl.types import WeightLocation
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class GeneratorActor:
         self._call(self._stop(drain_timeout_s))
         return self.stats()
 
-    def update_weights(self, location: str, version: int) -> dict:
+    def update_weights(self, location: WeightLocation, version: int) -> dict:
         """Apply weights in flight: pause (keep requests), load, label ``version``, resume."""
         return self._call(self.weights.update(location, version))
 
@@ -355,14 +356,14 @@ class GeneratorActor:
         self.counts["weight_updates"] += 1
         self.weights.blocked = None
 
-    def transfer_abort(self, path: str, version: int) -> dict:
-        """A transfer failed part-way: make the engine whole and resume, then load ``path`` as
+    def transfer_abort(self, location: WeightLocation, version: int) -> dict:
+        """A transfer failed part-way: make the engine whole and resume, then load ``location`` as
         ``version`` like a pushed file (on failure admission stays closed and this raises)."""
         pids = self.engine.engine_pids
         self._call(transfer.abort(self.engine))
         if self.engine.engine_pids is not pids:  # rebuilt: its new processes must be reapable
             self._record_engine()
-        return self.update_weights(path, version)
+        return self.update_weights(location, version)
 
     # ------------------------------------------------------------------ crash recovery
 
