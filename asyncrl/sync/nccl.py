@@ -32,16 +32,13 @@ import os
 import socket
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 from asyncrl.config import SyncConfig
 from asyncrl.queue.server import free_port
 from asyncrl.sync.shm import ShmWeightSync, file_of, save_state_dict
-from asyncrl.sync.weight_sync import PublishResult
+from asyncrl.sync.weight_sync import PublishResult, WeightAnnouncer
 from asyncrl.types import WeightLocation, WeightsFile
-
-if TYPE_CHECKING:
-    from asyncrl.queue import RunState
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +147,7 @@ class NcclWeightSync(ShmWeightSync):
         self,
         cfg: SyncConfig,
         *,
-        run_state: RunState | None = None,
+        run_state: WeightAnnouncer | None = None,
         run: str,
         engines: list | None = None,
         master_address: str | None = None,
@@ -194,10 +191,10 @@ class NcclWeightSync(ShmWeightSync):
     def publish_file(self, location: WeightLocation, version: int) -> PublishResult:
         from safetensors.torch import load_file
 
-        path = file_of(location)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"weights file {path} does not exist")
-        return self._send(load_file(path), WeightsFile(path), version)
+        file = file_of(location)
+        if not os.path.exists(file.path):
+            raise FileNotFoundError(f"weights file {file.path} does not exist")
+        return self._send(load_file(file.path), file, version)
 
     def _send(self, state_dict: dict, location: WeightsFile, version: int) -> PublishResult:
         if self.version is not None and version <= self.version:

@@ -26,17 +26,14 @@ import struct
 import tempfile
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from asyncrl.config import SyncConfig
 from asyncrl.sync.shm import SAFETENSORS_DTYPES, call_engines
-from asyncrl.sync.weight_sync import ExportHolder, PublishResult, engine_errors
+from asyncrl.sync.weight_sync import ExportHolder, PublishResult, WeightAnnouncer, engine_errors
 from asyncrl.types import WeightLocation, WeightsFile, WeightsObject
-
-if TYPE_CHECKING:
-    from asyncrl.queue import RunState
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +158,7 @@ class ObjectStoreWeightSync:
         self,
         cfg: SyncConfig,
         *,
-        run_state: RunState | None = None,
+        run_state: WeightAnnouncer | None = None,
         run: str,
         engines: list | None = None,
         learner: ExportHolder | None = None,

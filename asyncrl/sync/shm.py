@@ -23,14 +23,11 @@ import struct
 import sys
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.config import SyncConfig
-from asyncrl.sync.weight_sync import PublishResult, engine_errors
+from asyncrl.sync.weight_sync import PublishResult, WeightAnnouncer, engine_errors
 from asyncrl.types import WeightLocation, WeightsFile
-
-if TYPE_CHECKING:
-    from asyncrl.queue import RunState
 
 log = logging.getLogger(__name__)
 
@@ -113,17 +110,19 @@ def save_state_dict(state_dict: dict, path: str) -> int:
     return 8 + len(blob) + offset
 
 
-def file_of(location: WeightLocation) -> str:
-    """The path of a file location; the file backends publish nothing else."""
+def file_of(location: WeightLocation) -> WeightsFile:
+    """``location``, which must be a file: the file backends publish nothing else."""
     if not isinstance(location, WeightsFile):
         raise ValueError(f"{location}: sync.backend shm and nccl publish files, not object-store names")
-    return location.path
+    return location
 
 
 class ShmWeightSync:
     """Publishes weight files to /dev/shm and has the registered generators load them."""
 
-    def __init__(self, cfg: SyncConfig, *, run_state: RunState | None = None, run: str, engines: list | None = None):
+    def __init__(
+        self, cfg: SyncConfig, *, run_state: WeightAnnouncer | None = None, run: str, engines: list | None = None
+    ):
         if not os.path.isdir(cfg.shm_dir):
             raise ValueError(f"sync.shm_dir={cfg.shm_dir!r}: not a directory")
         self.cfg, self.run_state, self.run = cfg, run_state, run
@@ -150,7 +149,7 @@ class ShmWeightSync:
 
     def publish_file(self, location: WeightLocation, version: int) -> PublishResult:
         """Announce an already written file as ``version`` and wait until the generators run it."""
-        path = file_of(location)
+        path = file_of(location).path
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights file {path} does not exist")
         if self.version is not None and version <= self.version:

@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.config import SyncConfig
 from asyncrl.types import WeightLocation, WeightsObject
-
-if TYPE_CHECKING:
-    from asyncrl.queue import RunState
 
 BACKENDS = ("auto", "shm", "nccl", "object_store")
 
@@ -80,6 +77,12 @@ class PublishResult:
             engine_load_s=max((r.get("load_s", 0.0) for r in applied), default=0.0),
             fetch_s=max((r.get("fetch_s", 0.0) for r in applied), default=0.0),
         )
+
+
+class WeightAnnouncer(Protocol):
+    """Where a backend announces each version for generators that poll (``RunState`` in a run)."""
+
+    def set_weights(self, location: WeightLocation, version: int) -> None: ...
 
 
 class ExportHolder(Protocol):
@@ -140,7 +143,7 @@ def resolve_backend(backend: str, multinode: bool = False) -> str:
 def build_weight_sync(
     cfg: SyncConfig,
     *,
-    run_state: RunState | None = None,
+    run_state: WeightAnnouncer | None = None,
     run: str,
     engines: list | None = None,
     learner: ExportHolder | None = None,
