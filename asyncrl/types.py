@@ -162,3 +162,53 @@ def merge_metrics(parts: list[dict[str, MetricValue]]) -> dict[str, MetricValue]
         for name, m in part.items():
             out[name] = out[name].merge(m) if name in out else m
     return out
+
+
+# ---------------------------------------------------------------------- weight locations
+
+OBJECT_SCHEME = "ray-object://"
+"""How an object-store location is written where a string must carry it (Redis)."""
+
+
+@dataclass(frozen=True)
+class WeightsFile:
+    """Published weights as a safetensors file every reader can open (sync.backend shm, nccl)."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return format_location(self)
+
+
+@dataclass(frozen=True)
+class WeightsObject:
+    """Published weights as one object in the run's Ray object store, one per version
+    (sync.backend=object_store): no file any two nodes share."""
+
+    run: str
+    version: int
+
+    def __str__(self) -> str:
+        return format_location(self)
+
+
+WeightLocation = WeightsFile | WeightsObject
+"""Where a version's weights were published. Code switches on the type; the text form exists
+only where a string must carry it (Redis), through format_location and parse_location."""
+
+
+def format_location(location: WeightLocation) -> str:
+    """The text form: a file's path, or ``ray-object://RUN/vN``."""
+    if isinstance(location, WeightsObject):
+        return f"{OBJECT_SCHEME}{location.run}/v{location.version}"
+    return location.path
+
+
+def parse_location(text: str) -> WeightLocation:
+    """The inverse of format_location."""
+    if not text.startswith(OBJECT_SCHEME):
+        return WeightsFile(text)
+    run, sep, version = text[len(OBJECT_SCHEME) :].rpartition("/v")
+    if not sep or not run or not version.isdigit():
+        raise ValueError(f"weights location {text!r}: expected {OBJECT_SCHEME}RUN/vVERSION")
+    return WeightsObject(run, int(version))

@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from asyncrl.sync.weight_sync import PublishResult, WeightSync
+from asyncrl.types import WeightLocation, WeightsFile, WeightsObject
 
 if TYPE_CHECKING:
     from asyncrl.control.state import LoopState, StopFlag
@@ -64,16 +65,15 @@ def no_space(error: BaseException) -> bool:
     return False
 
 
-def space_report(path: str, need: int | None) -> str:
+def space_report(location: WeightLocation, need: int | None) -> str:
     """'/dev/shm has 3.1 MB free of 300.0 MB; one export needs 45.2 MB' (what can be known)."""
-    where = os.path.dirname(path) or "."
-    if "://" in path:
+    if isinstance(location, WeightsObject):
         where_text = "Ray's object store"
         usage = ""
     else:
-        where_text = where
+        where_text = os.path.dirname(location.path) or "."
         try:
-            du = shutil.disk_usage(where)
+            du = shutil.disk_usage(where_text)
             usage = f" has {du.free / 1e6:.1f} MB free of {du.total / 1e6:.1f} MB"
         except OSError:
             usage = ""
@@ -103,7 +103,8 @@ class Publisher:
         """How long the engines took to apply the last publish (pause, load, resume)."""
         self.last_result: PublishResult | None = None
         self.export_bytes: int | None = None
-        """Size of the last export that was written (what the next one needs)."""
+        """Size of the last file this publisher exported (what the next one needs); None before
+        the first, and for the object store, whose exports have no file to measure."""
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -113,26 +114,33 @@ class Publisher:
         Returns the seconds the caller spent."""
         t0 = time.perf_counter()
         self.finish()
-        path = self.weight_sync.path_for(version)
-        self._export(path, version)
+        location = self.weight_sync.location_for(version)
+        self._export(location, version)
         self.state.published_version = version
         if overlap:
             self._inflight = threading.Thread(
-                target=self._apply_and_announce, args=(path, version), name=f"publish-v{version}", daemon=True
+                target=self._apply_and_announce, args=(location, version), name=f"publish-v{version}", daemon=True
             )
             self._inflight.start()
         else:
-            self._apply_and_announce(path, version)
+            self._apply_and_announce(location, version)
             self._raise_error()
         return time.perf_counter() - t0
 
-    def _export(self, path: str, version: int) -> None:
-        """learner.export_to_file, waiting out a full filesystem or object store (see the module doc)."""
+    def _export_once(self, location: WeightLocation) -> None:
+        if isinstance(location, WeightsObject):
+            self.learner.export_to_object(location)
+        else:
+            self.learner.export_to_file(location.path)
+
+    def _export(self, location: WeightLocation, version: int) -> None:
+        """The learner's export to ``location``, waiting out a full filesystem or object store
+        (see the module doc)."""
         t0 = time.monotonic()
         wait, next_say, failures = RETRY_FIRST_S, 0.0, 0
         while True:
             try:
-                self.learner.export_to_file(path)
+                self._export_once(location)
                 break
             except Exception as e:
                 if not no_space(e):
@@ -140,11 +148,11 @@ class Publisher:
                 failures += 1
                 now = time.monotonic()
                 waited = now - t0
-                where = space_report(path, self.export_bytes or self._last_file_size())
+                where = space_report(location, self.export_bytes)
                 if self.deadline_s is not None and waited >= self.deadline_s:
                     raise WeightsUnwritable(
                         errno.ENOSPC,
-                        f"weights v{version} could not be written to {path} for {waited:.0f}s "
+                        f"weights v{version} could not be written to {location} for {waited:.0f}s "
                         f"({failures} attempts, sync.publish_deadline_s={self.deadline_s:g}): {where}",
                     ) from e
                 if now >= next_say:
@@ -153,7 +161,7 @@ class Publisher:
                         "weights v%d cannot be written to %s: %s (%s). Retrying with backoff; the engines keep "
                         "v%s and admission holds the staleness bound (sync.publish_deadline_s=%s)",
                         version,
-                        path,
+                        location,
                         where,
                         _first_line(e),
                         self.state.published_version,
@@ -168,22 +176,15 @@ class Publisher:
                 wait = min(wait * 2, RETRY_MAX_S)
         if failures:
             log.warning(
-                "weights v%d written to %s after %.0fs of waiting for space", version, path, time.monotonic() - t0
+                "weights v%d written to %s after %.0fs of waiting for space", version, location, time.monotonic() - t0
             )
-        if "://" not in path:
+        if isinstance(location, WeightsFile):
             with contextlib.suppress(OSError):
-                self.export_bytes = os.path.getsize(path)
+                self.export_bytes = os.path.getsize(location.path)
 
-    def _last_file_size(self) -> int | None:
-        """The published version's file, when it is one: as large as the next export."""
+    def _apply_and_announce(self, location: WeightLocation, version: int) -> None:
         try:
-            return os.path.getsize(self.weight_sync.path_for(self.state.published_version))
-        except (OSError, TypeError):
-            return None
-
-    def _apply_and_announce(self, path: str, version: int) -> None:
-        try:
-            result = self.weight_sync.publish_file(path, version)
+            result = self.weight_sync.publish_file(location, version)
             if result.errors:
                 # Each failed generator closed its own admission until it loads this version.
                 log.error(

@@ -34,7 +34,7 @@ from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.result import RankStepResult, StepResult
 from asyncrl.learner.validate import validate_minibatches
 from asyncrl.rundir import read_extra
-from asyncrl.types import MetricValue, TrainSequence, merge_metrics
+from asyncrl.types import MetricValue, TrainSequence, WeightsObject, merge_metrics
 
 log = logging.getLogger(__name__)
 
@@ -294,25 +294,24 @@ class LearnerGroup:
         return self._call("full_state")[0]
 
     def export_to_file(self, path: str) -> tuple[str, int]:
-        """Rank 0 writes the full weights to `path` as safetensors (metadata: version). A
-        ``ray-object://`` path (sync.backend=object_store) makes them a Ray object instead, taken
-        by the weight sync with ``take_export(path)``: rank 0's task returns it, so the bytes stay
-        in the object store of rank 0's node until a generator pulls them."""
-        from asyncrl.sync.objstore import SCHEME
-
-        if str(path).startswith(SCHEME):
-            pairs = [a.export_blob.options(num_returns=2).remote() for a in self.actors]
-            versions = self._gather([v for v, _ in pairs], "export")
-            self._exports = {str(path): pairs[0][1]}  # one in flight: older ones are not needed
-            return str(path), int(versions[0])
+        """Rank 0 writes the full weights to `path` as safetensors (metadata: version)."""
         versions = self._call("write_weights", [(str(path),)] * self.num_ranks)
         if isinstance(versions[0], str):
             raise OSError(f"learner rank 0 could not write the weights to {path}: {versions[0]}")
         return str(path), int(versions[0])
 
-    def take_export(self, path: str):
-        """The Ray object ``export_to_file(path)`` made (once), or None."""
-        return getattr(self, "_exports", {}).pop(str(path), None)
+    def export_to_object(self, location: WeightsObject) -> int:
+        """The full weights as a Ray object (sync.backend=object_store), taken by the weight sync
+        with ``take_export(location)``; returns their version. Rank 0's task returns the object,
+        so the bytes stay in the object store of rank 0's node until a generator pulls them."""
+        pairs = [a.export_blob.options(num_returns=2).remote() for a in self.actors]
+        versions = self._gather([v for v, _ in pairs], "export")
+        self._exports = {location: pairs[0][1]}  # one in flight: older ones are not needed
+        return int(versions[0])
+
+    def take_export(self, location: WeightsObject) -> Any:
+        """The Ray object ``export_to_object(location)`` made (once), or None."""
+        return getattr(self, "_exports", {}).pop(location, None)
 
     def save_checkpoint(self, dir: str, extra: dict[str, Any] | None = None) -> None:
         """DCP model + optimizer shards, scheduler, RNG, step and version, plus `extra`; atomic."""

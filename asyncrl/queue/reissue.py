@@ -23,6 +23,7 @@ from typing import Any
 
 import msgpack
 
+from asyncrl.queue.records import unpack_small
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger("asyncrl.queue")
@@ -99,8 +100,6 @@ def parse_reissued(record: Any) -> ReissuedPrompt | None:
 
 def note_of(entry_id: str, raw: bytes | None) -> dict[str, Any] | None:
     """The prompt's in-flight note a stream entry carries; None if absent or unreadable."""
-    from asyncrl.queue.runstate import unpack_small
-
     if raw is None:
         return None
     try:

@@ -26,9 +26,9 @@ producers cannot overshoot. Note the trainer keeps entries un-acked until its ch
 maxlen must exceed groups_per_step * checkpoint_every, or producers and trainer wait on
 each other.
 
-Filtering on the way out: records older than `min_version` are acked, their group ids added
-to the run's dropped set and counted `dropped_stale`, and their prompts re-issued up to
-`stale_reissues` times (asyncrl.queue.reissue); records that fail validation are moved
+Filtering on the way out (intake.py): records older than `min_version` are acked, their group
+ids added to the run's dropped set and counted `dropped_stale`, and their prompts re-issued up
+to `stale_reissues` times (asyncrl.queue.reissue); records that fail validation are moved
 to the dead-letter stream (reason, raw bytes, source entry id) and counted `dead_lettered`.
 """
 
@@ -37,13 +37,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
 from asyncrl.data.codec import DEFAULT_MAX_BYTES, RecordError, decode_group, encode_group
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
-from asyncrl.queue.reissue import StaleDrops, note_of
+from asyncrl.queue.intake import sort_entries, text_of
 from asyncrl.queue.scripts import PUT_BOUNDED
 from asyncrl.types import RolloutGroup
 
@@ -61,10 +63,6 @@ class QueueFull(TimeoutError):
     def __init__(self, message: str, added_ids: list[str]):
         super().__init__(message)
         self.added_ids = added_ids
-
-
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
 
 
 class RolloutQueue:
@@ -99,7 +97,6 @@ class RolloutQueue:
         self._k_produced = keys.produced(run)
         self.ledger = ledger
         self.stale_reissues = stale_reissues
-        self._k_reissue = keys.reissue(run)
         self._put = client.register_script(PUT_BOUNDED)
         self._own_cursor: str | None = "0"  # own pending entries still to re-read; None when done
         self._next_claim = 0.0
@@ -165,7 +162,7 @@ class RolloutQueue:
     def close(self) -> None:
         self._r.close()
 
-    def _transaction(self, build) -> list:
+    def _transaction(self, build: Callable[[redis.client.Pipeline], Any]) -> list:
         return transaction(self._r, self._retry, build)
 
     # ------------------------------------------------------------------ producer
@@ -190,7 +187,8 @@ class RolloutQueue:
         deadline = time.monotonic() + timeout
         wait = 0.002
         while len(ids) < len(records):
-            chunk, size = [], 0
+            chunk: list[bytes] = []
+            size = 0
             for rec in records[len(ids) :]:
                 if chunk and size + len(rec) > _PUT_CHUNK_BYTES:
                     break
@@ -203,7 +201,7 @@ class RolloutQueue:
                 script_keys.append(keys.inflight(self.run, inflight_of))
                 args += [g.prompt_id for g in batch]
             added = self._retry(self._put, keys=script_keys, args=args)
-            ids += [_text(i) for i in added]
+            ids += [text_of(i) for i in added]
             if added:
                 wait = 0.002
                 continue
@@ -263,8 +261,8 @@ class RolloutQueue:
             if not entries:
                 self._own_cursor = None
                 return []
-            self._own_cursor = _text(entries[-1][0])
-            fresh = [e for e in entries if _text(e[0]) not in self._held]
+            self._own_cursor = text_of(entries[-1][0])
+            fresh = [e for e in entries if text_of(e[0]) not in self._held]
             if fresh:
                 return fresh
         return []
@@ -274,7 +272,8 @@ class RolloutQueue:
         if now < self._next_claim:
             return []
         self._next_claim = now + max(self.claim_idle_s / 2, 0.05)
-        cursor, out = "0-0", []
+        cursor = "0-0"
+        out: list = []
         while len(out) < want:
             resp = self._retry(
                 self._r.xautoclaim,
@@ -285,67 +284,20 @@ class RolloutQueue:
                 start_id=cursor,
                 count=want,
             )
-            cursor, entries = _text(resp[0]), resp[1]
-            out += [e for e in entries if e and _text(e[0]) not in self._held]
+            cursor, entries = text_of(resp[0]), resp[1]
+            out += [e for e in entries if e and text_of(e[0]) not in self._held]
             if cursor == "0-0":
                 break
         return out
 
     def _accept(self, entries: list, min_version: int) -> list[tuple[str, RolloutGroup]]:
-        """Decode, filter and route entries; every side effect of the batch in one MULTI."""
-        out: list[tuple[str, RolloutGroup]] = []
-        finished: list[str] = []  # entries acked and deleted here, never handed out
-        dead: list[dict] = []
-        dropped: list[str] = []
-        stale = StaleDrops(self.stale_reissues)
-        duplicates = 0
-        batch_groups: set[str] = set()
-        for raw_id, fields in entries:
-            entry_id = _text(raw_id)
-            if fields is None:  # deleted while pending: nothing to deliver
-                finished.append(entry_id)
-                continue
-            data = fields.get(keys.RECORD_FIELD)
-            try:
-                if data is None:
-                    raise RecordError("missing_field", f"stream entry has no {keys.RECORD_FIELD!r} field")
-                group = decode_group(data, max_bytes=self.max_record_bytes)
-            except RecordError as e:
-                log.warning("rollout entry %s dead-lettered: %s", entry_id, e)
-                dead.append({"reason": e.reason, "d": data or b"", "source_id": entry_id})
-                finished.append(entry_id)
-                continue
-            if group.group_id in self._seen or group.group_id in batch_groups:
-                duplicates += 1
-                finished.append(entry_id)
-            elif group.behavior_version < min_version:
-                dropped.append(group.group_id)
-                finished.append(entry_id)
-                stale.add(group, note_of(entry_id, fields.get(keys.NOTE_FIELD)))
-            else:
-                out.append((entry_id, group))
-                batch_groups.add(group.group_id)
-
-        def build(pipe: redis.client.Pipeline) -> None:
-            for fields in dead:
-                pipe.xadd(self._k_deadletter, fields, maxlen=100_000, approximate=True)
-            if dropped:
-                pipe.sadd(self._k_dropped, *dropped)
-            if finished:
-                pipe.xack(self._k_stream, keys.CONSUMER_GROUP, *finished)
-                pipe.xdel(self._k_stream, *finished)
-            if stale.records:
-                pipe.rpush(self._k_reissue, *stale.records)
-            counts = {"dead_lettered": len(dead), "dropped_stale": len(dropped), "duplicates": duplicates}
-            for name, n in {**counts, **stale.counts}.items():
-                if n:
-                    pipe.hincrby(self._k_counters, name, n)
-
-        self._transaction(build)
-        for entry_id, group in out:
+        """Decode, filter and route entries (intake.py); every side effect of the batch in one MULTI."""
+        intake = sort_entries(entries, min_version, self._seen, self.max_record_bytes, self.stale_reissues)
+        self._transaction(lambda pipe: intake.record(pipe, self.run))
+        for entry_id, group in intake.out:
             self._held.add(entry_id)
             self._remember(group.group_id)
-        return out
+        return intake.out
 
     def skip_groups(self, group_ids: list[str]) -> None:
         """Group ids already trained into the weights a resume starts from. A crash between a
@@ -384,7 +336,7 @@ class RolloutQueue:
 
     def produced_ids(self) -> set[str]:
         """Every group id ever put (only recorded when connected with ledger=True)."""
-        return {_text(x) for x in self._retry(self._r.smembers, self._k_produced)}
+        return {text_of(x) for x in self._retry(self._r.smembers, self._k_produced)}
 
     def queued_groups(self) -> list[RolloutGroup]:
         """Groups still in the stream (undelivered or un-acked), decoded; for ledgers and tests."""
@@ -403,6 +355,6 @@ class RolloutQueue:
         """Dead-lettered records, oldest first: {"id", "reason", "source_id", "d" (raw bytes)}."""
         entries = self._retry(self._r.xrange, self._k_deadletter, count=count)
         return [
-            {"id": _text(i), "reason": f[b"reason"].decode(), "source_id": f[b"source_id"].decode(), "d": f[b"d"]}
+            {"id": text_of(i), "reason": f[b"reason"].decode(), "source_id": f[b"source_id"].decode(), "d": f[b"d"]}
             for i, f in entries
         ]

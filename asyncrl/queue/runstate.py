@@ -12,99 +12,30 @@ the two are separate objects that may share one connection.
 
 State hash values are stored as text (so the admission Lua script can read them) and parsed
 back by `state()`: text that reads as an int becomes an int, then float, else it stays str.
-Heartbeats and metrics records are msgpack (decoded with ext types refused, never pickle).
+Heartbeats and metrics records are msgpack (decoded with ext types refused, never pickle);
+both codecs are in records.py. The announced weights' location is a typed WeightLocation
+here and text only inside Redis.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
 import redis
+from redis.typing import EncodableT, FieldT
 
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
+from asyncrl.queue.records import from_text, to_text, unpack_small
 from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
-from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, TRY_ADMIT
+from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, RESTART_ADMISSION, RETIRE_WEIGHTS, TRY_ADMIT
+from asyncrl.types import WeightLocation, format_location, parse_location
 
 log = logging.getLogger("asyncrl.queue")
-
-RETIRE_WEIGHTS = """
--- KEYS[1] state hash. A trainer starting on this run (fresh or resumed): forget the announced
--- weights and close admission until its prepare() configures it again, so no generator loads
--- a predecessor's weights or is admitted against its budget. Returns the highest version the
--- run ever announced (kept in versions_retired_upto, so a second restart still knows it).
-local f = redis.call('HMGET', KEYS[1], 'weights_version', 'policy_version', 'versions_retired_upto')
-local top = 0
-for i = 1, 3 do
-  local v = tonumber(f[i] or '')
-  if v ~= nil and v > top then top = v end
-end
-redis.call('HSET', KEYS[1], 'versions_retired_upto', top)
-redis.call('HDEL', KEYS[1], 'weights_location', 'weights_version', 'max_staleness', 'groups_per_step')
-return top
-"""
-
-RESTART_ADMISSION = """
--- KEYS[1] counters hash, KEYS[2] rollouts stream, then ARGV[2] in-flight hashes whose prompts
--- will be re-issued (counted), then in-flight hashes nobody will re-issue (deleted); ARGV[1]
--- the base count. groups_started = base + entries in the stream (queued or pending) + the
--- counted notes, in one step: a put moves a note into the stream atomically, so nothing is
--- counted twice or missed. Returns the count.
-local total = tonumber(ARGV[1]) + redis.call('XLEN', KEYS[2])
-local counted = tonumber(ARGV[2])
-for i = 3, 2 + counted do total = total + redis.call('HLEN', KEYS[i]) end
-for i = 3 + counted, #KEYS do redis.call('DEL', KEYS[i]) end
-if total < 0 then total = 0 end
-redis.call('HSET', KEYS[1], 'groups_started', total)
-return total
-"""
-
-MAX_SMALL_RECORD = 1 << 20
-"""Bound on a heartbeat or metrics record (bytes): they are small by design."""
-
-
-def unpack_small(data: bytes) -> Any:
-    """msgpack -> plain Python for small trusted-shape records; ext types refused."""
-
-    def no_ext(code: int, _data: bytes) -> Any:
-        raise ValueError(f"msgpack ext type {code} is not allowed")
-
-    if len(data) > MAX_SMALL_RECORD:
-        raise ValueError(f"record of {len(data)} bytes > {MAX_SMALL_RECORD}")
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        strict_map_key=True,
-        ext_hook=no_ext,
-        max_bin_len=MAX_SMALL_RECORD,
-        max_str_len=MAX_SMALL_RECORD,
-        max_array_len=65536,
-        max_map_len=65536,
-        max_ext_len=0,
-    )
-
-
-def _to_text(name: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, (int, str)):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)  # round-trips exactly
-    raise TypeError(f"state field {name!r}: {type(value).__name__} is not int, float, str or bool")
-
-
-def _from_text(text: str) -> int | float | str:
-    for parse in (int, float):
-        try:
-            return parse(text)
-        except ValueError:
-            pass
-    return text
 
 
 class RunState:
@@ -163,7 +94,7 @@ class RunState:
     def set_state(self, **fields: Any) -> None:
         """Set fields of the run's state hash; a None value deletes the field."""
         drop = [k for k, v in fields.items() if v is None]
-        put = {k: _to_text(k, v) for k, v in fields.items() if v is not None}
+        put: dict[FieldT, EncodableT] = {k: to_text(k, v) for k, v in fields.items() if v is not None}
 
         def build(pipe: redis.client.Pipeline) -> None:
             if put:
@@ -175,7 +106,7 @@ class RunState:
 
     def state(self) -> dict[str, int | float | str]:
         raw = self._retry(self._r.hgetall, self._k_state)
-        return {k.decode(): _from_text(v.decode()) for k, v in raw.items()}
+        return {k.decode(): from_text(v.decode()) for k, v in raw.items()}
 
     def set_policy_version(self, version: int) -> None:
         """The learner's current version v (optimizer steps taken); admission reads it."""
@@ -187,16 +118,18 @@ class RunState:
         v = self._retry(self._r.hget, self._k_state, "policy_version")
         return int(v) if v is not None else 0
 
-    def set_weights(self, location: str, version: int) -> None:
-        """Where the weights of `version` were published (a path or object ref), in one write."""
+    def set_weights(self, location: WeightLocation, version: int) -> None:
+        """Where the weights of `version` were published (a file or an object-store name), in one write."""
         self._retry(
-            self._r.hset, self._k_state, mapping={"weights_location": str(location), "weights_version": int(version)}
+            self._r.hset,
+            self._k_state,
+            mapping={"weights_location": format_location(location), "weights_version": int(version)},
         )
 
-    def weights(self) -> tuple[str | None, int]:
+    def weights(self) -> tuple[WeightLocation | None, int]:
         """(location, version) of the last published weights; (None, -1) before the first."""
         loc, ver = self._retry(self._r.hmget, self._k_state, ["weights_location", "weights_version"])
-        return (loc.decode() if loc is not None else None, int(ver) if ver is not None else -1)
+        return (parse_location(loc.decode()) if loc is not None else None, int(ver) if ver is not None else -1)
 
     # ------------------------------------------------------------------ counters
 
@@ -205,7 +138,12 @@ class RunState:
 
     def incr_many(self, counts: dict[str, int]) -> None:
         """Add to several counters in one transaction."""
-        self._transaction(lambda pipe: [pipe.hincrby(self._k_counters, k, n) for k, n in counts.items()])
+
+        def build(pipe: redis.client.Pipeline) -> None:
+            for name, n in counts.items():
+                pipe.hincrby(self._k_counters, name, n)
+
+        self._transaction(build)
 
     def pop_reissued(self) -> ReissuedPrompt | None:
         """A prompt whose group was dropped as stale, to run again (asyncrl.queue.reissue);
@@ -274,7 +212,7 @@ class RunState:
         found = self._retry(lambda: list(self._r.scan_iter(match=f"{prefix}*", count=1000)))
         return sorted(k.decode()[len(prefix) :] for k in found)
 
-    def restart_admission(self, base: int, reissued_by: list[str], orphaned: list[str] = ()) -> int:
+    def restart_admission(self, base: int, reissued_by: list[str], orphaned: Sequence[str] = ()) -> int:
         """Set groups_started for a (re)starting trainer: ``base`` plus every entry in the stream
         plus the prompts noted for the generators in ``reissued_by`` (a successor re-issues them
         without a new admission, so they must be counted here); the notes of ``orphaned``

@@ -93,3 +93,34 @@ if n > 0 then
 end
 return n
 """
+
+RETIRE_WEIGHTS = """
+-- KEYS[1] state hash. A trainer starting on this run (fresh or resumed): forget the announced
+-- weights and close admission until its prepare() configures it again, so no generator loads
+-- a predecessor's weights or is admitted against its budget. Returns the highest version the
+-- run ever announced (kept in versions_retired_upto, so a second restart still knows it).
+local f = redis.call('HMGET', KEYS[1], 'weights_version', 'policy_version', 'versions_retired_upto')
+local top = 0
+for i = 1, 3 do
+  local v = tonumber(f[i] or '')
+  if v ~= nil and v > top then top = v end
+end
+redis.call('HSET', KEYS[1], 'versions_retired_upto', top)
+redis.call('HDEL', KEYS[1], 'weights_location', 'weights_version', 'max_staleness', 'groups_per_step')
+return top
+"""
+
+RESTART_ADMISSION = """
+-- KEYS[1] counters hash, KEYS[2] rollouts stream, then ARGV[2] in-flight hashes whose prompts
+-- will be re-issued (counted), then in-flight hashes nobody will re-issue (deleted); ARGV[1]
+-- the base count. groups_started = base + entries in the stream (queued or pending) + the
+-- counted notes, in one step: a put moves a note into the stream atomically, so nothing is
+-- counted twice or missed. Returns the count.
+local total = tonumber(ARGV[1]) + redis.call('XLEN', KEYS[2])
+local counted = tonumber(ARGV[2])
+for i = 3, 2 + counted do total = total + redis.call('HLEN', KEYS[i]) end
+for i = 3 + counted, #KEYS do redis.call('DEL', KEYS[i]) end
+if total < 0 then total = 0 end
+redis.call('HSET', KEYS[1], 'groups_started', total)
+return total
+"""

@@ -3,7 +3,7 @@
     gen = GeneratorActor.remote_actor(cfg, model_path=d, generator_id="gen-0",
                                       redis_url=url, run="demo")          # Ray actor, restarts on crash
     gen.start.remote()
-    ray.get(gen.update_weights.remote("/dev/shm/asyncrl-demo-v1.safetensors", 1))
+    ray.get(gen.update_weights.remote(WeightsFile("/dev/shm/asyncrl-demo-v1.safetensors"), 1))
     ray.get(gen.stats.remote());  ray.get(gen.shutdown.remote())    # stats(): GeneratorStats as a dict
 
     # in-process (the elastic `asyncrl generate` CLI): the same class, called directly
@@ -66,6 +66,7 @@ from asyncrl.rollout.stats import GeneratorStats, TokenRate
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.model_ship import local_model
+from asyncrl.types import WeightLocation
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ class GeneratorActor:
         self._call(self._stop(drain_timeout_s))
         return self.stats()
 
-    def update_weights(self, location: str, version: int) -> dict:
+    def update_weights(self, location: WeightLocation, version: int) -> dict:
         """Apply weights in flight: pause (keep requests), load, label ``version``, resume."""
         try:
             return self._call(self.weights.update(location, version))
@@ -352,12 +353,12 @@ class GeneratorActor:
         self._call(transfer.finish(self.engine, version, self.cfg.sync.inflight, path))
         self.weights.note_transferred()
 
-    def transfer_abort(self, path: str, version: int) -> dict:
-        """A transfer failed part-way: make the engine whole and resume, then load ``path`` as
+    def transfer_abort(self, location: WeightLocation, version: int) -> dict:
+        """A transfer failed part-way: make the engine whole and resume, then load ``location`` as
         ``version`` like a pushed file (on failure admission stays closed and this raises)."""
         self._call(transfer.abort(self.engine))
         self.engine_record.refresh()  # if the abort rebuilt the engine, its new processes must be reapable
-        return self.update_weights(path, version)
+        return self.update_weights(location, version)
 
     # ------------------------------------------------------------------ the loop
 

@@ -2,7 +2,7 @@
 they cannot be loaded.
 
     watcher = WeightWatcher(engine, run_state, cfg, "gen-0", "demo")
-    await watcher.update("ray-object://...", 3)     # a push from the trainer (or the poll below)
+    await watcher.update(location, 3)               # a push from the trainer (or the poll below)
     await watcher.poll()                            # newer published weights than the engine's? load them
     watcher.blocked                                 # why admission is closed, or None
     watcher.updates, watcher.update_errors          # loads so far, and failed ones
@@ -24,6 +24,7 @@ from asyncrl.config import Config
 from asyncrl.queue.runstate import RunState
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError
 from asyncrl.sync import objstore
+from asyncrl.types import WeightLocation
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,10 @@ class WeightWatcher:
         self.generator_id, self.run = generator_id, run
         self.updates = 0  # versions loaded (a push, a poll or an NCCL transfer)
         self.update_errors = 0
-        self.failed: tuple[str, int, float] | None = None  # (location, version, when)
+        self.failed: tuple[WeightLocation, int, float] | None = None  # (location, version, when)
         self.blocked: str | None = None  # why admission is closed: announced weights failed to load
 
-    def note_failed(self, location: str, version: int) -> None:
+    def note_failed(self, location: WeightLocation, version: int) -> None:
         self.failed = (location, version, time.monotonic())
 
     def note_transferred(self) -> None:
@@ -57,12 +58,12 @@ class WeightWatcher:
         self.updates += 1
         self.blocked = None
 
-    async def update(self, location: str, version: int) -> dict:
-        """Fetch (a ray-object:// location to a local file first, see sync/objstore.py) and load
+    async def update(self, location: WeightLocation, version: int) -> dict:
+        """Fetch (an object-store location to a local file first, see sync/objstore.py) and load
         ``version``; raises WeightLoadError / OSError with admission closed if it cannot."""
         if version <= self.engine.version:
             return {"version": self.engine.version, "skipped": True}
-        path, t0 = location, time.perf_counter()
+        path, t0 = None, time.perf_counter()
         try:
             path = await asyncio.to_thread(
                 objstore.fetch, location, version, self.cfg.sync.shm_dir, f"{self.run}-{self.generator_id}"
@@ -101,7 +102,7 @@ class WeightWatcher:
             self.note_failed(location, version)
             raise
 
-    def _may_try(self, location: str, version: int) -> bool:
+    def _may_try(self, location: WeightLocation, version: int) -> bool:
         """Not the weights that just failed to load: each failed attempt pauses the engine."""
         failed = self.failed
         return failed is None or failed[:2] != (location, version) or time.monotonic() - failed[2] > WEIGHTS_RETRY_S

@@ -15,7 +15,7 @@ Between start and finish the engine's layers are on the meta device, so it must 
 The weights are also a file (the learner's export, or written here): elastic generators
 join through it, and it is how a failed transfer is recovered. When a generator's transfer
 fails (NCCL error, a worker that rejects the update), its transfer group is torn down and
-the generator is told ``transfer_abort(path, version)``: it abandons the half-done update
+the generator is told ``transfer_abort(location, version)``: it abandons the half-done update
 (layers back from the meta device; an engine that no longer answers is rebuilt), resumes,
 and loads the file as that version the way the shm backend has it do. Only if that fails
 too is the generator named in ``PublishResult.errors``; it has then closed its own
@@ -36,8 +36,9 @@ from typing import Any, Protocol, cast
 
 from asyncrl.config import SyncConfig
 from asyncrl.infra import free_port
-from asyncrl.sync.shm import ShmWeightSync, save_state_dict
-from asyncrl.sync.weight_sync import PublishResult
+from asyncrl.sync.shm import ShmWeightSync, file_of, save_state_dict
+from asyncrl.sync.weight_sync import PublishResult, WeightAnnouncer
+from asyncrl.types import WeightLocation, WeightsFile
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _node_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _call(handle, method: str, *args):
+def _call(handle: Any, method: str, *args: Any) -> Any:
     import ray
 
     fn = getattr(handle, method)
@@ -60,7 +61,7 @@ def _call(handle, method: str, *args):
 class GeneratorClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol, forwarded to one generator (Ray handle or object)."""
 
-    def __init__(self, handle):
+    def __init__(self, handle: Any):
         self.handle = handle
         self.pending_version: int | None = None
         self.pending_path: str | None = None
@@ -83,22 +84,22 @@ class GeneratorClient:
 class StateDictSource:
     """A re-iterable ``WeightSource`` over a full (unsharded) state dict on ``device``."""
 
-    def __init__(self, state_dict: dict, device: str = "cuda"):
+    def __init__(self, state_dict: dict, device: str = "cuda") -> None:
         import torch
 
         self.items = [
             (k, v.detach().to(device).contiguous()) for k, v in state_dict.items() if isinstance(v, torch.Tensor)
         ]
 
-    def metadata(self):
+    def metadata(self) -> list:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
         return [ParamMeta(name=k, dtype=v.dtype, shape=tuple(v.shape)) for k, v in self.items]
 
-    def __iter__(self):
+    def __iter__(self) -> Any:
         return iter(self.items)
 
-    def held_names(self):
+    def held_names(self) -> None:
         return None
 
 
@@ -146,7 +147,7 @@ class NcclWeightSync(ShmWeightSync):
         self,
         cfg: SyncConfig,
         *,
-        run_state=None,
+        run_state: WeightAnnouncer | None = None,
         run: str,
         engines: list | None = None,
         master_address: str | None = None,
@@ -160,7 +161,7 @@ class NcclWeightSync(ShmWeightSync):
         self.master_address = master_address or _node_address()
         self._transfers: dict[int, tuple[Any, GeneratorClient]] = {}
 
-    def _transfer_for(self, handle, source: StateDictSource):
+    def _transfer_for(self, handle: Any, source: StateDictSource) -> tuple[Any, GeneratorClient]:
         key = id(handle)
         if key not in self._transfers:
             client = GeneratorClient(handle)
@@ -170,7 +171,7 @@ class NcclWeightSync(ShmWeightSync):
         engine.source = source
         return engine, client
 
-    def _drop_transfer(self, handle) -> None:
+    def _drop_transfer(self, handle: Any) -> None:
         engine, _ = self._transfers.pop(id(handle), (None, None))
         if engine is not None:
             try:
@@ -181,32 +182,33 @@ class NcclWeightSync(ShmWeightSync):
     def publish(self, state_dict: dict, version: int) -> PublishResult:
         """Write the file (elastic generators, recovery), then send ``state_dict`` to every generator."""
         t0 = time.perf_counter()
-        path = self.path_for(version)
-        nbytes = save_state_dict(state_dict, path)
+        location = self.location_for(version)
+        nbytes = save_state_dict(state_dict, location.path)
         write_s = time.perf_counter() - t0
-        result = self._send(state_dict, path, version)
+        result = self._send(state_dict, location, version)
         return replace(result, write_s=write_s, bytes=nbytes, seconds=time.perf_counter() - t0)
 
-    def publish_file(self, path: str, version: int) -> PublishResult:
+    def publish_file(self, location: WeightLocation, version: int) -> PublishResult:
         from safetensors.torch import load_file
 
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"weights file {path} does not exist")
-        return self._send(load_file(path), path, version)
+        file = file_of(location)
+        if not os.path.exists(file.path):
+            raise FileNotFoundError(f"weights file {file.path} does not exist")
+        return self._send(load_file(file.path), file, version)
 
-    def _send(self, state_dict: dict, path: str, version: int) -> PublishResult:
+    def _send(self, state_dict: dict, location: WeightsFile, version: int) -> PublishResult:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} is not newer than the published version {self.version}")
         start = time.perf_counter()
         if self.run_state is not None:
-            self.run_state.set_weights(path, version)  # elastic generators join through the file
+            self.run_state.set_weights(location, version)  # elastic generators join through the file
         source = StateDictSource(state_dict, self.transfer.device)
         errors: list[str] = []
         fallbacks = 0
         for i, handle in enumerate(self.engines):
             try:
                 engine, client = self._transfer_for(handle, source)
-                client.pending_version, client.pending_path = version, path
+                client.pending_version, client.pending_path = version, location.path
                 engine.send_weights()
                 continue
             except Exception as e:  # one bad engine must not stop the others from updating
@@ -219,7 +221,7 @@ class NcclWeightSync(ShmWeightSync):
                 )
                 self._drop_transfer(handle)
             try:
-                _call(handle, "transfer_abort", path, version)
+                _call(handle, "transfer_abort", location, version)
                 fallbacks += 1
             except Exception as e:
                 errors.append(f"generator {i}: {type(e).__name__}: {e}")

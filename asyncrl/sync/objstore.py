@@ -1,9 +1,9 @@
 """CPU weight sync through Ray's object store: no shared filesystem between any two nodes.
 
     sync = ObjectStoreWeightSync(cfg.sync, run_state=run_state, run="demo", learner=group)
-    path = sync.path_for(3)               # "ray-object://demo/v3": a name, not a file
-    group.export_to_file(path)            # rank 0 returns the safetensors bytes as a Ray object
-    sync.publish_file(path, 3)            # announce, have every generator apply it, wait
+    location = sync.location_for(3)       # WeightsObject("demo", 3): a name, not a file
+    group.export_to_object(location)      # rank 0 returns the safetensors bytes as a Ray object
+    sync.publish_file(location, 3)        # announce, have every generator apply it, wait
 
 One object per version, owned by the driver (it is rank 0's task return, so it never
 passes through the driver's memory). The run's named ``WeightStore`` actor holds the
@@ -26,16 +26,17 @@ import struct
 import tempfile
 import time
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from asyncrl.config import SyncConfig
 from asyncrl.sync.shm import SAFETENSORS_DTYPES, call_engines
-from asyncrl.sync.weight_sync import PublishResult, engine_errors
+from asyncrl.sync.weight_sync import ExportHolder, PublishResult, WeightAnnouncer, engine_errors
+from asyncrl.types import WeightLocation, WeightsFile, WeightsObject
 
 log = logging.getLogger(__name__)
 
-SCHEME = "ray-object://"
 NAMESPACE = "asyncrl"
 KEEP_VERSIONS = 2
 
@@ -48,7 +49,9 @@ def safetensors_blob(state_dict: dict) -> np.ndarray:
     """The safetensors file of ``state_dict`` as one uint8 array (zero-copy through Ray)."""
     import torch
 
-    header, offset, parts = {}, 0, []
+    header: dict[str, dict[str, Any]] = {}
+    offset = 0
+    parts: list[tuple[int, torch.Tensor]] = []
     for name, t in state_dict.items():
         t = t.detach().to("cpu").contiguous()
         dtype = SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
@@ -73,7 +76,7 @@ def safetensors_blob(state_dict: dict) -> np.ndarray:
 class WeightStore:
     """Named Ray actor of one run: holds the refs of the newest versions and the model package."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.versions: dict[int, list] = {}
         self.model_package: dict | None = None
 
@@ -92,7 +95,7 @@ class WeightStore:
         return self.model_package
 
 
-def open_store(run: str, create: bool = False):
+def open_store(run: str, create: bool = False) -> Any:
     import ray
 
     if create:
@@ -110,13 +113,13 @@ def open_store(run: str, create: bool = False):
     return ray.get_actor(store_name(run), namespace=NAMESPACE)
 
 
-def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
+def fetch(location: WeightLocation, version: int, shm_dir: str, tag: str) -> str:
     """Generator side: the weights at ``location`` as a local safetensors file; returns its path.
 
-    A plain path is returned as it is. OSError (which the generator reports as a failed load,
+    A file's path is returned as it is. OSError (which the generator reports as a failed load,
     with this message) if this process cannot reach the run's Ray cluster."""
-    if not location.startswith(SCHEME):
-        return location
+    if isinstance(location, WeightsFile):
+        return location.path
     import ray
 
     if not ray.is_initialized():
@@ -124,9 +127,8 @@ def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
             f"weights v{version} are in the job's Ray object store ({location}) and this generator "
             f"is not attached to its Ray cluster: start it with --ray-address ray://HEAD:10001"
         )
-    run = location[len(SCHEME) :].rsplit("/", 1)[0]
     try:
-        ref = ray.get(open_store(run).get.remote(version), timeout=60)
+        ref = ray.get(open_store(location.run).get.remote(version), timeout=60)
     except Exception as e:  # any Ray failure is a failed load with its reason
         raise OSError(f"weights v{version}: the run's weight store is unreachable: {e}") from e
     if ref is None:
@@ -142,9 +144,9 @@ def fetch(location: str, version: int, shm_dir: str, tag: str) -> str:
     return path
 
 
-def discard(path: str, location: str) -> None:
-    """Delete what ``fetch`` wrote (the engine hard-linked what it keeps)."""
-    if path != location:
+def discard(path: str | None, location: WeightLocation) -> None:
+    """Delete what ``fetch`` wrote, if it wrote anything (the engine hard-linked what it keeps)."""
+    if path is not None and isinstance(location, WeightsObject):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
@@ -156,10 +158,10 @@ class ObjectStoreWeightSync:
         self,
         cfg: SyncConfig,
         *,
-        run_state=None,
+        run_state: WeightAnnouncer | None = None,
         run: str,
         engines: list | None = None,
-        learner=None,
+        learner: ExportHolder | None = None,
         model_package: dict | None = None,
     ):
         self.cfg, self.run_state, self.run, self.learner = cfg, run_state, run, learner
@@ -168,14 +170,14 @@ class ObjectStoreWeightSync:
         self.store = open_store(run, create=True)
         self.store.set_model.remote(model_package)
 
-    def register(self, handle) -> None:
+    def register(self, handle: Any) -> None:
         self.engines.append(handle)
 
-    def unregister(self, handle) -> None:
+    def unregister(self, handle: Any) -> None:
         self.engines = [h for h in self.engines if h is not handle]
 
-    def path_for(self, version: int) -> str:
-        return f"{SCHEME}{self.run}/v{version}"
+    def location_for(self, version: int) -> WeightsObject:
+        return WeightsObject(self.run, version)
 
     def publish(self, state_dict: dict, version: int) -> PublishResult:
         import ray
@@ -184,17 +186,21 @@ class ObjectStoreWeightSync:
         blob = safetensors_blob(state_dict)
         ref = ray.put(blob)
         write_s = time.perf_counter() - t0
-        result = self.publish_ref(self.path_for(version), ref, version)
+        result = self.publish_ref(self.location_for(version), ref, version)
         return replace(result, write_s=write_s, bytes=int(blob.nbytes), seconds=time.perf_counter() - t0)
 
-    def publish_file(self, path: str, version: int) -> PublishResult:
-        """Announce the object the learner exported under ``path`` and wait until generators run it."""
-        ref = self.learner.take_export(path) if self.learner is not None else None
+    def publish_file(self, location: WeightLocation, version: int) -> PublishResult:
+        """Announce the object the learner exported to ``location`` and wait until generators run it."""
+        if not isinstance(location, WeightsObject):
+            raise ValueError(f"{location}: sync.backend=object_store publishes object-store names, not files")
+        ref = self.learner.take_export(location) if self.learner is not None else None
         if ref is None:
-            raise FileNotFoundError(f"no exported weights under {path}: call learner.export_to_file({path!r}) first")
-        return self.publish_ref(path, ref, version)
+            raise FileNotFoundError(
+                f"no exported weights under {location}: call learner.export_to_object({location!r}) first"
+            )
+        return self.publish_ref(location, ref, version)
 
-    def publish_ref(self, location: str, ref, version: int) -> PublishResult:
+    def publish_ref(self, location: WeightsObject, ref: Any, version: int) -> PublishResult:
         import ray
 
         if self.version is not None and version <= self.version:

@@ -3,7 +3,7 @@
     sync = ShmWeightSync(cfg.sync, run_state=run_state, run="demo")
     sync.register(generator_handle)                 # Ray actor handle or in-process GeneratorActor
     result = sync.publish(model.state_dict(), version=3)     # a PublishResult (sync/weight_sync.py)
-    # or, when the learner writes the file itself:  sync.publish_file(sync.path_for(3), 3)
+    # or, when the learner writes the file itself:  sync.publish_file(sync.location_for(3), 3)
 
 publish: write /dev/shm/asyncrl-{run}-v{version}.safetensors (temp name + rename, so a
 reader never sees half a file), record (location, version) in Redis for generators that
@@ -23,20 +23,22 @@ import struct
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 from asyncrl.config import SyncConfig
-from asyncrl.sync.weight_sync import PublishResult, engine_errors
+from asyncrl.sync.weight_sync import PublishResult, WeightAnnouncer, engine_errors
+from asyncrl.types import WeightLocation, WeightsFile
 
 log = logging.getLogger(__name__)
 
 
-def call_engines(handles: list, method: str, *args) -> list:
+def call_engines(handles: list, method: str, *args: Any) -> list:
     """Call ``method`` on every generator at once (Ray handles in parallel) and return the results
     in order; an exception is returned in place of the result of the generator that raised."""
     import ray
 
     results: list = [None] * len(handles)
-    pending = {}
+    pending: dict[int, Any] = {}
     for i, h in enumerate(handles):
         fn = getattr(h, method)
         if hasattr(fn, "remote"):
@@ -81,7 +83,9 @@ def save_state_dict(state_dict: dict, path: str) -> int:
 
     if sys.byteorder != "little":
         raise RuntimeError("save_state_dict writes little-endian safetensors on little-endian hosts only")
-    tensors, header, offset = {}, {}, 0
+    tensors: dict[str, torch.Tensor] = {}
+    header: dict[str, dict[str, Any]] = {}
+    offset = 0
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, expected a torch.Tensor")
@@ -106,44 +110,54 @@ def save_state_dict(state_dict: dict, path: str) -> int:
     return 8 + len(blob) + offset
 
 
+def file_of(location: WeightLocation) -> WeightsFile:
+    """``location``, which must be a file: the file backends publish nothing else."""
+    if not isinstance(location, WeightsFile):
+        raise ValueError(f"{location}: sync.backend shm and nccl publish files, not object-store names")
+    return location
+
+
 class ShmWeightSync:
     """Publishes weight files to /dev/shm and has the registered generators load them."""
 
-    def __init__(self, cfg: SyncConfig, *, run_state=None, run: str, engines: list | None = None):
+    def __init__(
+        self, cfg: SyncConfig, *, run_state: WeightAnnouncer | None = None, run: str, engines: list | None = None
+    ):
         if not os.path.isdir(cfg.shm_dir):
             raise ValueError(f"sync.shm_dir={cfg.shm_dir!r}: not a directory")
         self.cfg, self.run_state, self.run = cfg, run_state, run
         self.engines: list = list(engines or [])
         self.version: int | None = None
 
-    def register(self, handle) -> None:
+    def register(self, handle: Any) -> None:
         self.engines.append(handle)
 
-    def unregister(self, handle) -> None:
+    def unregister(self, handle: Any) -> None:
         self.engines = [h for h in self.engines if h is not handle]
 
-    def path_for(self, version: int) -> str:
-        return os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v{version}.safetensors")
+    def location_for(self, version: int) -> WeightsFile:
+        return WeightsFile(os.path.join(self.cfg.shm_dir, f"asyncrl-{self.run}-v{version}.safetensors"))
 
     def publish(self, state_dict: dict, version: int) -> PublishResult:
         """Write ``state_dict`` as ``version`` and apply it on every generator."""
         t0 = time.perf_counter()
-        path = self.path_for(version)
-        nbytes = save_state_dict(state_dict, path)
+        location = self.location_for(version)
+        nbytes = save_state_dict(state_dict, location.path)
         write_s = time.perf_counter() - t0
-        result = self.publish_file(path, version)
+        result = self.publish_file(location, version)
         return replace(result, write_s=write_s, bytes=nbytes, seconds=time.perf_counter() - t0)
 
-    def publish_file(self, path: str, version: int) -> PublishResult:
+    def publish_file(self, location: WeightLocation, version: int) -> PublishResult:
         """Announce an already written file as ``version`` and wait until the generators run it."""
+        path = file_of(location).path
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights file {path} does not exist")
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} is not newer than the published version {self.version}")
         start = time.perf_counter()
         if self.run_state is not None:
-            self.run_state.set_weights(path, version)
-        results = call_engines(self.engines, "update_weights", path, version)
+            self.run_state.set_weights(location, version)
+        results = call_engines(self.engines, "update_weights", location, version)
         errors = engine_errors(results)
         if errors:
             log.warning("weights v%d: %d generator(s) failed to load: %s", version, len(errors), errors)

@@ -2,14 +2,16 @@
 
     sync = build_weight_sync(cfg.sync, run_state=run_state, run=cfg.control.run_name, learner=group)
     sync.register(generator_handle)
-    result = sync.publish_file(sync.path_for(3), 3)     # PublishResult, the same for every backend
+    result = sync.publish_file(sync.location_for(3), 3)     # PublishResult, the same for every backend
 
-Every backend is a ``WeightSync``: register(handle), path_for(version), publish(state_dict,
-version), publish_file(path, version), close(). publish and publish_file return a frozen
-``PublishResult`` once every registered generator has applied the version or failed to;
-a generator that failed is named in ``errors`` and has closed its own admission (the
-generator's weight watcher blocks it until it loads the announced version), so announcing
-the version cannot let it start work counted against weights it lacks.
+Every backend is a ``WeightSync``: register(handle), location_for(version), publish(state_dict,
+version), publish_file(location, version), close(). A location is an ``asyncrl.types``
+``WeightsFile`` (shm, nccl) or ``WeightsObject`` (object_store); it becomes text only in
+Redis. publish and publish_file return a frozen ``PublishResult`` once every registered
+generator has applied the version or failed to; a generator that failed is named in
+``errors`` and has closed its own admission (the generator's weight watcher blocks it until
+it loads the announced version), so announcing the version cannot let it start work counted
+against weights it lacks.
 
 "auto" is NCCL (vLLM's weight-transfer API, learner rank 0 -> engine workers) when CUDA
 is available; on CPU it is shared memory (/dev/shm safetensors, the fastest on one host)
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.config import SyncConfig
+from asyncrl.types import WeightLocation, WeightsObject
 
 BACKENDS = ("auto", "shm", "nccl", "object_store")
 
@@ -76,23 +79,36 @@ class PublishResult:
         )
 
 
+class WeightAnnouncer(Protocol):
+    """Where a backend announces each version for generators that poll (``RunState`` in a run)."""
+
+    def set_weights(self, location: WeightLocation, version: int) -> None: ...
+
+
+class ExportHolder(Protocol):
+    """What the object_store backend needs of the learner: the object its last export made."""
+
+    def take_export(self, location: WeightsObject) -> Any:
+        """The Ray object ``export_to_object(location)`` made (once), or None."""
+
+
 @runtime_checkable
 class WeightSync(Protocol):
     """Weights from the learner to the registered generators' engines."""
 
-    def register(self, handle) -> None:
+    def register(self, handle: Any) -> None:
         """Push every later publish to this generator (Ray actor handle or in-process object)."""
 
-    def path_for(self, version: int) -> str:
-        """Where the learner exports ``version`` for ``publish_file`` (a file or a ray-object:// name)."""
+    def location_for(self, version: int) -> WeightLocation:
+        """Where the learner exports ``version`` for ``publish_file`` (a file, or an object-store name)."""
         ...
 
     def publish(self, state_dict: dict, version: int) -> PublishResult:
         """Write ``state_dict`` as ``version`` and have every generator apply it."""
         ...
 
-    def publish_file(self, path: str, version: int) -> PublishResult:
-        """Announce weights already exported under ``path`` as ``version`` and have every generator apply them."""
+    def publish_file(self, location: WeightLocation, version: int) -> PublishResult:
+        """Announce weights already exported to ``location`` as ``version`` and have every generator apply them."""
         ...
 
     def close(self) -> None:
@@ -127,10 +143,10 @@ def resolve_backend(backend: str, multinode: bool = False) -> str:
 def build_weight_sync(
     cfg: SyncConfig,
     *,
-    run_state=None,
+    run_state: WeightAnnouncer | None = None,
     run: str,
     engines: list | None = None,
-    learner=None,
+    learner: ExportHolder | None = None,
     model_package: dict | None = None,
 ) -> WeightSync:
     match resolve_backend(cfg.backend, multinode=cfg.backend == "auto" and cluster_is_multinode()):

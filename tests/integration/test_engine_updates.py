@@ -24,6 +24,7 @@ import torch
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
 from asyncrl.sync.shm import save_state_dict
+from asyncrl.types import WeightsFile
 from tests.support.waiting import holds_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -147,7 +148,7 @@ def test_keep_mode_update_never_serves_prompt_kv_of_older_weights(gen, hf, token
     while not gen.engine._requests and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(0.1)  # prefilled: the request runs (and holds the cached block) when the update comes
-    info = gen.update_weights(path, 1)
+    info = gen.update_weights(WeightsFile(path), 1)
     assert info["inflight"] == "keep" and info["requests_inflight"] >= 1
 
     first = gen.sample(long_prompt, 1, 16, TEMPERATURE)[0]
@@ -184,7 +185,7 @@ def test_a_rebuilt_engine_never_trains_torn_or_mislabelled_groups(gen, hf, queue
     states = {0: weights(hf, 0), 2: weights(hf, 12), 3: weights(hf, 13)}
     v2 = str(shm_dir / "v2.safetensors")
     save_state_dict(states[2], v2)
-    gen.update_weights(v2, 2)
+    gen.update_weights(WeightsFile(v2), 2)
     keep_path = gen.engine.last_good_path
     assert keep_path is not None and keep_path != v2  # the hard-linked copy that a failed load restores
     bad = dict(states[3])
@@ -199,7 +200,7 @@ def test_a_rebuilt_engine_never_trains_torn_or_mislabelled_groups(gen, hf, queue
         time.sleep(0.1)
     engine_before = gen.engine_pids()
     with pytest.raises(Exception) as failed:
-        gen.update_weights(bad_v4, 4)
+        gen.update_weights(WeightsFile(bad_v4), 4)
     assert gen.engine_pids() != engine_before  # it was rebuilt
     torn = [g.group_id for g in queue.queued_groups() if any(s.stop_reason == "abort" for s in g.samples)]
     assert not torn, f"aborted requests were put as groups: {torn}"
@@ -214,7 +215,7 @@ def test_a_rebuilt_engine_never_trains_torn_or_mislabelled_groups(gen, hf, queue
 
     v3 = str(shm_dir / "v3.safetensors")
     save_state_dict(states[3], v3)
-    gen.update_weights(v3, 3)  # a good version opens the rebuilt engine again
+    gen.update_weights(WeightsFile(v3), 3)  # a good version opens the rebuilt engine again
     groups, deadline = [], time.time() + 300
     while len(groups) < total and time.time() < deadline:
         got = queue.get_batch(total - len(groups), min_version=0, timeout=5.0)

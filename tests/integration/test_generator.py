@@ -29,6 +29,7 @@ from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.recovery import shm_segments_of
 from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
+from asyncrl.types import WeightsFile
 from tests.support.job import pid_running
 from tests.support.waiting import holds_for
 
@@ -257,7 +258,7 @@ def test_publish_during_generation_switches_versions_and_matches_hf(
         running = [gen.sample.remote(short_prompt, 1, 200, 0.0) for _ in range(3)]
         time.sleep(0.3)
         info = sync.publish(new_state, version=1)
-        assert info.errors == () and os.path.exists(sync.path_for(1))
+        assert info.errors == () and os.path.exists(sync.location_for(1).path)
         outs = [ray.get(r)[0] for r in running]
 
         hf_model_v1 = type(hf_model)(hf_model.config).eval()
@@ -278,12 +279,12 @@ def test_publish_during_generation_switches_versions_and_matches_hf(
         assert after["token_ids"] == hf_greedy(hf_model_v1, long_prompt, 40, eos)[: len(after["token_ids"])]
         assert after["token_ids"] != before["token_ids"]
         assert ray.get(gen.version.remote()) == 1
-        assert run_state.weights() == (sync.path_for(1), 1)
+        assert run_state.weights() == (sync.location_for(1), 1)
         assert_logprob_parity(ray, gen, hf_model_v1, tokenizer)
 
         # a second publish deletes the first file once the engine runs the new version
         sync.publish(perturbed_state(hf_model, seed=2), version=2)
-        assert not os.path.exists(sync.path_for(1)) and ray.get(gen.version.remote()) == 2
+        assert not os.path.exists(sync.location_for(1).path) and ray.get(gen.version.remote()) == 2
         print(f"requests that spanned the swap: {swapped}/{len(outs)}; publish {info}")
     finally:
         sync.close()
@@ -303,7 +304,7 @@ def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_sessio
     save_file(bad, path)
     before = ray.get(gen.stats.remote())
     with pytest.raises(Exception, match="failed after 2 attempts; still running version 2"):
-        ray.get(gen.update_weights.remote(path, 3))
+        ray.get(gen.update_weights.remote(WeightsFile(path), 3))
     assert ray.get(gen.version.remote()) == 2
     stats = ray.get(gen.stats.remote())
     assert stats["weight_update_errors"] == before["weight_update_errors"] + 1
@@ -316,7 +317,7 @@ def test_failed_weight_load_is_retried_and_the_last_good_weights_stay(ray_sessio
     assert out["token_ids"] == hf_greedy(hf_v2, prompt, 24, tokenizer.eos_token_id)[: len(out["token_ids"])]
     # a file that vanished is refused before the engine is paused, and reported the same way
     with pytest.raises(Exception, match="does not exist"):
-        ray.get(gen.update_weights.remote(str(tmp_path / "gone.safetensors"), 3))
+        ray.get(gen.update_weights.remote(WeightsFile(str(tmp_path / "gone.safetensors")), 3))
     assert ray.get(gen.version.remote()) == 2
 
 
@@ -338,10 +339,10 @@ def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_
     assert "cannot load the announced weights v3" in (run_state.generators()["g0"].get("blocked") or "")
     path = str(tmp_path / "good.safetensors")
     save_state_dict(perturbed_state(hf_model, seed=3), path)
-    ray.get(gen.update_weights.remote(path, 3))
+    ray.get(gen.update_weights.remote(WeightsFile(path), 3))
     # Announce them too: a restarted generator (the next tests) loads what Redis names, and
     # the v2 file named there so far was deleted when its publisher closed.
-    run_state.set_weights(path, 3)
+    run_state.set_weights(WeightsFile(path), 3)
     assert ray.get(gen.stats.remote())["weights_blocked"] is None
     items, deadline = [], time.time() + 120
     while len(items) < 2 and time.time() < deadline:

@@ -22,7 +22,7 @@ import redis
 
 from asyncrl.data.codec import RecordError, decode_group, encode_group
 from asyncrl.queue import QueueFull, RolloutQueue, RunState, keys
-from asyncrl.types import RolloutGroup, Sample
+from asyncrl.types import RolloutGroup, Sample, WeightsFile, WeightsObject
 from tests.support.waiting import wait_for
 
 
@@ -355,13 +355,15 @@ def test_run_state_heartbeats_and_metrics(redis_url):
     rs = RunState.of(q)
     assert rs.policy_version() == 0 and rs.weights() == (None, -1)
     rs.set_policy_version(7)
-    rs.set_weights("/dev/shm/asyncrl/st/v7.safetensors", 7)
+    rs.set_weights(WeightsFile("/dev/shm/asyncrl/st/v7.safetensors"), 7)
     rs.set_state(status="running", lr=1.5e-5, flag=True, gone=None)
     rs.set_state(gone="x")
     rs.set_state(gone=None)
-    assert rs.policy_version() == 7 and rs.weights() == ("/dev/shm/asyncrl/st/v7.safetensors", 7)
+    assert rs.policy_version() == 7 and rs.weights() == (WeightsFile("/dev/shm/asyncrl/st/v7.safetensors"), 7)
     state = rs.state()
     assert state["status"] == "running" and state["lr"] == 1.5e-5 and state["flag"] == 1 and "gone" not in state
+    rs.set_weights(WeightsObject("st", 8), 8)  # an object-store name is text in Redis, typed again when read
+    assert rs.weights() == (WeightsObject("st", 8), 8) and rs.state()["weights_location"] == "ray-object://st/v8"
     with pytest.raises(TypeError):
         rs.set_state(bad=[1])
     assert rs.incr("groups_trained", 3) == 3 and rs.incr("groups_trained") == 4

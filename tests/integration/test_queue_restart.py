@@ -12,7 +12,7 @@ from asyncrl.config import load_config
 from asyncrl.control.restart import restart_admission
 from asyncrl.control.state import LoopState
 from asyncrl.queue import RolloutQueue, RunState
-from asyncrl.types import RolloutGroup, Sample
+from asyncrl.types import RolloutGroup, Sample, WeightsFile
 
 ROOT = Path(__file__).resolve().parents[2]
 GPS, MS = 4, 1
@@ -50,7 +50,7 @@ def test_a_restart_counts_the_prompts_successors_reissue_and_drops_orphans(redis
     # The crashed run: two steps trained (8 groups) at v2, v3 announced, budget (2 + 1 + 1) * 4 = 16.
     rs.configure_admission(MS, GPS)
     rs.set_policy_version(2)
-    rs.set_weights("/dev/shm/asyncrl-rst-v3.safetensors", 3)
+    rs.set_weights(WeightsFile("/dev/shm/asyncrl-rst-v3.safetensors"), 3)
     rs.reset_admission(8)
     note = msgpack.packb({"text": "abc", "metadata": {}}, use_bin_type=True)
     for i in range(5):  # gen-0 (ours: its successor re-issues what is still noted) admitted 5, put 2
@@ -92,7 +92,7 @@ def test_a_renumbered_resume_rebases_the_count_by_the_versions_it_skipped(redis_
     )
     q = RolloutQueue.connect(redis_url, "rsj", maxlen=64)
     rs = RunState.of(q)
-    rs.set_weights("/dev/shm/asyncrl-rsj-v7.safetensors", 7)
+    rs.set_weights(WeightsFile("/dev/shm/asyncrl-rsj-v7.safetensors"), 7)
     top = rs.retire_weights()
     state = LoopState(step=3, version=3, trained_count=12)
     assert state.continue_past(top, MS) == 6 and state.version == 9

@@ -26,6 +26,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
+from asyncrl.types import WeightsFile
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
@@ -98,7 +99,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
         if loop.state.step == CRASH:
             loop.publisher.finish()
             crashed["version"] = loop.state.version
-            path = loop.rt.weight_sync.path_for(loop.state.version)
+            path = loop.rt.weight_sync.location_for(loop.state.version).path
             # A killed trainer leaves its weight file in /dev/shm; this one's tear-down would delete it.
             crashed["file"], crashed["kept"] = path, f"/dev/shm/rv-crashed-weights-{os.getpid()}"
             os.link(path, crashed["kept"])
@@ -113,7 +114,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
         # admitted prompt it never put (its successor re-issues it without a new admission).
         with EmbeddedRedis(run_dir / "redis", aof=True) as server:
             rs = RunState.connect(server.url, "rv")
-            assert rs.weights() == (crashed["file"], CRASH)  # the crash's announcement survives
+            assert rs.weights() == (WeightsFile(crashed["file"]), CRASH)  # the crash's announcement survives
             rs.set_engine_record("gen-0", {"host": "elsewhere", "pids": [], "segments": [], "started": True})
             note = msgpack.packb({"text": "abc", "metadata": {"answer": "abc"}}, use_bin_type=True)
             assert rs.admit_prompt("gen-0", "gen-0.1:reissued", note)

@@ -195,10 +195,10 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
     spanned, version, seen = 0, 0, []
     try:
         for version, delay_s in enumerate((0.1, 0.02, 0.2, 0.0), start=1):
-            save_state_dict(state, sync.path_for(version))
+            save_state_dict(state, sync.location_for(version).path)
             running = [gen.sample.remote(prompt, 1, LONG, 1.0, True) for _ in range(3)]
             time.sleep(delay_s)
-            info = sync.publish_file(sync.path_for(version), version)
+            info = sync.publish_file(sync.location_for(version), version)
             assert info.errors == ()
             outs = [ray.get(r)[0] for r in running]
             for c in outs:

@@ -21,6 +21,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.ledger import audit, trained_ids
 from asyncrl.control.train import train
+from asyncrl.types import WeightLocation
 from tests.support.job import pid_running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,7 +275,7 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
         steps.append(loop.state.step)
         if loop.state.step == 1:
 
-            def broken(path: str, version: int):
+            def broken(location: WeightLocation, version: int):
                 raise RuntimeError(f"injected: engines could not load v{version}")
 
             loop.rt.weight_sync.publish_file = broken

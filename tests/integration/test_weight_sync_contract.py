@@ -24,6 +24,7 @@ import torch
 
 from asyncrl.config import Config, RolloutConfig, SyncConfig
 from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab
+from asyncrl.types import WeightsFile
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -106,7 +107,7 @@ def max_logprob_diff(gen, model) -> float:
 
 def reset_to_base(gen, tiny_model_dir) -> None:
     """Back to the engine's own weights (a newer version), so the next publish must change them."""
-    gen.update_weights(os.path.join(tiny_model_dir, "model.safetensors"), next(_versions))
+    gen.update_weights(WeightsFile(os.path.join(tiny_model_dir, "model.safetensors")), next(_versions))
 
 
 def make_sync(backend: str, shm_dir: str, run_state, learner, gen, tmp_path):
