@@ -42,6 +42,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -98,7 +99,9 @@ class GeneratorActor:
         self.failure: BaseException | None = None  # what ended the generation loop, if not a stop
         self._main: asyncio.Task | None = None
         self._waiter: concurrent.futures.Future | None = None  # a start waiting for admission to open
-        self._samples_drawn = 0  # request ids of sample() calls
+        # Request ids of sample() calls, which Ray runs in several threads at once (next() on a
+        # count is atomic; `+= 1` on an attribute is not).
+        self._sample_ids = itertools.count(1)
         self._connect(redis_url, password)
         predecessor_was_generating = reap_predecessor(self.run_state, generator_id)
         model_path = self._open_inputs(model_path, model_package)
@@ -253,7 +256,7 @@ class GeneratorActor:
             if self._main is None or self._main.done():
                 self.production.stopping = False
                 self.failure = None
-                self._main = asyncio.ensure_future(self._run())
+                self._main = asyncio.ensure_future(_generate(self))
                 self._main.add_done_callback(self._main_done)
 
         async def begin_when_admitted():
@@ -270,7 +273,7 @@ class GeneratorActor:
 
     def stop(self, drain_timeout_s: float = 30.0) -> dict:
         """Stop admitting, let in-flight groups finish (up to the timeout), leave the job cleanly."""
-        self._call(self._stop(drain_timeout_s))
+        self._call(_wind_down(self, drain_timeout_s))
         return self.stats()
 
     def update_weights(self, location: WeightLocation, version: int) -> dict:
@@ -292,8 +295,7 @@ class GeneratorActor:
         ignore_eos: bool = False,
     ) -> list[dict]:
         """Sample outside the loop (tests, benchmarks): [{"token_ids", "logprobs", "versions", "finish_reason"}]."""
-        self._samples_drawn += 1
-        request_id = f"{self.generator_id}.{self.incarnation}:sample:{self._samples_drawn}"
+        request_id = f"{self.generator_id}.{self.incarnation}:sample:{next(self._sample_ids)}"
         outs = self._call(
             self.engine.generate(
                 list(prompt_ids), n, request_id, max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos
@@ -326,7 +328,7 @@ class GeneratorActor:
         if self._loop.is_closed():
             return
         with contextlib.suppress(Exception):
-            self._call(self._stop(0.0))
+            self._call(_wind_down(self, 0.0))
         self._call(self.engine.shutdown())
         self.engine_record.remove()
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -362,14 +364,6 @@ class GeneratorActor:
 
     # ------------------------------------------------------------------ the loop
 
-    async def _run(self) -> None:
-        heartbeat = Heartbeat(self.run_state, self.generator_id, self.weights, self.engine_record, self.snapshot)
-        beat = asyncio.ensure_future(heartbeat.run())
-        try:
-            await self.production.run()
-        finally:
-            beat.cancel()
-
     def _main_done(self, task: asyncio.Task) -> None:
         error = None if task.cancelled() else task.exception()
         if error is not None:
@@ -389,19 +383,35 @@ class GeneratorActor:
         if self._main is not None and not self._main.done():
             self._main.cancel()
 
-    async def _stop(self, drain_timeout_s: float) -> None:
-        if self._waiter is not None:
-            self._waiter.cancel()  # a stop before the trainer opened admission: never start
-        self.production.halt()
-        if self._main is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(asyncio.shield(self._main), timeout=2.0)
-            if not self._main.done():
-                self._main.cancel()
-        await self.production.drain(drain_timeout_s)
-        # A clean stop hands back what it admitted but never produced; a crash leaves the
-        # in-flight hash for the successor instead.
-        await asyncio.to_thread(self.run_state.release_inflight, self.generator_id)
-        # A successor must not auto-start.
-        await asyncio.to_thread(self.engine_record.write, False)
-        await asyncio.to_thread(self.run_state.remove_generator, self.generator_id)
+
+# The loop's coroutines are functions, not methods: one `async def` on GeneratorActor makes Ray
+# run it as an asyncio actor, whose plain methods run one at a time on Ray's event loop, so an
+# update_weights or stats() call would wait for every sample() before it (measured: a weight
+# update landed only once 1.6 s of running requests had finished).
+
+
+async def _generate(gen: GeneratorActor) -> None:
+    heartbeat = Heartbeat(gen.run_state, gen.generator_id, gen.weights, gen.engine_record, gen.snapshot)
+    beat = asyncio.ensure_future(heartbeat.run())
+    try:
+        await gen.production.run()
+    finally:
+        beat.cancel()
+
+
+async def _wind_down(gen: GeneratorActor, drain_timeout_s: float) -> None:
+    if gen._waiter is not None:
+        gen._waiter.cancel()  # a stop before the trainer opened admission: never start
+    gen.production.halt()
+    if gen._main is not None:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(gen._main), timeout=2.0)
+        if not gen._main.done():
+            gen._main.cancel()
+    await gen.production.drain(drain_timeout_s)
+    # A clean stop hands back what it admitted but never produced; a crash leaves the
+    # in-flight hash for the successor instead.
+    await asyncio.to_thread(gen.run_state.release_inflight, gen.generator_id)
+    # A successor must not auto-start.
+    await asyncio.to_thread(gen.engine_record.write, False)
+    await asyncio.to_thread(gen.run_state.remove_generator, gen.generator_id)

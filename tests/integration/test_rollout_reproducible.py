@@ -187,11 +187,10 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
         SyncConfig(backend="shm", inflight="keep"), run_state=RunState.of(queues[0]), run=RUNS[0], engines=[gen]
     )
     prompt = tokenizer.encode("ab=")
-    # Whether a request is still running when the update lands depends on the machine: with the
-    # engine busy on its core, the actor's own calls wait (0.3 s measured for a version() call
-    # while a tiny model's 150 tokens took 0.5 s). So the requests are as long as the engine
-    # allows, the file is written before they start, only the apply races them, and it is tried
-    # at a few offsets; every try must keep the invariants, one must span.
+    # The update must land while requests run: the requests are as long as the engine allows,
+    # the file is written before they start, and a few offsets are tried; every try must keep
+    # the invariants, one must span. (It never spanned while GeneratorActor was an asyncio actor:
+    # the update waited for the sample() calls before it.)
     spanned, version, seen = 0, 0, []
     try:
         for version, delay_s in enumerate((0.1, 0.02, 0.2, 0.0), start=1):
