@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +26,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.train import train
 from asyncrl.types import WeightsFile
+from tests.support.job import elastic_generator_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
@@ -80,18 +80,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
     def crash_on_step(loop, metrics):
         if loop.state.step == 1 and "proc" not in elastic:
             elastic["proc"] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "asyncrl.cli",
-                    "generate",
-                    "--redis",
-                    loop.rt.redis_url,
-                    "--run",
-                    "rv",
-                    "--id",
-                    "elastic-1",
-                ],
+                elastic_generator_argv(loop.rt.redis_url, "rv", "elastic-1"),
                 stdout=(tmp_path / "elastic.log").open("w"),
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,

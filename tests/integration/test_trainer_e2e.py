@@ -22,7 +22,7 @@ from asyncrl.config import load_config
 from asyncrl.control.ledger import audit, trained_ids
 from asyncrl.control.train import train
 from asyncrl.types import WeightLocation
-from tests.support.job import pid_running
+from tests.support.job import elastic_generator_argv, pid_running
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
@@ -68,20 +68,7 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
         step = loop.state.step
         if step == 2:  # join mid-run, from another process, knowing only Redis
             seen["elastic"] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "asyncrl.cli",
-                    "generate",
-                    "--redis",
-                    loop.rt.redis_url,
-                    "--run",
-                    cfg.control.run_name,
-                    "--id",
-                    "elastic-1",
-                    "--max-groups",
-                    "6",
-                ],
+                elastic_generator_argv(loop.rt.redis_url, cfg.control.run_name, "elastic-1", "--max-groups", "6"),
                 stdout=log_path.open("w"),
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,

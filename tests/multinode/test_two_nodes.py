@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.ledger import audit, trained_ids
 from asyncrl.control.train import latest_checkpoint, train
+from tests.support.job import elastic_generator_argv
 from tests.support.twonode import client_server_logs, private_host_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,20 +74,15 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
         if step == 1:  # a third host: its own /dev/shm and /tmp, and the run dir hidden too
             seen["elastic"] = subprocess.Popen(
                 private_host_command(
-                    sys.executable,
-                    "-m",
-                    "asyncrl.cli",
-                    "generate",
-                    "--redis",
-                    loop.rt.redis_url,
-                    "--run",
-                    cfg.control.run_name,
-                    "--id",
-                    "elastic-3",
-                    "--max-groups",
-                    "4",
-                    "--ray-address",
-                    two_nodes.client_address,
+                    *elastic_generator_argv(
+                        loop.rt.redis_url,
+                        cfg.control.run_name,
+                        "elastic-3",
+                        "--max-groups",
+                        "4",
+                        "--ray-address",
+                        two_nodes.client_address,
+                    ),
                     hide=(str(two_nodes.shared_dir),),
                 ),
                 stdout=log_path.open("w"),

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
+from tests.support.job import elastic_generator_argv
 from tests.support.parity import PARITY_OVERRIDES, parity_of_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,20 +194,7 @@ def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
         if seen["first"] is None:
             seen["first"] = loop.state.step
             seen["elastic"] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "asyncrl.cli",
-                    "generate",
-                    "--redis",
-                    loop.rt.redis_url,
-                    "--run",
-                    "parity-c",
-                    "--id",
-                    "elastic-1",
-                    "--max-groups",
-                    "3",
-                ],
+                elastic_generator_argv(loop.rt.redis_url, "parity-c", "elastic-1", "--max-groups", "3"),
                 stdout=log_path.open("w"),
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,

@@ -51,6 +51,13 @@ def pid_running(pid: int) -> bool:
         return False
 
 
+def elastic_generator_argv(redis_url: str, run: str, generator_id: str, *options: str) -> list[str]:
+    """`asyncrl generate`: a generator joining a running job from its own process, knowing only
+    Redis (`options`: e.g. "--max-groups", "3")."""
+    cli = [sys.executable, "-m", "asyncrl.cli", "generate"]
+    return [*cli, "--redis", redis_url, "--run", run, "--id", generator_id, *options]
+
+
 class TrainJob:
     """One run directory, trained by one `asyncrl train` subprocess at a time."""
 
