@@ -23,6 +23,12 @@ import runpy
 import sys
 from pathlib import Path
 
+from asyncrl.config import ConfigError, load_config, schema_text
+from asyncrl.control.elastic import run_elastic_generator
+from asyncrl.control.preflight import preflight
+from asyncrl.control.train import train
+from asyncrl.rollout.prompts import PromptSourceError
+from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
 
 BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
@@ -85,8 +91,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args) -> int:
-    from asyncrl.config import ConfigError, load_config, schema_text
-
     if args.help_config:
         print(schema_text(), end="")
         return 0
@@ -109,7 +113,6 @@ def _cmd_train(args) -> int:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        from asyncrl.control.preflight import preflight
 
         try:
             for line in preflight(cfg):
@@ -118,8 +121,6 @@ def _cmd_train(args) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         return 0
-    from asyncrl.control.train import train  # heavy imports only after the config is valid
-    from asyncrl.rollout.prompts import PromptSourceError
 
     try:
         train(cfg, resume_dir=args.resume)
@@ -130,8 +131,6 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from asyncrl.control.elastic import run_elastic_generator
-
     run_elastic_generator(
         args.redis,
         args.run,
@@ -172,8 +171,6 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_tiny_model(args) -> int:
-    from asyncrl.rollout.tiny import write_tiny_model
-
     print(write_tiny_model(args.path, seed=args.seed))
     return 0
 

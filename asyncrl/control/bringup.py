@@ -10,12 +10,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
+from asyncrl.control.cluster import connect_ray
 from asyncrl.queue import RolloutQueue
+from asyncrl.queue.server import EmbeddedRedis
+from asyncrl.rollout.envs import resolve_env_class
+from asyncrl.rollout.envs.chat import check_turn_template
+from asyncrl.rollout.prompts import check_chat_template, open_prompts
+from asyncrl.sync import build_weight_sync
 
 if TYPE_CHECKING:
     from asyncrl.learner import LearnerGroup
     from asyncrl.queue import RunState
-    from asyncrl.queue.server import EmbeddedRedis
     from asyncrl.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -25,8 +30,6 @@ def check_prompts(cfg: Config, model_path: str) -> None:
     """Open the prompt sources and check the chat template once, here: a missing column or
     split, or a tokenizer without a template, would otherwise fail every generator's start
     (which Ray retries for ever) and the evaluator's."""
-    from asyncrl.rollout.prompts import check_chat_template, open_prompts
-
     r, c = cfg.rollout, cfg.control
 
     def first(source: str, split: str, where: str) -> None:
@@ -40,8 +43,6 @@ def check_prompts(cfg: Config, model_path: str) -> None:
     if r.chat_template:
         from transformers import AutoTokenizer
 
-        from asyncrl.rollout.envs.chat import check_turn_template
-
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         check_chat_template(tokenizer, r.model)
         check_turn_template(tokenizer, r.env)
@@ -52,7 +53,6 @@ def start_redis(cfg: Config, run_dir: Path, stack: contextlib.ExitStack) -> tupl
     q = cfg.queue
     if q.redis_url is not None:
         return q.redis_url, None
-    from asyncrl.queue.server import EmbeddedRedis
 
     server = EmbeddedRedis(run_dir / "redis", password=q.password, aof=q.aof, bind=q.bind)
     server.start()
@@ -92,7 +92,6 @@ def start_ray(cfg: Config, run_dir: Path, stack: contextlib.ExitStack) -> None:
         # So user code named by import path (envs, losses) imports in every worker too.
         "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
     }
-    from asyncrl.control.cluster import connect_ray
 
     connect_ray(cfg.control, env_vars, verbose=cfg.monitor.verbose)
     stack.callback(ray.shutdown)
@@ -120,7 +119,6 @@ def start_learner(
     cfg: Config, model_path: str, model_package: dict | None, stack: contextlib.ExitStack
 ) -> LearnerGroup:
     from asyncrl.learner import LearnerGroup
-    from asyncrl.rollout.envs import resolve_env_class
 
     learner = LearnerGroup(
         cfg,
@@ -136,8 +134,6 @@ def start_learner(
 def start_weight_sync(
     cfg: Config, run_state: RunState, model_package: dict | None, stack: contextlib.ExitStack
 ) -> WeightSync:
-    from asyncrl.sync import build_weight_sync
-
     weight_sync = build_weight_sync(
         cfg.sync,
         run_state=run_state,

@@ -31,6 +31,10 @@ import socket
 import threading
 
 from asyncrl.config import ConfigError, config_from_dict
+from asyncrl.control.cluster import probe
+from asyncrl.queue import RunState
+from asyncrl.rollout.generator import GeneratorActor
+from asyncrl.sync.objstore import open_store
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +60,6 @@ def run_elastic_generator(
     ray_address: str | None = None,
 ) -> dict:
     """Generate for `run` until stopped (or `max_groups` produced); return the final stats."""
-    from asyncrl.queue import RunState
-    from asyncrl.rollout.generator import GeneratorActor
-
     run_state = RunState.connect(redis_url, run, password=password)
     try:
         cfg, model_path = job_config(run_state)
@@ -100,9 +101,6 @@ def run_elastic_generator(
 def _attach_ray(ray_address: str, run: str):
     """Join the job's Ray cluster as a driver; return the shipped model package (or None)."""
     import ray
-
-    from asyncrl.control.cluster import probe
-    from asyncrl.sync.objstore import open_store
 
     probe(ray_address)
     if ray_address.startswith("ray://"):  # Ray Client: no raylet of its own needed on this host

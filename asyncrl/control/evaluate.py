@@ -21,6 +21,9 @@ import statistics
 import time
 
 from asyncrl.config import Config
+from asyncrl.rollout.envs import score_completion
+from asyncrl.rollout.envs.reward_fns import make_rollout_env
+from asyncrl.rollout.prompts import encode_prompt, open_prompts
 from asyncrl.seeding import rollout_seed
 
 log = logging.getLogger(__name__)
@@ -32,9 +35,6 @@ EVAL_SEED_OFFSET = 1_000_003
 class Evaluator:
     def __init__(self, cfg: Config, model_path: str):
         from transformers import AutoTokenizer
-
-        from asyncrl.rollout.envs.reward_fns import make_rollout_env
-        from asyncrl.rollout.prompts import encode_prompt, open_prompts
 
         c, r = cfg.control, cfg.rollout
         self.temperature = c.eval_temperature
@@ -59,8 +59,6 @@ class Evaluator:
     def run(self, generators: list, step: int | None = None) -> dict[str, float]:
         """eval/* metrics over the held-out prompts; logged as the evaluation at ``step``."""
         import ray
-
-        from asyncrl.rollout.envs import score_completion
 
         t0 = time.perf_counter()
         refs = [

@@ -17,6 +17,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from asyncrl.config import load_config
+from asyncrl.control.runtime import resolve_model
 from asyncrl.learner.checkpoint import replace_dir
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, complete_checkpoints, step_of
 
@@ -76,9 +78,6 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-
-    from asyncrl.config import load_config
-    from asyncrl.control.runtime import resolve_model
 
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():

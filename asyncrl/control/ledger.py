@@ -23,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.queue.runstate import unpack_small
+
 TRAINED_FILE = "trained_ids.jsonl"
 
 
@@ -72,8 +74,6 @@ class Ledger:
 
 def _peek_group_id(raw: bytes) -> str | None:
     """The group id of a malformed record, if its top level is still a readable map."""
-    from asyncrl.queue.runstate import unpack_small
-
     try:
         record = unpack_small(raw)
     except Exception:  # malformed by definition: no id to find is a normal outcome

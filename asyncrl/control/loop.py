@@ -38,15 +38,18 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from asyncrl.config import Config
 from asyncrl.control.collect import BatchCollector, NoGenerators
+from asyncrl.control.evaluate import Evaluator
+from asyncrl.control.ledger import record_trained
 from asyncrl.control.publish import Publisher, WeightsUnwritable
+from asyncrl.control.restart import restart_admission
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
 from asyncrl.control.state import LoopState, StopFlag
 from asyncrl.control.step_metrics import StepTimes, step_metrics
+from asyncrl.control.watchdog import GeneratorWatchdog
 from asyncrl.queue import QueueUnavailable
 from asyncrl.rundir import CHECKPOINTS_DIR
 
 if TYPE_CHECKING:
-    from asyncrl.control.evaluate import Evaluator
     from asyncrl.control.progress import StepProgress
     from asyncrl.control.runtime import StartedRun
     from asyncrl.learner import LearnerGroup
@@ -98,7 +101,6 @@ class TrainLoop:
         self.last_trained: list[TrainedGroup] = []
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
         self._evaluator: Evaluator | None = None
-        from asyncrl.control.watchdog import GeneratorWatchdog
 
         self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
         self.collector = BatchCollector(cfg, self.queue, self.run_state, self.learner, self.watchdog, self.stop)
@@ -148,10 +150,7 @@ class TrainLoop:
             self.queue.skip_groups(self.state.skip_ids)
             queued_skips = sum(1 for g in self.queue.queued_groups() if g.group_id in skip)
             if self.cfg.queue.ledger:
-                from asyncrl.control.ledger import record_trained
-
                 record_trained(self.rt.run_dir, self.state.step, self.state.skip_ids)
-        from asyncrl.control.restart import restart_admission
 
         restart_admission(
             self.cfg, self.run_state, self.state, queued_skips=queued_skips, max_staleness=self.max_staleness
@@ -280,8 +279,6 @@ class TrainLoop:
             return path  # nothing trained since (a resume, an ack that went through): rewriting drops its ids
         self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
         if self.cfg.queue.ledger:
-            from asyncrl.control.ledger import record_trained
-
             record_trained(self.rt.run_dir, self.state.step, self.state.since_checkpoint)
         if redis_up:
             # The ids are forgotten only once acked: if the ack fails (an outage), the outage
@@ -298,8 +295,6 @@ class TrainLoop:
     def evaluate(self) -> dict[str, float]:
         """eval/* on the held-out set, through the run's own engines (asyncrl.control.evaluate)."""
         if self._evaluator is None:
-            from asyncrl.control.evaluate import Evaluator
-
             self._evaluator = Evaluator(self.cfg, self.model_path)
         return self._evaluator.run(self.rt.generators, step=self.state.step)
 

@@ -15,14 +15,16 @@ from __future__ import annotations
 import os
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.rollout.sampling import engine_args, transfer_backend
+from asyncrl.seeding import rollout_seed
+from asyncrl.sync.nccl import NcclWeightSync
+from asyncrl.sync.objstore import ObjectStoreWeightSync
+from asyncrl.sync.shm import ShmWeightSync
+from asyncrl.sync.weight_sync import WeightSync, resolve_backend
 
 
 def preflight(cfg: Config) -> list[str]:
     import torch
-
-    from asyncrl.rollout.sampling import engine_args, transfer_backend
-    from asyncrl.seeding import rollout_seed
-    from asyncrl.sync.weight_sync import WeightSync, resolve_backend
 
     s, r, learner = cfg.sync, cfg.rollout, cfg.learner
     lines = []
@@ -66,13 +68,8 @@ def preflight(cfg: Config) -> list[str]:
 
 def _sync_class(backend: str) -> type:
     if backend == "nccl":
-        from asyncrl.sync.nccl import NcclWeightSync
-
         return NcclWeightSync
     if backend == "object_store":
-        from asyncrl.sync.objstore import ObjectStoreWeightSync
-
         return ObjectStoreWeightSync
-    from asyncrl.sync.shm import ShmWeightSync
 
     return ShmWeightSync

@@ -29,9 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.control import bringup
+from asyncrl.control.cluster import actor_state, lost_actors
 from asyncrl.control.restart import own_generator_ids
 from asyncrl.queue import RolloutQueue, RunState
+from asyncrl.rollout.generator import GeneratorActor
+from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
+from asyncrl.sync.model_ship import ship_model
+from asyncrl.sync.objstore import ObjectStoreWeightSync
+from asyncrl.sync.weight_sync import cluster_is_multinode
 
 if TYPE_CHECKING:
     from asyncrl.learner import LearnerGroup
@@ -45,7 +51,6 @@ def resolve_model(cfg: Config, run_dir: Path) -> str:
     """'tiny' writes a tiny random Llama for the environment's alphabet into the run dir."""
     if cfg.rollout.model != "tiny":
         return cfg.rollout.model
-    from asyncrl.rollout.tiny import write_tiny_model
 
     path = run_dir / "tiny-model"
     if not (path / "config.json").exists():
@@ -94,8 +99,6 @@ class Runtime:
         mark("ray")
         model_path = resolve_model(cfg, run_dir)
         bringup.check_prompts(cfg, model_path)
-        from asyncrl.sync.model_ship import ship_model
-        from asyncrl.sync.weight_sync import cluster_is_multinode
 
         # Other nodes get a local model directory through Ray, as weights "version 0".
         model_package = ship_model(model_path) if cluster_is_multinode() else None
@@ -106,7 +109,6 @@ class Runtime:
         learner = bringup.start_learner(cfg, model_path, model_package, stack)
         # The sync is built before the learners so generators can register while those
         # load; the object-store backend reads the learner's exports only at publish time.
-        from asyncrl.sync.objstore import ObjectStoreWeightSync
 
         if isinstance(weight_sync, ObjectStoreWeightSync):
             weight_sync.learner = learner
@@ -205,7 +207,6 @@ class StartedRun:
         Ray does about each: generators restart where their resources exist, ranks do not."""
         from ray.exceptions import RayError
 
-        from asyncrl.control.cluster import lost_actors
         from asyncrl.learner.group import LearnerError
 
         # Only an actor's death is worth waiting for the GCS to see its node go; a plain
@@ -242,8 +243,6 @@ def _create_generators(
 ) -> None:
     """Create cfg.rollout.num_generators Ray actors (each restarts on a crash) into `into`
     without waiting for them: their engines come up in the background, idle until started."""
-    from asyncrl.rollout.generator import GeneratorActor
-
     stack.callback(_stop_generators, into)
     for generator_id in own_generator_ids(cfg):  # a restart counts their notes as ours
         handle = GeneratorActor.remote_actor(
@@ -280,8 +279,6 @@ def _node_id(_actor) -> str:
 
 
 def _alive(handle) -> bool:
-    from asyncrl.control.cluster import actor_state
-
     try:
         return actor_state(handle)[0] == "ALIVE"
     except Exception:  # unknown: try the call, it is bounded by a timeout

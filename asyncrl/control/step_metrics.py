@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from asyncrl.monitor.metrics import staleness_summary
+
 if TYPE_CHECKING:
     from asyncrl.control.watchdog import GeneratorWatchdog
     from asyncrl.queue import RolloutQueue, RunState
@@ -41,8 +43,6 @@ def step_metrics(
 ) -> dict[str, float]:
     """time/*, sync/*, queue/*, staleness/*, throughput/* and generator/* after a step that
     reached policy `version` (its watchdog news are logged here too)."""
-    from asyncrl.monitor.metrics import staleness_summary
-
     counters = run_state.counters()
     gen_tokens = sum(g.num_tokens for g in groups)
     out = {

@@ -18,15 +18,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
+from asyncrl.control.loop import TrainLoop
+from asyncrl.control.progress import StepProgress
+from asyncrl.control.runtime import Runtime
+from asyncrl.control.state import LoopState, StopFlag
+from asyncrl.control.summary import run_summary, write_summary_file
+from asyncrl.monitor.sinks import build_metrics_logger
 from asyncrl.queue.connection import redact_url
+from asyncrl.rollout.envs.reward_fns import task_target_length
 from asyncrl.rundir import METRICS_FILE, latest_checkpoint
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from asyncrl.control.loop import TrainLoop
     from asyncrl.control.runtime import StartedRun
-    from asyncrl.control.state import LoopState
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,6 @@ def train(
     on_step: Callable[[TrainLoop, dict[str, float]], None] | None = None,
 ) -> LoopState:
     """Run one job to `control.total_steps` (or until SIGINT/SIGTERM); return the LoopState."""
-    from asyncrl.control.loop import TrainLoop
-    from asyncrl.control.progress import StepProgress
-    from asyncrl.control.runtime import Runtime
-    from asyncrl.control.state import LoopState, StopFlag
-    from asyncrl.monitor.sinks import build_metrics_logger
-    from asyncrl.rollout.envs.reward_fns import task_target_length
-
     t0 = time.perf_counter()
     run_dir = Path(resume_dir or cfg.control.run_dir)
     stop = StopFlag()
@@ -128,7 +126,6 @@ def _summary(
 ) -> str:
     """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
     from asyncrl.control.export import HF_DIR
-    from asyncrl.control.summary import run_summary
 
     path = run_dir / METRICS_FILE
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -155,8 +152,6 @@ def _write_summary_file(
     rt: StartedRun, run_dir: Path, state: LoopState, first_step: int, max_staleness: int, status: str, wall_s: float
 ) -> None:
     """run_dir/summary.json: what `asyncrl dashboard RUN_DIR` shows of a run whose Redis is gone."""
-    from asyncrl.control.summary import write_summary_file
-
     ended = time.time()
     write_summary_file(
         run_dir,

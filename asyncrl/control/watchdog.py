@@ -19,6 +19,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from asyncrl.control.cluster import STARTING, actor_state
+
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
@@ -42,8 +44,6 @@ class GeneratorWatchdog:
     def check(self) -> list[str]:
         """Kill every own generator whose heartbeat is older than the timeout; return their ids."""
         import ray
-
-        from asyncrl.control.cluster import actor_state
 
         now, killed = time.time(), []
         beats = self.run_state.generators()
@@ -92,8 +92,6 @@ class GeneratorWatchdog:
     def runnable(self) -> list[str]:
         """Generators that can still produce data, each with why: own actors alive or being
         (re)started by Ray, and elastic ones whose heartbeat is fresh."""
-        from asyncrl.control.cluster import STARTING, actor_state
-
         now, out = time.time(), []
         for gid, handle in self._own().items():
             state = actor_state(handle)[0]

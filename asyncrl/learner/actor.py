@@ -24,9 +24,12 @@ import torch
 from asyncrl.config import Config, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.tokens import sampleable_ids
-from asyncrl.learner import checkpoint, fsdp, optim, step
+from asyncrl.learner import checkpoint, fsdp, loss, optim, step
+from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
+from asyncrl.sync.model_ship import local_model
+from asyncrl.sync.objstore import safetensors_blob
 
 
 class LearnerActor:
@@ -52,15 +55,10 @@ class LearnerActor:
         self._proximal: dict[int, list[torch.Tensor]] = {}
 
     def rendezvous_point(self) -> tuple[str, int]:
-        from asyncrl.learner.placement import rendezvous_point
-
         return rendezvous_point()
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         import ray
-
-        from asyncrl.learner import loss
-        from asyncrl.sync.model_ship import local_model
 
         # A local model path of the driver's host may not exist on this node: unpack the copy
         # shipped through Ray's object store (model_package) instead.
@@ -183,7 +181,6 @@ class LearnerActor:
             for mb, old in zip(mbs, self._proximal.pop(proximal_key), strict=True):
                 mb["old_logprobs"] = old
         t1 = time.perf_counter()
-        from asyncrl.learner import loss
 
         loss_fn = loss.learner_loss_fn(
             self.cfg.algo,
@@ -263,8 +260,6 @@ class LearnerActor:
 
     def export_blob(self):
         """Collective; (version, safetensors bytes as uint8 array) on rank 0, (version, None) elsewhere."""
-        from asyncrl.sync.objstore import safetensors_blob
-
         state = fsdp.full_state_dict(self.model)
         return self.version, (safetensors_blob(state) if self.rank == 0 else None)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from asyncrl.config import parse_cpu_list
+
 
 def pin_to_cores(cpu_affinity: str) -> list[int]:
     """Pin every thread of this process to ``cpu_affinity`` ("0-1"); return the cores ([] = no pinning).
@@ -15,8 +17,6 @@ def pin_to_cores(cpu_affinity: str) -> list[int]:
     vllm/utils/ompmultiprocessing.py), which would default to "auto" (cores of its own
     choosing), so set it to the same cores.
     """
-
-    from asyncrl.config import parse_cpu_list
 
     cores = parse_cpu_list(cpu_affinity)
     if not cores:

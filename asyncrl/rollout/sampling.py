@@ -16,6 +16,7 @@ import zlib
 
 from asyncrl.config import RolloutConfig, SyncConfig
 from asyncrl.rollout.worker_ext import WORKER_EXTENSION
+from asyncrl.sync.weight_sync import resolve_backend
 
 
 def request_seed(base_seed: int, request_id: str) -> int:
@@ -89,8 +90,6 @@ def engine_args(rollout: RolloutConfig, model_path: str, seed: int, weight_trans
 def transfer_backend(sync: SyncConfig) -> str | None:
     """The engine's vLLM weight-transfer backend for this sync config: "nccl" when it resolves
     to nccl (in this process: ``auto`` is nccl where CUDA is visible), else None."""
-    from asyncrl.sync.weight_sync import resolve_backend
-
     return "nccl" if resolve_backend(sync.backend) == "nccl" else None
 
 

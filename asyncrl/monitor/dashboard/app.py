@@ -46,6 +46,7 @@ from starlette.staticfiles import StaticFiles
 from asyncrl.monitor.dashboard import data
 from asyncrl.monitor.dashboard.guard import TokenAuth, check_host, error_response
 from asyncrl.monitor.dashboard.prometheus import prometheus_text
+from asyncrl.monitor.dashboard.rundir import RunDirSource
 from asyncrl.monitor.dashboard.sources import RedisSource, Source
 from asyncrl.queue.connection import redact_url
 
@@ -246,8 +247,6 @@ def create_app(
 
 def create_run_dir_app(run_dir: str | Path, *, token: str | None = None) -> Starlette:
     """The finished-run dashboard of `run_dir` (rundir.NotARunDir if it has no metrics.jsonl)."""
-    from asyncrl.monitor.dashboard.rundir import RunDirSource
-
     source = RunDirSource(run_dir)
     return build_app(source, run=source.run, token=token)
 
