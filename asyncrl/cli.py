@@ -143,6 +143,8 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_dashboard(args) -> int:
+    # The dashboard (starlette, uvicorn) and export (torch) are imported only by their own
+    # commands: `asyncrl train --check` and `--help-config` must start without them.
     from asyncrl.monitor.dashboard.__main__ import main as dashboard_main
 
     return dashboard_main(args.dashboard_argv)

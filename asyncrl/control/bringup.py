@@ -118,6 +118,8 @@ def _link_ray_logs(run_dir: Path, *, verbose: bool) -> None:
 def start_learner(
     cfg: Config, model_path: str, model_package: dict | None, stack: contextlib.ExitStack
 ) -> LearnerGroup:
+    # The learner loads torch: imported only when it is started, so that importing the
+    # control part (and the CLI above it) does not.
     from asyncrl.learner import LearnerGroup
 
     learner = LearnerGroup(

@@ -171,6 +171,8 @@ class TrainLoop:
 
     def _train(self, groups: list[RolloutGroup]) -> tuple[StepResult, dict[str, float]]:
         """The learner's step over `groups` and the batch's own metrics (advantages, rewards)."""
+        # data.batch, learner.checkpoint and control.export load torch: imported where used, so
+        # that importing the loop (and the CLI above it) does not.
         from asyncrl.data.batch import build_minibatches, minibatch_of
 
         m = self.cfg.learner.mini_batches_per_step

@@ -207,6 +207,7 @@ class StartedRun:
         Ray does about each: generators restart where their resources exist, ranks do not."""
         from ray.exceptions import RayError
 
+        # The learner loads torch: imported only here, after a failure, so this module does not.
         from asyncrl.learner.group import LearnerError
 
         # Only an actor's death is worth waiting for the GCS to see its node go; a plain

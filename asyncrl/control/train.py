@@ -125,6 +125,8 @@ def _summary(
     target_length: float | None,
 ) -> str:
     """The end-of-run block (asyncrl.control.summary) from this session's rows of metrics.jsonl."""
+    # control.export loads torch and the dashboard starlette/uvicorn: imported where used, so
+    # that `asyncrl train` checks its config (and `--check` runs) without them.
     from asyncrl.control.export import HF_DIR
 
     path = run_dir / METRICS_FILE

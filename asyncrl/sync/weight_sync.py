@@ -151,6 +151,8 @@ def build_weight_sync(
 ) -> WeightSync:
     match resolve_backend(cfg.backend, multinode=cfg.backend == "auto" and cluster_is_multinode()):
         case "shm":
+            # The backends subclass this module's classes (they import it at load): imported here,
+            # where one is built, or the import would be circular.
             from asyncrl.sync.shm import ShmWeightSync
 
             return ShmWeightSync(cfg, run_state=run_state, run=run, engines=engines)

@@ -11,6 +11,8 @@ function-level import.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,30 @@ def test_the_package_root_imports_no_part():
     imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     named = [t for n in imports for t in _targets("asyncrl", True, n) if t.split(".")[0] == "asyncrl"]
     assert not named, f"asyncrl/__init__.py imports {named}"
+
+
+HEAVY = ("torch", "vllm", "ray", "transformers", "datasets", "starlette", "uvicorn", "wandb")
+"""Libraries that take seconds to import (or pull a server stack): the modules a command
+needs before its config is valid must not load them at import time."""
+
+
+def _heavy_loaded_by(module: str) -> list[str]:
+    """The HEAVY libraries that importing `module` loads, in a fresh interpreter."""
+    code = f"import sys, {module}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize(
+    "module", ["asyncrl.config", "asyncrl.cli", "asyncrl.control.train", "asyncrl.control.preflight"]
+)
+def test_start_up_modules_load_no_heavy_library(module):
+    """`asyncrl train --check` and `--help-config` answer in about a second, and `asyncrl
+    train` rejects a bad config before torch, Ray or vLLM load: the imports that would load
+    them stay inside the functions that need them."""
+    loaded = _heavy_loaded_by(module)
+    assert loaded == [], f"import {module} loads {loaded}"
+
+
+def test_the_start_up_check_sees_a_heavy_import():
+    assert "torch" in _heavy_loaded_by("asyncrl.learner")
