@@ -77,12 +77,23 @@ def check_engine_runs(gen, model_dir: str, state: dict, sample=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from asyncrl.config import RolloutConfig
+    from asyncrl.rollout.envs import allowed_token_ids
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.load_state_dict(state)
-    prompt = AutoTokenizer.from_pretrained(model_dir).encode("abc=")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer.encode("abc=")
     out = (sample or gen.sample)(prompt, 1, 8, 1.0, True)[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1 : -1]
+    # The engine's log-probs are over the tokens it may sample (special ones banned), as the
+    # learner's are: the reference masks the same ones.
+    allowed = allowed_token_ids(RolloutConfig().env, tokenizer)
+    if allowed is not None:
+        banned = torch.ones(logits.shape[-1], dtype=torch.bool)
+        banned[allowed] = False
+        logits = logits.masked_fill(banned, float("-inf"))
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out["token_ids"])[:, None])[:, 0]
     diff = float((ref - torch.tensor(out["logprobs"])).abs().max())
     if diff > 1e-3:
