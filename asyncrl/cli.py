@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import ConfigError, load_config, schema_text
+from asyncrl.control.allowlist import ImportAllowList
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
 from asyncrl.control.train import train
@@ -67,6 +68,26 @@ def _parser() -> argparse.ArgumentParser:
         help="the job's Ray cluster, needed where weights travel through Ray (multi-node): "
         "ray://HEAD:10001 (Ray Client, nothing else to run here) or auto/HEAD:PORT on a "
         "host that joined the cluster with `ray start`",
+    )
+    # The job's config comes from Redis: code it names is loaded only if this host allows it.
+    g.add_argument(
+        "--allow-import",
+        action="append",
+        default=[],
+        metavar="MODULE:NAME",
+        help="an import path (environment, reward function, custom loss) the job's config may load; repeatable",
+    )
+    g.add_argument(
+        "--allow-imports-from",
+        action="append",
+        default=[],
+        metavar="CONFIG",
+        help="a config file on this host (e.g. the job's own YAML): every import path it names is allowed",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow rollout.engine_kwargs.trust_remote_code (the model folder's own Python code)",
     )
 
     # The dashboard parses its own arguments (asyncrl.monitor.dashboard.__main__), so that
@@ -131,14 +152,20 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    run_elastic_generator(
-        args.redis,
-        args.run,
-        password=args.password,
-        generator_id=args.generator_id,
-        max_groups=args.max_groups,
-        ray_address=args.ray_address,
-    )
+    try:
+        allowed = ImportAllowList.build(args.allow_import, args.allow_imports_from, args.trust_remote_code)
+        run_elastic_generator(
+            args.redis,
+            args.run,
+            password=args.password,
+            generator_id=args.generator_id,
+            max_groups=args.max_groups,
+            ray_address=args.ray_address,
+            allowed=allowed,
+        )
+    except ConfigError as e:  # the job's config refused (unsigned, tampered, or naming code not allowed)
+        print(f"asyncrl generate: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -19,6 +19,13 @@ Client (a driver with no raylet on its own host; nothing is shared but the netwo
 that cannot load the announced weights stops admitting work and says why
 (``stats()["weights_blocked"]``) instead of generating groups that would only be dropped as
 stale.
+
+The config from Redis is not trusted as code: with a queue password it must carry its
+trainer's signature (asyncrl.queue.signing), and every import path in it (environment,
+reward functions, custom losses) must be allowed on this host (asyncrl.control.allowlist):
+
+    asyncrl generate --redis URL --run demo --allow-import my_pkg.rewards:exact_match
+    asyncrl generate --redis URL --run demo --allow-imports-from job.yaml
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import signal
 import socket
 import threading
 
-from asyncrl.config import ConfigError, config_from_dict
+from asyncrl.config import Config, ConfigError, config_from_dict
+from asyncrl.control.allowlist import ImportAllowList, named_imports, typed_imports, wants_remote_code
 from asyncrl.control.cluster import probe
 from asyncrl.queue import RunState
 from asyncrl.rollout.generator import GeneratorActor
@@ -39,14 +47,37 @@ from asyncrl.sync.objstore import open_store
 log = logging.getLogger(__name__)
 
 
-def job_config(run_state):
-    """The running job's config and model path, read from its state hash."""
-    state = run_state.state()
-    if "config" not in state or "model_path" not in state:
+def job_config(run_state: RunState, allowed: ImportAllowList) -> tuple[Config, str]:
+    """The running job's config and model path, read from its state hash and trusted only as
+    far as this host says: with a queue password, its trainer's signature must hold; with or
+    without one, every import path it names must be in `allowed`. Both are checked before the
+    config is parsed (parsing looks modules up). ConfigError saying why, otherwise."""
+    job = run_state.published_job()
+    if job is None:
         raise ConfigError(
             f"run {run_state.run!r} has no config in Redis: is its trainer running (asyncrl train) on this Redis?"
         )
-    return config_from_dict(json.loads(state["config"])), str(state["model_path"])
+    password = run_state.password
+    if password is not None and not job.signed_for(run_state.run, password):
+        why = "carries no signature" if job.signature is None else "has a signature that does not match it"
+        raise ConfigError(
+            f"run {run_state.run!r}: the job's config in Redis {why} under this queue password, so its "
+            f"trainer did not write it as it is (or signs with another password): refusing to run it"
+        )
+    if password is None:
+        log.warning(
+            "no queue password: the job's config in Redis is not signed; only built-in names and "
+            "the import paths this generator allows (--allow-import) are loaded from it"
+        )
+    try:
+        data = json.loads(job.config)
+        model_path = job.model_path.decode()
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"run {run_state.run!r}: the job's config in Redis is not JSON text: {e}") from None
+    allowed.check(named_imports(data), remote_code=wants_remote_code(data))
+    cfg = config_from_dict(data)
+    allowed.check(typed_imports(cfg), remote_code=bool(cfg.rollout.engine_kwargs.get("trust_remote_code")))
+    return cfg, model_path
 
 
 def run_elastic_generator(
@@ -58,11 +89,13 @@ def run_elastic_generator(
     max_groups: int | None = None,
     poll_s: float = 1.0,
     ray_address: str | None = None,
+    allowed: ImportAllowList | None = None,
 ) -> dict:
-    """Generate for `run` until stopped (or `max_groups` produced); return the final stats."""
+    """Generate for `run` until stopped (or `max_groups` produced); return the final stats.
+    `allowed`: the import paths this host lets the job's config load (none: built-ins only)."""
     run_state = RunState.connect(redis_url, run, password=password)
     try:
-        cfg, model_path = job_config(run_state)
+        cfg, model_path = job_config(run_state, allowed or ImportAllowList())
     finally:
         run_state.close()
     model_package = _attach_ray(ray_address, run) if ray_address else None

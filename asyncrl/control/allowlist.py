@@ -1,0 +1,138 @@
+"""Which code an elastic generator may load: only what its own host allowed.
+
+    allow = ImportAllowList.build(["my_pkg.rewards:exact_match"], config_files=["job.yaml"])
+    allow.check(named_imports(data))     # the raw config from Redis, before it is parsed
+    cfg = config_from_dict(data)
+    allow.check(typed_imports(cfg))      # the parsed config names nothing else
+
+`asyncrl generate` builds its config from what the trainer published in Redis, and an import
+path in it is imported and called. A config in Redis is data that any process that reached
+Redis may have written, so the generator loads a path only if it was given that path itself:
+``--allow-import PATH`` or a config file of its own (``--allow-imports-from``). Built-in names
+(``rollout.env: copy``, ``policy_loss: ppo``) are not import paths and are always allowed.
+
+The check runs before the config is parsed: parsing looks each module up, and
+``importlib.util.find_spec`` imports a dotted path's parent packages (their code runs).
+vLLM engine settings that name code (worker classes, logits processors) count as import
+paths; ``trust_remote_code`` (the model folder's own Python) needs ``--trust-remote-code``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asyncrl.algo.params import is_import_path
+from asyncrl.config import Config, ConfigError
+
+CODE_ENGINE_KWARGS = ("worker_cls", "worker_extension_cls", "logits_processors")
+"""vLLM engine arguments whose values vLLM imports by qualified name."""
+REMOTE_CODE = "trust_remote_code"
+
+
+@dataclass(frozen=True)
+class ImportPath:
+    """One piece of code a config names: where (``rollout.env``) and what (``pkg.mod:Env``)."""
+
+    field: str
+    path: str
+
+
+def named_imports(data: Any) -> list[ImportPath]:
+    """Every import path in a raw config mapping (JSON or YAML, not yet validated)."""
+    found: list[ImportPath] = []
+    algo, rollout = _section(data, "algo"), _section(data, "rollout")
+
+    def add(field: str, value: Any, always: bool = False) -> None:
+        if isinstance(value, str) and (always or is_import_path(value)):
+            found.append(ImportPath(field, value))
+
+    add("rollout.env", rollout.get("env"))
+    rewards = rollout.get("rewards")
+    for i, spec in enumerate(rewards if isinstance(rewards, list) else []):
+        add(f"rollout.rewards[{i}].fn", spec.get("fn") if isinstance(spec, Mapping) else spec, always=True)
+    add("algo.advantage_estimator", algo.get("advantage_estimator"))
+    loss = algo.get("policy_loss")
+    add("algo.policy_loss", loss.get("type") if isinstance(loss, Mapping) else loss)
+    found += _engine_imports(rollout.get("engine_kwargs"))
+    return found
+
+
+def typed_imports(cfg: Config) -> list[ImportPath]:
+    """The same, read from a parsed config: a second look that a config parsed into nothing
+    the raw look missed."""
+    return named_imports(cfg.to_dict())
+
+
+def wants_remote_code(data: Any) -> bool:
+    kwargs = _section(data, "rollout").get("engine_kwargs")
+    return isinstance(kwargs, Mapping) and bool(kwargs.get(REMOTE_CODE))
+
+
+def _section(data: Any, name: str) -> Mapping[str, Any]:
+    section = data.get(name) if isinstance(data, Mapping) else None
+    return section if isinstance(section, Mapping) else {}
+
+
+def _engine_imports(kwargs: Any) -> list[ImportPath]:
+    if not isinstance(kwargs, Mapping):
+        return []
+    found = []
+    for key in CODE_ENGINE_KWARGS:
+        value = kwargs.get(key)
+        values = value if isinstance(value, list) else [value]
+        for i, v in enumerate(values):
+            if v is None or v == "auto":  # "auto": vLLM picks its own worker
+                continue
+            where = f"rollout.engine_kwargs.{key}" + (f"[{i}]" if isinstance(value, list) else "")
+            found.append(ImportPath(where, v if isinstance(v, str) else repr(v)))
+    return found
+
+
+@dataclass(frozen=True)
+class ImportAllowList:
+    """The import paths this host allows, and whether it trusts a model folder's own code."""
+
+    paths: frozenset[str] = frozenset()
+    remote_code: bool = False
+
+    @classmethod
+    def build(
+        cls, paths: Sequence[str] = (), config_files: Sequence[str | Path] = (), remote_code: bool = False
+    ) -> ImportAllowList:
+        """`paths` as given (``--allow-import``) plus every import path named in each config
+        file (YAML or JSON, as `asyncrl train` reads it; ConfigError if unreadable)."""
+        allowed = set(paths)
+        for file in config_files:
+            data = _read_config(Path(file))
+            allowed.update(p.path for p in named_imports(data))
+            remote_code = remote_code or wants_remote_code(data)
+        return cls(frozenset(allowed), remote_code)
+
+    def check(self, found: Iterable[ImportPath], *, remote_code: bool = False) -> None:
+        """ConfigError naming the first path not allowed, and how to allow it."""
+        for item in found:
+            if item.path not in self.paths:
+                raise ConfigError(
+                    f"the job's config names {item.field}={item.path!r}, an import path this generator was "
+                    f"not given: it loads code only from paths allowed on its own host; if you trust it, "
+                    f"run asyncrl generate --allow-import {item.path} (or --allow-imports-from CONFIG)"
+                )
+        if remote_code and not self.remote_code:
+            raise ConfigError(
+                f"the job's config sets rollout.engine_kwargs.{REMOTE_CODE}=true, which runs the model "
+                f"folder's own Python code: if you trust it, run asyncrl generate --trust-remote-code"
+            )
+
+
+def _read_config(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"--allow-imports-from {str(path)!r}: cannot read it: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--allow-imports-from {str(path)!r} is not valid YAML: {e}") from None
