@@ -36,9 +36,7 @@ def marker(tmp_path, monkeypatch) -> Path:
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / f"{MARKER}.py").write_text(
-        "from pathlib import Path\n"
-        "Path(__file__).with_suffix('.imported').touch()\n"
-        "class MarkerEnv:\n    pass\n"
+        "from pathlib import Path\nPath(__file__).with_suffix('.imported').touch()\nclass MarkerEnv:\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(mods))
     yield mods / f"{MARKER}.imported"
@@ -91,8 +89,9 @@ def test_a_signed_config_is_accepted_and_any_change_to_it_is_refused(password_re
         "config": json.dumps(_job(env="subprocess:Popen", env_kwargs={"args": ["touch", "/tmp/x"]})),
         "model_path": "/elsewhere",
     }
+    original = {"config": signed.config, "model_path": signed.model_path}
     for field, value in tampered.items():
-        _tamper(password_redis.url, "signed", **{"config": signed.config, "model_path": signed.model_path, field: value})
+        _tamper(password_redis.url, "signed", **{**original, field: value})
         with pytest.raises(ConfigError, match="signature that does not match"):
             job_config(rs, allow)  # even with subprocess:Popen allowed: the trainer did not write it
 
