@@ -64,7 +64,7 @@ def _publish(url: str, run: str, data: dict, model_path: str = "/models/tiny") -
     return rs
 
 
-def _tamper(url: str, run: str, **fields: str) -> None:
+def _tamper(url: str, run: str, **fields: str | bytes) -> None:
     client = redis.Redis.from_url(url)
     client.hset(keys.state(run), mapping=fields)
     client.close()
