@@ -19,7 +19,7 @@ import redis
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.allowlist import ImportAllowList, ImportPath, named_imports, typed_imports
 from asyncrl.control.elastic import job_config
-from asyncrl.queue import RunState, keys
+from asyncrl.queue import RolloutQueue, RunState, keys
 from asyncrl.queue.server import EmbeddedRedis
 from tests.support.job import elastic_generator_argv
 
@@ -78,7 +78,13 @@ def _generate(url: str, run: str, mods: Path, *options: str) -> subprocess.Compl
 
 def test_a_signed_config_is_accepted_and_any_change_to_it_is_refused(password_redis, marker):
     allow = ImportAllowList.build([MARKER_ENV, "subprocess:Popen"])
-    rs = _publish(password_redis.url, "signed", _job(env=MARKER_ENV))
+    # Published as the trainer does, over its queue's connection (password as an argument);
+    # read back over a connection whose password is in the URL.
+    plain_url = password_redis.url.replace(f":{PASSWORD}@", "")
+    queue = RolloutQueue.connect(plain_url, "signed", password=PASSWORD)
+    RunState.of(queue).set_state(status="running", config=json.dumps(_job(env=MARKER_ENV)), model_path="/models/tiny")
+    queue.close()
+    rs = RunState.connect(password_redis.url, "signed")
     cfg, model_path = job_config(rs, allow)
     assert (cfg.rollout.env, model_path) == (MARKER_ENV, "/models/tiny")
     assert MARKER not in sys.modules and not marker.exists()  # parsing looks the module up only
