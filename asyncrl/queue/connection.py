@@ -103,8 +103,6 @@ OUTAGE_LOG_S = 60.0
 
 
 def _duration(seconds: float) -> str:
-    if seconds < 10:  # a short deadline (a test, a start-up wait) would read "0s"
-        return f"{seconds:.1f}s"
     return f"{seconds:.0f}s" if seconds < 60 else f"{seconds // 60:.0f}m"
 
 
@@ -165,7 +163,7 @@ class Retrier:
                 if now >= give_up:
                     raise QueueUnavailable(
                         f"Redis at {self.safe_url} unreachable after {attempt} attempts over "
-                        f"{_duration(now - t0)}: {type(e).__name__}: {e}"
+                        f"{now - t0:.1f}s: {type(e).__name__}: {e}"
                         + (f" (queue.outage_deadline_s={self.outage_deadline_s:g})" if self.outage_deadline_s else "")
                     ) from e
                 if now < quiet_after:
