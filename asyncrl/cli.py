@@ -12,6 +12,11 @@
 
 The config is parsed and validated before torch, Ray or vLLM are imported, so a bad flag
 is rejected in about a second.
+
+An expected failure (a bad config or path, a Redis or Ray cluster that does not answer) ends
+every command with one line on stderr, ``asyncrl COMMAND: what failed``, and exit code 2 (bad
+input) or 3 (unreachable: try again later); --verbose shows its traceback too. Anything else
+is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from asyncrl.control.allowlist import ImportAllowList
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
 from asyncrl.control.train import train
+from asyncrl.infra import run_command
 from asyncrl.rollout.prompts import PromptSourceError
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
@@ -89,6 +95,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow rollout.engine_kwargs.trust_remote_code (the model folder's own Python code)",
     )
+    g.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to retry the job's Redis before giving up (default: 30)",
+    )
+    g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     # The dashboard parses its own arguments (asyncrl.monitor.dashboard.__main__), so that
     # `python -m asyncrl.monitor.dashboard` is the same command and needs nothing from here.
@@ -104,10 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", help="the run directory (control.run_dir)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
     e.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/hf/step_N)")
+    e.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     m = sub.add_parser("tiny-model", help="write a tiny random Llama + char tokenizer")
     m.add_argument("path")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     return p
 
 
@@ -152,20 +168,17 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    try:
-        allowed = ImportAllowList.build(args.allow_import, args.allow_imports_from, args.trust_remote_code)
-        run_elastic_generator(
-            args.redis,
-            args.run,
-            password=args.password,
-            generator_id=args.generator_id,
-            max_groups=args.max_groups,
-            ray_address=args.ray_address,
-            allowed=allowed,
-        )
-    except ConfigError as e:  # the job's config refused (unsigned, tampered, or naming code not allowed)
-        print(f"asyncrl generate: {e}", file=sys.stderr)
-        return 2
+    allowed = ImportAllowList.build(args.allow_import, args.allow_imports_from, args.trust_remote_code)
+    run_elastic_generator(
+        args.redis,
+        args.run,
+        password=args.password,
+        generator_id=args.generator_id,
+        max_groups=args.max_groups,
+        ray_address=args.ray_address,
+        connect_timeout_s=args.connect_timeout,
+        allowed=allowed,
+    )
     return 0
 
 
@@ -174,7 +187,7 @@ def _cmd_dashboard(args) -> int:
     # commands: `asyncrl train --check` and `--help-config` must start without them.
     from asyncrl.monitor.dashboard.__main__ import main as dashboard_main
 
-    return dashboard_main(args.dashboard_argv)
+    return dashboard_main(args.dashboard_argv + (["--verbose"] if args.verbose else []))
 
 
 def _cmd_bench(args) -> int:
@@ -227,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         "export": _cmd_export,
         "tiny-model": _cmd_tiny_model,
     }
-    return handlers[args.command](args)
+    command = handlers[args.command]
+    return run_command(f"asyncrl {args.command}", lambda: command(args), verbose=args.verbose)
 
 
 if __name__ == "__main__":

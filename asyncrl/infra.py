@@ -1,4 +1,5 @@
-"""Host and Ray helpers every layer may use: a free port, a Ray actor's state.
+"""Host and Ray helpers every layer may use: a free port, a Ray actor's state, and the one
+base class of the failures a command reports as one line (`ExpectedFailure`).
 
 Imports nothing from asyncrl (and Ray only inside ``actor_state``), so the queue, the weight
 sync, the learner and the driver all take them from here instead of from each other.
@@ -7,6 +8,10 @@ sync, the learner and the driver all take them from here instead of from each ot
 from __future__ import annotations
 
 import socket
+import sys
+import traceback
+from collections.abc import Callable
+from typing import ClassVar
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,3 +33,67 @@ def actor_state(handle) -> tuple[str, str]:
 
     info = state.actors(actor_id=handle._actor_id.hex())
     return info.get("State", "UNKNOWN"), info.get("Address", {}).get("NodeID", "")
+
+
+class ExpectedFailure(Exception):
+    """A failure the user can act on (a wrong config value, a missing file, a server that does
+    not answer), as opposed to a bug. A command prints its message as one line and exits with
+    `exit_code`; the traceback is shown only with --verbose. The errors of each layer derive
+    from it (ConfigError, PromptSourceError, QueueUnavailable...) next to their builtin base."""
+
+    exit_code: ClassVar[int] = 2
+    """2: bad input (fix the command, config or files); 3: something the command needs is not
+    reachable (try again once it is)."""
+    label: ClassVar[str] = ""
+    """Put before the message ("config error"), where the message alone would not say what failed."""
+
+
+class UsageError(ExpectedFailure):
+    """A command's arguments or the files they name are not usable."""
+
+
+class Unreachable(ExpectedFailure):
+    """A server the command needs (Redis, a Ray cluster) did not answer in the time given."""
+
+    exit_code = 3
+
+
+def failure_line(e: BaseException) -> tuple[str, int] | None:
+    """(one line, exit code) for an expected failure, or None for anything else (a bug keeps
+    its traceback). Besides ExpectedFailure, a file-system error that names its path (missing,
+    not a directory, permission denied) is the user's to fix. An error a Ray task raised comes
+    wrapped in a class that derives from it and holds the original as ``cause``."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, ExpectedFailure):
+        e = cause
+    if isinstance(e, ExpectedFailure):
+        message = f"{e.label}: {e}" if e.label else str(e)
+        code = e.exit_code
+    elif isinstance(e, OSError) and e.filename is not None:
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        message, code = f"{paths}: {e.strerror or type(e).__name__}", 2
+    else:
+        return None
+    return " ".join(message.split()) or type(e).__name__, code
+
+
+def run_command(prog: str, command: Callable[[], int], *, verbose: bool = False) -> int:
+    """`command()`'s exit code; an expected failure (see `failure_line`) becomes one line on
+    stderr, ``PROG: message``, and its exit code (the traceback before it with `verbose`).
+    Anything else propagates with its traceback."""
+    try:
+        return command()
+    except KeyboardInterrupt:
+        if verbose:
+            traceback.print_exc()
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        failure = failure_line(e)
+        if failure is None:
+            raise
+        if verbose:
+            traceback.print_exc()
+        line, code = failure
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+        return code

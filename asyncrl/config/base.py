@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from asyncrl.algo.params import Params, is_import_path
+from asyncrl.infra import ExpectedFailure
 
 # Names the registries in asyncrl.algo ship with, kept here so that validating a config never
 # imports torch; tests/unit check they equal the registries' keys. The policy losses' names
@@ -23,8 +24,10 @@ PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, ExpectedFailure):
     """A config value is wrong. The message names the field, the value and what is allowed."""
+
+    label = "config error"
 
 
 class Section(Params):

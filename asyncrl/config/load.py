@@ -181,6 +181,14 @@ def config_from_dict(data: Any) -> Config:
         raise config_error(e) from None
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's message on one line: where (1-based) and what, without its quoted excerpt."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        what = "; ".join(str(part) for part in (e.context, e.problem) if part)
+        return f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: {what}"
+    return " ".join(str(e).split())
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (optional), apply `a.b.c=value` overrides, build and validate the tree."""
     data: dict[str, Any] = {}
@@ -189,8 +197,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             loaded = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -17,12 +17,12 @@ import os
 import socket
 
 from asyncrl.config import ControlConfig
-from asyncrl.infra import STARTING, actor_state
+from asyncrl.infra import STARTING, Unreachable, actor_state
 
 log = logging.getLogger(__name__)
 
 
-class ClusterUnavailable(RuntimeError):
+class ClusterUnavailable(RuntimeError, Unreachable):
     """control.ray_address names a Ray cluster that cannot be reached."""
 
 

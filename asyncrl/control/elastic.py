@@ -39,7 +39,7 @@ import threading
 
 from asyncrl.config import Config, ConfigError, config_from_dict
 from asyncrl.control.allowlist import ImportAllowList, named_imports, typed_imports, wants_remote_code
-from asyncrl.control.cluster import probe
+from asyncrl.control.cluster import ClusterUnavailable, probe
 from asyncrl.queue import RunState
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.sync.objstore import open_store
@@ -90,10 +90,12 @@ def run_elastic_generator(
     poll_s: float = 1.0,
     ray_address: str | None = None,
     allowed: ImportAllowList | None = None,
+    connect_timeout_s: float = 30.0,
 ) -> dict:
     """Generate for `run` until stopped (or `max_groups` produced); return the final stats.
-    `allowed`: the import paths this host lets the job's config load (none: built-ins only)."""
-    run_state = RunState.connect(redis_url, run, password=password)
+    `allowed`: the import paths this host lets the job's config load (none: built-ins only).
+    QueueUnavailable if the job's Redis does not answer within `connect_timeout_s`."""
+    run_state = RunState.connect(redis_url, run, password=password, retry_deadline_s=connect_timeout_s)
     try:
         cfg, model_path = job_config(run_state, allowed or ImportAllowList())
     finally:
@@ -135,7 +137,10 @@ def _attach_ray(ray_address: str, run: str):
     """Join the job's Ray cluster as a driver; return the shipped model package (or None)."""
     import ray
 
-    probe(ray_address)
+    try:
+        probe(ray_address)
+    except OSError as e:
+        raise ClusterUnavailable(f"--ray-address {ray_address}: no Ray cluster answers there ({e})") from e
     if ray_address.startswith("ray://"):  # Ray Client: no raylet of its own needed on this host
         _client_init(ray_address)
     else:

@@ -25,15 +25,21 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from asyncrl.infra import ExpectedFailure, Unreachable
+
 log = logging.getLogger("asyncrl.queue")
 
 
-class QueueAuthError(ConnectionError):
+class QueueAuthError(ConnectionError, ExpectedFailure):
     """Redis refused our credentials (wrong or missing password)."""
 
 
-class QueueUnavailable(ConnectionError):
+class QueueUnavailable(ConnectionError, Unreachable):
     """Redis could not be reached within the retry deadline."""
+
+
+class BadRedisUrl(ValueError, ExpectedFailure):
+    """A Redis URL of a scheme redis-py cannot open."""
 
 
 def redact_url(url: str) -> str:
@@ -75,7 +81,7 @@ def open_client(url: str, *, password: str | None = None, socket_timeout: float 
     Responses stay bytes (records are binary). A password in the URL wins over `password`.
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"Redis URL {redact_url(url)!r}: must start with redis://, rediss:// or unix://")
+        raise BadRedisUrl(f"Redis URL {redact_url(url)!r}: must start with redis://, rediss:// or unix://")
     # redis-py's own retry (10 tries, ~2 s) is switched off: it would re-send a command whose
     # reply was lost without telling the caller (a re-sent XREADGROUP hides the entries the
     # lost reply delivered), and it cut a longer outage short for calls not wrapped in ours.
@@ -157,7 +163,7 @@ class Retrier:
                 if now >= give_up:
                     raise QueueUnavailable(
                         f"Redis at {self.safe_url} unreachable after {attempt} attempts over "
-                        f"{now - t0:.0f}s: {type(e).__name__}: {e}"
+                        f"{now - t0:.1f}s: {type(e).__name__}: {e}"
                         + (f" (queue.outage_deadline_s={self.outage_deadline_s:g})" if self.outage_deadline_s else "")
                     ) from e
                 if now < quiet_after:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.base import is_hub_id
+from asyncrl.infra import ExpectedFailure
 
 DEFAULT_PROMPT_FIELD = "prompt"
 FALLBACK_PROMPT_FIELD = "question"
@@ -54,8 +55,10 @@ class PromptItem:
     """The tokenized text."""
 
 
-class PromptSourceError(ValueError):
+class PromptSourceError(ValueError, ExpectedFailure):
     """A prompt source that cannot be used: missing, unreadable, no such split or column."""
+
+    label = "prompt error"
 
 
 def _pick_split(data, split: str, where: str):

@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 
-from asyncrl.monitor.dashboard.app import serve
+from asyncrl.infra import UsageError, run_command
+from asyncrl.monitor.dashboard.app import CONNECT_TIMEOUT_S, serve
 
 PROG = "asyncrl dashboard"
 
@@ -26,6 +27,14 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=8470)
     d.add_argument("--token", default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"))
     d.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+    d.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"with --redis: how long to retry it before refusing to start (default: {CONNECT_TIMEOUT_S:g})",
+    )
+    d.add_argument("-v", "--verbose", action="store_true", help="a failure's traceback, not only its line")
     return d
 
 
@@ -38,20 +47,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir is not None and args.run is not None:
         print(f"{PROG}: --run is for --redis; a RUN_DIR holds one run", file=sys.stderr)
         return 2
-    try:
-        serve(
-            args.redis,
-            run=args.run,
-            host=args.host,
-            port=args.port,
-            token=args.token,
-            password=args.password,
-            run_dir=args.run_dir,
-        )
-    except (ValueError, FileNotFoundError) as e:  # rundir.NotARunDir is a FileNotFoundError
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    def start() -> int:
+        try:
+            serve(
+                args.redis,
+                run=args.run,
+                host=args.host,
+                port=args.port,
+                token=args.token,
+                password=args.password,
+                run_dir=args.run_dir,
+                connect_timeout_s=args.connect_timeout,
+            )
+        except (ValueError, FileNotFoundError) as e:  # guard.check_host's refusals, a bad URL, no plotly.min.js
+            raise UsageError(str(e)) from e
+        return 0
+
+    return run_command(PROG, start, verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -48,10 +48,13 @@ from asyncrl.monitor.dashboard.guard import TokenAuth, check_host, error_respons
 from asyncrl.monitor.dashboard.prometheus import prometheus_text
 from asyncrl.monitor.dashboard.rundir import RunDirSource
 from asyncrl.monitor.dashboard.sources import RedisSource, Source
-from asyncrl.queue.connection import redact_url
+from asyncrl.queue.connection import QueueUnavailable, Retrier, redact_url
 
 STATIC_DIR = Path(__file__).parent / "static"
 STREAM_INTERVAL_S = 1.0
+CONNECT_TIMEOUT_S = 5.0
+"""How long `serve` retries a live run's Redis before refusing to start: long enough for a
+dashboard started just before its trainer's redis-server."""
 
 
 def plotly_js_path() -> Path:
@@ -291,9 +294,11 @@ def serve(
     password: str | None = None,
     *,
     run_dir: str | Path | None = None,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
 ) -> None:
     """Run the dashboard with uvicorn until interrupted: a live run's Redis (`redis_url`) or a
-    finished run's directory (`run_dir`), exactly one. Refuses a non-loopback host without a token."""
+    finished run's directory (`run_dir`), exactly one. Refuses a non-loopback host without a token,
+    and a Redis that does not answer within `connect_timeout_s` (QueueUnavailable, QueueAuthError)."""
     if (redis_url is None) == (run_dir is None):
         raise ValueError("give exactly one of a Redis URL (a live run) or a run directory (a finished run)")
     check_host(host, token)
@@ -303,9 +308,18 @@ def serve(
     else:
         assert redis_url is not None  # exactly one of the two, checked above
         app = create_app(redis_url, run=run, password=password, token=token)
+        _wait_for_redis(app.state.source, connect_timeout_s)
         what = ""
     print(f"asyncrl dashboard: http://{host}:{port}/{what}" + (" (token required)" if token else ""), flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _wait_for_redis(source: Source, timeout_s: float) -> None:
+    """Refuse to serve a page over a Redis that is not there: each page would only say so."""
+    try:
+        Retrier(source.display, deadline_s=timeout_s)(source.check)
+    except QueueUnavailable as e:
+        raise QueueUnavailable(f"{str(e).rstrip('.')}. {source.unreachable_hint()}") from e
 
 
 class DashboardServer(uvicorn.Server):

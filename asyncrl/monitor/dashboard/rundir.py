@@ -24,12 +24,13 @@ from typing import Any
 
 import yaml
 
+from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.dashboard import data
 from asyncrl.monitor.metrics import Thresholds, evaluate_alerts
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, complete_checkpoints, read_extra
 
 
-class NotARunDir(FileNotFoundError):
+class NotARunDir(FileNotFoundError, ExpectedFailure):
     """The directory given has no metrics.jsonl."""
 
 
