@@ -214,7 +214,7 @@ class GeneratorActor:
         except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again later
             self.weights.note_failed(location, version)
             log.warning("%s: could not load published weights v%d: %s", self.generator_id, version, e)
-        warm = self.encode(next(self.prompts)[1])
+        warm = self.encode(*next(self.prompts)[1:])
         prefix = f"{self.generator_id}.{self.incarnation}:warmup"
         self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, prefix))
 
