@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -376,6 +376,11 @@ def encode_prompt(
     conversation = messages if messages is not None else [{"role": "user", "content": text}]
     rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def prompt_encoder(tokenizer, chat_template: bool) -> Callable[[str, dict[str, Any]], list[int]]:
+    """encode_prompt with its tokenizer and template setting fixed: (text, metadata) -> ids."""
+    return lambda text, metadata: encode_prompt(tokenizer, text, chat_template, metadata)
 
 
 def check_chat_template(tokenizer, model: str) -> None:

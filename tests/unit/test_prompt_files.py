@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from asyncrl.rollout.prompts import PromptSourceError, check_source, encode_prompt, open_prompts
+from asyncrl.rollout.prompts import PromptSourceError, check_source, encode_prompt, open_prompts, prompt_encoder
 
 
 def take(path, k=1):
@@ -99,7 +99,7 @@ def test_chat_rows_are_rendered_whole_by_the_chat_template(tmp_path):
     for _, text, meta in rows:
         assert text == "ab="  # the reward's prompt: the last user turn
         assert meta["prompt_messages"] == conversation
-        assert encode_prompt(tok, text, True, meta) == want
+        assert encode_prompt(tok, text, True, meta) == want == prompt_encoder(tok, True)(text, meta)
     assert check_source(str(path), chat_template=True).describe() == "2 records read and valid (2 chat conversations)"
     # without the template there is no way to tokenize a conversation: said at start-up and at encoding
     with pytest.raises(PromptSourceError, match=rf"{re.escape(str(path))}:1: .*set rollout\.chat_template=true"):
