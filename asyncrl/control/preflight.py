@@ -96,9 +96,16 @@ def check_imports(cfg: Config) -> list[str]:
     """Import and resolve every import path the config names, as generators and learners do."""
     r, algo = cfg.rollout, cfg.algo
     try:
-        env = make_rollout_env(r)
-        if not r.prompts:
-            env.make_prompt(random.Random(0))  # an environment that makes no prompts needs rollout.prompts
+        try:
+            env = make_rollout_env(r)
+            if not r.prompts:
+                env.make_prompt(random.Random(0))  # an environment that makes no prompts needs rollout.prompts
+        except (ValueError, NotImplementedError):
+            raise
+        except Exception as e:  # the user's constructor or make_prompt: a generator would die of it
+            raise ValueError(
+                f"rollout.env={r.env!r}: building it or drawing a prompt raised {type(e).__name__}: {e}"
+            ) from e
         # asyncrl.algo's registries import torch: resolved here, not when --check's modules load.
         from asyncrl.algo.advantages import get_advantage_estimator
         from asyncrl.algo.losses import get_policy_loss

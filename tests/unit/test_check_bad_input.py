@@ -60,3 +60,24 @@ def test_check_fails_in_one_line_naming_the_culprit(tmp_path, override, culprit)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0, out.stdout[-2000:]
     assert out.stderr.strip().splitlines() == [f"config error: {culprit.replace('{prompts}', str(prompts))}"]
+
+
+def test_check_builds_the_environment_and_draws_a_prompt(tmp_path, monkeypatch, capsys):
+    from asyncrl.cli import main
+
+    (tmp_path / "fragile_env.py").write_text(
+        "from asyncrl.rollout.envs.synthetic import CopyEnv\n\n"
+        "class Fragile(CopyEnv):\n"
+        "    def __init__(self, **kwargs):\n"
+        "        raise RuntimeError('needs a GPU')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", "configs/demo.yaml", "--check", "rollout.env=fragile_env:Fragile"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "config error: rollout.env='fragile_env:Fragile': building it or drawing a prompt raised "
+        "RuntimeError: needs a GPU\n"
+    )
+    # gsm8k reads its prompts from a dataset: without rollout.prompts a generator would fail at its first draw
+    assert main(["train", "configs/demo.yaml", "--check", "rollout.env=gsm8k", "rollout.env_kwargs={}"]) == 2
+    assert "GSM8KEnv does not make prompts; set rollout.prompts" in capsys.readouterr().err
