@@ -28,13 +28,12 @@ import runpy
 import sys
 from pathlib import Path
 
-from asyncrl.config import ConfigError, load_config, schema_text
+from asyncrl.config import load_config, schema_text
 from asyncrl.control.allowlist import ImportAllowList
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
 from asyncrl.control.train import train
 from asyncrl.infra import run_command
-from asyncrl.rollout.prompts import PromptSourceError
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
 
@@ -131,19 +130,16 @@ def _cmd_train(args) -> int:
     if args.help_config:
         print(schema_text(), end="")
         return 0
-    try:
-        if args.resume:
-            # With --resume the positional CONFIG slot holds the first override, if any.
-            overrides = ([args.config] if args.config else []) + args.overrides
-            cfg = load_config(Path(args.resume) / CONFIG_FILE, overrides)
-        else:
-            if not args.config:
-                print("asyncrl train: a CONFIG file (or --resume RUN_DIR) is required", file=sys.stderr)
-                return 2
-            cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    # ConfigError and PromptSourceError are expected failures: run_command prints their one line.
+    if args.resume:
+        # With --resume the positional CONFIG slot holds the first override, if any.
+        overrides = ([args.config] if args.config else []) + args.overrides
+        cfg = load_config(Path(args.resume) / CONFIG_FILE, overrides)
+    else:
+        if not args.config:
+            print("asyncrl train: a CONFIG file (or --resume RUN_DIR) is required", file=sys.stderr)
+            return 2
+        cfg = load_config(args.config, args.overrides)
     if args.verbose:
         cfg.monitor.verbose = True
     if args.check:
@@ -151,19 +147,11 @@ def _cmd_train(args) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-        try:
-            for line in preflight(cfg):
-                print(f"check: {line}")
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+        for line in preflight(cfg):
+            print(f"check: {line}")
         return 0
 
-    try:
-        train(cfg, resume_dir=args.resume)
-    except PromptSourceError as e:  # found at start-up, before any generator starts
-        print(f"prompt error: {e}", file=sys.stderr)
-        return 2
+    train(cfg, resume_dir=args.resume)
     return 0
 
 

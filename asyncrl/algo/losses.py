@@ -304,8 +304,8 @@ def load_by_import_path(path: str, what: str) -> Callable:
         raise ValueError(f"{what} {path!r}: an import path must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from None
+    except Exception as e:  # user code: whatever its import raises (not only ImportError) is this path's failure
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}")

@@ -15,7 +15,7 @@ from asyncrl.queue import RolloutQueue
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.rollout.envs import resolve_env_class
 from asyncrl.rollout.envs.chat import check_turn_template
-from asyncrl.rollout.prompts import check_chat_template, open_prompts
+from asyncrl.rollout.prompts import check_chat_template, check_source
 from asyncrl.sync import build_weight_sync
 
 if TYPE_CHECKING:
@@ -33,8 +33,14 @@ def check_prompts(cfg: Config, model_path: str) -> None:
     r, c = cfg.rollout, cfg.control
 
     def first(source: str, split: str, where: str) -> None:
-        fields = {"prompt_field": r.prompt_field, "answer_field": r.answer_field}
-        next(open_prompts(source, None, seed=0, id_prefix="check", split=split, where=where, **fields))
+        check_source(
+            source,
+            split=split,
+            prompt_field=r.prompt_field,
+            answer_field=r.answer_field,
+            chat_template=r.chat_template,
+            where=where,
+        )
 
     if r.prompts:
         first(r.prompts, r.prompt_split, "rollout.prompts")

@@ -52,7 +52,7 @@ class Evaluator:
             where="control.eval_prompts",
         )
         self.prompts = [
-            (text, meta, encode_prompt(self.tokenizer, text, r.chat_template))
+            (text, meta, encode_prompt(self.tokenizer, text, r.chat_template, meta))
             for _, text, meta in itertools.islice(stream, c.eval_size)
         ]
 

@@ -3,18 +3,31 @@
     lines = preflight(cfg)      # [str] to print; ConfigError when something would fail at start-up
 
 Past the config schema (asyncrl.config), the run's pieces are resolved the way the runtime
-resolves them, without a model download, Redis, Ray or a device: the weight-sync backend
-(``auto`` as this host would run it), the vLLM engine arguments a generator builds (unknown
-``rollout.engine_kwargs`` are rejected here, and a nccl sync needs engines built with vLLM's
-nccl weight transfer), the sync directory. What needs CUDA is listed, and whether this host
-has it: a GPU config checked on a CPU box passes up to that point and says so.
+resolves them, with the same code and so the same messages, without a model download, Redis,
+Ray or a device:
+- every import path the config names: the environment (built with its env_kwargs, and asked
+  for a prompt when it makes them), the reward functions, a custom policy loss or advantage
+  estimator;
+- every prompt source a run reads, through to the end (a hub dataset's first HUB_SAMPLE
+  records, as the output says), each record split and validated as a generator would; with
+  rollout.chat_template and a local model, that its tokenizer has a usable template;
+- the weight-sync backend (``auto`` as this host would run it), the vLLM engine arguments a
+  generator builds (unknown ``rollout.engine_kwargs`` are rejected here, and a nccl sync needs
+  engines built with vLLM's nccl weight transfer), the sync directory.
+What needs CUDA is listed, and whether this host has it: a GPU config checked on a CPU box
+passes up to that point and says so (a hub dataset this host cannot reach, likewise).
 """
 
 from __future__ import annotations
 
 import os
+import random
+from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.rollout.envs.chat import check_turn_template
+from asyncrl.rollout.envs.reward_fns import make_rollout_env
+from asyncrl.rollout.prompts import PromptSourceError, check_chat_template, check_source
 from asyncrl.rollout.sampling import engine_args, transfer_backend
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.nccl import NcclWeightSync
@@ -22,12 +35,16 @@ from asyncrl.sync.objstore import ObjectStoreWeightSync
 from asyncrl.sync.shm import ShmWeightSync
 from asyncrl.sync.weight_sync import WeightSync, resolve_backend
 
+HUB_SAMPLE = 1000
+"""A hub dataset's records --check reads (the whole split may be large); stated in its output."""
+
 
 def preflight(cfg: Config) -> list[str]:
-    import torch
+    # The user's inputs first: they need no torch (a custom loss aside) and fail in a second.
+    lines = [*check_prompt_sources(cfg), *check_imports(cfg)]
+    import torch  # for CUDA below; loaded here, not with --check's modules
 
     s, r, learner = cfg.sync, cfg.rollout, cfg.learner
-    lines = []
     backend = resolve_backend(s.backend)
     where = "" if s.backend != "auto" else " (sync.backend=auto on this host; another node may differ)"
     lines.append(f"weight sync: {backend}{where}")
@@ -73,3 +90,83 @@ def _sync_class(backend: str) -> type:
         return ObjectStoreWeightSync
 
     return ShmWeightSync
+
+
+def check_imports(cfg: Config) -> list[str]:
+    """Import and resolve every import path the config names, as generators and learners do."""
+    r, algo = cfg.rollout, cfg.algo
+    try:
+        try:
+            env = make_rollout_env(r)
+            if not r.prompts:
+                env.make_prompt(random.Random(0))  # an environment that makes no prompts needs rollout.prompts
+        except (ValueError, NotImplementedError):
+            raise
+        except Exception as e:  # the user's constructor or make_prompt: a generator would die of it
+            raise ValueError(
+                f"rollout.env={r.env!r}: building it or drawing a prompt raised {type(e).__name__}: {e}"
+            ) from e
+        # asyncrl.algo's registries import torch: resolved here, not when --check's modules load.
+        from asyncrl.algo.advantages import get_advantage_estimator
+        from asyncrl.algo.losses import get_policy_loss
+
+        get_policy_loss(algo.policy_loss.type)
+        get_advantage_estimator(algo.advantage_estimator)
+    except (ValueError, NotImplementedError) as e:
+        raise ConfigError(str(e)) from e
+    lines = [f"rollout.env={r.env}: imported and built" + (" (makes the prompts)" if not r.prompts else "")]
+    lines += [f"rollout.rewards[{i}].fn={spec.fn}: imported" for i, spec in enumerate(r.rewards)]
+    lines += [
+        f"{field}={path}: imported"
+        for field, path in (
+            ("algo.policy_loss.type", algo.policy_loss.type),
+            ("algo.advantage_estimator", algo.advantage_estimator),
+        )
+        if ":" in path
+    ]
+    return lines
+
+
+def check_prompt_sources(cfg: Config) -> list[str]:
+    """Read every prompt source a run reads (evaluation's only when it evaluates) and check each
+    record; with rollout.chat_template and a local model, check its tokenizer has a template."""
+    r, c = cfg.rollout, cfg.control
+    sources = [("rollout.prompts", r.prompts, r.prompt_split)]
+    if c.eval_every:
+        sources.append(("control.eval_prompts", c.eval_prompts, c.eval_split))
+    lines = []
+    try:
+        for where, source, split in sources:
+            if not source:
+                continue
+            try:
+                found = check_source(
+                    source,
+                    split=split,
+                    prompt_field=r.prompt_field,
+                    answer_field=r.answer_field,
+                    chat_template=r.chat_template,
+                    where=where,
+                    hub_sample=HUB_SAMPLE,
+                )
+            except PromptSourceError as e:
+                # As CUDA: a cluster's config may be checked on a host that cannot reach the hub.
+                if not isinstance(e.__cause__, ConnectionError):
+                    raise
+                lines.append(f"{where}={source}: not read, the hub is unreachable from this host ({e.__cause__})")
+                continue
+            lines.append(f"{where}={source}: {found.describe()}")
+        if r.chat_template and Path(r.model).is_dir():
+            # transformers only here: --check must start without it, and only a local model's
+            # tokenizer can be read without a download.
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(r.model)
+            check_chat_template(tokenizer, r.model)
+            check_turn_template(tokenizer, r.env)
+            lines.append(f"rollout.chat_template: {r.model}'s tokenizer has one")
+        elif r.chat_template:
+            lines.append(f"rollout.chat_template: not checked ({r.model} is not a local directory)")
+    except PromptSourceError as e:
+        raise ConfigError(str(e)) from e
+    return lines

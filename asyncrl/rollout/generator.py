@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import itertools
 import logging
 import os
@@ -60,7 +59,7 @@ from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.heartbeat import Heartbeat
 from asyncrl.rollout.production import Production
-from asyncrl.rollout.prompts import encode_prompt, open_prompts
+from asyncrl.rollout.prompts import open_prompts, prompt_encoder
 from asyncrl.rollout.recovery import EngineRecord, predecessor_prompts, reap_predecessor
 from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.stats import GeneratorStats, TokenRate
@@ -163,7 +162,7 @@ class GeneratorActor:
             answer_field=r.answer_field,
         )
         # One encoding for drawn, re-issued and warm-up prompts (the chat template, if any).
-        self.encode = functools.partial(encode_prompt, self.tokenizer, chat_template=r.chat_template)
+        self.encode = prompt_encoder(self.tokenizer, r.chat_template)
         return model_path
 
     def _start_loop(self) -> None:
@@ -214,7 +213,7 @@ class GeneratorActor:
         except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again later
             self.weights.note_failed(location, version)
             log.warning("%s: could not load published weights v%d: %s", self.generator_id, version, e)
-        warm = self.encode(next(self.prompts)[1])
+        warm = self.encode(*next(self.prompts)[1:])
         prefix = f"{self.generator_id}.{self.incarnation}:warmup"
         self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, prefix))
 

@@ -73,7 +73,7 @@ class Production:
         weights: WeightWatcher,
         groups: GroupMaker,
         prompts: Iterator[tuple[str, str, dict[str, Any]]],  # (prompt_id, text, metadata)
-        encode: Callable[[str], list[int]],
+        encode: Callable[[str, dict[str, Any]], list[int]],
         generator_id: str,
         on_fail: Callable[[str, BaseException], None],
     ):
@@ -171,7 +171,7 @@ class Production:
             prompt_id, text, metadata = reissued.prompt_id, reissued.text, reissued.metadata
         else:
             prompt_id, text, metadata = next(self.prompts)
-        ids = self.encode(text)
+        ids = self.encode(text, metadata)
         if len(ids) > self.rollout.max_prompt_tokens:
             self.counts.prompts_skipped += 1
             self.run_state.incr("prompts_skipped")

@@ -5,7 +5,8 @@
     ids = encode_prompt(tokenizer, text, chat_template=True)
 
 A source is
-- a ``.jsonl`` / ``.json`` (one object a line) or ``.parquet`` file;
+- a ``.jsonl`` file (one JSON object a line), a ``.json`` file (a JSON array of objects, or
+  one object a line) or a ``.parquet`` file;
 - a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (read with
   ``datasets.load_from_disk``; a DatasetDict gives its ``split``);
 - a hub id ``owner/name`` or ``owner/name:config`` (``datasets.load_dataset``, its ``split``;
@@ -13,7 +14,11 @@ A source is
 - None: the environment makes the prompts.
 
 A record's text is its ``prompt_field`` column (with the default "prompt", GSM8K's "question"
-is taken when there is no "prompt"). Every other column is metadata handed to the reward
+and then "messages" are taken when there is no "prompt"). A prompt column holding a list is a
+chat conversation, ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``
+(TRL's conversational format): it is rendered whole by the tokenizer's chat template (so it
+needs ``rollout.chat_template=true``), travels as ``metadata["prompt_messages"]``, and the
+reward's prompt text is its last user turn. Every other column is metadata handed to the reward
 (TRL-style reward functions get each as a keyword); the ``answer_field`` column is handed
 over as ``metadata["answer"]``, the reference answer the gsm8k reward reads. Prompt ids are
 stable ("<id_prefix>:<name>:<epoch>:<row>", or "<id_prefix>:<n>" for env-made prompts), so a
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +40,12 @@ from asyncrl.config.base import is_hub_id
 from asyncrl.infra import ExpectedFailure
 
 DEFAULT_PROMPT_FIELD = "prompt"
-FALLBACK_PROMPT_FIELD = "question"
-"""GSM8K's name for its prompt, taken when the default "prompt" column is absent."""
+FALLBACK_PROMPT_FIELDS = ("question", "messages")
+"""GSM8K's name for its prompt, then the usual chat column, taken when there is no "prompt"."""
+MESSAGES_KEY = "prompt_messages"
+"""The metadata key a chat prompt's conversation travels under (to the encoder and the reward)."""
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_NEEDS_TEMPLATE = "a chat conversation is rendered with the tokenizer's chat template: set rollout.chat_template=true"
 ANSWER_KEY = "answer"
 """The metadata key the reference answer is handed to the reward under."""
 SPLIT_OPTION = {"rollout.prompts": "rollout.prompt_split", "control.eval_prompts": "control.eval_split"}
@@ -88,31 +97,113 @@ def _load_dataset(source: str, split: str, where: str):
 
 def read_records(source: str | Path, split: str = "train", where: str = "rollout.prompts") -> list[dict[str, Any]]:
     """All records of a prompt source (see the module doc); ``where`` names the option in errors."""
+    return [row for _, row in located_records(source, split, where)[0]]
+
+
+def located_records(
+    source: str | Path, split: str = "train", where: str = "rollout.prompts", limit: int | None = None
+) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """(where each record is, for errors: "file:line" or "source row i"; the record) for the
+    first ``limit`` records (all with None), and how many records the source holds."""
     source = str(source)
     path = Path(source)
     desc = f"{where}={source!r}"
     if is_hub_id(source):
-        return _load_dataset(source, split, f"{desc} (hub dataset, split {split!r})").to_list()
+        desc = f"{desc} (hub dataset, split {split!r})"
+        return _dataset_rows(_load_dataset(source, split, desc), desc, limit)
     if not path.exists():
         raise PromptSourceError(f"{desc} does not exist (nor is it a hub id 'owner/name[:config]')")
     if path.is_dir():
         if not any((path / f).exists() for f in ("state.json", "dataset_dict.json")):
             raise PromptSourceError(f"{desc}: a directory must be written by Dataset(Dict).save_to_disk")
-        return _load_dataset(source, split, desc).to_list()
+        return _dataset_rows(_load_dataset(source, split, desc), desc, limit)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for i, line in enumerate(path.read_text().splitlines()):
+        rows = [(f"{desc} row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    elif path.suffix in (".jsonl", ".json"):
+        rows = _json_rows(path, where)
+    else:
+        raise PromptSourceError(f"{desc}: expected .jsonl, .json, .parquet, a saved datasets directory or a hub id")
+    return rows[:limit], len(rows)
+
+
+def _dataset_rows(data, desc: str, limit: int | None) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    rows = (data if limit is None or limit >= len(data) else data.select(range(limit))).to_list()
+    return [(f"{desc} row {i}", r) for i, r in enumerate(rows)], len(data)
+
+
+def _json_rows(path: Path, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """A JSON array of objects, or one object a line; every error names the file and line."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # a BOM, as some editors write, is not part of the data
+    except UnicodeDecodeError as e:
+        bad = raw.count(b"\n", 0, e.start) + 1
+        raise PromptSourceError(f"{where}: {path}:{bad}: not UTF-8 (byte {raw[e.start]:#04x}: {e.reason})") from None
+    if text.lstrip().startswith("["):
+        items = _json_array(path, text, where)
+    else:
+        items = []
+        # "\n" only: str.splitlines also splits at U+2028 and the like, which JSON strings may hold.
+        for i, line in enumerate(text.split("\n")):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    items.append((i + 1, json.loads(line)))
                 except json.JSONDecodeError as e:
-                    raise PromptSourceError(f"{path}:{i + 1}: not valid JSON: {e}") from None
-        return rows
-    raise PromptSourceError(f"{desc}: expected .jsonl, .json, .parquet, a saved datasets directory or a hub id")
+                    raise PromptSourceError(f"{where}: {path}:{i + 1}: not valid JSON: {e}") from None
+    rows = []
+    for line_no, item in items:
+        if not isinstance(item, dict):
+            raise PromptSourceError(f"{where}: {path}:{line_no}: expected a JSON object (a record), got {_short(item)}")
+        rows.append((f"{where}: {path}:{line_no}", item))
+    return rows
+
+
+def _json_array(path: Path, text: str, where: str) -> list[tuple[int, Any]]:
+    """The elements of a JSON array with the line each starts on."""
+    decoder = json.JSONDecoder()
+    items: list[tuple[int, Any]] = []
+    pos = text.index("[") + 1
+    try:
+        pos = _skip_space(text, pos)
+        if text.startswith("]", pos):
+            pos += 1
+        else:
+            while True:
+                item, end = decoder.raw_decode(text, pos)
+                items.append((text.count("\n", 0, pos) + 1, item))
+                pos = _skip_space(text, end)
+                if text.startswith("]", pos):
+                    pos += 1
+                    break
+                if not text.startswith(",", pos):
+                    raise json.JSONDecodeError("expected ',' or ']' after an array element", text, pos)
+                pos = _skip_space(text, pos + 1)
+        if _skip_space(text, pos) != len(text):
+            raise json.JSONDecodeError("extra data after the array", text, _skip_space(text, pos))
+    except json.JSONDecodeError as e:
+        raise PromptSourceError(f"{where}: {path}:{e.lineno}: not valid JSON: {e}") from None
+    return items
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def split_record(
@@ -120,24 +211,99 @@ def split_record(
 ) -> tuple[str, dict[str, Any]]:
     """(prompt text, metadata) of one record; ValueError naming the field, the columns and ``where``."""
     field = prompt_field
-    if field not in record and field == DEFAULT_PROMPT_FIELD and FALLBACK_PROMPT_FIELD in record:
-        field = FALLBACK_PROMPT_FIELD
+    if field not in record and field == DEFAULT_PROMPT_FIELD:
+        field = next((f for f in FALLBACK_PROMPT_FIELDS if f in record), field)
     if field not in record:
         raise PromptSourceError(
             f"{where}: no prompt column {prompt_field!r} (rollout.prompt_field); the columns are {sorted(record)}"
         )
-    if not isinstance(record[field], str):
-        raise PromptSourceError(
-            f"{where}: prompt column {field!r} holds a {type(record[field]).__name__}, expected a string"
-        )
+    value = record[field]
+    if MESSAGES_KEY in record and field != MESSAGES_KEY:
+        raise PromptSourceError(f"{where}: column {MESSAGES_KEY!r} is reserved for a chat prompt's conversation")
     meta = {k: v for k, v in record.items() if k != field}
+    if isinstance(value, list):
+        text = chat_text(value, f"{where}: column {field!r}")
+        meta[MESSAGES_KEY] = value
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise PromptSourceError(
+            f"{where}: prompt column {field!r} holds a {type(value).__name__}, expected a string "
+            f"or a chat conversation (a list of {{role, content}} messages)"
+        )
     if answer_field != ANSWER_KEY:
         if answer_field not in record:
             raise PromptSourceError(
                 f"{where}: no answer column {answer_field!r} (rollout.answer_field); the columns are {sorted(record)}"
             )
         meta[ANSWER_KEY] = meta.pop(answer_field)
-    return record[field], meta
+    return text, meta
+
+
+def chat_text(messages: list[Any], where: str) -> str:
+    """The reward's prompt text of a chat conversation (its last user turn), after checking
+    every message is {role: one of CHAT_ROLES, content: str}."""
+    if not messages:
+        raise PromptSourceError(f"{where}: an empty conversation")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise PromptSourceError(f"{where}: message {k} is {_short(m)}, expected {{role, content}}")
+        if m["role"] not in CHAT_ROLES:
+            raise PromptSourceError(f"{where}: message {k}: role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(m["content"], str):
+            raise PromptSourceError(
+                f"{where}: message {k}: content holds {_json_kind(m['content'])}, expected a string"
+            )
+    if messages[-1]["role"] == "assistant":
+        raise PromptSourceError(f"{where}: the conversation ends with an assistant turn (the engine writes that one)")
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+        raise PromptSourceError(f"{where}: the conversation has no user turn")
+    return users[-1]
+
+
+@dataclass(frozen=True)
+class SourceCheck:
+    """What check_source read: every record of a file or saved dataset, a sample of a hub dataset's."""
+
+    checked: int
+    total: int
+    chat: int
+    """Records holding a chat conversation."""
+
+    def describe(self) -> str:
+        rows = (
+            f"{self.checked} records"
+            if self.checked == self.total
+            else f"the first {self.checked} of {self.total} records"
+        )
+        return f"{rows} read and valid" + (f" ({self.chat} chat conversations)" if self.chat else "")
+
+
+def check_source(
+    source: str,
+    *,
+    split: str = "train",
+    prompt_field: str = DEFAULT_PROMPT_FIELD,
+    answer_field: str = ANSWER_KEY,
+    chat_template: bool = False,
+    where: str = "rollout.prompts",
+    hub_sample: int | None = None,
+) -> SourceCheck:
+    """Read a prompt source through and check every record as a generator would split and
+    encode it (a hub dataset's first ``hub_sample`` records when given); PromptSourceError otherwise."""
+    limit = hub_sample if is_hub_id(str(source)) else None
+    rows, total = located_records(source, split, where, limit)
+    if not rows:
+        raise PromptSourceError(f"{where}={str(source)!r} holds no records")
+    chat = 0
+    for place, record in rows:
+        _, meta = split_record(record, place, prompt_field, answer_field)
+        if MESSAGES_KEY in meta:
+            chat += 1
+            if not chat_template:
+                raise PromptSourceError(f"{place}: {_NEEDS_TEMPLATE}")
+    return SourceCheck(len(rows), total, chat)
 
 
 def _name(source: str) -> str:
@@ -155,14 +321,12 @@ def file_prompts(
     answer_field: str = ANSWER_KEY,
     where: str = "rollout.prompts",
 ) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    records = read_records(source, split, where)
-    if not records:
+    rows, _ = located_records(source, split, where)
+    if not rows:
         raise PromptSourceError(f"{where}={str(source)!r} holds no records")
     name = _name(str(source))
     stem = f"{id_prefix}:{name}" if id_prefix else name
-    parsed = [
-        split_record(r, f"{where}={str(source)!r} row {i}", prompt_field, answer_field) for i, r in enumerate(records)
-    ]
+    parsed = [split_record(r, place, prompt_field, answer_field) for place, r in rows]
     epoch = 0
     while True:
         order = list(range(len(parsed)))
@@ -200,16 +364,26 @@ def open_prompts(
     )
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool = False) -> list[int]:
-    """Token ids of a prompt; with ``chat_template``, of the single user turn rendered by the
-    tokenizer's chat template with the assistant's turn opened (add_generation_prompt). The
-    rendered text carries the template's own special tokens, so none are added again."""
+def encode_prompt(
+    tokenizer, text: str, chat_template: bool = False, metadata: dict[str, Any] | None = None
+) -> list[int]:
+    """Token ids of a prompt; with ``chat_template``, of the single user turn (or the record's
+    chat conversation, ``metadata["prompt_messages"]``) rendered by the tokenizer's chat template
+    with the assistant's turn opened (add_generation_prompt). The rendered text carries the
+    template's own special tokens, so none are added again."""
+    messages = (metadata or {}).get(MESSAGES_KEY)
+    if messages is not None and not chat_template:
+        raise PromptSourceError(_NEEDS_TEMPLATE)
     if not chat_template:
         return tokenizer.encode(text)
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
+    conversation = messages if messages is not None else [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def prompt_encoder(tokenizer, chat_template: bool) -> Callable[[str, dict[str, Any]], list[int]]:
+    """encode_prompt with its tokenizer and template setting fixed: (text, metadata) -> ids."""
+    return lambda text, metadata: encode_prompt(tokenizer, text, chat_template, metadata)
 
 
 def check_chat_template(tokenizer, model: str) -> None:

@@ -172,11 +172,13 @@ class EngineRecord:
         self.run_state.set_engine_record(self.generator_id, None)
 
 
-def predecessor_prompts(run_state: RunState, generator_id: str, encode: Callable[[str], list[int]]) -> list[PromptItem]:
+def predecessor_prompts(
+    run_state: RunState, generator_id: str, encode: Callable[[str, dict], list[int]]
+) -> list[PromptItem]:
     """The prompts a predecessor admitted (noted in its in-flight hash) but never put: they are
     run again under their own ids, without a second admission."""
     items = []
     for prompt_id, raw in run_state.inflight_prompts(generator_id).items():
         note = unpack_small(raw)
-        items.append(PromptItem(prompt_id, note["text"], note["metadata"], encode(note["text"])))
+        items.append(PromptItem(prompt_id, note["text"], note["metadata"], encode(note["text"], note["metadata"])))
     return items

@@ -122,7 +122,9 @@ def test_asyncrl_generate_refuses_a_tampered_config_before_importing_it(password
     done = _generate(plain_url, "cli", marker.parent, "--password", PASSWORD, "--allow-import", MARKER_ENV)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("asyncrl generate: config error: run 'cli': the job's config in Redis has a signature that does not")
+    assert last.startswith(
+        "asyncrl generate: config error: run 'cli': the job's config in Redis has a signature that does not"
+    )
     assert "Traceback" not in done.stderr and not marker.exists()
     rs.close()
 

