@@ -3,6 +3,7 @@ involve only its own fields (rules across sections live on the root, asyncrl.con
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from typing import Any, Literal
 
@@ -36,6 +37,26 @@ def _custom_resources(name: str, res: dict[str, Any]) -> dict[str, Any]:
                 f"(CPUs and GPUs are set by cpus_per_* / gpus_per_*)"
             )
     return res
+
+
+def loopback_only(bind: str) -> bool:
+    """Whether a Redis ``bind`` line (addresses separated by spaces, each maybe prefixed "-")
+    names only loopback addresses. A wildcard, a host name or anything unparsable is not."""
+    addresses = [a.removeprefix("-") for a in bind.split()]
+    if not addresses:
+        return False
+    for a in addresses:
+        if a == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(a).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return True
+
+
+MIN_DASHBOARD_TOKEN = 16
 
 
 class RewardFnConfig(Section):
@@ -181,6 +202,17 @@ class QueueConfig(Section):
         return value
 
     @model_validator(mode="after")
+    def _exposed_redis(self) -> QueueConfig:
+        # redis-server turns protected mode off under an explicit bind: without a password,
+        # anyone who reaches the port can write the queue and files as this user.
+        if self.redis_url is None and not loopback_only(self.bind) and not self.password:
+            raise ConfigError(
+                f"queue.bind={self.bind!r}: binding beyond loopback requires queue.password "
+                "(or keep queue.bind=127.0.0.1)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deadlines(self) -> QueueConfig:
         if self.outage_deadline_s is not None and not self.outage_deadline_s >= self.retry_deadline_s:
             raise ConfigError(
@@ -313,6 +345,8 @@ class MonitorConfig(Section):
     dashboard_host: str = "127.0.0.1"
     """Beyond loopback it needs dashboard_token."""
     dashboard_token: str | None = None
+    """At least 16 characters; checked on every request (?token=, a bearer header or the cookie
+    the first visit sets)."""
     alert_rollout_kl: float = 0.05
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0
@@ -332,5 +366,10 @@ class MonitorConfig(Section):
             raise ConfigError(
                 f"monitor.dashboard_host={self.dashboard_host!r}: binding beyond loopback requires "
                 f"monitor.dashboard_token"
+            )
+        if self.dashboard_token is not None and len(self.dashboard_token) < MIN_DASHBOARD_TOKEN:
+            raise ConfigError(
+                f"monitor.dashboard_token: {len(self.dashboard_token)} characters; give at least "
+                f"{MIN_DASHBOARD_TOKEN} (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`)"
             )
         return self
