@@ -345,8 +345,8 @@ class MonitorConfig(Section):
     dashboard_host: str = "127.0.0.1"
     """Beyond loopback it needs dashboard_token."""
     dashboard_token: str | None = None
-    """At least 16 characters; checked on every request (?token=, a bearer header or the cookie
-    the first visit sets)."""
+    """At least 16 characters, or "generate": a random one, written to run_dir/dashboard_token
+    (0600). Every request needs it (?token=, a bearer header, or the cookie the first visit sets)."""
     alert_rollout_kl: float = 0.05
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0
@@ -367,9 +367,10 @@ class MonitorConfig(Section):
                 f"monitor.dashboard_host={self.dashboard_host!r}: binding beyond loopback requires "
                 f"monitor.dashboard_token"
             )
-        if self.dashboard_token is not None and len(self.dashboard_token) < MIN_DASHBOARD_TOKEN:
+        token = self.dashboard_token
+        if token is not None and token != "generate" and len(token) < MIN_DASHBOARD_TOKEN:
             raise ConfigError(
-                f"monitor.dashboard_token: {len(self.dashboard_token)} characters; give at least "
-                f"{MIN_DASHBOARD_TOKEN} (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`)"
+                f"monitor.dashboard_token: {len(token)} characters; give at least {MIN_DASHBOARD_TOKEN}, "
+                "or 'generate' for a random one written to the run directory"
             )
         return self
