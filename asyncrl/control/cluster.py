@@ -8,6 +8,9 @@ names, even a stale one from an old ``ray start --head``, and then refuse the re
 arguments a private instance needs. A configured address (``HOST:PORT``, ``auto`` or a
 ``ray://`` client URL) attaches without resource arguments: the cluster's nodes declared
 their own resources when they were started.
+
+Attaching to a cluster that does not require Ray's token authentication logs one warning
+(``warn_if_open_cluster``): anyone who reaches such a cluster's ports runs code as its user.
 """
 
 from __future__ import annotations
@@ -20,6 +23,46 @@ from asyncrl.config import ControlConfig
 from asyncrl.infra import STARTING, actor_state
 
 log = logging.getLogger(__name__)
+
+
+_warned_open: set[str] = set()
+
+
+def open_cluster_warning(address: str | None, token_sent: bool, *, key: str = "control.ray_address") -> str | None:
+    """The warning for having attached to `address` (named by `key`), or None.
+
+    None for the private instance this process starts itself (no address, or "local"), and
+    when this process sends a token: a cluster that requires one refuses a client without
+    it, so a client that attached without one shows the cluster requires none."""
+    if address in (None, "local") or token_sent:
+        return None
+    return (
+        f"{key}={address!r}: attached to a Ray cluster without token authentication: anyone who "
+        "can reach its ports (GCS, Ray Client, dashboard) can run code as its user. Start the "
+        "cluster with RAY_AUTH_MODE=token and give this process the token (docs/multinode.md)"
+    )
+
+
+def token_auth_enabled() -> bool:
+    """Whether this process's Ray connections carry a token (RAY_AUTH_MODE=token, or Ray
+    turned it on for `auto` because a token file exists)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token authentication: nothing is ever sent
+        return False
+    return is_token_auth_enabled()
+
+
+def warn_if_open_cluster(
+    address: str | None, *, key: str = "control.ray_address", token_sent: bool | None = None
+) -> None:
+    """After ray.init: warn once per address and process when the cluster is open
+    (`token_sent` None: ask Ray whether this process sends a token)."""
+    sent = token_auth_enabled() if token_sent is None else token_sent
+    message = open_cluster_warning(address, sent, key=key)
+    if message is not None and address not in _warned_open:
+        _warned_open.add(str(address))
+        log.warning(message)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -57,6 +100,7 @@ def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bo
             f"control.ray_address unset for a private Ray instance on this machine"
         ) from e
     if control.ray_address is not None:
+        warn_if_open_cluster(control.ray_address)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log.info(
             "attached to Ray cluster at %s: %d node(s), resources %s",

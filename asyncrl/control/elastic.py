@@ -31,7 +31,7 @@ import socket
 import threading
 
 from asyncrl.config import ConfigError, config_from_dict
-from asyncrl.control.cluster import probe
+from asyncrl.control.cluster import probe, warn_if_open_cluster
 from asyncrl.queue import RunState
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.sync.objstore import open_store
@@ -107,6 +107,7 @@ def _attach_ray(ray_address: str, run: str):
         _client_init(ray_address)
     else:
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    warn_if_open_cluster(ray_address, key="--ray-address")
     try:
         return ray.get(open_store(run).model.remote(), timeout=60)
     except ValueError:  # no weight store: the job publishes files (sync.backend=shm)
