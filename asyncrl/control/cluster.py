@@ -25,16 +25,18 @@ from asyncrl.infra import STARTING, actor_state
 log = logging.getLogger(__name__)
 
 
-_warned_open: set[str] = set()
-
-
-def open_cluster_warning(address: str | None, token_sent: bool, *, key: str = "control.ray_address") -> str | None:
+def open_cluster_warning(
+    address: str | None, token_sent: bool, tokenless_accepted: bool | None = None, *, key: str = "control.ray_address"
+) -> str | None:
     """The warning for having attached to `address` (named by `key`), or None.
 
-    None for the private instance this process starts itself (no address, or "local"), and
-    when this process sends a token: a cluster that requires one refuses a client without
-    it, so a client that attached without one shows the cluster requires none."""
-    if address in (None, "local") or token_sent:
+    None for the private instance this process starts itself (no address, or "local").
+    Otherwise the cluster is open when this process got in without sending a token (a
+    cluster that requires one refuses such a client), or when it sends one but the GCS
+    also answered a request without it (`tokenless_accepted`; None: not asked)."""
+    if address in (None, "local"):
+        return None
+    if token_sent and not tokenless_accepted:
         return None
     return (
         f"{key}={address!r}: attached to a Ray cluster without token authentication: anyone who "
@@ -53,14 +55,57 @@ def token_auth_enabled() -> bool:
     return is_token_auth_enabled()
 
 
+def gcs_accepts_tokenless(gcs_address: str, timeout_s: float = 5.0) -> bool | None:
+    """Ask the GCS for its cluster id over a plain gRPC channel, without the token Ray's own
+    channels add: True if it answers, False if it refuses for want of a token, None if the
+    question itself failed (unreachable, another Ray)."""
+    try:
+        import grpc  # type: ignore[import-untyped]  # Ray's own dependency
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    try:
+        with grpc.insecure_channel(gcs_address) as channel:
+            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]  # generated
+            stub.GetClusterId(request, timeout=timeout_s)
+        return True
+    except grpc.RpcError as e:
+        return False if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
+
+
+def _attached_gcs() -> str | None:
+    """The GCS address of the cluster this process attached to (None through Ray Client)."""
+    import ray
+
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # Ray Client's context has no GCS address
+        return None
+    return address if isinstance(address, str) and address else None
+
+
+_warned_open: set[str] = set()
+
+
 def warn_if_open_cluster(
-    address: str | None, *, key: str = "control.ray_address", token_sent: bool | None = None
+    address: str | None,
+    *,
+    key: str = "control.ray_address",
+    token_sent: bool | None = None,
+    tokenless_accepted: bool | None = None,
 ) -> None:
-    """After ray.init: warn once per address and process when the cluster is open
-    (`token_sent` None: ask Ray whether this process sends a token)."""
+    """After ray.init: warn once per address and process when the cluster is open. The
+    defaults (None) ask Ray whether this process sends a token and, if it does, ask the
+    attached cluster's GCS whether it answers without one."""
+    if address in (None, "local") or str(address) in _warned_open:
+        return
     sent = token_auth_enabled() if token_sent is None else token_sent
-    message = open_cluster_warning(address, sent, key=key)
-    if message is not None and address not in _warned_open:
+    if sent and tokenless_accepted is None:
+        gcs = _attached_gcs()
+        tokenless_accepted = gcs_accepts_tokenless(gcs) if gcs else None
+    message = open_cluster_warning(address, sent, tokenless_accepted, key=key)
+    if message is not None:
         _warned_open.add(str(address))
         log.warning(message)
 

@@ -15,7 +15,9 @@ from asyncrl.control.cluster import open_cluster_warning, warn_if_open_cluster
 def test_the_decision():
     assert open_cluster_warning(None, False) is None  # the run's own private instance
     assert open_cluster_warning("local", False) is None
-    assert open_cluster_warning("10.0.0.1:6379", True) is None  # a token is sent: the cluster checks it
+    assert open_cluster_warning("10.0.0.1:6379", True) is None  # a token is sent (GCS not asked)
+    assert open_cluster_warning("10.0.0.1:6379", True, False) is None  # the GCS refused a token-less call
+    assert open_cluster_warning("10.0.0.1:6379", True, True) is not None  # ... or answered it: open
     for address in ("auto", "10.0.0.1:6379", "ray://head:10001"):
         msg = open_cluster_warning(address, False)
         assert msg is not None and f"control.ray_address={address!r}" in msg and "RAY_AUTH_MODE=token" in msg
@@ -27,7 +29,8 @@ def test_warns_once_per_address_and_never_for_the_private_instance(caplog, monke
     with caplog.at_level(logging.WARNING, logger=cluster.__name__):
         warn_if_open_cluster(None, token_sent=False)
         assert caplog.records == []
-        warn_if_open_cluster("10.0.0.1:6379", token_sent=True)
+        warn_if_open_cluster("local", token_sent=False)
+        warn_if_open_cluster("10.0.0.1:6379", token_sent=True, tokenless_accepted=False)
         assert caplog.records == []
         for _ in range(3):
             warn_if_open_cluster("10.0.0.1:6379", token_sent=False)
