@@ -7,8 +7,8 @@
 With a token every route needs it (``?token=``, ``Authorization: Bearer``, or the cookie set
 after the first visit): none -> 401, wrong -> 403. Tokens are at least 16 characters
 (``monitor.dashboard_token: generate`` makes one: ``resolve_token``). The cookie is marked
-``Secure`` when the request came over TLS (uvicorn's scheme: https when it serves TLS
-itself, or behind a local TLS proxy that sends ``X-Forwarded-Proto: https``).
+``Secure`` when the request came over TLS (uvicorn's scheme: https behind a TLS proxy on
+this host that sends ``X-Forwarded-Proto: https``, or were uvicorn to serve TLS itself).
 """
 
 from __future__ import annotations
