@@ -340,13 +340,14 @@ class MonitorConfig(Section):
     default. Off: it stays in Ray's worker logs, linked from run_dir/logs/ray, and the console
     shows asyncrl's own lines (`asyncrl train --verbose` turns it on)."""
     dashboard: bool = True
-    """`asyncrl train` serves the dashboard itself on dashboard_host:dashboard_port."""
+    """`asyncrl train` serves the dashboard itself on dashboard_host:dashboard_port. A
+    dashboard_token is at least 16 characters, or "generate": a random one, written to
+    run_dir/dashboard_token (0600); every request then needs it (?token=, a bearer header,
+    or the cookie the first visit sets)."""
     dashboard_port: int = 8470
     dashboard_host: str = "127.0.0.1"
     """Beyond loopback it needs dashboard_token."""
     dashboard_token: str | None = None
-    """At least 16 characters, or "generate": a random one, written to run_dir/dashboard_token
-    (0600). Every request needs it (?token=, a bearer header, or the cookie the first visit sets)."""
     alert_rollout_kl: float = 0.05
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0
