@@ -25,6 +25,62 @@ from asyncrl.infra import STARTING, actor_state
 log = logging.getLogger(__name__)
 
 
+class ClusterUnavailable(RuntimeError):
+    """control.ray_address names a Ray cluster that cannot be reached."""
+
+
+def ray_init_kwargs(control: ControlConfig) -> dict:
+    """The arguments ``ray.init`` gets for this config (env vars and logging aside)."""
+    if control.ray_address is None:
+        # Logical CPUs beyond the physical ones let learner ranks and generators co-exist on a
+        # small machine; real placement is by affinity where benchmarks need it.
+        return {
+            "address": "local",
+            "num_cpus": max(os.cpu_count() or 2, 8),
+            "object_store_memory": control.ray_object_store_mb * 1024 * 1024,
+        }
+    return {"address": control.ray_address}
+
+
+def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bool = True) -> None:
+    """``ray.init`` for this run; ClusterUnavailable (naming the address) if there is no cluster.
+    Not `verbose`: workers' output stays in Ray's log files and Ray's own INFO lines are muted."""
+    import ray
+
+    kwargs = ray_init_kwargs(control)
+    if not verbose:
+        kwargs["logging_level"] = logging.WARNING
+    try:
+        probe(control.ray_address)
+        ray.init(include_dashboard=False, runtime_env={"env_vars": env_vars}, log_to_driver=verbose, **kwargs)
+    except (ConnectionError, TimeoutError, OSError) as e:
+        raise ClusterUnavailable(
+            f"control.ray_address={control.ray_address!r}: no Ray cluster answers there ({e}). Start one "
+            f"(`ray start --head` on the head node, `ray start --address=HEAD:6379` on the others) or leave "
+            f"control.ray_address unset for a private Ray instance on this machine"
+        ) from e
+    if control.ray_address is not None:
+        warn_if_open_cluster(control.ray_address)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        log.info(
+            "attached to Ray cluster at %s: %d node(s), resources %s",
+            control.ray_address,
+            len(nodes),
+            ray.cluster_resources(),
+        )
+
+
+def probe(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail fast on a HOST:PORT nobody listens on: Ray's own GCS client retries for minutes."""
+    if address is None or address in ("local", "auto"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # let Ray parse (and reject) anything else
+    with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+        pass
+
+
 def open_cluster_warning(
     address: str | None, token_sent: bool, tokenless_accepted: bool | None = None, *, key: str = "control.ray_address"
 ) -> str | None:
@@ -108,62 +164,6 @@ def warn_if_open_cluster(
     if message is not None:
         _warned_open.add(str(address))
         log.warning(message)
-
-
-class ClusterUnavailable(RuntimeError):
-    """control.ray_address names a Ray cluster that cannot be reached."""
-
-
-def ray_init_kwargs(control: ControlConfig) -> dict:
-    """The arguments ``ray.init`` gets for this config (env vars and logging aside)."""
-    if control.ray_address is None:
-        # Logical CPUs beyond the physical ones let learner ranks and generators co-exist on a
-        # small machine; real placement is by affinity where benchmarks need it.
-        return {
-            "address": "local",
-            "num_cpus": max(os.cpu_count() or 2, 8),
-            "object_store_memory": control.ray_object_store_mb * 1024 * 1024,
-        }
-    return {"address": control.ray_address}
-
-
-def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bool = True) -> None:
-    """``ray.init`` for this run; ClusterUnavailable (naming the address) if there is no cluster.
-    Not `verbose`: workers' output stays in Ray's log files and Ray's own INFO lines are muted."""
-    import ray
-
-    kwargs = ray_init_kwargs(control)
-    if not verbose:
-        kwargs["logging_level"] = logging.WARNING
-    try:
-        probe(control.ray_address)
-        ray.init(include_dashboard=False, runtime_env={"env_vars": env_vars}, log_to_driver=verbose, **kwargs)
-    except (ConnectionError, TimeoutError, OSError) as e:
-        raise ClusterUnavailable(
-            f"control.ray_address={control.ray_address!r}: no Ray cluster answers there ({e}). Start one "
-            f"(`ray start --head` on the head node, `ray start --address=HEAD:6379` on the others) or leave "
-            f"control.ray_address unset for a private Ray instance on this machine"
-        ) from e
-    if control.ray_address is not None:
-        warn_if_open_cluster(control.ray_address)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        log.info(
-            "attached to Ray cluster at %s: %d node(s), resources %s",
-            control.ray_address,
-            len(nodes),
-            ray.cluster_resources(),
-        )
-
-
-def probe(address: str | None, timeout_s: float = 5.0) -> None:
-    """Fail fast on a HOST:PORT nobody listens on: Ray's own GCS client retries for minutes."""
-    if address is None or address in ("local", "auto"):
-        return
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        return  # let Ray parse (and reject) anything else
-    with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
-        pass
 
 
 def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> list[str]:
