@@ -3,6 +3,7 @@ involve only its own fields (rules across sections live on the root, asyncrl.con
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from typing import Any, Literal
 
@@ -36,6 +37,26 @@ def _custom_resources(name: str, res: dict[str, Any]) -> dict[str, Any]:
                 f"(CPUs and GPUs are set by cpus_per_* / gpus_per_*)"
             )
     return res
+
+
+def loopback_only(bind: str) -> bool:
+    """Whether a Redis ``bind`` line (addresses separated by spaces, each maybe prefixed "-")
+    names only loopback addresses. A wildcard, a host name or anything unparsable is not."""
+    addresses = [a.removeprefix("-") for a in bind.split()]
+    if not addresses:
+        return False
+    for a in addresses:
+        if a == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(a).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return True
+
+
+MIN_DASHBOARD_TOKEN = 16
 
 
 class RewardFnConfig(Section):
@@ -181,6 +202,17 @@ class QueueConfig(Section):
         return value
 
     @model_validator(mode="after")
+    def _exposed_redis(self) -> QueueConfig:
+        # redis-server turns protected mode off under an explicit bind: without a password,
+        # anyone who reaches the port can write the queue and files as this user.
+        if self.redis_url is None and not loopback_only(self.bind) and not self.password:
+            raise ConfigError(
+                f"queue.bind={self.bind!r}: binding beyond loopback requires queue.password "
+                "(or keep queue.bind=127.0.0.1)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deadlines(self) -> QueueConfig:
         if self.outage_deadline_s is not None and not self.outage_deadline_s >= self.retry_deadline_s:
             raise ConfigError(
@@ -308,7 +340,10 @@ class MonitorConfig(Section):
     default. Off: it stays in Ray's worker logs, linked from run_dir/logs/ray, and the console
     shows asyncrl's own lines (`asyncrl train --verbose` turns it on)."""
     dashboard: bool = True
-    """`asyncrl train` serves the dashboard itself on dashboard_host:dashboard_port."""
+    """`asyncrl train` serves the dashboard itself on dashboard_host:dashboard_port. A
+    dashboard_token is at least 16 characters, or "generate": a random one, written to
+    run_dir/dashboard_token (0600); every request then needs it (?token=, a bearer header,
+    or the cookie the first visit sets)."""
     dashboard_port: int = 8470
     dashboard_host: str = "127.0.0.1"
     """Beyond loopback it needs dashboard_token."""
@@ -332,5 +367,11 @@ class MonitorConfig(Section):
             raise ConfigError(
                 f"monitor.dashboard_host={self.dashboard_host!r}: binding beyond loopback requires "
                 f"monitor.dashboard_token"
+            )
+        token = self.dashboard_token
+        if token is not None and token != "generate" and len(token) < MIN_DASHBOARD_TOKEN:
+            raise ConfigError(
+                f"monitor.dashboard_token: {len(token)} characters; give at least {MIN_DASHBOARD_TOKEN}, "
+                "or 'generate' for a random one written to the run directory"
             )
         return self

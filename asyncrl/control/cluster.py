@@ -8,6 +8,9 @@ names, even a stale one from an old ``ray start --head``, and then refuse the re
 arguments a private instance needs. A configured address (``HOST:PORT``, ``auto`` or a
 ``ray://`` client URL) attaches without resource arguments: the cluster's nodes declared
 their own resources when they were started.
+
+Attaching to a cluster that does not require Ray's token authentication logs one warning
+(``warn_if_open_cluster``): anyone who reaches such a cluster's ports runs code as its user.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bo
             f"control.ray_address unset for a private Ray instance on this machine"
         ) from e
     if control.ray_address is not None:
+        warn_if_open_cluster(control.ray_address)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log.info(
             "attached to Ray cluster at %s: %d node(s), resources %s",
@@ -75,6 +79,91 @@ def probe(address: str | None, timeout_s: float = 5.0) -> None:
         return  # let Ray parse (and reject) anything else
     with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
         pass
+
+
+def open_cluster_warning(
+    address: str | None, token_sent: bool, tokenless_accepted: bool | None = None, *, key: str = "control.ray_address"
+) -> str | None:
+    """The warning for having attached to `address` (named by `key`), or None.
+
+    None for the private instance this process starts itself (no address, or "local").
+    Otherwise the cluster is open when this process got in without sending a token (a
+    cluster that requires one refuses such a client), or when it sends one but the GCS
+    also answered a request without it (`tokenless_accepted`; None: not asked)."""
+    if address in (None, "local"):
+        return None
+    if token_sent and not tokenless_accepted:
+        return None
+    return (
+        f"{key}={address!r}: attached to a Ray cluster without token authentication: anyone who "
+        "can reach its ports (GCS, Ray Client, dashboard) can run code as its user. Start the "
+        "cluster with RAY_AUTH_MODE=token and give this process the token (docs/multinode.md)"
+    )
+
+
+def token_auth_enabled() -> bool:
+    """Whether this process's Ray connections carry a token (RAY_AUTH_MODE=token, or Ray
+    turned it on for `auto` because a token file exists)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token authentication: nothing is ever sent
+        return False
+    return is_token_auth_enabled()
+
+
+def gcs_accepts_tokenless(gcs_address: str, timeout_s: float = 5.0) -> bool | None:
+    """Ask the GCS for its cluster id over a plain gRPC channel, without the token Ray's own
+    channels add: True if it answers, False if it refuses for want of a token, None if the
+    question itself failed (unreachable, another Ray)."""
+    try:
+        import grpc  # type: ignore[import-untyped]  # Ray's own dependency
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    try:
+        with grpc.insecure_channel(gcs_address) as channel:
+            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]  # generated
+            stub.GetClusterId(request, timeout=timeout_s)
+        return True
+    except grpc.RpcError as e:
+        return False if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
+
+
+def _attached_gcs() -> str | None:
+    """The GCS address of the cluster this process attached to (None through Ray Client)."""
+    import ray
+
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # Ray Client's context has no GCS address
+        return None
+    return address if isinstance(address, str) and address else None
+
+
+_warned_open: set[str] = set()
+
+
+def warn_if_open_cluster(
+    address: str | None,
+    *,
+    key: str = "control.ray_address",
+    token_sent: bool | None = None,
+    tokenless_accepted: bool | None = None,
+) -> None:
+    """After ray.init: warn once per address and process when the cluster is open. The
+    defaults (None) ask Ray whether this process sends a token and, if it does, ask the
+    attached cluster's GCS whether it answers without one."""
+    if address in (None, "local") or str(address) in _warned_open:
+        return
+    sent = token_auth_enabled() if token_sent is None else token_sent
+    if sent and tokenless_accepted is None:
+        gcs = _attached_gcs()
+        tokenless_accepted = gcs_accepts_tokenless(gcs) if gcs else None
+    message = open_cluster_warning(address, sent, tokenless_accepted, key=key)
+    if message is not None:
+        _warned_open.add(str(address))
+        log.warning(message)
 
 
 def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> list[str]:

@@ -39,7 +39,7 @@ import threading
 
 from asyncrl.config import Config, ConfigError, config_from_dict
 from asyncrl.control.allowlist import ImportAllowList, named_imports, typed_imports, wants_remote_code
-from asyncrl.control.cluster import ClusterUnavailable, probe
+from asyncrl.control.cluster import ClusterUnavailable, probe, warn_if_open_cluster
 from asyncrl.queue import RunState
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.sync.objstore import open_store
@@ -145,6 +145,7 @@ def _attach_ray(ray_address: str, run: str):
         _client_init(ray_address)
     else:
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    warn_if_open_cluster(ray_address, key="--ray-address")
     try:
         return ray.get(open_store(run).model.remote(), timeout=60)
     except ValueError:  # no weight store: the job publishes files (sync.backend=shm)

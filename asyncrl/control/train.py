@@ -178,8 +178,10 @@ def _start_dashboard(cfg: Config, rt: StartedRun) -> str | None:
     if not cfg.monitor.dashboard:
         return None
     from asyncrl.monitor.dashboard.app import serve_in_thread
+    from asyncrl.monitor.dashboard.guard import resolve_token
 
     m = cfg.monitor
+    token = resolve_token(m.dashboard_token, rt.run_dir)
 
     def serve(port: int):
         return serve_in_thread(
@@ -187,7 +189,7 @@ def _start_dashboard(cfg: Config, rt: StartedRun) -> str | None:
             run=cfg.control.run_name,
             host=m.dashboard_host,
             port=port,
-            token=m.dashboard_token,
+            token=token,
             password=cfg.queue.password,
         )
 

@@ -30,6 +30,7 @@ from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
 from asyncrl.sync.model_ship import local_model
 from asyncrl.sync.objstore import safetensors_blob
+from asyncrl.sync.shm import temp_beside
 
 
 class LearnerActor:
@@ -243,9 +244,11 @@ class LearnerActor:
 
         state = fsdp.full_state_dict(self.model)
         if self.rank == 0:
-            tmp = f"{path}.tmp-{os.getpid()}"
+            tmp: str | None = None
             try:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = temp_beside(path)  # 0600, O_EXCL: see temp_beside
+                os.close(fd)  # save_file opens the name itself; it is ours alone now
                 save_file(
                     {k: v.contiguous() for k, v in state.items()},
                     tmp,
@@ -253,8 +256,9 @@ class LearnerActor:
                 )
                 os.replace(tmp, path)
             except Exception as e:  # reported to the driver, which raises it
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)  # a partial file only holds the space the next attempt needs
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)  # a partial file only holds the space the next attempt needs
                 return f"{type(e).__name__}: {e}"
         return self.version
 

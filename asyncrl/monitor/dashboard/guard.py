@@ -5,14 +5,21 @@
     error_response(request, 404, "Unknown run", "...")  # an HTML page, or JSON under /api/
 
 With a token every route needs it (``?token=``, ``Authorization: Bearer``, or the cookie set
-after the first visit): none -> 401, wrong -> 403.
+after the first visit): none -> 401, wrong -> 403. Tokens are at least 16 characters
+(``monitor.dashboard_token: generate`` makes one: ``resolve_token``). The cookie is marked
+``Secure`` when the request came over TLS (uvicorn's scheme: https behind a TLS proxy on
+this host that sends ``X-Forwarded-Proto: https``, or were uvicorn to serve TLS itself).
 """
 
 from __future__ import annotations
 
 import hmac
 import html
+import logging
+import os
+import secrets
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
@@ -20,6 +27,12 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 TOKEN_COOKIE = "asyncrl_dashboard_token"
+MIN_TOKEN_CHARS = 16
+GENERATE = "generate"
+"""monitor.dashboard_token's value asking for a random token (resolve_token)."""
+TOKEN_FILE = "dashboard_token"
+
+log = logging.getLogger(__name__)
 
 
 def _wants_html(request: Request) -> bool:
@@ -41,6 +54,24 @@ def error_response(request: Request, status: int, title: str, message: str) -> R
 def check_host(host: str, token: str | None) -> None:
     if host not in LOOPBACK_HOSTS and not token:
         raise ValueError(f"host={host!r} is reachable from other machines: set a token (--token) to bind it")
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        # The length only: the token itself must not reach a log or a terminal.
+        raise ValueError(f"token: {len(token)} characters; give at least {MIN_TOKEN_CHARS}")
+
+
+def resolve_token(token: str | None, run_dir: Path) -> str | None:
+    """The dashboard's token: `token` itself, or for "generate" a fresh random one written to
+    run_dir/dashboard_token (0600, like config.yaml) and only its path logged."""
+    if token != GENERATE:
+        return token
+    token = secrets.token_urlsafe(24)
+    path = run_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file of a resumed run may have another mode
+        f.write(token + "\n")
+    log.info("dashboard token generated: %s (open the dashboard with ?token=<its contents>)", path)
+    return token
 
 
 class TokenAuth:
@@ -82,6 +113,8 @@ class TokenAuth:
             # First visit by link: remember the token so the page's own requests carry it.
             if message["type"] == "http.response.start":
                 cookie = f"{TOKEN_COOKIE}={query}; Path=/; HttpOnly; SameSite=Strict"
+                if scope.get("scheme") == "https":
+                    cookie += "; Secure"  # never sent back over plain HTTP, where it could be read
                 message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie.encode())]}
             await send(message)
 
