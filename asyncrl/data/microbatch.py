@@ -4,7 +4,7 @@
     plans = [split_by_token_budget([lengths[i] for i in share], budget=4096) for share in shares]
     count = max(len(p) for p in plans)                                            # same on all ranks
     mb = collate([seq_fields(s) for s in seqs], pad_token_id=0)                   # dict of [B, L]
-    mb = collate_packed([seq_fields(s) for s in seqs], pad_token_id=0)            # the same + a [1, T] row
+    mb = collate_packed([seq_fields(s) for s in seqs], pad_token_id=0)            # the same + packed [R, W] rows
     pad = padding_microbatch(field_dtypes(mb), pad_token_id=0)                    # zero loss mask
 
 Two layouts of one micro-batch; the per-token fields (loss mask, rollout logprobs,
@@ -16,11 +16,12 @@ is the same for both:
   positions do not depend on the padding. The planner picks the cut into micro-batches with
   the least padded compute, each micro-batch charged a fixed cost (`split_by_token_budget`);
   what padding is left is reported as `learner/padding_frac`.
-- *packed* (``learner.packing``, the default): the model runs on one row holding the B
-  sequences back to back (PACKED_IDS, [1, T], T = the sum of their lengths) with
-  POSITION_IDS restarting at 0 for each sequence, from which the attention keeps every
-  token inside its own sequence (asyncrl.learner.step.forward_logits). No pad is computed;
-  the budget bounds T (`pack_by_token_budget`). Anything computed per position on that row
+- *packed* (``learner.packing``, the default): the model runs on rows holding several
+  sequences back to back (PACKED_IDS, [R, W]: one row of all of them for flash attention,
+  else rows as wide as the longest, see `collate_packed`) with POSITION_IDS restarting at
+  0 for each sequence, from which the attention keeps every token inside its own sequence
+  (asyncrl.learner.step.forward_logits). Next to no pad is computed; the budget bounds the
+  real tokens (`pack_by_token_budget`). Anything computed per position on those rows
   (log-probs, entropy) comes back to the [B, L] layout through UNPACK_INDEX (`unpack`), with
   0 at each sequence's position 0 and on padding, as the padded path has at position 0; the
   loss never reads padding positions.
@@ -47,8 +48,8 @@ from asyncrl.types import TrainSequence
 SEQUENCE_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
 INTEGER_FIELDS = ("input_ids", "token_versions")
 PADDING_KEY = "is_padding"
-# The packed layout's extra fields (module docstring): the forward's input row, its
-# per-sequence positions, and where each [B, L] slot's value sits in that row (-1: none).
+# The packed layout's extra fields (module docstring): the forward's input rows, their
+# per-sequence positions, and where each [B, L] slot's value sits in those rows (-1: none).
 PACKED_IDS = "packed_input_ids"
 POSITION_IDS = "position_ids"
 UNPACK_INDEX = "unpack_index"
@@ -181,36 +182,55 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
     return out
 
 
-def collate_packed(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """`collate`'s [B, L] fields plus the packed row the model runs on (module docstring):
-    PACKED_IDS and POSITION_IDS [1, T] (T = the sum of the lengths) and UNPACK_INDEX [B, L],
-    the position in that row of each slot's value, -1 at each sequence's position 0 (it has
-    no predecessor) and on padding."""
+def collate_packed(
+    seqs: list[dict[str, np.ndarray]], *, pad_token_id: int, one_row: bool = False
+) -> dict[str, torch.Tensor]:
+    """`collate`'s [B, L] fields plus the packed rows the model runs on (module docstring):
+    PACKED_IDS and POSITION_IDS [R, W] and UNPACK_INDEX [B, L], the flat position in those
+    rows of each slot's value, -1 at each sequence's position 0 (it has no predecessor) and
+    on padding.
+
+    one_row: all sequences in one row (R = 1, W = the sum of the lengths): for attention
+    kernels that skip what the mask drops (flash attention's varlen, which also needs R = 1).
+    Else rows as wide as the longest sequence, filled first-fit longest first, their tail
+    padded with pad tokens that form a sequence of their own: a dense attention mask (SDPA)
+    costs W^2 per row, so a row no wider than the padded layout's keeps the attention cost at
+    most the padded path's while the rows are near full.
+    """
     out = collate(seqs, pad_token_id=pad_token_id)
     lengths = [len(s["input_ids"]) for s in seqs]
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    width = sum(lengths) if one_row else max(lengths)
+    rows = pack_by_token_budget(lengths, max(width, 1))
+    ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)
     index = np.full(tuple(out["input_ids"].shape), -1, dtype=np.int64)
-    for k, (start, n) in enumerate(zip(starts, lengths, strict=True)):
-        index[k, 1:n] = np.arange(start + 1, start + n)
-    ids = np.concatenate([np.asarray(s["input_ids"]) for s in seqs])
-    out[PACKED_IDS] = torch.from_numpy(ids.astype(np.int64, copy=False)).to(out["input_ids"].dtype).view(1, -1)
-    out[POSITION_IDS] = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])).view(1, -1)
+    for r, members in enumerate(rows):
+        start = 0
+        for k in members:
+            n = lengths[k]
+            ids[r, start : start + n] = seqs[k]["input_ids"]
+            positions[r, start : start + n] = np.arange(n)
+            index[k, 1:n] = r * width + np.arange(start + 1, start + n)
+            start += n
+        positions[r, start:] = np.arange(width - start)  # the pad tail: a sequence of its own
+    out[PACKED_IDS] = torch.from_numpy(ids).to(out["input_ids"].dtype)
+    out[POSITION_IDS] = torch.from_numpy(positions)
     out[UNPACK_INDEX] = torch.from_numpy(index)
     return out
 
 
 def is_packed(mb: dict[str, Any]) -> bool:
-    """Whether the model runs on this micro-batch's packed row rather than its [B, L] rows."""
+    """Whether the model runs on this micro-batch's packed rows rather than its [B, L] rows."""
     return PACKED_IDS in mb
 
 
 def forward_ids(mb: dict[str, Any]) -> torch.Tensor:
-    """The token ids the model runs on: the packed row, or the [B, L] rows."""
+    """The token ids the model runs on: the packed rows, or the [B, L] rows."""
     return mb[PACKED_IDS] if is_packed(mb) else mb["input_ids"]
 
 
 def unpack(values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
-    """Per-position values of a packed micro-batch's row ([1, T]) in the [B, L] layout of its
+    """Per-position values over a packed micro-batch's rows ([R, W]) in the [B, L] layout of its
     other fields: 0 at each sequence's position 0 and on padding. Differentiable."""
     index = mb[UNPACK_INDEX].to(values.device)
     picked = values.reshape(-1)[index.clamp(min=0)]
@@ -263,14 +283,20 @@ def build_rank_microbatches(
     *,
     pad_token_id: int,
     packing: bool = False,
+    one_row: bool = False,
 ) -> list[dict[str, Any]]:
-    """Collate (packing: `collate_packed`) one rank's micro-batches per `plan`, then add
-    padding ones up to `count`."""
+    """Collate (packing: `collate_packed`, with `one_row`) one rank's micro-batches per
+    `plan`, then add padding ones up to `count`."""
     if len(plan) > count:
         raise ValueError(f"plan has {len(plan)} micro-batches, more than the common count {count}")
     mbs: list[dict[str, Any]] = []
     for idx in plan:
-        mb: dict[str, Any] = (collate_packed if packing else collate)([seqs[i] for i in idx], pad_token_id=pad_token_id)
+        members = [seqs[i] for i in idx]
+        mb: dict[str, Any] = (
+            collate_packed(members, pad_token_id=pad_token_id, one_row=one_row)
+            if packing
+            else collate(members, pad_token_id=pad_token_id)
+        )
         if set(mb) - set(PACKING_FIELDS) != set(fields):
             raise ValueError(f"micro-batch fields {sorted(mb)} differ from the mini-batch's {sorted(fields)}")
         mb[PADDING_KEY] = False

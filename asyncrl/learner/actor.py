@@ -131,7 +131,13 @@ class LearnerActor:
             k += len(mb)
         dtypes = {name: getattr(torch, dt) for name, dt in fields.items()}
         return mbatch.build_rank_microbatches(
-            flat, index, count, dtypes, pad_token_id=self.pad_token_id, packing=self.cfg.learner.packing
+            flat,
+            index,
+            count,
+            dtypes,
+            pad_token_id=self.pad_token_id,
+            packing=self.cfg.learner.packing,
+            one_row=step.packs_into_one_row(self.model),
         )
 
     # ------------------------------------------------------------------ endpoints

@@ -1,6 +1,6 @@
 """The per-micro-batch loss the learner calls: policy + KL to reference + rollout KL - entropy.
 
-    logits = model(mb["input_ids"]).logits                        # [B, L, V], or packed [1, T, V]
+    logits = model(mb["input_ids"]).logits                        # [B, L, V], or packed [R, W, V]
     loss, metrics = microbatch_loss(logits, mb, cfg.algo, temperature=cfg.rollout.temperature)
     loss.backward()                                               # FSDP sums the ranks' gradients
 
@@ -15,7 +15,7 @@ ranks' gradients: asyncrl.learner.fsdp sets its divide factor to 1). Every term 
 term normalised inside the micro-batch would be amplified by the number of micro-batches
 (SkyRL PR #1296's review finding for KL and entropy).
 
-A packed micro-batch (asyncrl.data.microbatch) gives logits over its one packed row; the
+A packed micro-batch (asyncrl.data.microbatch) gives logits over its packed rows; the
 log-probs and entropy are taken there and unpacked to the [B, L] layout of every other field
 before any loss term sees them, so each term, weight and metric is the padded path's.
 
@@ -185,7 +185,7 @@ def microbatch_loss(
 
     Args:
         logits: [B, L, V] model output for ``mb["input_ids"]``; for a packed micro-batch
-            [1, T, V] for its packed row (``mb[PACKED_IDS]``).
+            [R, W, V] for its packed rows (``mb[PACKED_IDS]``).
         mb: [B, L] tensors ``input_ids, loss_mask, rollout_logprobs, old_logprobs, advantages,
             reduction_weights`` and ``ref_logprobs`` when ``algo.kl_coef > 0``.
         algo: the algo branch of the config (read here, never passed into the math).

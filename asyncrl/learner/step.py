@@ -4,7 +4,7 @@
     stats = train_step(model, optimizer, scheduler, microbatches, loss_fn, grad_clip=1.0)
 
 `loss_fn(logits, mb) -> (loss, metrics)` (logits in the micro-batch's forward layout:
-padded [B, L, V] or packed [1, T, V], see forward_logits) returns the micro-batch's share of
+padded [B, L, V] or packed [R, W, V], see forward_logits) returns the micro-batch's share of
 the mini-batch loss, sum_t w_t * term_t, with the reduction weights w computed over the whole mini-batch
 (all ranks). Summed over micro-batches (gradient accumulation) and ranks, that is the
 mini-batch loss, and FSDP sums the ranks' gradients (``fsdp.shard_model`` sets its divide
@@ -79,10 +79,18 @@ def policy_logits(
     return logits if disallowed is None else logits.masked_fill(disallowed, MASKED_LOGIT)
 
 
-def forward_logits(model: nn.Module, mb: dict[str, Any], disallowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits over the micro-batch's forward layout: its [B, L] rows, or packed, its [1, T] row.
+def packs_into_one_row(model: nn.Module) -> bool:
+    """Whether packed micro-batches go in one row for this model (asyncrl.data.microbatch.collate_packed):
+    for flash attention, whose varlen kernel needs a batch of one and computes no masked
+    block; SDPA and eager apply a dense mask per row, so they get rows no wider than the
+    longest sequence."""
+    return "flash" in str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
 
-    A packed row carries only `position_ids`, restarting at 0 for each sequence: Hugging Face
+
+def forward_logits(model: nn.Module, mb: dict[str, Any], disallowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits over the micro-batch's forward layout: its [B, L] rows, or its packed [R, W] rows.
+
+    Packed rows carry only `position_ids`, restarting at 0 for each sequence: Hugging Face
     transformers (>= 5.16, the pinned range) finds the sequence boundaries in them where no
     attention mask is passed (masking_utils.find_packed_sequence_indices) and keeps each
     token's attention inside its own sequence, with every attention implementation, composed

@@ -279,10 +279,11 @@ def row_lengths(mb: dict) -> list[int]:
     return [int((row != 0).nonzero().max()) + 1 for row in mb["input_ids"]]
 
 
-def packed(mb: dict, idx) -> dict:
+def packed(mb: dict, idx, one_row: bool = False) -> dict:
     """These rows as one packed micro-batch, built from their unpadded fields as the learner does."""
     n = row_lengths(mb)
-    return mbatch.collate_packed([{k: v[i, : n[i]].numpy() for k, v in mb.items()} for i in idx], pad_token_id=0)
+    seqs = [{k: v[i, : n[i]].numpy() for k, v in mb.items()} for i in idx]
+    return mbatch.collate_packed(seqs, pad_token_id=0, one_row=one_row)
 
 
 def llama_grad(model, algo, micro: list[dict], **kw) -> tuple[torch.Tensor, dict]:
@@ -311,9 +312,10 @@ def check_packed_like_padded(model, algo, mb: dict, split: str, *, ranks: bool =
     n = mb["input_ids"].shape[0]
     padded, padded_metrics = llama_grad(model, algo, [mb], **kw)
     assert padded.abs().max() > 1e-5, "the loss must produce a gradient for the test to mean anything"
-    whole, whole_metrics = llama_grad(model, algo, [packed(mb, range(n))], **kw)
-    assert rel_diff(whole, padded) <= 1e-6, "one packed row changed the gradient"
-    assert_same_metrics(whole_metrics, padded_metrics, "one packed row")
+    for one_row in (True, False):
+        whole, whole_metrics = llama_grad(model, algo, [packed(mb, range(n), one_row)], **kw)
+        assert rel_diff(whole, padded) <= 1e-6, f"packing (one_row={one_row}) changed the gradient"
+        assert_same_metrics(whole_metrics, padded_metrics, f"packed, one_row={one_row}")
     got, _ = llama_grad(model, algo, [packed(mb, p) for p in splits(n)[split]], **kw)
     assert rel_diff(got, padded) <= 1e-6, f"packed split {split} changed the gradient"
     if ranks:  # packed micro-batches on two ranks; rank 1 runs a (never packed) padding micro-batch
@@ -356,10 +358,12 @@ def test_packed_logprobs_equal_padded_and_computes_no_pad(groups, llama):
     kw = dict(temperature=TEMP, logprob_fn=token_logprobs, device=torch.device("cpu"))
     with torch.no_grad():
         want = microbatch_logprobs(llama, mb, **kw)
-        pk = packed(mb, range(n))
+        pk = packed(mb, range(n), one_row=True)
         got = microbatch_logprobs(llama, pk, **kw)
+        in_rows = microbatch_logprobs(llama, packed(mb, range(n)), **kw)
     real = torch.arange(mb["input_ids"].shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     assert (got[real] - want[real]).abs().max() <= 1e-12 and (got[~real] == 0).all()
+    assert (in_rows[real] - want[real]).abs().max() <= 1e-12 and (in_rows[~real] == 0).all()
     assert mbatch.computed_tokens(pk) == sum(lengths) < mbatch.computed_tokens(mb)
     # Negative control: positions that do not restart make one long sequence; it must show.
     broken = dict(pk, **{mbatch.POSITION_IDS: torch.arange(sum(lengths)).unsqueeze(0)})
