@@ -18,7 +18,7 @@ is the same for both:
   what padding is left is reported as `learner/padding_frac`.
 - *packed* (``learner.packing``, the default): the model runs on rows holding several
   sequences back to back (PACKED_IDS, [R, W]: one row of all of them for flash attention,
-  else rows as wide as the longest, see `collate_packed`) with POSITION_IDS restarting at
+  else the rows with the least compute under a dense mask, see `row_layout`) with POSITION_IDS restarting at
   0 for each sequence, from which the attention keeps every token inside its own sequence
   (asyncrl.learner.step.forward_logits). Next to no pad is computed; the budget bounds the
   real tokens (`pack_by_token_budget`). Anything computed per position on those rows
@@ -182,25 +182,54 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
     return out
 
 
+def row_layout(lengths: list[int], *, one_row: bool = False, attention_per_token: float = 0.0) -> list[list[int]]:
+    """Packed rows for one micro-batch: lists of indices into `lengths`, all rows as wide as
+    the widest, which fits the longest sequence.
+
+    one_row: everything in one row, for flash attention's varlen kernel (which needs a batch
+    of one and computes nothing the mask drops). Otherwise the attention applies a dense
+    [W, W] mask per row, so a slot costs 1 + attention_per_token * W (the linear layers, plus
+    the attention over W keys, relative to them; ``asyncrl.learner.step.dense_attention_cost``):
+    wide rows leave the least padding (none in one row) but pay for attention between
+    sequences that the mask then drops. The layout chosen has the least total cost over the
+    row counts R that can hold the batch: each R with the narrowest width W >= longest that
+    first-fit (longest first) fits into R rows.
+    """
+    total = sum(lengths)
+    if one_row or not lengths:
+        return [sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))]
+
+    def cost(plan: list[list[int]]) -> float:
+        width = max(sum(lengths[k] for k in row) for row in plan)
+        return len(plan) * width * (1 + attention_per_token * width)
+
+    longest = max(lengths)
+    best = pack_by_token_budget(lengths, longest)
+    best_cost = cost(best)
+    for rows in range(len(best) - 1, 0, -1):
+        width = max(longest, -(-total // rows))
+        if total * (1 + attention_per_token * width) >= best_cost:
+            break  # fewer rows are only wider: no cheaper layout is left
+        while len(plan := pack_by_token_budget(lengths, width)) > rows:
+            width += max(1, width // 64)
+        if cost(plan) < best_cost:
+            best, best_cost = plan, cost(plan)
+    return best
+
+
 def collate_packed(
-    seqs: list[dict[str, np.ndarray]], *, pad_token_id: int, one_row: bool = False
+    seqs: list[dict[str, np.ndarray]], *, pad_token_id: int, one_row: bool = False, attention_per_token: float = 0.0
 ) -> dict[str, torch.Tensor]:
     """`collate`'s [B, L] fields plus the packed rows the model runs on (module docstring):
-    PACKED_IDS and POSITION_IDS [R, W] and UNPACK_INDEX [B, L], the flat position in those
-    rows of each slot's value, -1 at each sequence's position 0 (it has no predecessor) and
-    on padding.
-
-    one_row: all sequences in one row (R = 1, W = the sum of the lengths): for attention
-    kernels that skip what the mask drops (flash attention's varlen, which also needs R = 1).
-    Else rows as wide as the longest sequence, filled first-fit longest first, their tail
-    padded with pad tokens that form a sequence of their own: a dense attention mask (SDPA)
-    costs W^2 per row, so a row no wider than the padded layout's keeps the attention cost at
-    most the padded path's while the rows are near full.
+    PACKED_IDS and POSITION_IDS [R, W] (rows from `row_layout`) and UNPACK_INDEX [B, L], the
+    flat position in those rows of each slot's value, -1 at each sequence's position 0 (it
+    has no predecessor) and on padding. A row's pad tail is a sequence of its own (positions
+    from 0), so no real token attends to it.
     """
     out = collate(seqs, pad_token_id=pad_token_id)
     lengths = [len(s["input_ids"]) for s in seqs]
-    width = sum(lengths) if one_row else max(lengths)
-    rows = pack_by_token_budget(lengths, max(width, 1))
+    rows = row_layout(lengths, one_row=one_row, attention_per_token=attention_per_token)
+    width = max(sum(lengths[k] for k in members) for members in rows)
     ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
     positions = np.zeros((len(rows), width), dtype=np.int64)
     index = np.full(tuple(out["input_ids"].shape), -1, dtype=np.int64)
@@ -212,7 +241,7 @@ def collate_packed(
             positions[r, start : start + n] = np.arange(n)
             index[k, 1:n] = r * width + np.arange(start + 1, start + n)
             start += n
-        positions[r, start:] = np.arange(width - start)  # the pad tail: a sequence of its own
+        positions[r, start:] = np.arange(width - start)
     out[PACKED_IDS] = torch.from_numpy(ids).to(out["input_ids"].dtype)
     out[POSITION_IDS] = torch.from_numpy(positions)
     out[UNPACK_INDEX] = torch.from_numpy(index)
@@ -284,16 +313,17 @@ def build_rank_microbatches(
     pad_token_id: int,
     packing: bool = False,
     one_row: bool = False,
+    attention_per_token: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Collate (packing: `collate_packed`, with `one_row`) one rank's micro-batches per
-    `plan`, then add padding ones up to `count`."""
+    """Collate (packing: `collate_packed`, with `one_row` and `attention_per_token`) one
+    rank's micro-batches per `plan`, then add padding ones up to `count`."""
     if len(plan) > count:
         raise ValueError(f"plan has {len(plan)} micro-batches, more than the common count {count}")
     mbs: list[dict[str, Any]] = []
     for idx in plan:
         members = [seqs[i] for i in idx]
         mb: dict[str, Any] = (
-            collate_packed(members, pad_token_id=pad_token_id, one_row=one_row)
+            collate_packed(members, pad_token_id=pad_token_id, one_row=one_row, attention_per_token=attention_per_token)
             if packing
             else collate(members, pad_token_id=pad_token_id)
         )

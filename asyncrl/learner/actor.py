@@ -138,6 +138,7 @@ class LearnerActor:
             pad_token_id=self.pad_token_id,
             packing=self.cfg.learner.packing,
             one_row=step.packs_into_one_row(self.model),
+            attention_per_token=step.dense_attention_cost(self.model),
         )
 
     # ------------------------------------------------------------------ endpoints

@@ -82,9 +82,21 @@ def policy_logits(
 def packs_into_one_row(model: nn.Module) -> bool:
     """Whether packed micro-batches go in one row for this model (asyncrl.data.microbatch.collate_packed):
     for flash attention, whose varlen kernel needs a batch of one and computes no masked
-    block; SDPA and eager apply a dense mask per row, so they get rows no wider than the
-    longest sequence."""
+    block; SDPA and eager apply a dense mask per row, so they get the rows that cost least
+    under it (dense_attention_cost)."""
     return "flash" in str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+
+
+def dense_attention_cost(model: nn.Module) -> float:
+    """What one more key costs a token under a dense attention mask, relative to the token's
+    linear layers (asyncrl.data.microbatch.row_layout): ~4h multiply-adds for QK^T and AV
+    against ~8h^2 + 6hi for the projections and MLP (h hidden, i intermediate size)."""
+    config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    if hidden <= 0:
+        return 0.0
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    return 1.0 / (2 * hidden + 1.5 * inter)
 
 
 def forward_logits(model: nn.Module, mb: dict[str, Any], disallowed: torch.Tensor | None = None) -> torch.Tensor:

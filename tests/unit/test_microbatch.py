@@ -140,8 +140,9 @@ def test_collate_packed_adds_rows_with_per_sequence_positions():
     assert one[mbatch.PACKED_IDS].tolist() == [[5, 6, 7, 9, 8, 3, 2, 4]]
     assert one[mbatch.POSITION_IDS].tolist() == [[0, 1, 2, 0, 1, 0, 1, 0]]
     assert one[mbatch.UNPACK_INDEX].tolist() == [[-1, 1, 2], [-1, 4, -1], [-1, -1, -1], [-1, 6, -1]]
-    # Rows as wide as the longest (3), first-fit longest first: [a] [b c] [d + a pad of its own].
-    rows = mbatch.collate_packed([a, b, c, d], pad_token_id=0)
+    # Attention that costs a lot per key: rows as wide as the longest (3), first-fit longest
+    # first: [a] [b c] [d + a pad of its own] (9 slots of width 3 beat 8 of width 8).
+    rows = mbatch.collate_packed([a, b, c, d], pad_token_id=0, attention_per_token=0.5)
     assert rows[mbatch.PACKED_IDS].tolist() == [[5, 6, 7], [9, 8, 4], [3, 2, 0]]
     assert rows[mbatch.POSITION_IDS].tolist() == [[0, 1, 2], [0, 1, 0], [0, 1, 0]]
     assert rows[mbatch.UNPACK_INDEX].tolist() == [[-1, 1, 2], [-1, 4, -1], [-1, -1, -1], [-1, 7, -1]]
@@ -154,6 +155,25 @@ def test_collate_packed_adds_rows_with_per_sequence_positions():
     assert got.tolist() == [[0, 10, 20], [0, 40, 0], [0, 0, 0], [0, 70, 0]]
     got.sum().backward()  # only the positions read get a gradient
     assert values.grad.tolist() == [[0, 1, 1], [0, 1, 0], [0, 1, 0]]
+
+
+def test_row_layout_weighs_padding_against_dense_attention():
+    lengths = [112, 90, 60, 40, 30, 30, 25, 20, 20, 15, 12, 10, 9]
+    total = sum(lengths)  # 473
+
+    def shape(rows):
+        width = max(sum(lengths[k] for k in row) for row in rows)
+        assert sorted(k for row in rows for k in row) == list(range(len(lengths)))
+        return len(rows), width
+
+    # Free attention: the least padding, i.e. one row; so too for flash attention's varlen.
+    assert shape(mbatch.row_layout(lengths)) == (1, total)
+    assert shape(mbatch.row_layout(lengths, one_row=True, attention_per_token=1.0)) == (1, total)
+    # Costly attention: rows about as narrow as the longest sequence (4 x 121 beats 5 x 112).
+    assert shape(mbatch.row_layout(lengths, attention_per_token=1.0)) == (4, 121)
+    # In between (a 32M Llama: 1 / (2 * 512 + 1.5 * 1408)): a few rows, little padding.
+    rows, width = shape(mbatch.row_layout(lengths, attention_per_token=1 / 3136))
+    assert rows > 1 and rows * width - total < 0.05 * total
 
 
 def test_rank_microbatches_packed_except_the_padding_ones():
