@@ -1,16 +1,29 @@
 """Learner throughput: train tokens/s per rank of the FSDP2 LearnerGroup (on Ray) against a
-plain single-process torch loop doing the same work (no FSDP, no Ray), in the same run.
+plain single-process torch loop doing the same work (no FSDP, no Ray), in the same run; and
+packed against padded micro-batches on the realistic shape.
 
-    .venv/bin/python bench/learner.py --quick          # < 60 s
+    .venv/bin/python bench/learner.py --quick          # both cases, ~2 min on 2 cores
     .venv/bin/python bench/learner.py --ranks 2 --steps 8 --hidden 384
+    .venv/bin/python bench/learner.py --quick --case packing
 
-Both sides run, per optimizer step: the old-logprob pre-pass (no grad), forward + backward of
-`microbatch_loss` over micro-batches cut by the same token budget, clip_grad_norm_, AdamW.
-The model is a random Llama wide enough (hidden 256+) that per-step overheads (Ray calls,
-FSDP all-gathers, collation) do not hide the work. The last line printed is JSON with
-tokens_per_s (per rank), baseline_tokens_per_s and ratio (from median step times; steps of
-the two sides alternate so load spikes on a shared box hit both), plus the ratio of the
-fastest steps; the goal at 1 rank is >= 0.9.
+Case `baseline`: both sides run, per optimizer step: the old-logprob pre-pass (no grad),
+forward + backward of `microbatch_loss` over micro-batches cut by the same token budget,
+clip_grad_norm_, AdamW. The model is a random Llama wide enough (hidden 256+) that per-step
+overheads (Ray calls, FSDP all-gathers, collation) do not hide the work. Its batch has equal
+lengths, so packing has nothing to remove there. Reported: tokens_per_s (per rank),
+baseline_tokens_per_s and ratio (from median step times; steps of the two sides alternate so
+load spikes on a shared box hit both), plus the ratio of the fastest steps; the goal at 1
+rank is >= 0.9.
+
+Case `packing`: two 1-rank LearnerGroups, `learner.packing` on and off, alternate steps on
+one batch of the realistic shape (bench/peers.py's realistic workload: its 32M Llama, 8
+samples per prompt, prompts of 8-16 tokens, per-prompt budgets B and, for one prompt in ten
+(at least one), 6B; each response runs to its budget with probability 0.3, else stops
+uniformly earlier). `--quick`: B = 16, 4 prompts, as peers' --quick; full: B = 128, 16
+prompts. Reported under "packing": packed and padded train tokens/s, their ratio (goal >=
+1.1) and each side's `learner/padding_frac` (goal < 1% packed).
+
+The last line printed is JSON with both cases' figures.
 """
 
 from __future__ import annotations
@@ -129,16 +142,113 @@ def measure(model_dir: str, cfg, batch, *, steps: int, ranks: int, threads: int,
     return tokens / np.median(t_learner) / ranks, tokens / np.median(t_base), {**last, **timing}
 
 
+REALISTIC_MODEL = dict(hidden_size=512, num_layers=10, num_heads=8, num_kv_heads=8, intermediate_size=1408)
+REALISTIC_SHAPE = {"quick": dict(prompts=4, budget=16), "full": dict(prompts=16, budget=128)}
+
+
+def realistic_batch(prompts: int, budget: int, vocab: int, seed: int, samples: int = 8, p_full: float = 0.3):
+    """A mini-batch of the realistic workload's shape (module docstring); token_mean weights."""
+    from asyncrl.types import TrainSequence
+
+    rng = np.random.default_rng(seed)
+    longs = set(rng.choice(prompts, max(1, round(0.1 * prompts)), replace=False).tolist())
+    shapes = []
+    for p in range(prompts):
+        prompt, cap = int(rng.integers(8, 17)), budget * (6 if p in longs else 1)
+        for _ in range(samples):
+            shapes.append((p, prompt, cap if rng.random() < p_full else int(rng.integers(1, cap))))
+    total = sum(r for _, _, r in shapes)
+    out = []
+    for i, (p, prompt, response) in enumerate(shapes):
+        n = prompt + response
+        m = np.zeros(n, dtype=np.float32)
+        m[prompt:] = 1
+        out.append(
+            TrainSequence(
+                input_ids=rng.integers(4, vocab, n).astype(np.int32),
+                loss_mask=m,
+                rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(n))).astype(np.float32),
+                advantages=(m * rng.standard_normal()).astype(np.float32),
+                reduction_weights=(m / total).astype(np.float32),
+                token_versions=np.zeros(n, dtype=np.int32),
+                behavior_version=0,
+                group_id=f"p{p}",
+                sample_index=i % samples,
+            )
+        )
+    return out
+
+
+def measure_packing(model_dir: str, cfg, batch, *, steps: int, progress) -> dict:
+    """Alternate steps of a packed and a padded 1-rank LearnerGroup on the same batch."""
+    from asyncrl.learner import LearnerGroup
+    from asyncrl.rollout.envs import resolve_env_class
+
+    special = resolve_env_class(cfg.rollout.env).sample_special_tokens
+    sides = {}
+    for name, packing in (("packed", True), ("padded", False)):
+        side_cfg = cfg.model_copy(deep=True)
+        side_cfg.learner.packing = packing
+        sides[name] = LearnerGroup(side_cfg, model_dir, num_ranks=1, sample_special_tokens=special)
+    tokens = sum(s.num_tokens for s in batch)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    last: dict[str, dict[str, float]] = {}
+    task = progress.add_task("packed vs padded (realistic shape)", total=steps)
+    try:
+        for group in sides.values():  # warm-up
+            group.train_step([batch])
+        for _ in range(steps):
+            for name, group in sides.items():
+                t0 = time.perf_counter()
+                last[name] = group.train_step([batch]).metrics
+                times[name].append(time.perf_counter() - t0)
+            progress.advance(task)
+    finally:
+        for group in sides.values():
+            group.shutdown()
+    tps = {name: tokens / float(np.median(t)) for name, t in times.items()}
+    return {
+        "packed_tokens_per_s": round(tps["packed"], 1),
+        "padded_tokens_per_s": round(tps["padded"], 1),
+        "ratio": round(tps["packed"] / tps["padded"], 3),
+        "ratio_of_min_step_times": round(min(times["padded"]) / min(times["packed"]), 3),
+        "padding_frac_packed": round(last["packed"]["learner/padding_frac"], 4),
+        "padding_frac_padded": round(last["padded"]["learner/padding_frac"], 4),
+        "microbatches_packed": last["packed"]["learner/microbatches"],
+        "microbatches_padded": last["padded"]["learner/microbatches"],
+        "forward_backward_s": {n: round(last[n]["time/learner_forward_backward"], 3) for n in sides},
+        "step_s_median": {n: round(float(np.median(t)), 3) for n, t in times.items()},
+        "tokens_per_step": tokens,
+        "sequences": len(batch),
+    }
+
+
+def run_packing(args, cfg, tmp: str, progress) -> dict:
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    shape = REALISTIC_SHAPE["quick" if args.quick else "full"]
+    model_dir = str(
+        write_tiny_model(f"{tmp}/realistic", alphabet="abcde", max_position_embeddings=1024, **REALISTIC_MODEL)
+    )
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    batch = realistic_batch(shape["prompts"], shape["budget"], vocab, seed=0)
+    result = measure_packing(model_dir, cfg, batch, steps=args.steps, progress=progress)
+    return {**result, "budget": shape["budget"], "long_budget": 6 * shape["budget"], "prompts": shape["prompts"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small run, under 60 s")
+    parser.add_argument("--quick", action="store_true", help="small run, ~2 min for both cases")
+    parser.add_argument("--case", choices=("baseline", "packing", "both"), default="both")
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch-tokens", type=int, default=1024)
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="budget of the baseline case")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads per rank / baseline")
     args = parser.parse_args(argv)
     if args.quick:
@@ -148,40 +258,52 @@ def main(argv: list[str] | None = None) -> dict:
     from rich.progress import Progress
 
     from asyncrl.config import Config
-    from asyncrl.rollout.tiny import write_tiny_model
 
     cfg = Config()
     cfg.algo.rollout_kl_coef = 0.1
-    cfg.learner.micro_batch_tokens = args.micro_batch_tokens
     cfg.learner.cpus_per_rank = float(args.threads)
+    packing_cfg = cfg.model_copy(deep=True)  # the realistic case keeps the default budget (4096)
+    cfg.learner.micro_batch_tokens = args.micro_batch_tokens
+    result: dict = {}
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
-        model_dir = str(
-            write_tiny_model(
-                tmp,
-                hidden_size=args.hidden,
-                num_layers=args.layers,
-                num_heads=args.hidden // 64,
-                num_kv_heads=max(1, args.hidden // 128),
-                intermediate_size=4 * args.hidden,
-            )
-        )
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-        batch = make_batch(args.seqs, args.seq_len, vocab, seed=0)
         ray.init(
-            num_cpus=max(args.ranks * args.threads, 2),
+            num_cpus=max(args.ranks * args.threads, 2 * args.threads),  # the packing case holds two groups
             include_dashboard=False,
             log_to_driver=False,
             object_store_memory=256 * 1024 * 1024,
         )
         try:
-            tps, baseline, last = measure(
-                model_dir, cfg, batch, steps=args.steps, ranks=args.ranks, threads=args.threads, progress=progress
-            )
+            if args.case in ("baseline", "both"):
+                result.update(run_baseline(args, cfg, tmp, progress))
+            if args.case in ("packing", "both"):
+                result["packing"] = run_packing(args, packing_cfg, tmp, progress)
         finally:
             ray.shutdown()
-    result = {
+    print(json.dumps(result))
+    return result
+
+
+def run_baseline(args, cfg, tmp: str, progress) -> dict:
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    model_dir = str(
+        write_tiny_model(
+            f"{tmp}/baseline",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.hidden // 64,
+            num_kv_heads=max(1, args.hidden // 128),
+            intermediate_size=4 * args.hidden,
+        )
+    )
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    batch = make_batch(args.seqs, args.seq_len, vocab, seed=0)
+    tps, baseline, last = measure(
+        model_dir, cfg, batch, steps=args.steps, ranks=args.ranks, threads=args.threads, progress=progress
+    )
+    return {
         "tokens_per_s": round(tps, 1),
         "baseline_tokens_per_s": round(baseline, 1),
         "ratio": round(tps / baseline, 3),
@@ -197,8 +319,6 @@ def main(argv: list[str] | None = None) -> dict:
             if k.startswith("time/learner") or k.endswith(("_median", "_min"))
         },
     }
-    print(json.dumps(result))
-    return result
 
 
 if __name__ == "__main__":

@@ -235,7 +235,12 @@ class LearnerConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(4096, ge=1)
-    """Token budget of one micro-batch (sequences are never split)."""
+    """Token budget of one micro-batch: packed, its row's length; padded, rows x longest
+    (sequences are never split)."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one row, each with its own positions and its
+    attention kept inside it, so no pad token is computed; false: right-pad them into rows.
+    The log-probs, loss and gradient are the same either way (docs/design.md, "Packed sequences")."""
     mini_batches_per_step: int = Field(1, ge=1)
     """Optimizer steps per trainer step (each bumps the policy version)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

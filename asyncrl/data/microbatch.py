@@ -1,25 +1,38 @@
-"""Deal a mini-batch to DP ranks, cut each rank's share into micro-batches, pad and collate.
+"""Deal a mini-batch to DP ranks, cut each rank's share into micro-batches, pad or pack, collate.
 
     shares = deal_to_ranks([s.num_tokens for s in minibatch], num_ranks=2)       # rank -> indices
     plans = [split_by_token_budget([lengths[i] for i in share], budget=4096) for share in shares]
     count = max(len(p) for p in plans)                                            # same on all ranks
     mb = collate([seq_fields(s) for s in seqs], pad_token_id=0)                   # dict of [B, L]
+    mb = collate_packed([seq_fields(s) for s in seqs], pad_token_id=0)            # the same + packed [R, W] rows
     pad = padding_microbatch(field_dtypes(mb), pad_token_id=0)                    # zero loss mask
 
-Pad, not pack: every micro-batch is padded on the right to its longest sequence. Packing
-(concatenating sequences into one row with per-document attention) saves the padding FLOPs
-but needs varlen attention kernels; instead the planner picks the cut into micro-batches
-with the least padded compute, each micro-batch charged a fixed cost (`split_by_token_budget`;
-what padding is left is reported as `learner/padding_frac`).
-Right padding plus causal attention means real positions never attend to a pad, so no
-attention mask is needed and logits at real positions do not depend on the padding.
+Two layouts of one micro-batch; the per-token fields (loss mask, rollout logprobs,
+advantages, reduction weights ...) are [B, L] right-padded rows in both, so the loss code
+is the same for both:
+
+- *padded*: the model runs on the [B, L] rows. Right padding plus causal attention means
+  real positions never attend to a pad, so no attention mask is needed and logits at real
+  positions do not depend on the padding. The planner picks the cut into micro-batches with
+  the least padded compute, each micro-batch charged a fixed cost (`split_by_token_budget`);
+  what padding is left is reported as `learner/padding_frac`.
+- *packed* (``learner.packing``, the default): the model runs on rows holding several
+  sequences back to back (PACKED_IDS, [R, W]: one row of all of them for flash attention,
+  else the rows with the least compute under a dense mask, see `row_layout`) with POSITION_IDS restarting at
+  0 for each sequence, from which the attention keeps every token inside its own sequence
+  (asyncrl.learner.step.forward_logits). Next to no pad is computed; the budget bounds the
+  real tokens (`pack_by_token_budget`). Anything computed per position on those rows
+  (log-probs, entropy) comes back to the [B, L] layout through UNPACK_INDEX (`unpack`), with
+  0 at each sequence's position 0 and on padding, as the padded path has at position 0; the
+  loss never reads padding positions.
 
 All ranks run the same number of micro-batches, because every FSDP forward/backward is a
 collective. A rank with less data runs *padding micro-batches*: one pad-token row that
 carries every per-token field of the real ones (rollout logprobs, versions, advantages ...)
 with loss_mask = reduction_weights = 0. Dropping an optional field there is what made the
 loss raise inside the collective in SkyRL (PR #1811); `padding_microbatch`
-builds it from the real micro-batches' field list, so it cannot drift from them.
+builds it from the real micro-batches' field list, so it cannot drift from them. It is never
+packed (one token: nothing to gain).
 """
 
 from __future__ import annotations
@@ -35,6 +48,12 @@ from asyncrl.types import TrainSequence
 SEQUENCE_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
 INTEGER_FIELDS = ("input_ids", "token_versions")
 PADDING_KEY = "is_padding"
+# The packed layout's extra fields (module docstring): the forward's input rows, their
+# per-sequence positions, and where each [B, L] slot's value sits in those rows (-1: none).
+PACKED_IDS = "packed_input_ids"
+POSITION_IDS = "position_ids"
+UNPACK_INDEX = "unpack_index"
+PACKING_FIELDS = (PACKED_IDS, POSITION_IDS, UNPACK_INDEX)
 
 
 def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
@@ -109,6 +128,30 @@ def split_by_token_budget(lengths: list[int], budget: int, overhead: int = MICRO
     return runs[::-1]
 
 
+def pack_by_token_budget(lengths: list[int], budget: int) -> list[list[int]]:
+    """Cut sequences into packed micro-batches of at most `budget` tokens in all, as few as fit.
+
+    Packed, a micro-batch costs its real tokens whatever its mix of lengths, so only the
+    count of micro-batches (each a fixed cost, MICROBATCH_COST_TOKENS) is left to minimise:
+    first-fit decreasing (longest first, each into the first micro-batch it fits), within
+    11/9 of the fewest plus one. A sequence longer than the budget is never split: it gets a
+    micro-batch of its own. Deterministic; returns lists of indices into `lengths`, the
+    micro-batch holding the longest sequence first.
+    """
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget={budget}: must be >= 1")
+    runs: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = next((k for k, load in enumerate(loads) if load + lengths[i] <= budget), len(runs))
+        if k == len(runs):
+            runs.append([])
+            loads.append(0)
+        runs[k].append(i)
+        loads[k] += lengths[i]
+    return runs
+
+
 def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad per-token arrays to the longest sequence and stack them into [B, L] tensors.
 
@@ -139,6 +182,95 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
     return out
 
 
+def row_layout(lengths: list[int], *, one_row: bool = False, attention_per_token: float = 0.0) -> list[list[int]]:
+    """Packed rows for one micro-batch: lists of indices into `lengths`, all rows as wide as
+    the widest, which fits the longest sequence.
+
+    one_row: everything in one row, for flash attention's varlen kernel (which needs a batch
+    of one and computes nothing the mask drops). Otherwise the attention applies a dense
+    [W, W] mask per row, so a slot costs 1 + attention_per_token * W (the linear layers, plus
+    the attention over W keys, relative to them; ``asyncrl.learner.step.dense_attention_cost``):
+    wide rows leave the least padding (none in one row) but pay for attention between
+    sequences that the mask then drops. The layout chosen has the least total cost over the
+    row counts R that can hold the batch: each R with the narrowest width W >= longest that
+    first-fit (longest first) fits into R rows.
+    """
+    total = sum(lengths)
+    if one_row or not lengths:
+        return [sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))]
+
+    def cost(plan: list[list[int]]) -> float:
+        width = max(sum(lengths[k] for k in row) for row in plan)
+        return len(plan) * width * (1 + attention_per_token * width)
+
+    longest = max(lengths)
+    best = pack_by_token_budget(lengths, longest)
+    best_cost = cost(best)
+    for rows in range(len(best) - 1, 0, -1):
+        width = max(longest, -(-total // rows))
+        if total * (1 + attention_per_token * width) >= best_cost:
+            break  # fewer rows are only wider: no cheaper layout is left
+        while len(plan := pack_by_token_budget(lengths, width)) > rows:
+            width += max(1, width // 64)
+        if cost(plan) < best_cost:
+            best, best_cost = plan, cost(plan)
+    return best
+
+
+def collate_packed(
+    seqs: list[dict[str, np.ndarray]], *, pad_token_id: int, one_row: bool = False, attention_per_token: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """`collate`'s [B, L] fields plus the packed rows the model runs on (module docstring):
+    PACKED_IDS and POSITION_IDS [R, W] (rows from `row_layout`) and UNPACK_INDEX [B, L], the
+    flat position in those rows of each slot's value, -1 at each sequence's position 0 (it
+    has no predecessor) and on padding. A row's pad tail is a sequence of its own (positions
+    from 0), so no real token attends to it.
+    """
+    out = collate(seqs, pad_token_id=pad_token_id)
+    lengths = [len(s["input_ids"]) for s in seqs]
+    rows = row_layout(lengths, one_row=one_row, attention_per_token=attention_per_token)
+    width = max(sum(lengths[k] for k in members) for members in rows)
+    ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)
+    index = np.full(tuple(out["input_ids"].shape), -1, dtype=np.int64)
+    for r, members in enumerate(rows):
+        start = 0
+        for k in members:
+            n = lengths[k]
+            ids[r, start : start + n] = seqs[k]["input_ids"]
+            positions[r, start : start + n] = np.arange(n)
+            index[k, 1:n] = r * width + np.arange(start + 1, start + n)
+            start += n
+        positions[r, start:] = np.arange(width - start)
+    out[PACKED_IDS] = torch.from_numpy(ids).to(out["input_ids"].dtype)
+    out[POSITION_IDS] = torch.from_numpy(positions)
+    out[UNPACK_INDEX] = torch.from_numpy(index)
+    return out
+
+
+def is_packed(mb: dict[str, Any]) -> bool:
+    """Whether the model runs on this micro-batch's packed rows rather than its [B, L] rows."""
+    return PACKED_IDS in mb
+
+
+def forward_ids(mb: dict[str, Any]) -> torch.Tensor:
+    """The token ids the model runs on: the packed rows, or the [B, L] rows."""
+    return mb[PACKED_IDS] if is_packed(mb) else mb["input_ids"]
+
+
+def unpack(values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+    """Per-position values over a packed micro-batch's rows ([R, W]) in the [B, L] layout of its
+    other fields: 0 at each sequence's position 0 and on padding. Differentiable."""
+    index = mb[UNPACK_INDEX].to(values.device)
+    picked = values.reshape(-1)[index.clamp(min=0)]
+    return torch.where(index >= 0, picked, torch.zeros_like(picked))
+
+
+def computed_tokens(mb: dict[str, Any]) -> int:
+    """Token slots the model computes for this micro-batch, padding included."""
+    return int(mb[PACKED_IDS].numel() if is_packed(mb) else mb["input_ids"].numel())
+
+
 def field_dtypes(mb: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
     """The field list of a collated micro-batch, which a padding micro-batch must reproduce."""
     return {name: t.dtype for name, t in mb.items() if isinstance(t, torch.Tensor)}
@@ -162,9 +294,13 @@ def padding_microbatch(fields: dict[str, torch.dtype], *, pad_token_id: int, len
     return out
 
 
-def plan_microbatches(lengths_per_rank: list[list[int]], budget: int) -> tuple[list[list[list[int]]], int]:
-    """Split every rank's share by the budget; return the plans and the common micro-batch count."""
-    plans = [split_by_token_budget(lengths, budget) for lengths in lengths_per_rank]
+def plan_microbatches(
+    lengths_per_rank: list[list[int]], budget: int, *, packing: bool = False
+) -> tuple[list[list[list[int]]], int]:
+    """Split every rank's share by the budget (packed or padded); return the plans and the
+    common micro-batch count."""
+    split = pack_by_token_budget if packing else split_by_token_budget
+    plans = [split(lengths, budget) for lengths in lengths_per_rank]
     return plans, max(1, max((len(p) for p in plans), default=0))
 
 
@@ -175,14 +311,23 @@ def build_rank_microbatches(
     fields: dict[str, torch.dtype],
     *,
     pad_token_id: int,
+    packing: bool = False,
+    one_row: bool = False,
+    attention_per_token: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Collate one rank's micro-batches per `plan`, then add padding ones up to `count`."""
+    """Collate (packing: `collate_packed`, with `one_row` and `attention_per_token`) one
+    rank's micro-batches per `plan`, then add padding ones up to `count`."""
     if len(plan) > count:
         raise ValueError(f"plan has {len(plan)} micro-batches, more than the common count {count}")
     mbs: list[dict[str, Any]] = []
     for idx in plan:
-        mb: dict[str, Any] = collate([seqs[i] for i in idx], pad_token_id=pad_token_id)
-        if set(mb) != set(fields):
+        members = [seqs[i] for i in idx]
+        mb: dict[str, Any] = (
+            collate_packed(members, pad_token_id=pad_token_id, one_row=one_row, attention_per_token=attention_per_token)
+            if packing
+            else collate(members, pad_token_id=pad_token_id)
+        )
+        if set(mb) - set(PACKING_FIELDS) != set(fields):
             raise ValueError(f"micro-batch fields {sorted(mb)} differ from the mini-batch's {sorted(fields)}")
         mb[PADDING_KEY] = False
         mbs.append(mb)

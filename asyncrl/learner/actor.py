@@ -131,7 +131,16 @@ class LearnerActor:
             index.append(list(range(k, k + len(mb))))
             k += len(mb)
         dtypes = {name: getattr(torch, dt) for name, dt in fields.items()}
-        return mbatch.build_rank_microbatches(flat, index, count, dtypes, pad_token_id=self.pad_token_id)
+        return mbatch.build_rank_microbatches(
+            flat,
+            index,
+            count,
+            dtypes,
+            pad_token_id=self.pad_token_id,
+            packing=self.cfg.learner.packing,
+            one_row=step.packs_into_one_row(self.model),
+            attention_per_token=step.dense_attention_cost(self.model),
+        )
 
     # ------------------------------------------------------------------ endpoints
 
@@ -201,7 +210,7 @@ class LearnerActor:
         )
         self.version += 1
         self.step_count += 1
-        real = sum(int(mb["loss_mask"].numel()) for mb in mbs if not mb[mbatch.PADDING_KEY])
+        real = sum(mbatch.computed_tokens(mb) for mb in mbs if not mb[mbatch.PADDING_KEY])
         tokens = sum(len(s["input_ids"]) for p in plan for s in p)
         return RankStepResult(
             metrics=stats.metrics,

@@ -71,6 +71,18 @@ def mixed_precision(dtype: str, device: torch.device) -> MixedPrecisionPolicy | 
     return None
 
 
+def attention_implementation(device: torch.device, dtype: str) -> str:
+    """flash_attention_2 where it can run (CUDA, bf16 compute, the flash_attn package
+    installed), else sdpa. On a packed row both keep attention inside each sequence
+    (asyncrl.learner.step.forward_logits), but SDPA applies a dense [T, T] mask, computing
+    the blocks it then masks, where flash attention's varlen kernel skips them."""
+    from transformers.utils import is_flash_attn_2_available  # transformers: heavy at import
+
+    if device.type == "cuda" and dtype == "bfloat16" and is_flash_attn_2_available():
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: modules whose class HF lists as never-split (_no_split_modules)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -125,7 +137,9 @@ def load_sharded_model(
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=attention_implementation(device, dtype)
+    )
     model.config.use_cache = False
     model.requires_grad_(trainable)
     model.train(False)

@@ -204,7 +204,7 @@ class LearnerGroup:
         lengths = [len(s["input_ids"]) for s in sequences]
         shares = mbatch.deal_to_ranks(lengths, self.num_ranks)
         plans, count = mbatch.plan_microbatches(
-            [[lengths[i] for i in share] for share in shares], self.micro_batch_tokens
+            [[lengths[i] for i in share] for share in shares], self.micro_batch_tokens, packing=self.cfg.learner.packing
         )
         per_rank, origin = [], []
         for share, plan in zip(shares, plans, strict=True):

@@ -1,6 +1,6 @@
 """The per-micro-batch loss the learner calls: policy + KL to reference + rollout KL - entropy.
 
-    logits = model(mb["input_ids"]).logits                        # [B, L, V]
+    logits = model(mb["input_ids"]).logits                        # [B, L, V], or packed [R, W, V]
     loss, metrics = microbatch_loss(logits, mb, cfg.algo, temperature=cfg.rollout.temperature)
     loss.backward()                                               # FSDP sums the ranks' gradients
 
@@ -14,6 +14,10 @@ mini-batch loss, so the gradient does not depend on the micro-batching (FSDP sum
 ranks' gradients: asyncrl.learner.fsdp sets its divide factor to 1). Every term uses the same w: a
 term normalised inside the micro-batch would be amplified by the number of micro-batches
 (SkyRL PR #1296's review finding for KL and entropy).
+
+A packed micro-batch (asyncrl.data.microbatch) gives logits over its packed rows; the
+log-probs and entropy are taken there and unpacked to the [B, L] layout of every other field
+before any loss term sees them, so each term, weight and metric is the padded path's.
 
 Pass ``rollout_logprobs`` only when the engine recorded them: the ``drift/*`` metrics are
 computed whenever the field is present.
@@ -38,6 +42,7 @@ from asyncrl.algo.losses import corrected_policy_loss, get_policy_loss
 from asyncrl.algo.params import CorrectionParams
 from asyncrl.algo.reduction import per_microbatch_token_mean_weights
 from asyncrl.config import AlgoConfig, RolloutConfig
+from asyncrl.data import microbatch as mbatch
 from asyncrl.types import MetricValue
 
 
@@ -62,6 +67,11 @@ def token_entropy(logits: Tensor, temperature: float, *, top_k: int = -1, top_p:
     """[B, L]: entropy of the (cut) distribution that predicted input_ids[t] (from logits[:, t-1]); 0 at t = 0."""
     ent = entropy_from_logits(logits[:, :-1], temperature, top_k=top_k, top_p=top_p)
     return torch.nn.functional.pad(ent, (1, 0), value=0.0)
+
+
+def _rows(values: Tensor, mb: dict[str, Tensor]) -> Tensor:
+    """Per-position values over the forward layout, in the [B, L] layout of mb's fields."""
+    return mbatch.unpack(values, mb) if mbatch.is_packed(mb) else values
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,8 @@ def microbatch_loss(
     """This micro-batch's share of the mini-batch loss, and its metrics.
 
     Args:
-        logits: [B, L, V] model output for ``mb["input_ids"]``.
+        logits: [B, L, V] model output for ``mb["input_ids"]``; for a packed micro-batch
+            [R, W, V] for its packed rows (``mb[PACKED_IDS]``).
         mb: [B, L] tensors ``input_ids, loss_mask, rollout_logprobs, old_logprobs, advantages,
             reduction_weights`` and ``ref_logprobs`` when ``algo.kl_coef > 0``.
         algo: the algo branch of the config (read here, never passed into the math).
@@ -198,7 +209,7 @@ def microbatch_loss(
         raise ValueError("micro-batch is missing field 'input_ids'")
     _check_fields(mb, algo, shape, old_from_current=old_from_current)
     # All loss math runs in float32 at least (logp is upcast from bf16 logits).
-    logp = token_logprobs(logits, mb["input_ids"], temperature, top_k=top_k, top_p=top_p)
+    logp = _rows(token_logprobs(logits, mbatch.forward_ids(mb), temperature, top_k=top_k, top_p=top_p), mb)
     dtype = logp.dtype
     mask = mb["loss_mask"].to(dtype)
     if algo.policy_loss.type == "cross_entropy":
@@ -281,16 +292,15 @@ def microbatch_loss(
                 metrics["drift/logprob_abs_diff_max"] = MetricValue("max", worst, 1.0)
 
     if algo.entropy_coef > 0:
-        ent = token_entropy(logits, temperature, top_k=top_k, top_p=top_p)
+        ent = _rows(token_entropy(logits, temperature, top_k=top_k, top_p=top_p), mb)
         ent_term = (weights * torch.where(mask > 0, ent, torch.zeros_like(ent))).sum()
         total = total - algo.entropy_coef * ent_term
         metrics["loss/entropy"] = MetricValue("sum", ent_term.detach())
         ent_sum = torch.where(mask > 0, ent, torch.zeros_like(ent)).sum().detach()
     else:
         with torch.no_grad():
-            ent_sum = torch.where(
-                mask > 0, token_entropy(logits.detach(), temperature, top_k=top_k, top_p=top_p), torch.zeros_like(logp)
-            ).sum()
+            ent = _rows(token_entropy(logits.detach(), temperature, top_k=top_k, top_p=top_p), mb)
+            ent_sum = torch.where(mask > 0, ent, torch.zeros_like(logp)).sum()
     metrics["policy/entropy"] = MetricValue("mean", ent_sum, n_tokens)
     metrics["loss/total"] = MetricValue("sum", total.detach())
     return total, metrics

@@ -3,8 +3,9 @@
     add_prepass_logprobs(model, reference, microbatches, temperature=1.0, logprob_fn=token_logprobs)
     stats = train_step(model, optimizer, scheduler, microbatches, loss_fn, grad_clip=1.0)
 
-`loss_fn(logits, mb) -> (loss, metrics)` returns the micro-batch's share of the mini-batch
-loss, sum_t w_t * term_t, with the reduction weights w computed over the whole mini-batch
+`loss_fn(logits, mb) -> (loss, metrics)` (logits in the micro-batch's forward layout:
+padded [B, L, V] or packed [R, W, V], see forward_logits) returns the micro-batch's share of
+the mini-batch loss, sum_t w_t * term_t, with the reduction weights w computed over the whole mini-batch
 (all ranks). Summed over micro-batches (gradient accumulation) and ranks, that is the
 mini-batch loss, and FSDP sums the ranks' gradients (``fsdp.shard_model`` sets its divide
 factor to 1; its default mean is what SkyRL PR #1296 had to compensate). Hence the gradient
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncrl.data import microbatch as mbatch
 from asyncrl.data.microbatch import PADDING_KEY
 from asyncrl.types import MetricValue, merge_metrics
 
@@ -59,13 +61,75 @@ def disallowed_mask(allowed: list[int] | None, vocab_size: int, device: torch.de
     return mask.to(device)
 
 
-def policy_logits(model: nn.Module, input_ids: torch.Tensor, disallowed: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, L, V] float32 logits. No attention mask: padding is on the right and attention is
-    causal, so real positions never see a pad (see asyncrl.data.microbatch). Tokens the engines
-    may not sample are masked as the engines mask them, so every logprob and the entropy are
-    those of the policy that sampled."""
-    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+def policy_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    disallowed: torch.Tensor | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, L, V] logits, float32 (float64 from a float64 model). No attention mask: padding
+    is on the right and attention is causal, so real positions never see a pad (see
+    asyncrl.data.microbatch); a packed row passes `position_ids` instead (forward_logits).
+    Tokens the engines may not sample are masked as the engines mask them, so every logprob
+    and the entropy are those of the policy that sampled."""
+    extra = {} if position_ids is None else {"position_ids": position_ids}
+    logits = model(input_ids=input_ids, use_cache=False, **extra).logits
+    logits = logits if logits.dtype == torch.float64 else logits.float()
     return logits if disallowed is None else logits.masked_fill(disallowed, MASKED_LOGIT)
+
+
+def packs_into_one_row(model: nn.Module) -> bool:
+    """Whether packed micro-batches go in one row for this model (asyncrl.data.microbatch.collate_packed):
+    for flash attention, whose varlen kernel needs a batch of one and computes no masked
+    block; SDPA and eager apply a dense mask per row, so they get the rows that cost least
+    under it (dense_attention_cost)."""
+    return "flash" in str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+
+
+def dense_attention_cost(model: nn.Module) -> float:
+    """What one more key costs a token under a dense attention mask, relative to the token's
+    linear layers (asyncrl.data.microbatch.row_layout): ~4h multiply-adds for QK^T and AV
+    against ~8h^2 + 6hi for the projections and MLP (h hidden, i intermediate size)."""
+    config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    if hidden <= 0:
+        return 0.0
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    return 1.0 / (2 * hidden + 1.5 * inter)
+
+
+def forward_logits(model: nn.Module, mb: dict[str, Any], disallowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits over the micro-batch's forward layout: its [B, L] rows, or its packed [R, W] rows.
+
+    Packed rows carry only `position_ids`, restarting at 0 for each sequence: Hugging Face
+    transformers (>= 5.16, the pinned range) finds the sequence boundaries in them where no
+    attention mask is passed (masking_utils.find_packed_sequence_indices) and keeps each
+    token's attention inside its own sequence, with every attention implementation, composed
+    with the model's own sliding-window or chunked rules: under SDPA (the CPU default) as a
+    4D boolean block-diagonal causal mask; under flash_attention_2/3 (CUDA, see
+    asyncrl.learner.fsdp.attention_implementation) as the cu_seqlens of the varlen kernel,
+    which computes no masked block at all. Rotary (or learned) positions come from the same
+    `position_ids`, so each sequence's logits are those of its own padded row.
+    """
+    if mbatch.is_packed(mb):
+        return policy_logits(model, mb[mbatch.PACKED_IDS], disallowed, position_ids=mb[mbatch.POSITION_IDS])
+    return policy_logits(model, mb["input_ids"], disallowed)
+
+
+def microbatch_logprobs(
+    model: nn.Module,
+    mb: dict[str, Any],
+    *,
+    temperature: float,
+    logprob_fn: LogprobFn,
+    device: torch.device,
+    disallowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, L] token logprobs of the micro-batch's rows (position 0 is 0), packed or not."""
+    fwd = {k: v.to(device) for k, v in mb.items() if k in ("input_ids", *mbatch.PACKING_FIELDS)}
+    logp = logprob_fn(forward_logits(model, fwd, disallowed), mbatch.forward_ids(fwd), temperature)
+    return mbatch.unpack(logp, fwd) if mbatch.is_packed(fwd) else logp
 
 
 @torch.no_grad()
@@ -84,11 +148,11 @@ def add_prepass_logprobs(
     padding micro-batches too: every forward is an FSDP all-gather, so all ranks must run
     the same number."""
     for mb in microbatches:
-        ids = mb["input_ids"].to(device)
-        if model is not None:
-            mb["old_logprobs"] = logprob_fn(policy_logits(model, ids, disallowed), ids, temperature).cpu()
-        if reference is not None:
-            mb["ref_logprobs"] = logprob_fn(policy_logits(reference, ids, disallowed), ids, temperature).cpu()
+        for key, net in (("old_logprobs", model), ("ref_logprobs", reference)):
+            if net is not None:
+                mb[key] = microbatch_logprobs(
+                    net, mb, temperature=temperature, logprob_fn=logprob_fn, device=device, disallowed=disallowed
+                ).cpu()
 
 
 def _to_float(metrics: dict[str, MetricValue]) -> dict[str, MetricValue]:
@@ -126,7 +190,7 @@ def train_step(
     parts = []
     for mb in microbatches:
         tensors = tensors_on(mb, device)
-        loss, metrics = loss_fn(policy_logits(model, tensors["input_ids"], disallowed), tensors)
+        loss, metrics = loss_fn(forward_logits(model, tensors, disallowed), tensors)
         loss.backward()
         if not mb.get(PADDING_KEY, False):
             parts.append(metrics)
@@ -158,7 +222,12 @@ def sequence_logprobs(
     """Per micro-batch, per real row: token logprobs trimmed to the row's length (numpy)."""
     out = []
     for mb, lens in zip(microbatches, lengths, strict=True):
-        ids = mb["input_ids"].to(device)
-        logp = logprob_fn(policy_logits(model, ids, disallowed), ids, temperature).cpu().numpy()
+        logp = (
+            microbatch_logprobs(
+                model, mb, temperature=temperature, logprob_fn=logprob_fn, device=device, disallowed=disallowed
+            )
+            .cpu()
+            .numpy()
+        )
         out.append([] if mb.get(PADDING_KEY, False) else [logp[k, :n].copy() for k, n in enumerate(lens)])
     return out

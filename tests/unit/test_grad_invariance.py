@@ -1,5 +1,6 @@
-"""The gradient-invariance contract: however a mini-batch is cut (micro-batches, DP ranks),
-the gradient of the loss built by microbatch_loss is the same, for every term and reduction.
+"""The gradient-invariance contract: however a mini-batch is cut (micro-batches, DP ranks)
+and laid out (padded rows, or packed into one row per micro-batch), the gradient of the loss
+built by microbatch_loss is the same, for every term and reduction.
 
     .venv/bin/python -m pytest tests/unit/test_grad_invariance.py -q
 """
@@ -12,10 +13,12 @@ import torch
 
 from asyncrl.config import AlgoConfig, CorrectionConfig, params_for
 from asyncrl.config.losses import LOSS_MODELS
+from asyncrl.data import microbatch as mbatch
 from asyncrl.data.batch import build_minibatches
 from asyncrl.data.microbatch import collate, field_dtypes, padding_microbatch, seq_fields
-from asyncrl.learner.loss import microbatch_loss
-from asyncrl.types import RolloutGroup, Sample
+from asyncrl.learner.loss import microbatch_loss, token_logprobs
+from asyncrl.learner.step import forward_logits, microbatch_logprobs
+from asyncrl.types import RolloutGroup, Sample, merge_metrics
 
 VOCAB, DIM, TEMP = 13, 6, 0.8
 REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
@@ -149,35 +152,35 @@ def test_every_term_is_invariant_to_microbatching_and_dp(groups, term, reduction
     assert rel_diff(rank0 + rank1, whole) <= 1e-6
 
 
-@pytest.mark.parametrize(
-    "policy_loss, extra",
-    [
-        ("dual_clip", {}),
-        ("gspo", {}),
-        ("sapo", {}),
-        ("cispo", {}),
-        ("gmpo", {}),
-        ("importance_sampling", {}),
-        ("rollout_is", dict(eps_clip_low=0.9, eps_clip_high=3.0, correction=ROLLOUT_MASKS)),
-        ("dppo", dict(dppo_mask="binary_tv", dppo_delta_low=0.05, dppo_delta_high=0.05, correction=ROLLOUT_MASKS)),
-        ("dppo", dict(dppo_mask="binary_kl", dppo_delta_low=0.01, dppo_delta_high=0.01, correction=ROLLOUT_MASKS)),
-        ("cispo", dict(cispo_anchor="rollout", cispo_eps_high=0.5, correction=ROLLOUT_MASKS)),
-        (
-            "ppo",
-            dict(
-                correction=CorrectionConfig(
-                    tis="sequence",
-                    tis_cap=1.5,
-                    token_mask_low=0.8,
-                    token_mask_high=1.3,
-                    geo_mask=True,
-                    geo_mask_low=0.8,
-                    geo_mask_high=1.25,
-                )
-            ),
+OTHER_LOSSES = [
+    ("dual_clip", {}),
+    ("gspo", {}),
+    ("sapo", {}),
+    ("cispo", {}),
+    ("gmpo", {}),
+    ("importance_sampling", {}),
+    ("rollout_is", dict(eps_clip_low=0.9, eps_clip_high=3.0, correction=ROLLOUT_MASKS)),
+    ("dppo", dict(dppo_mask="binary_tv", dppo_delta_low=0.05, dppo_delta_high=0.05, correction=ROLLOUT_MASKS)),
+    ("dppo", dict(dppo_mask="binary_kl", dppo_delta_low=0.01, dppo_delta_high=0.01, correction=ROLLOUT_MASKS)),
+    ("cispo", dict(cispo_anchor="rollout", cispo_eps_high=0.5, correction=ROLLOUT_MASKS)),
+    (
+        "ppo",
+        dict(
+            correction=CorrectionConfig(
+                tis="sequence",
+                tis_cap=1.5,
+                token_mask_low=0.8,
+                token_mask_high=1.3,
+                geo_mask=True,
+                geo_mask_low=0.8,
+                geo_mask_high=1.25,
+            )
         ),
-    ],
-)
+    ),
+]
+
+
+@pytest.mark.parametrize("policy_loss, extra", OTHER_LOSSES)
 @pytest.mark.parametrize("reduction", ["token_mean", "prompt_mean"])
 def test_other_policy_losses_and_masks_are_invariant(groups, policy_loss, extra, reduction):
     reduction = "sequence_mean" if policy_loss == "gmpo" else reduction
@@ -247,3 +250,125 @@ def test_legacy_per_microbatch_token_mean_depends_on_the_split(groups):
     assert rel_diff(whole_legacy, grad_of(model, token_mean, [full_batch(groups, token_mean, "policy")])) <= 1e-6
     assert rel_diff(singles, grad_of(model, seq_mean, [full_batch(groups, seq_mean, "policy")])) <= 1e-6
     assert rel_diff(singles, whole_legacy) > 1e-3
+
+
+# ---------------------------------------------------------------- packed vs padded rows
+# Packing needs a model that takes position_ids and keeps attention inside each sequence:
+# a real (tiny, float64) Hugging Face Llama, run through the learner's own forward.
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).to(torch.float64).train(False)
+
+
+def row_lengths(mb: dict) -> list[int]:
+    return [int((row != 0).nonzero().max()) + 1 for row in mb["input_ids"]]
+
+
+def packed(mb: dict, idx, one_row: bool = False) -> dict:
+    """These rows as one packed micro-batch, built from their unpadded fields as the learner
+    does: one row, or (a dense mask's layout) several rows about as wide as the longest."""
+    n = row_lengths(mb)
+    seqs = [{k: v[i, : n[i]].numpy() for k, v in mb.items()} for i in idx]
+    return mbatch.collate_packed(seqs, pad_token_id=0, one_row=one_row, attention_per_token=1.0)
+
+
+def llama_grad(model, algo, micro: list[dict], **kw) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    parts = []
+    for mb in micro:
+        loss, metrics = microbatch_loss(
+            forward_logits(model, mb), mb, algo, temperature=TEMP, num_microbatches=len(micro), **kw
+        )
+        loss.backward()
+        if not mb.get(mbatch.PADDING_KEY, False):
+            parts.append(metrics)
+    grad = torch.cat([p.grad.flatten().clone() for p in model.parameters()])
+    return grad, {k: float(m.value) for k, m in merge_metrics(parts).items()}
+
+
+def assert_same_metrics(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for k, v in want.items():
+        assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v)), f"{what}: {k} = {got[k]} packed, {v} padded"
+
+
+def check_packed_like_padded(model, algo, mb: dict, split: str, *, ranks: bool = False, **kw) -> None:
+    """One padded micro-batch against one packed row and against packed rows, and against
+    packed micro-batches cut by `split` (and with `ranks`, two DP ranks, one running a
+    padding micro-batch)."""
+    n = mb["input_ids"].shape[0]
+    padded, padded_metrics = llama_grad(model, algo, [mb], **kw)
+    assert padded.abs().max() > 1e-5, "the loss must produce a gradient for the test to mean anything"
+    for one_row in (True, False):
+        whole, whole_metrics = llama_grad(model, algo, [packed(mb, range(n), one_row)], **kw)
+        assert rel_diff(whole, padded) <= 1e-6, f"packing (one_row={one_row}) changed the gradient"
+        assert_same_metrics(whole_metrics, padded_metrics, f"packed, one_row={one_row}")
+    if split:
+        got, _ = llama_grad(model, algo, [packed(mb, p) for p in splits(n)[split]], **kw)
+        assert rel_diff(got, padded) <= 1e-6, f"packed split {split} changed the gradient"
+    if ranks:  # packed micro-batches on two ranks; rank 1 runs a (never packed) padding micro-batch
+        rank0, _ = llama_grad(model, algo, [packed(mb, [0, 1]), packed(mb, [2])], **kw)
+        pad = padding_microbatch(field_dtypes(mb), pad_token_id=0)
+        rank1, _ = llama_grad(model, algo, [packed(mb, range(3, n)), pad], **kw)
+        assert rel_diff(rank0 + rank1, padded) <= 1e-6
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("term", TERMS)
+def test_packed_rows_give_every_term_the_padded_gradient_and_metrics(groups, llama, term, reduction):
+    algo = algo_for(term, reduction)
+    check_packed_like_padded(llama, algo, full_batch(groups, algo, term), "shuffled", ranks=True)
+
+
+@pytest.mark.parametrize("policy_loss, extra", OTHER_LOSSES)
+def test_packed_rows_give_other_losses_the_padded_gradient(groups, llama, policy_loss, extra):
+    """Micro-batching is the term test's; here each loss sees one micro-batch, packed or not."""
+    algo = algo_for("policy", "sequence_mean" if policy_loss == "gmpo" else "prompt_mean", policy_loss, **extra)
+    check_packed_like_padded(llama, algo, full_batch(groups, algo, "policy"), "")
+
+
+def test_packed_rows_with_top_k_top_p_and_old_from_the_same_forward(groups, llama):
+    """The learner's default (old log-probs = this forward's, detached) under a truncating
+    sampler, whose -inf log-probs also sit at the packed row's sequence boundaries."""
+    algo = algo_for("entropy", "token_mean")
+    mb = full_batch(groups, algo, "policy")
+    kw = dict(top_k=6, top_p=0.9, old_from_current=True)
+    check_packed_like_padded(llama, algo, mb, "twos", **kw)
+    _, metrics = llama_grad(llama, algo, [packed(mb, range(mb["input_ids"].shape[0]))], **kw)
+    assert 0 < metrics["drift/outside_kept_frac"] < 1  # the cut bites
+
+
+def test_packed_logprobs_equal_padded_and_computes_no_pad(groups, llama):
+    algo = AlgoConfig()
+    mb = full_batch(groups, algo, "policy")
+    n, lengths = mb["input_ids"].shape[0], row_lengths(mb)
+    kw = dict(temperature=TEMP, logprob_fn=token_logprobs, device=torch.device("cpu"))
+    with torch.no_grad():
+        want = microbatch_logprobs(llama, mb, **kw)
+        pk = packed(mb, range(n), one_row=True)
+        got = microbatch_logprobs(llama, pk, **kw)
+        in_rows = microbatch_logprobs(llama, packed(mb, range(n)), **kw)
+    real = torch.arange(mb["input_ids"].shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    assert (got[real] - want[real]).abs().max() <= 1e-12 and (got[~real] == 0).all()
+    assert (in_rows[real] - want[real]).abs().max() <= 1e-12 and (in_rows[~real] == 0).all()
+    assert mbatch.computed_tokens(pk) == sum(lengths) < mbatch.computed_tokens(mb)
+    # Negative control: positions that do not restart make one long sequence; it must show.
+    broken = dict(pk, **{mbatch.POSITION_IDS: torch.arange(sum(lengths)).unsqueeze(0)})
+    with torch.no_grad():
+        leaked = microbatch_logprobs(llama, broken, **kw)
+    assert (leaked[real] - want[real]).abs().max() > 1e-3
