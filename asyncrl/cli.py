@@ -23,7 +23,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from asyncrl.config import ConfigError, load_config, schema_text
+from asyncrl.config import ConfigError, load_config, redact_config, schema_text
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
 from asyncrl.control.train import train
@@ -112,7 +112,7 @@ def _cmd_train(args) -> int:
     if args.check:
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print(yaml.safe_dump(redact_config(cfg), sort_keys=False))  # terminals and CI logs: no secrets
 
         try:
             for line in preflight(cfg):

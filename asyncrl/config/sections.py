@@ -4,12 +4,14 @@ involve only its own fields (rules across sections live on the root, asyncrl.con
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import (
+    CREDENTIALS_URL,
     ENVIRONMENTS,
+    SECRET,
     ConfigError,
     Section,
     check_import_path,
@@ -143,9 +145,11 @@ class RolloutConfig(Section):
 class QueueConfig(Section):
     """The Redis replay queue; embedded redis-server unless a URL is given."""
 
-    redis_url: str | None = None
+    redis_url: Annotated[str | None, CREDENTIALS_URL] = None
     """redis://, rediss:// or unix:// URL; None starts an embedded redis-server on 127.0.0.1."""
-    password: str | None = None
+    password: Annotated[str | None, SECRET] = None
+    """A secret: only the run's config.yaml (0600) holds it; Redis, the dashboard, wandb and
+    logs get "<redacted>" (asyncrl.config.secrets). So does a password inside redis_url."""
     maxlen: int = Field(4096, ge=1)
     """Bound on queued groups; put() waits (backpressure) rather than dropping fresh data."""
     put_timeout_s: float = Field(60.0, gt=0)
@@ -284,8 +288,13 @@ class ControlConfig(Section):
     """After this long without a full batch the trainer checks its generators: it waits on
     (saying why, once a minute) while any can run, alive or being restarted, and fails with a
     checkpoint and the resume command when none can."""
-    ray_address: str | None = None
+    ray_address: Annotated[str | None, CREDENTIALS_URL] = None
     ray_object_store_mb: int = 512
+    private_files: bool = True
+    """Files and directories the run creates (run dir, Redis AOF, metrics, summary, logs,
+    checkpoints, exported and /dev/shm weights) are its user's only, 0600 and 0700: the umask is
+    077 while the run is up, and the Redis and Ray it starts inherit it. false: the process's
+    umask applies (e.g. for a group that shares run dirs)."""
 
     @field_validator("eval_prompts")
     @classmethod
@@ -312,7 +321,8 @@ class MonitorConfig(Section):
     dashboard_port: int = 8470
     dashboard_host: str = "127.0.0.1"
     """Beyond loopback it needs dashboard_token."""
-    dashboard_token: str | None = None
+    dashboard_token: Annotated[str | None, SECRET] = None
+    """A secret, kept like queue.password."""
     alert_rollout_kl: float = 0.05
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0

@@ -30,7 +30,7 @@ import signal
 import socket
 import threading
 
-from asyncrl.config import ConfigError, config_from_dict
+from asyncrl.config import ConfigError, config_from_dict, rejoin_config
 from asyncrl.control.cluster import probe
 from asyncrl.queue import RunState
 from asyncrl.rollout.generator import GeneratorActor
@@ -39,14 +39,16 @@ from asyncrl.sync.objstore import open_store
 log = logging.getLogger(__name__)
 
 
-def job_config(run_state):
-    """The running job's config and model path, read from its state hash."""
+def job_config(run_state, *, redis_url: str, password: str | None):
+    """The running job's config and model path, read from its state hash. The job publishes it
+    without secrets: the Redis URL and password this generator connected with take their place."""
     state = run_state.state()
     if "config" not in state or "model_path" not in state:
         raise ConfigError(
             f"run {run_state.run!r} has no config in Redis: is its trainer running (asyncrl train) on this Redis?"
         )
-    return config_from_dict(json.loads(state["config"])), str(state["model_path"])
+    published = json.loads(state["config"])
+    return config_from_dict(rejoin_config(published, redis_url=redis_url, password=password)), str(state["model_path"])
 
 
 def run_elastic_generator(
@@ -62,7 +64,7 @@ def run_elastic_generator(
     """Generate for `run` until stopped (or `max_groups` produced); return the final stats."""
     run_state = RunState.connect(redis_url, run, password=password)
     try:
-        cfg, model_path = job_config(run_state)
+        cfg, model_path = job_config(run_state, redis_url=redis_url, password=password)
     finally:
         run_state.close()
     model_package = _attach_ray(ray_address, run) if ray_address else None
