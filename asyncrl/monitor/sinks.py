@@ -103,9 +103,17 @@ class WandbSink:
         import wandb
 
         Path(dir).mkdir(parents=True, exist_ok=True)
-        # wandb keeps the config on its servers and in its files: never the secrets.
+        # wandb keeps the config on its servers and in its files: never the secrets. Its run
+        # metadata is off because it holds the command line, and `asyncrl train cfg.yaml
+        # queue.password=...` would send the password with it.
         self.run = wandb.init(
-            mode=mode, project=project, name=run_name, config=redact_config(config), dir=str(dir), reinit="create_new"
+            mode=mode,
+            project=project,
+            name=run_name,
+            config=redact_config(config),
+            dir=str(dir),
+            reinit="create_new",
+            settings=wandb.Settings(x_disable_meta=True),
         )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
