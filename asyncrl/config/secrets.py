@@ -35,11 +35,12 @@ def secret_fields() -> dict[tuple[str, ...], Secret]:
 
     def walk(model: type[BaseModel], prefix: tuple[str, ...]) -> None:
         for name, field in model.model_fields.items():
+            path = (*prefix, name)
             mark = next((m for m in field.metadata if isinstance(m, Secret)), None)
             if mark is not None:
-                found[prefix + (name,)] = mark
+                found[path] = mark
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-                walk(field.annotation, prefix + (name,))
+                walk(field.annotation, path)
 
     walk(Config, ())
     return found
