@@ -20,6 +20,7 @@ from asyncrl.config.base import (
     prompt_source,
 )
 from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
+from asyncrl.infra import redact_url
 
 
 def _cpu_list(name: str, text: str) -> str:
@@ -181,7 +182,7 @@ class QueueConfig(Section):
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"queue.redis_url={value!r}: must start with redis://, rediss:// or unix://")
+            raise ConfigError(f"queue.redis_url={redact_url(value)!r}: must start with redis://, rediss:// or unix://")
         return value
 
     @model_validator(mode="after")

@@ -3,7 +3,8 @@
     asyncrl generate --redis redis://127.0.0.1:PORT/0 --run demo [--max-groups 100]
 
 Everything comes from the job's Redis: the resolved config and model path (the trainer
-writes them at start), the current weights location and version (the generator polls it
+writes them at start; the config without its secrets, so the generator's own Redis URL and
+password stand in for the job's), the current weights location and version (the generator polls it
 and loads newer weights itself), and admission (so an extra generator never pushes the
 job past its staleness budget). The generator heartbeats while it runs and removes itself
 on a clean exit (SIGINT/SIGTERM or --max-groups reached); if it dies instead, its
