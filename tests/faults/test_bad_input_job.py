@@ -143,14 +143,17 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
         if c.status == psutil.CONN_LISTEN and c.laddr.port == dashboard_port
     ]
     assert [a.ip for a in listening] == ["127.0.0.1"], listening
-    with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/?token={TOKEN}", timeout=10) as resp:
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    with urllib.request.urlopen(
+        urllib.request.Request(f"http://127.0.0.1:{dashboard_port}/", headers=bearer), timeout=10
+    ) as resp:
         assert resp.status == 200
 
     # Secrets: only the run's config.yaml holds them; Redis and the dashboard get them redacted.
     with job.client() as r:
         assert_no_secret(b"\n".join(redis_values(r)), "Redis", (PASSWORD, TOKEN))
-    summary_url = f"http://127.0.0.1:{dashboard_port}/api/run/{job.run_name}/summary?token={TOKEN}"
-    with urllib.request.urlopen(summary_url, timeout=10) as resp:
+    summary_url = f"http://127.0.0.1:{dashboard_port}/api/run/{job.run_name}/summary"
+    with urllib.request.urlopen(urllib.request.Request(summary_url, headers=bearer), timeout=10) as resp:
         body = resp.read()
     assert_no_secret(body, "the dashboard's summary", (PASSWORD, TOKEN))
     assert json.loads(body)["config"]["queue"]["password"] == REDACTED
@@ -180,10 +183,14 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     assert summary["trained"] == steps * GROUPS
     assert summary["lost"] == 0 and summary["double_trained"] == 0
 
-    # The finished run's files: private, and no secret outside config.yaml and redis.conf (the
-    # job's own log, written by this harness, is searched too).
+    # The finished run's files: private, and no secret outside config.yaml and redis.conf. The
+    # job's output (job.log, made by this harness) has no secret either, but for the harness's
+    # own "=====" lines: the command lines it ran, which carry queue.password=... as given.
     holders = {job.run_dir / CONFIG_FILE, job.run_dir / "redis" / "redis.conf"}
     searched = check_run_dir(job.run_dir, (PASSWORD, TOKEN), holders=holders, foreign=frozenset({job.log_path}))
+    output = [line for line in job.log_path.read_bytes().splitlines() if not line.startswith(b"===== ")]
+    assert len(output) > 20 and any(b"LearnerError" in line for line in output)
+    assert_no_secret(b"\n".join(output), "the job's output", (PASSWORD, TOKEN))
     print(f"run dir: {searched} files without a secret")
     with TestClient(create_run_dir_app(job.run_dir)) as finished:
         body = finished.get(f"/api/run/{job.run_name}/summary").content

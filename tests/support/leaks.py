@@ -59,7 +59,7 @@ def check_run_dir(
 ) -> int:
     """Assert that no file of the run dir but `holders` holds a secret, that the holders do
     (so the search looks for what is there), and that no file or directory is open to group or
-    others (`foreign`: files the run did not create, e.g. a harness's log, are only searched).
+    others (`foreign`: files the run did not create, e.g. a harness's log, are skipped).
     Returns how many files were searched."""
     secrets = list(secrets)
     for path in holders:
@@ -67,8 +67,9 @@ def check_run_dir(
         assert any(s.encode() in path.read_bytes() for s in secrets), f"{path}: no secret in it to hide"
     searched = 0
     for path, mode in run_files(run_dir):
-        if path not in foreign:
-            assert mode & 0o077 == 0, f"{path}: mode {mode:o}, open to group or others (expected 600 / 700)"
+        if path in foreign:
+            continue
+        assert mode & 0o077 == 0, f"{path}: mode {mode:o}, open to group or others (expected 600 / 700)"
         if path.is_file() and path not in holders:
             assert_no_secret(path.read_bytes(), str(path.relative_to(run_dir)), secrets)
             searched += 1
