@@ -28,7 +28,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from asyncrl.config import load_config, schema_text
+from asyncrl.config import load_config, redact_config, schema_text
 from asyncrl.control.allowlist import ImportAllowList
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
@@ -145,7 +145,7 @@ def _cmd_train(args) -> int:
     if args.check:
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print(yaml.safe_dump(redact_config(cfg), sort_keys=False))  # terminals and CI logs: no secrets
 
         for line in preflight(cfg):
             print(f"check: {line}")

@@ -1,5 +1,6 @@
-"""Host and Ray helpers every layer may use: a free port, a Ray actor's state, and the one
-base class of the failures a command reports as one line (`ExpectedFailure`).
+"""Host and Ray helpers every layer may use: a free port, a Ray actor's state, a URL with its
+password removed, and the one base class of the failures a command reports as one line
+(`ExpectedFailure`).
 
 Imports nothing from asyncrl (and Ray only inside ``actor_state``), so the queue, the weight
 sync, the learner and the driver all take them from here instead of from each other.
@@ -12,6 +13,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from typing import ClassVar
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -97,3 +99,29 @@ def run_command(prog: str, command: Callable[[], int], *, verbose: bool = False)
         line, code = failure
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
         return code
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password removed, for logs, error messages and the dashboard: the one
+    in the user info (the user name stays, it tells which account) and a ``password=`` query
+    parameter (redis-py reads one there too, e.g. for unix:// sockets). The user info ends at
+    the last "@", so an unescaped "@" in a password does not leak the rest of it."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    netloc = parts.netloc
+    if at and ":" in userinfo:
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}@{hostport}" if user else hostport
+    query = parts.query
+    if query:
+        fields = parse_qsl(query, keep_blank_values=True)
+        kept = [(k, v) for k, v in fields if k != "password"]
+        if len(kept) != len(fields):
+            query = urlencode(kept)
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    # Not urlunsplit: it drops the empty host of unix:///path URLs.
+    head = f"{parts.scheme}://" if "://" in url else f"{parts.scheme}:" if parts.scheme else ""
+    return (
+        head + netloc + parts.path + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    )

@@ -11,10 +11,15 @@ checkpointer) and its readers (the dashboard, `asyncrl export`, resume) agree on
         latest                LATEST: names the newest complete checkpoint directory
 
 Reading it needs neither torch nor Ray, so the dashboard of a finished run stays light.
+Everything in it but config.yaml is free of secrets (asyncrl.config.secrets), and a run
+creates it all private to its user (`private_files`, control.private_files).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +54,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def read_extra(path: str | Path) -> dict[str, Any]:
     return msgpack.unpackb((Path(path) / EXTRA_FILE).read_bytes(), raw=False)
+
+
+PRIVATE_UMASK = 0o077
+"""Files 0600, directories 0700."""
+
+
+@contextlib.contextmanager
+def private_files(enabled: bool = True) -> Iterator[None]:
+    """While inside, files and directories this process creates, and those of the processes it
+    starts meanwhile (redis-server, a local Ray and its workers: a child keeps the umask it was
+    started with), are readable by their user only. The umask is the process's, so other
+    threads' files are private meanwhile too; it is restored on the way out."""
+    if not enabled:
+        yield
+        return
+    previous = os.umask(PRIVATE_UMASK)
+    os.umask(previous | PRIVATE_UMASK)  # never looser than the user's own
+    try:
+        yield
+    finally:
+        os.umask(previous)

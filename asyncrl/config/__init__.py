@@ -11,7 +11,7 @@ names the field (``algo.policy_loss``), the bad value and what is allowed;
     losses.py    one parameter model per policy loss (algo.policy_loss, tagged by `type`)
     algo.py      the algo section;  sections.py  rollout, queue, learner, sync, control, monitor
     tree.py      the root and its cross-section rules;  load.py  YAML, overrides, error messages
-    help.py      the schema as text
+    help.py      the schema as text;  secrets.py  the redacted copy every channel but config.yaml gets
 """
 
 from asyncrl.config.algo import AlgoConfig, CorrectionConfig
@@ -28,6 +28,7 @@ from asyncrl.config.base import (
 from asyncrl.config.help import schema_text
 from asyncrl.config.load import apply_overrides, config_from_dict, load_config, params_for
 from asyncrl.config.losses import POLICY_LOSSES, CustomLoss, LossParams, PolicyLoss
+from asyncrl.config.secrets import REDACTED, redact_config, rejoin_config
 from asyncrl.config.sections import (
     ControlConfig,
     LearnerConfig,
@@ -47,6 +48,7 @@ __all__ = [
     "LOSS_REDUCTIONS",
     "OUTCOME_ESTIMATORS",
     "POLICY_LOSSES",
+    "REDACTED",
     "AlgoConfig",
     "Config",
     "ConfigError",
@@ -66,6 +68,8 @@ __all__ = [
     "load_config",
     "params_for",
     "parse_cpu_list",
+    "redact_config",
+    "rejoin_config",
     "schema_text",
     "validate",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.algo.params import Params, is_import_path
@@ -28,6 +29,20 @@ class ConfigError(ValueError, ExpectedFailure):
     """A config value is wrong. The message names the field, the value and what is allowed."""
 
     label = "config error"
+
+
+@dataclass(frozen=True)
+class Secret:
+    """Marks a config field whose value must not leave the run's 0600 config.yaml (put it in the
+    field's type: ``Annotated[str | None, SECRET]``); asyncrl.config.secrets.redact_config reads
+    the marks. ``url``: the value is a URL, shown with its credentials removed; otherwise the
+    whole value is replaced."""
+
+    url: bool = False
+
+
+SECRET = Secret()
+CREDENTIALS_URL = Secret(url=True)
 
 
 class Section(Params):

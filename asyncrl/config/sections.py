@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import (
+    CREDENTIALS_URL,
     ENVIRONMENTS,
+    SECRET,
     ConfigError,
     Section,
     check_import_path,
@@ -19,6 +21,7 @@ from asyncrl.config.base import (
     prompt_source,
 )
 from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
+from asyncrl.infra import redact_url
 
 
 def _cpu_list(name: str, text: str) -> str:
@@ -164,9 +167,11 @@ class RolloutConfig(Section):
 class QueueConfig(Section):
     """The Redis replay queue; embedded redis-server unless a URL is given."""
 
-    redis_url: str | None = None
+    redis_url: Annotated[str | None, CREDENTIALS_URL] = None
     """redis://, rediss:// or unix:// URL; None starts an embedded redis-server on 127.0.0.1."""
-    password: str | None = None
+    password: Annotated[str | None, SECRET] = None
+    """A secret: only the run's config.yaml (0600) holds it; Redis, the dashboard, wandb and
+    logs get "<redacted>" (asyncrl.config.secrets). So does a password inside redis_url."""
     maxlen: int = Field(4096, ge=1)
     """Bound on queued groups; put() waits (backpressure) rather than dropping fresh data."""
     put_timeout_s: float = Field(60.0, gt=0)
@@ -198,7 +203,7 @@ class QueueConfig(Section):
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"queue.redis_url={value!r}: must start with redis://, rediss:// or unix://")
+            raise ConfigError(f"queue.redis_url={redact_url(value)!r}: must start with redis://, rediss:// or unix://")
         return value
 
     @model_validator(mode="after")
@@ -321,8 +326,13 @@ class ControlConfig(Section):
     """After this long without a full batch the trainer checks its generators: it waits on
     (saying why, once a minute) while any can run, alive or being restarted, and fails with a
     checkpoint and the resume command when none can."""
-    ray_address: str | None = None
+    ray_address: Annotated[str | None, CREDENTIALS_URL] = None
     ray_object_store_mb: int = 512
+    private_files: bool = True
+    """Files and directories the run creates (run dir, Redis AOF, metrics, summary, logs,
+    checkpoints, exported and /dev/shm weights) are its user's only, 0600 and 0700: the umask is
+    077 while the run is up, and the Redis and Ray it starts inherit it. false: the process's
+    umask applies (e.g. for a group that shares run dirs)."""
 
     @field_validator("eval_prompts")
     @classmethod
@@ -352,7 +362,8 @@ class MonitorConfig(Section):
     dashboard_port: int = 8470
     dashboard_host: str = "127.0.0.1"
     """Beyond loopback it needs dashboard_token."""
-    dashboard_token: str | None = None
+    dashboard_token: Annotated[str | None, SECRET] = None
+    """A secret, kept like queue.password."""
     alert_rollout_kl: float = 0.05
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0

@@ -3,7 +3,8 @@
     asyncrl generate --redis redis://127.0.0.1:PORT/0 --run demo [--max-groups 100]
 
 Everything comes from the job's Redis: the resolved config and model path (the trainer
-writes them at start), the current weights location and version (the generator polls it
+writes them at start; the config without its secrets, so the generator's own Redis URL and
+password stand in for the job's), the current weights location and version (the generator polls it
 and loads newer weights itself), and admission (so an extra generator never pushes the
 job past its staleness budget). The generator heartbeats while it runs and removes itself
 on a clean exit (SIGINT/SIGTERM or --max-groups reached); if it dies instead, its
@@ -37,7 +38,7 @@ import signal
 import socket
 import threading
 
-from asyncrl.config import Config, ConfigError, config_from_dict
+from asyncrl.config import Config, ConfigError, config_from_dict, rejoin_config
 from asyncrl.control.allowlist import ImportAllowList, named_imports, typed_imports, wants_remote_code
 from asyncrl.control.cluster import ClusterUnavailable, probe, warn_if_open_cluster
 from asyncrl.queue import RunState
@@ -47,11 +48,15 @@ from asyncrl.sync.objstore import open_store
 log = logging.getLogger(__name__)
 
 
-def job_config(run_state: RunState, allowed: ImportAllowList) -> tuple[Config, str]:
+def job_config(
+    run_state: RunState, allowed: ImportAllowList, *, redis_url: str, password: str | None
+) -> tuple[Config, str]:
     """The running job's config and model path, read from its state hash and trusted only as
     far as this host says: with a queue password, its trainer's signature must hold; with or
     without one, every import path it names must be in `allowed`. Both are checked before the
-    config is parsed (parsing looks modules up). ConfigError saying why, otherwise."""
+    config is parsed (parsing looks modules up). The job publishes it without secrets: the
+    Redis URL and password this generator connected with take their place. ConfigError saying
+    why, otherwise."""
     job = run_state.published_job()
     if job is None:
         raise ConfigError(
@@ -75,7 +80,7 @@ def job_config(run_state: RunState, allowed: ImportAllowList) -> tuple[Config, s
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"run {run_state.run!r}: the job's config in Redis is not JSON text: {e}") from None
     allowed.check(named_imports(data), remote_code=wants_remote_code(data))
-    cfg = config_from_dict(data)
+    cfg = config_from_dict(rejoin_config(data, redis_url=redis_url, password=password))
     allowed.check(typed_imports(cfg), remote_code=bool(cfg.rollout.engine_kwargs.get("trust_remote_code")))
     return cfg, model_path
 
@@ -97,7 +102,7 @@ def run_elastic_generator(
     QueueUnavailable if the job's Redis does not answer within `connect_timeout_s`."""
     run_state = RunState.connect(redis_url, run, password=password, retry_deadline_s=connect_timeout_s)
     try:
-        cfg, model_path = job_config(run_state, allowed or ImportAllowList())
+        cfg, model_path = job_config(run_state, allowed or ImportAllowList(), redis_url=redis_url, password=password)
     finally:
         run_state.close()
     model_package = _attach_ray(ray_address, run) if ray_address else None

@@ -20,7 +20,7 @@ from pathlib import Path
 from asyncrl.config import load_config
 from asyncrl.control.runtime import resolve_model
 from asyncrl.learner.checkpoint import replace_dir
-from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, complete_checkpoints, step_of
+from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, complete_checkpoints, private_files, step_of
 
 HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
@@ -99,4 +99,5 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
             metadata={"format": "pt", "step": str(n)},
         )
 
-    return _assemble(Path(out) if out is not None else run_dir / HF_DIR / f"step_{n}", model_path, write)
+    with private_files(cfg.control.private_files):  # as private as the run's own exports
+        return _assemble(Path(out) if out is not None else run_dir / HF_DIR / f"step_{n}", model_path, write)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from asyncrl.config import Config
+from asyncrl.config import Config, redact_config
 from asyncrl.control.collect import BatchCollector, NoGenerators
 from asyncrl.control.evaluate import Evaluator
 from asyncrl.control.ledger import record_trained
@@ -126,8 +126,9 @@ class TrainLoop:
             alert_masked_frac=self.cfg.monitor.alert_masked_frac,
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
             alert_logprob_diff_max=self.cfg.monitor.alert_logprob_diff_max,
-            # What `asyncrl generate` needs to join this job from another process.
-            config=json.dumps(self.cfg.to_dict()),
+            # What `asyncrl generate` needs to join this job from another process; without
+            # secrets, which it brings itself (anyone who reads Redis or the dashboard sees this).
+            config=json.dumps(redact_config(self.cfg)),
             model_path=self.model_path,
             trainer_step=self.state.step,
         )

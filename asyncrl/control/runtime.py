@@ -34,7 +34,7 @@ from asyncrl.control.restart import own_generator_ids
 from asyncrl.queue import RolloutQueue, RunState
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.tiny import write_tiny_model
-from asyncrl.rundir import CONFIG_FILE
+from asyncrl.rundir import CONFIG_FILE, private_files
 from asyncrl.sync.model_ship import ship_model
 from asyncrl.sync.objstore import ObjectStoreWeightSync
 from asyncrl.sync.weight_sync import cluster_is_multinode
@@ -87,6 +87,8 @@ class Runtime:
         def mark(what: str) -> None:
             startup[what] = round(time.perf_counter() - t0, 1)
 
+        # Before anything starts: the redis-server and Ray started below keep the umask they start with.
+        stack.enter_context(private_files(cfg.control.private_files))
         run_dir.mkdir(parents=True, exist_ok=True)
         redis_url, embedded_redis = bringup.start_redis(cfg, run_dir, stack)
         queue = bringup.connect_queue(cfg, redis_url, stack)

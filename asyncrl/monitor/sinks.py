@@ -5,7 +5,8 @@
     logger.log(step, {"reward/mean": 0.5, "staleness/mean": 0.25})
     logger.close()
 
-or, from the config tree: ``build_metrics_logger(cfg.monitor, redis_client, run, run_dir, cfg.to_dict())``.
+or, from the config tree: ``build_metrics_logger(cfg.monitor, redis_client, run, run_dir, cfg.to_dict())``
+(wandb gets the config with its secrets redacted, asyncrl.config.secrets).
 
 A sink that fails (Redis gone, wandb crashed, a closed terminal) must never stop training:
 `MetricsLogger` catches the error, warns once per sink with the reason, and carries on; the
@@ -24,6 +25,7 @@ from typing import Any, Literal, Protocol
 
 import msgpack
 
+from asyncrl.config import redact_config
 from asyncrl.monitor.metrics import clean
 from asyncrl.queue import keys
 from asyncrl.rundir import METRICS_FILE
@@ -101,8 +103,17 @@ class WandbSink:
         import wandb
 
         Path(dir).mkdir(parents=True, exist_ok=True)
+        # wandb keeps the config on its servers and in its files: never the secrets. Its run
+        # metadata is off because it holds the command line, and `asyncrl train cfg.yaml
+        # queue.password=...` would send the password with it.
         self.run = wandb.init(
-            mode=mode, project=project, name=run_name, config=dict(config), dir=str(dir), reinit="create_new"
+            mode=mode,
+            project=project,
+            name=run_name,
+            config=redact_config(config),
+            dir=str(dir),
+            reinit="create_new",
+            settings=wandb.Settings(x_disable_meta=True),
         )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:

@@ -19,13 +19,12 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from asyncrl.infra import ExpectedFailure, Unreachable
+from asyncrl.infra import ExpectedFailure, Unreachable, redact_url
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -40,32 +39,6 @@ class QueueUnavailable(ConnectionError, Unreachable):
 
 class BadRedisUrl(ValueError, ExpectedFailure):
     """A Redis URL of a scheme redis-py cannot open."""
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password removed, for logs, error messages and the dashboard: the one
-    in the user info (the user name stays, it tells which account) and a ``password=`` query
-    parameter (redis-py reads one there too, e.g. for unix:// sockets). The user info ends at
-    the last "@", so an unescaped "@" in a password does not leak the rest of it."""
-    parts = urlsplit(url)
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    netloc = parts.netloc
-    if at and ":" in userinfo:
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}@{hostport}" if user else hostport
-    query = parts.query
-    if query:
-        fields = parse_qsl(query, keep_blank_values=True)
-        kept = [(k, v) for k, v in fields if k != "password"]
-        if len(kept) != len(fields):
-            query = urlencode(kept)
-    if netloc == parts.netloc and query == parts.query:
-        return url
-    # Not urlunsplit: it drops the empty host of unix:///path URLs.
-    head = f"{parts.scheme}://" if "://" in url else f"{parts.scheme}:" if parts.scheme else ""
-    return (
-        head + netloc + parts.path + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
-    )
 
 
 def _is_auth_error(e: Exception) -> bool:

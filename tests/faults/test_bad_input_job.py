@@ -6,6 +6,9 @@ environment, then hurt by killing a learner rank:
   NaN, the error text) and the run goes on training;
 - the embedded Redis binds 127.0.0.1 with protected mode on and refuses a client without
   the password; the dashboard listens on 127.0.0.1 only;
+- the password and the dashboard token are in no Redis key, no dashboard answer (live and
+  finished-run), no log and no file of the run dir but config.yaml and redis.conf, and the
+  run's files are private (0600 / 0700);
 - a SIGKILLed learner rank fails the step cleanly (LearnerError, non-zero exit, no hang,
   nothing left running), and `--resume` finishes the run with a balanced ledger.
 
@@ -15,6 +18,7 @@ and put on PYTHONPATH for the job (the trainer passes PYTHONPATH on to every Ray
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -24,13 +28,19 @@ import urllib.request
 import psutil
 import pytest
 import redis
+from starlette.testclient import TestClient
 
+from asyncrl.config import REDACTED
 from asyncrl.data.codec import RecordError, decode_group
+from asyncrl.monitor.dashboard.app import create_run_dir_app
 from asyncrl.queue.server import free_port
+from asyncrl.rundir import CONFIG_FILE
+from tests.support.leaks import assert_no_secret, check_run_dir, redis_values
 
 pytestmark = pytest.mark.timeout(900)
 GROUPS = 4
 PASSWORD = "fault-suite-pw"
+TOKEN = "fault-suite-dashboard-token"
 LONG_PROMPT = "abc" * 27 + "="  # 82 characters, one token each: > engine_max_model_len=64
 
 ENV_MODULE = f'''
@@ -82,6 +92,7 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
         f"queue.password={PASSWORD}",
         "monitor.dashboard=true",
         f"monitor.dashboard_port={dashboard_port}",
+        f"monitor.dashboard_token={TOKEN}",
         "learner.collective_timeout_s=60",
         env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
     )
@@ -132,8 +143,20 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
         if c.status == psutil.CONN_LISTEN and c.laddr.port == dashboard_port
     ]
     assert [a.ip for a in listening] == ["127.0.0.1"], listening
-    with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/", timeout=10) as resp:
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    with urllib.request.urlopen(
+        urllib.request.Request(f"http://127.0.0.1:{dashboard_port}/", headers=bearer), timeout=10
+    ) as resp:
         assert resp.status == 200
+
+    # Secrets: only the run's config.yaml holds them; Redis and the dashboard get them redacted.
+    with job.client() as r:
+        assert_no_secret(b"\n".join(redis_values(r)), "Redis", (PASSWORD, TOKEN))
+    summary_url = f"http://127.0.0.1:{dashboard_port}/api/run/{job.run_name}/summary"
+    with urllib.request.urlopen(urllib.request.Request(summary_url, headers=bearer), timeout=10) as resp:
+        body = resp.read()
+    assert_no_secret(body, "the dashboard's summary", (PASSWORD, TOKEN))
+    assert json.loads(body)["config"]["queue"]["password"] == REDACTED
 
     # A learner rank dies: the step fails with LearnerError and the job exits non-zero, quickly.
     ranks = job.pids_named("ray::LearnerActor")
@@ -159,3 +182,16 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     print("ledger:", summary)
     assert summary["trained"] == steps * GROUPS
     assert summary["lost"] == 0 and summary["double_trained"] == 0
+
+    # The finished run's files: private, and no secret outside config.yaml and redis.conf. The
+    # job's output (job.log, made by this harness) has no secret either, but for the harness's
+    # own "=====" lines: the command lines it ran, which carry queue.password=... as given.
+    holders = {job.run_dir / CONFIG_FILE, job.run_dir / "redis" / "redis.conf"}
+    searched = check_run_dir(job.run_dir, (PASSWORD, TOKEN), holders=holders, foreign=frozenset({job.log_path}))
+    output = [line for line in job.log_path.read_bytes().splitlines() if not line.startswith(b"===== ")]
+    assert len(output) > 20 and any(b"LearnerError" in line for line in output)
+    assert_no_secret(b"\n".join(output), "the job's output", (PASSWORD, TOKEN))
+    print(f"run dir: {searched} files without a secret")
+    with TestClient(create_run_dir_app(job.run_dir)) as finished:
+        body = finished.get(f"/api/run/{job.run_name}/summary").content
+    assert_no_secret(body, "the finished-run dashboard's summary", (PASSWORD, TOKEN))

@@ -85,7 +85,7 @@ def test_a_signed_config_is_accepted_and_any_change_to_it_is_refused(password_re
     RunState.of(queue).set_state(status="running", config=json.dumps(_job(env=MARKER_ENV)), model_path="/models/tiny")
     queue.close()
     rs = RunState.connect(password_redis.url, "signed")
-    cfg, model_path = job_config(rs, allow)
+    cfg, model_path = job_config(rs, allow, redis_url=password_redis.url, password=None)
     assert (cfg.rollout.env, model_path) == (MARKER_ENV, "/models/tiny")
     assert MARKER not in sys.modules and not marker.exists()  # parsing looks the module up only
 
@@ -99,17 +99,19 @@ def test_a_signed_config_is_accepted_and_any_change_to_it_is_refused(password_re
     for field, value in tampered.items():
         _tamper(password_redis.url, "signed", **{**original, field: value})
         with pytest.raises(ConfigError, match="signature that does not match"):
-            job_config(rs, allow)  # even with subprocess:Popen allowed: the trainer did not write it
+            job_config(
+                rs, allow, redis_url=password_redis.url, password=None
+            )  # even with subprocess:Popen allowed: the trainer did not write it
 
     # A job signed for another run, copied over whole, is refused too; so is a missing signature.
     _tamper(password_redis.url, "copy", config=signed.config, model_path=signed.model_path, config_sig=signed.signature)
     copy = RunState.connect(password_redis.url, "copy")
     with pytest.raises(ConfigError, match="signature that does not match"):
-        job_config(copy, allow)
+        job_config(copy, allow, redis_url=password_redis.url, password=None)
     copy.close()
     redis.Redis.from_url(password_redis.url).hdel(keys.state("signed"), "config_sig")
     with pytest.raises(ConfigError, match="carries no signature"):
-        job_config(rs, allow)
+        job_config(rs, allow, redis_url=password_redis.url, password=None)
     rs.close()
 
 
@@ -133,20 +135,23 @@ def test_without_a_password_only_allow_listed_import_paths_are_loaded(redis_url,
     rs = _publish(redis_url, "open", _job(env=MARKER_ENV))
     assert rs.state().get("config_sig") is None  # nothing to sign with
     with pytest.raises(ConfigError) as refused:
-        job_config(rs, ImportAllowList.build(["my_pkg.rewards:other"]))
+        job_config(rs, ImportAllowList.build(["my_pkg.rewards:other"]), redis_url=redis_url, password=None)
     assert f"rollout.env={MARKER_ENV!r}" in str(refused.value)
     assert f"--allow-import {MARKER_ENV}" in str(refused.value)
     assert MARKER not in sys.modules and not marker.exists()
 
-    cfg, _ = job_config(rs, ImportAllowList.build([MARKER_ENV]))
+    cfg, _ = job_config(rs, ImportAllowList.build([MARKER_ENV]), redis_url=redis_url, password=None)
     assert cfg.rollout.env == MARKER_ENV
     own = tmp_path / "job.yaml"
     own.write_text(f"rollout:\n  env: {MARKER_ENV}\n")
-    assert job_config(rs, ImportAllowList.build(config_files=[own]))[0].rollout.env == MARKER_ENV
+    assert (
+        job_config(rs, ImportAllowList.build(config_files=[own]), redis_url=redis_url, password=None)[0].rollout.env
+        == MARKER_ENV
+    )
 
     # Built-in names need no allow-list.
     rs.set_state(config=json.dumps(_job(env="copy")), model_path="/models/tiny")
-    assert job_config(rs, ImportAllowList())[0].rollout.env == "copy"
+    assert job_config(rs, ImportAllowList(), redis_url=redis_url, password=None)[0].rollout.env == "copy"
     rs.close()
 
 

@@ -1,11 +1,11 @@
-"""One redactor for Redis URLs (asyncrl.queue.connection.redact_url), used by the queue's logs
+"""One redactor for Redis URLs (asyncrl.infra.redact_url), used by the queue's logs
 and errors and by the live dashboard: no password reaches a log line, an error or a page."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncrl.queue.connection import redact_url
+from asyncrl.infra import redact_url
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgpack
 
+from asyncrl.config import redact_config
 from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts
 from asyncrl.queue import keys
 
@@ -112,9 +113,12 @@ def read_state(client: Any, run: str) -> dict[str, Any]:
             out[name] = json_float(value)
         elif name == "config":
             try:
-                out[name] = json_safe(json.loads(value))
+                config = json.loads(value)
             except json.JSONDecodeError:
-                out[name] = None
+                config = None
+            # The trainer publishes it redacted; redacted here too, so that no viewer sees a
+            # secret an older trainer (or anyone who can write to Redis) put there.
+            out[name] = json_safe(redact_config(config)) if isinstance(config, dict) else None
         else:
             out[name] = value
     return out

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from asyncrl.config import redact_config
 from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.dashboard import data
 from asyncrl.monitor.metrics import Thresholds, evaluate_alerts
@@ -113,7 +114,8 @@ class RunDirSource:
             cfg = yaml.safe_load(path.read_text())
         except yaml.YAMLError:
             return {}
-        return data.json_safe(cfg) if isinstance(cfg, dict) else {}
+        # config.yaml is the one file that holds the secrets: the pages get the redacted copy.
+        return data.json_safe(redact_config(cfg)) if isinstance(cfg, dict) else {}
 
     def _summary_file(self) -> dict[str, Any]:
         path = self.run_dir / SUMMARY_FILE
