@@ -46,6 +46,33 @@ SIZES = (("tiny", 64, 2), ("h512-l4", 512, 4), ("h1024-l8", 1024, 8))
 QUICK_SIZES = (("h512-l4", 512, 4),)
 
 
+LINES: list[str] = []
+"""What the bench prints, held back until Ray and vLLM are down (see main)."""
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # progress as it happens
+    LINES.append(line)
+
+
+@contextlib.contextmanager
+def logs_to_stderr():
+    """Everything written to stdout meanwhile (Ray's and vLLM's logs, their child processes')
+    goes to stderr; the bench's own lines then go to stdout, the JSON last."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        for line in LINES:
+            print(line, flush=True)
+        LINES.clear()
+
+
 def raw_copy(state: dict, path: str, dest: dict) -> float:
     """Write the tensors' bytes to ``path``, read them back into ``dest``; return the seconds."""
     import torch
@@ -176,7 +203,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
     from asyncrl.rollout.generator import GeneratorActor
     from asyncrl.rollout.tiny import write_tiny_model
     from asyncrl.sync.model_ship import ship_model
-    from asyncrl.sync.objstore import ObjectStoreWeightSync, safetensors_blob
+    from asyncrl.sync.objstore import ObjectStoreWeightSync
     from tests.support.twonode import two_node_cluster
 
     model_dir = str(
@@ -201,7 +228,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
     def pull(refs) -> int:
         return int(np.asarray(ray.get(refs[0]))[::4096].sum())  # touch the bytes on node 2
 
-    ours, raw, loads, fetches = [], [], [], []
+    ours, raw, loads, fetches, puts, raw_puts = [], [], [], [], [], []
     with two_node_cluster(tmp, pythonpath=repo):
         gen = GeneratorActor.remote_actor(
             cfg,
@@ -221,15 +248,21 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
                 info = sync.publish(state, version=i + 1)
                 t_ours = time.perf_counter() - t0
                 assert info.errors == () and ray.get(gen.version.remote()) == i + 1, info
-                blob = safetensors_blob(state)
+                # The floor: the same bytes as one contiguous array (built outside the timing).
+                blob = np.concatenate([t.reshape(-1).view(torch.uint8).numpy() for t in state.values()])
                 t0 = time.perf_counter()
-                ray.get(pull.remote([ray.put(blob)]))
+                refs = [ray.put(blob)]
+                t_put = time.perf_counter() - t0
+                ray.get(pull.remote(refs))
                 t_raw = time.perf_counter() - t0
+                del refs, blob
                 if i:
                     ours.append(t_ours)
                     raw.append(t_raw)
                     loads.append(info.engine_load_s)
                     fetches.append(info.fetch_s)
+                    puts.append(info.write_s)
+                    raw_puts.append(t_put)
                 progress.advance(task)
             check_engine_runs(gen, model_dir, state, sample=lambda *a: ray.get(gen.sample.remote(*a)))
         finally:
@@ -244,8 +277,10 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
         "mib": round(nbytes / 2**20, 2),
         "ours_s": round(med_ours, 4),
         "raw_s": round(med_raw, 4),
+        "put_s": round(float(np.median(puts)), 4),
         "fetch_s": round(float(np.median(fetches)), 4),
         "engine_load_s": round(med_load, 4),
+        "raw_put_s": round(float(np.median(raw_puts)), 4),
         "ratio": round(med_ours / med_raw, 2),
         "ratio_excl_repack": round((med_ours - med_load) / med_raw, 2),
     }
@@ -261,8 +296,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="the object-store backend across two Ray nodes (60 MiB model; needs root)",
     )
     args = parser.parse_args(argv)
-    if args.object_store:
-        return main_object_store(args)
+    with logs_to_stderr():
+        return main_object_store(args) if args.object_store else main_shm(args)
+
+
+def main_shm(args) -> dict:
     sizes = QUICK_SIZES if args.quick else SIZES
     reps = 3 if args.quick else args.reps
 
@@ -284,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
             for label, hidden, layers in sizes:
                 rows.append(measure_size(label, hidden, layers, reps, server.url, tmp, progress))
                 row = rows[-1]
-                print(
+                say(
                     f"{label:>9}: {row['mib']:8.2f} MiB  ours {row['ours_s'] * 1e3:8.1f} ms (write "
                     f"{row['write_s'] * 1e3:.1f}, apply {row['apply_s'] * 1e3:.1f} of which engine load "
                     f"{row['engine_load_s'] * 1e3:.1f})  raw copy {row['raw_s'] * 1e3:8.1f} ms  ratio {row['ratio']}"
@@ -298,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         "reps": reps,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    print(json.dumps(result))
+    say(json.dumps(result))
     return result
 
 
@@ -316,10 +354,11 @@ def main_object_store(args) -> dict:
         EmbeddedRedis(os.path.join(tmp, "redis"), aof=False) as server,
     ):
         row = measure_object_store(label, hidden, layers, 3 if args.quick else args.reps, server.url, tmp, progress)
-    print(
-        f"{label:>9}: {row['mib']:8.2f} MiB  object store {row['ours_s'] * 1e3:8.1f} ms (fetch on node 2 "
-        f"{row['fetch_s'] * 1e3:.1f}, engine load {row['engine_load_s'] * 1e3:.1f})  raw put+remote get "
-        f"{row['raw_s'] * 1e3:8.1f} ms  ratio {row['ratio']} (without vLLM's repack {row['ratio_excl_repack']})"
+    say(
+        f"{label:>9}: {row['mib']:8.2f} MiB  object store {row['ours_s'] * 1e3:8.1f} ms (put {row['put_s'] * 1e3:.1f}, "
+        f"fetch on node 2 {row['fetch_s'] * 1e3:.1f}, engine load {row['engine_load_s'] * 1e3:.1f})  raw put+remote "
+        f"get {row['raw_s'] * 1e3:8.1f} ms (put {row['raw_put_s'] * 1e3:.1f})  ratio {row['ratio']} (without "
+        f"vLLM's repack {row['ratio_excl_repack']})"
     )
     result = {
         "backend": "object_store",
@@ -329,7 +368,7 @@ def main_object_store(args) -> dict:
         "sizes": [row],
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    print(json.dumps(result))
+    say(json.dumps(result))
     return result
 
 
