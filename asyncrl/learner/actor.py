@@ -29,7 +29,7 @@ from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
 from asyncrl.sync.model_ship import local_model
-from asyncrl.sync.objstore import safetensors_blob
+from asyncrl.sync.objstore import weights_packet
 from asyncrl.sync.shm import temp_beside
 
 
@@ -272,9 +272,9 @@ class LearnerActor:
         return self.version
 
     def export_blob(self):
-        """Collective; (version, safetensors bytes as uint8 array) on rank 0, (version, None) elsewhere."""
+        """Collective; (version, TensorPacket of the weights) on rank 0, (version, None) elsewhere."""
         state = fsdp.full_state_dict(self.model)
-        return self.version, (safetensors_blob(state) if self.rank == 0 else None)
+        return self.version, (weights_packet(state) if self.rank == 0 else None)
 
     def save(self, directory: str) -> int:
         checkpoint.save_rank_state(

@@ -329,6 +329,7 @@ class GeneratorActor:
         with contextlib.suppress(Exception):
             self._call(_wind_down(self, 0.0))
         self._call(self.engine.shutdown())
+        self.weights.close()
         self.engine_record.remove()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

@@ -50,6 +50,15 @@ class WeightWatcher:
         self.failed: tuple[WeightLocation, int, float] | None = None  # (location, version, when)
         self.blocked: str | None = None  # why admission is closed: announced weights failed to load
 
+    @property
+    def tag(self) -> str:
+        """Names this generator's fetched weight files (sync/objstore.py)."""
+        return f"{self.run}-{self.generator_id}"
+
+    def close(self) -> None:
+        """Delete the fetched files parked for reuse (the generator is stopping)."""
+        objstore.drop_spares(self.cfg.sync.shm_dir, self.tag)
+
     def note_failed(self, location: WeightLocation, version: int) -> None:
         self.failed = (location, version, time.monotonic())
 
@@ -65,9 +74,7 @@ class WeightWatcher:
             return {"version": self.engine.version, "skipped": True}
         path, t0 = None, time.perf_counter()
         try:
-            path = await asyncio.to_thread(
-                objstore.fetch, location, version, self.cfg.sync.shm_dir, f"{self.run}-{self.generator_id}"
-            )
+            path = await asyncio.to_thread(objstore.fetch, location, version, self.cfg.sync.shm_dir, self.tag)
             fetch_s = time.perf_counter() - t0
             info = await self.engine.load_weights(path, version, inflight=self.cfg.sync.inflight)
         except (WeightLoadError, OSError) as e:
@@ -83,7 +90,7 @@ class WeightWatcher:
             self.blocked = f"cannot load the announced weights v{version} ({location}): {e}"
             raise
         finally:
-            objstore.discard(path, location)
+            objstore.discard(path, location, self.tag)
         if self.blocked is not None:
             log.warning("%s: weights v%d loaded; admitting work again", self.generator_id, version)
         self.blocked = None

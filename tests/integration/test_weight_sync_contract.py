@@ -127,6 +127,25 @@ def make_sync(backend: str, shm_dir: str, run_state, learner, gen, tmp_path):
     return sync
 
 
+def assert_fetched_files_are_reused_safely(pub, gen, learner_hf, shm_dir) -> None:
+    """A generator rewrites its parked fetched files in place (sync/objstore.py). That is safe
+    only if the engine keeps none of a loaded file's pages: scribbling over every parked file
+    no other name links must leave its sampling unchanged, and a publish into one still exact."""
+    from asyncrl.sync.objstore import spare_paths
+
+    pub.publish(next(_versions), overlap=False)  # the first publish's file is the engine's kept copy
+    free = [p for p in spare_paths(shm_dir, gen.weights.tag) if os.path.exists(p) and os.stat(p).st_nlink == 1]
+    assert free, os.listdir(shm_dir)
+    for path in free:
+        with open(path, "r+b") as f:
+            f.write(b"\0" * os.path.getsize(path))
+    assert max_logprob_diff(gen, learner_hf) < 1e-3
+    inodes = {os.stat(p).st_ino for p in free}
+    pub.publish(next(_versions), overlap=False)
+    assert os.stat(gen.engine.last_good_path).st_ino in inodes  # it went into a parked file
+    assert max_logprob_diff(gen, learner_hf) < 1e-3
+
+
 @pytest.mark.parametrize("backend", ["shm", "object_store", "nccl"])
 def test_every_backend_publishes_through_the_publisher(
     backend, ray_session, learner, learner_hf, gen, run_state, shm_dir, tiny_model_dir, tmp_path
@@ -154,6 +173,8 @@ def test_every_backend_publishes_through_the_publisher(
         if backend == "nccl":
             assert sync.transfer.sent == 1 and result.fallbacks == 0  # it went through the transfer
             assert gen.engine.last_good_path is not None  # a later failed update can restore it
+        if backend == "object_store":
+            assert_fetched_files_are_reused_safely(pub, gen, learner_hf, shm_dir)
     finally:
         sync.close()
 
