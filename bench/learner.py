@@ -23,7 +23,15 @@ uniformly earlier). `--quick`: B = 16, 4 prompts, as peers' --quick; full: B = 1
 prompts. Reported under "packing": packed and padded train tokens/s, their ratio (goal >=
 1.1) and each side's `learner/padding_frac` (goal < 1% packed).
 
-The last line printed is JSON with both cases' figures.
+Case `ac` (not part of `both`; no Ray): `learner.activation_checkpointing` off, then on, each
+in a fresh process running the learner's model (one-rank gloo group) forward + backward on one
+packed micro-batch of `--seqs` x `--seq-len` tokens (AC_MODEL). Reported under "ac": peak RSS,
+the step's share of it (peak - RSS before the first step), their on/off ratios and the
+median step-time ratio.
+
+    .venv/bin/python bench/learner.py --case ac
+
+The last line printed is JSON with the cases' figures.
 """
 
 from __future__ import annotations
