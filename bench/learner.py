@@ -23,7 +23,15 @@ uniformly earlier). `--quick`: B = 16, 4 prompts, as peers' --quick; full: B = 1
 prompts. Reported under "packing": packed and padded train tokens/s, their ratio (goal >=
 1.1) and each side's `learner/padding_frac` (goal < 1% packed).
 
-The last line printed is JSON with both cases' figures.
+Case `ac` (not part of `both`; no Ray): `learner.activation_checkpointing` off, then on, each
+in a fresh process running the learner's model (one-rank gloo group) forward + backward on one
+packed micro-batch of `--seqs` x `--seq-len` tokens (AC_MODEL). Reported under "ac": peak RSS,
+the step's share of it (peak - RSS before the first step), their on/off ratios and the
+median step-time ratio.
+
+    .venv/bin/python bench/learner.py --case ac
+
+The last line printed is JSON with the cases' figures.
 """
 
 from __future__ import annotations
@@ -238,10 +246,87 @@ def run_packing(args, cfg, tmp: str, progress) -> dict:
     return {**result, "budget": shape["budget"], "long_budget": 6 * shape["budget"], "prompts": shape["prompts"]}
 
 
+AC_MODEL = dict(hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=1024)
+"""Case `ac`'s model: deep and narrow, so activations (which checkpointing drops) outweigh the
+weights and gradients (which it keeps)."""
+
+
+def ac_child(model_dir: str, checkpointing: bool, *, seqs: int, seq_len: int, steps: int, threads: int) -> dict:
+    """One setting of case `ac`, alone in its process (so its peak RSS is its own): the
+    learner's model (fsdp.load_sharded_model on a one-rank gloo group) runs forward + backward
+    of microbatch_loss over one packed micro-batch, `steps` times. Reports the peak RSS, the
+    RSS just before the first step (weights, imports) and the median step time."""
+    import resource
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    from asyncrl.config import Config
+    from asyncrl.data import microbatch as mbatch
+    from asyncrl.learner import fsdp
+    from asyncrl.learner.loss import microbatch_loss
+    from asyncrl.learner.step import forward_logits
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = fsdp.build_mesh(torch.device("cpu"), 1)
+    model = fsdp.load_sharded_model(
+        model_dir, mesh, device=torch.device("cpu"), dtype="float32", activation_checkpointing=checkpointing
+    )
+    cfg = Config()
+    batch = make_batch(seqs, seq_len, model.config.vocab_size, seed=0)
+    mb = mbatch.collate_packed([mbatch.seq_fields(s) for s in batch], pad_token_id=0)
+    before = psutil.Process().memory_info().rss
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        loss, _ = microbatch_loss(
+            forward_logits(model, mb), mb, cfg.algo, temperature=1.0, num_microbatches=1, old_from_current=True
+        )
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    dist.destroy_process_group()
+    return {"peak_rss": peak, "rss_before_steps": before, "step_s_median": float(np.median(times))}
+
+
+def run_ac(args) -> dict:
+    """Case `ac`: activation checkpointing off, then on, each in a fresh process."""
+    import subprocess
+
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(write_tiny_model(f"{tmp}/ac", max_position_embeddings=args.seq_len, **AC_MODEL))
+        sides = {}
+        for name, flag in (("off", "0"), ("on", "1")):
+            cmd = [sys.executable, os.path.abspath(__file__), "--ac-child", flag, "--model-dir", model_dir]
+            cmd += ["--seqs", str(args.seqs), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+            cmd += ["--threads", str(args.threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            sides[name] = json.loads(out.strip().splitlines()[-1])
+    off, on = sides["off"], sides["on"]
+    mib = 1024 * 1024
+    return {
+        "tokens_per_step": args.seqs * args.seq_len,
+        "model": AC_MODEL,
+        "peak_rss_mib": {k: round(v["peak_rss"] / mib) for k, v in sides.items()},
+        "step_peak_mib": {k: round((v["peak_rss"] - v["rss_before_steps"]) / mib) for k, v in sides.items()},
+        "peak_ratio": round(on["peak_rss"] / off["peak_rss"], 3),
+        "step_peak_ratio": round(
+            (on["peak_rss"] - on["rss_before_steps"]) / (off["peak_rss"] - off["rss_before_steps"]), 3
+        ),
+        "step_time_ratio": round(on["step_s_median"] / off["step_s_median"], 3),
+        "step_s_median": {k: round(v["step_s_median"], 3) for k, v in sides.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small run, ~2 min for both cases")
-    parser.add_argument("--case", choices=("baseline", "packing", "both"), default="both")
+    parser.add_argument("--case", choices=("baseline", "packing", "both", "ac"), default="both")
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=256)
@@ -250,9 +335,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="budget of the baseline case")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads per rank / baseline")
+    parser.add_argument("--ac-child", choices=("0", "1"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ac_child is not None:  # one side of case `ac`, in its own process
+        kw = dict(seqs=args.seqs, seq_len=args.seq_len, steps=args.steps, threads=args.threads)
+        child = ac_child(args.model_dir, args.ac_child == "1", **kw)
+        print(json.dumps(child))
+        return child
     if args.quick:
         args.steps, args.seqs, args.layers = 3, 8, 2
+    if args.case == "ac":  # no Ray: one process per setting, the learner's model on a gloo group
+        result = {"ac": run_ac(args)}
+        print(json.dumps(result))
+        return result
 
     import ray
     from rich.progress import Progress

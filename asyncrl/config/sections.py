@@ -249,6 +249,10 @@ class LearnerConfig(Section):
     mini_batches_per_step: int = Field(1, ge=1)
     """Optimizer steps per trainer step (each bumps the policy version)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of keeping them:
+    activation memory drops to about one block's worth plus each block's input, for one more
+    forward's compute. Gradients are unchanged (docs/design.md, "Activation checkpointing")."""
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"

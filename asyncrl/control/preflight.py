@@ -56,7 +56,7 @@ def preflight(cfg: Config) -> list[str]:
 
     model = "tiny-model" if r.model == "tiny" else r.model  # the engine reads nothing here
     try:
-        args = engine_args(r, model, rollout_seed(cfg), transfer_backend(s))
+        args = engine_args(r, model, rollout_seed(cfg), transfer_backend(s), learner_dtype=learner.dtype)
     except TypeError as e:
         raise ConfigError(f"rollout.engine_kwargs={r.engine_kwargs!r}: vLLM's AsyncEngineArgs refuses it: {e}") from e
     transfer = getattr(args.weight_transfer_config, "backend", None)

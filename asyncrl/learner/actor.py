@@ -84,7 +84,13 @@ class LearnerActor:
             timeout_s=self.collective_timeout_s,
         )
         mesh = fsdp.build_mesh(self.device, self.world_size)
-        self.model = fsdp.load_sharded_model(self.model_path, mesh, device=self.device, dtype=lc.dtype)
+        self.model = fsdp.load_sharded_model(
+            self.model_path,
+            mesh,
+            device=self.device,
+            dtype=lc.dtype,
+            activation_checkpointing=lc.activation_checkpointing,
+        )
         self.reference = None
         if self.cfg.algo.kl_coef > 0:
             self.reference = fsdp.load_sharded_model(

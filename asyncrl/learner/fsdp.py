@@ -92,17 +92,58 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
+class CheckpointedForward:
+    """A decoder block's forward run under non-reentrant activation checkpointing: only the
+    block's inputs are kept, its activations are recomputed when its backward runs.
+
+    It replaces the block's ``forward`` on the instance rather than wrapping the module (as
+    checkpoint_wrapper does), so every parameter keeps its Hugging Face name (the state dict
+    that vLLM, DCP and the export read). Non-reentrant checkpointing takes keyword arguments
+    (position_ids, position_embeddings, a packed row's masks or cu_seqlens all arrive as
+    keywords) and inputs that need no gradient. Installed before ``fully_shard``, it sits
+    inside FSDP's hooks, as torchtitan's apply_ac does: the block's parameters are gathered
+    by FSDP's pre-backward hook before the recompute runs. Hugging Face's own
+    gradient_checkpointing_enable would do nothing here: it only checkpoints in train mode, and
+    the learner runs its model in eval mode (see load_sharded_model).
+    """
+
+    def __init__(self, forward: Any) -> None:
+        self.inner = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint  # kept next to its only use
+
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_blocks(blocks: list[nn.Module]) -> None:
+    """Run every block's forward under activation checkpointing (in place, idempotent)."""
+    for block in blocks:
+        if not isinstance(block.forward, CheckpointedForward):
+            # An instance attribute: nn.Module.__call__ calls self.forward, its hooks stay outside.
+            block.forward = CheckpointedForward(block.forward)
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None,
+    *,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
     """fully_shard each decoder block, then the root (in place); return the model. Gradients
     are summed over the ranks (divide factor 1, as torchtitan does), not averaged.
 
     The last block keeps its parameters gathered after forward (reshard_after_forward=False):
     backward starts with it, so freeing and re-gathering them would only add a copy.
+    With ``activation_checkpointing``, each block is checkpointed before it is sharded.
     """
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     blocks = decoder_blocks(model)
+    if activation_checkpointing:
+        checkpoint_blocks(blocks)
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
@@ -118,7 +159,13 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
 
 
 def load_sharded_model(
-    model_path: str, mesh: DeviceMesh, *, device: torch.device, dtype: str, trainable: bool = True
+    model_path: str,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    dtype: str,
+    trainable: bool = True,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Load the HF causal LM in float32 (master weights), shard it with FSDP2 over `mesh`.
 
@@ -133,7 +180,8 @@ def load_sharded_model(
     self.attention_dropout``), from float attributes copied out of the config at build time,
     under names that differ per architecture; zeroing ``nn.Dropout`` modules or the config
     would miss those. (HF also gates gradient checkpointing on ``self.training``; the learner
-    does not use it.)
+    checkpoints its blocks itself, see CheckpointedForward, and only a trainable model's:
+    a frozen one keeps no activations for a backward.)
     """
     from transformers import AutoModelForCausalLM
 
@@ -143,7 +191,9 @@ def load_sharded_model(
     model.config.use_cache = False
     model.requires_grad_(trainable)
     model.train(False)
-    return shard_model(model, mesh, mixed_precision(dtype, device))
+    return shard_model(
+        model, mesh, mixed_precision(dtype, device), activation_checkpointing=activation_checkpointing and trainable
+    )
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -90,17 +90,28 @@ class RolloutEngine:
         self._open.set()
         self.weight_transfer: str | None = None
         """vLLM's weight-transfer backend the engine was built with (a rebuild keeps it)."""
+        self.learner_dtype = "float32"
+        """learner.dtype, which the engine's dtype follows (a rebuild keeps it)."""
 
     @classmethod
     async def start(
-        cls, rollout: RolloutConfig, model_path: str, version: int = 0, *, seed: int, weight_transfer: str | None = None
+        cls,
+        rollout: RolloutConfig,
+        model_path: str,
+        version: int = 0,
+        *,
+        seed: int,
+        weight_transfer: str | None = None,
+        learner_dtype: str = "float32",
     ) -> RolloutEngine:
         import psutil
         from vllm.v1.engine.async_llm import AsyncLLM
 
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
-        llm = AsyncLLM.from_engine_args(engine_args(rollout, model_path, seed, weight_transfer))
+        llm = AsyncLLM.from_engine_args(
+            engine_args(rollout, model_path, seed, weight_transfer, learner_dtype=learner_dtype)
+        )
         pids = [
             [p.pid, p.create_time()]
             for p in me.children(recursive=True)
@@ -108,6 +119,7 @@ class RolloutEngine:
         ]
         engine = cls(llm, rollout, model_path, pids, seed)
         engine.weight_transfer = weight_transfer
+        engine.learner_dtype = learner_dtype
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
         engine.shm_segments = sorted(shm_segments_of([pid for pid, _ in pids] + [os.getpid()]))
@@ -333,7 +345,12 @@ class RolloutEngine:
             await self.abort_all()
         self.llm.shutdown()
         fresh = await RolloutEngine.start(
-            self.rollout, self.model_path, self.base_version, seed=self.seed, weight_transfer=self.weight_transfer
+            self.rollout,
+            self.model_path,
+            self.base_version,
+            seed=self.seed,
+            weight_transfer=self.weight_transfer,
+            learner_dtype=self.learner_dtype,
         )
         self.llm, self.engine_pids, self.shm_segments = fresh.llm, fresh.engine_pids, fresh.shm_segments
         self.closed = await self._load_last_good()

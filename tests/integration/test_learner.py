@@ -75,22 +75,25 @@ def batches(tiny_model_dir):
     ]
 
 
-def _start(ray_session, model_dir, num_ranks, **kw):
+def _start(ray_session, model_dir, num_ranks, activation_checkpointing: bool = False, **kw):
     from asyncrl.learner import LearnerGroup
     from asyncrl.rollout.envs import resolve_env_class
 
     cfg = make_config()
+    cfg.learner.activation_checkpointing = activation_checkpointing
     special = resolve_env_class(cfg.rollout.env).sample_special_tokens
     return LearnerGroup(cfg, model_dir, num_ranks=num_ranks, sample_special_tokens=special, **kw)
 
 
 @pytest.fixture(scope="module")
 def groups(ray_session, tiny_model_dir, tmp_path_factory):
-    """{1: group, 2: group} plus the checkpoint of their initial state to reset them."""
+    """{1: group, 2: group} plus the checkpoint of their initial state to reset them. The
+    2-rank group recomputes its activations (learner.activation_checkpointing), so every
+    comparison with the 1-rank group also checks that this leaves training unchanged."""
     started = {}
     try:
         for n in (1, 2):
-            started[n] = _start(ray_session, tiny_model_dir, n)
+            started[n] = _start(ray_session, tiny_model_dir, n, activation_checkpointing=n == 2)
         init = {}
         for n, g in started.items():
             path = tmp_path_factory.mktemp(f"init{n}") / "step_000000"
@@ -266,7 +269,7 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(ray_session, groups, bat
     assert (ckpt.parent / "latest").read_text().strip() == "step_000002"
     assert [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".")] == []  # no staging left
 
-    fresh = _start(ray_session, tiny_model_dir, 2)
+    fresh = _start(ray_session, tiny_model_dir, 2, activation_checkpointing=True)
     try:
         fresh.micro_batch_tokens = 40
         assert fresh.load_checkpoint(str(ckpt.parent)) == extra  # via the `latest` pointer

@@ -50,13 +50,30 @@ class Tolerance:
 
 
 TOLERANCES: dict[str, Tolerance] = {
-    # Both sides compute in float32 (the engines always do); what is left is summation order
-    # in different kernels, measured at ~1e-6.
+    # Both sides compute in float32 (every CPU run: the learner and the engine are float32 there
+    # whatever learner.dtype says); what is left is summation order in different kernels,
+    # measured at ~1e-6.
     "float32": Tolerance(max_abs=1e-3, mean_abs=1e-4),
-    # A bfloat16 learner rounds every activation to 8 mantissa bits (relative 4e-3) against
-    # the engine's float32: the log-probs agree only to a few 1e-2.
+    # A CUDA run with learner.dtype=bfloat16: the engine computes in bfloat16 too, but rounds
+    # at other points than the learner (fused vLLM kernels and CUDA graphs against FSDP's bf16
+    # compute of fp32 master weights): 8 mantissa bits, a relative 4e-3 per rounding, add up
+    # over the layers to log-probs that agree only to ~1e-2 (the mismatch the literature on
+    # train/inference precision reports), with the odd low-probability token further off.
     "bfloat16": Tolerance(max_abs=1e-1, mean_abs=1e-2),
+    # float16 (an engine_kwargs dtype override): 11 mantissa bits, 8x finer than bfloat16, but
+    # each side still rounds at its own points.
+    "float16": Tolerance(max_abs=3e-2, mean_abs=3e-3),
 }
+"""Keyed by the run's compute dtype (``run_dtype``)."""
+
+
+def run_dtype(learner_dtype: str, platform: str) -> str:
+    """The dtype both sides of a run compute in, which picks its tolerance: the engine's, which
+    follows the learner's (asyncrl.rollout.sampling.engine_dtype): ``learner.dtype`` on CUDA,
+    float32 on the CPU."""
+    from asyncrl.rollout.sampling import engine_dtype
+
+    return engine_dtype(learner_dtype, platform)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from tests.support.parity import PARITY_OVERRIDES, format_table, parity_of_rows
+from tests.support.parity import PARITY_OVERRIDES, TOLERANCES, format_table, parity_of_rows, run_dtype
 
 
 def row(step: int, **drift: float | None) -> dict:
@@ -64,6 +64,13 @@ def test_bfloat16_has_its_own_tolerance():
     rows = [row(1, logprob_abs_diff_max=2e-2, abs_logp_diff=2e-3)]
     assert parity_of_rows("bf16", rows, dtype="bfloat16").ok
     assert not parity_of_rows("f32", rows, dtype="float32").ok
+
+
+def test_tolerance_follows_the_runs_compute_dtype():
+    # A CPU run is float32 on both sides whatever learner.dtype says; CUDA follows learner.dtype.
+    assert run_dtype("bfloat16", "cpu") == "float32"
+    assert run_dtype("bfloat16", "cuda") == "bfloat16"
+    assert TOLERANCES["float32"].max_abs < TOLERANCES["float16"].max_abs < TOLERANCES["bfloat16"].max_abs
 
 
 def test_learning_rate_zero_is_a_valid_config_and_negative_is_not():
