@@ -50,30 +50,31 @@ import numpy as np
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
-def make_batch(num_seqs: int, seq_len: int, vocab: int, seed: int):
+def train_sequence(rng, prompt: int, length: int, total: int, vocab: int, group_id: str, index: int):
+    """A random sequence of `length` tokens whose first `prompt` are the prompt, its loss
+    weights token_mean over `total` response tokens in the mini-batch."""
     from asyncrl.types import TrainSequence
 
+    m = np.zeros(length, dtype=np.float32)
+    m[prompt:] = 1
+    return TrainSequence(
+        input_ids=rng.integers(4, vocab, length).astype(np.int32),
+        loss_mask=m,
+        rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(length))).astype(np.float32),
+        advantages=(m * rng.standard_normal()).astype(np.float32),
+        reduction_weights=(m / total).astype(np.float32),
+        token_versions=np.zeros(length, dtype=np.int32),
+        behavior_version=0,
+        group_id=group_id,
+        sample_index=index,
+    )
+
+
+def make_batch(num_seqs: int, seq_len: int, vocab: int, seed: int):
     rng = np.random.default_rng(seed)
     prompt = 8
     total = num_seqs * (seq_len - prompt)
-    out = []
-    for i in range(num_seqs):
-        m = np.zeros(seq_len, dtype=np.float32)
-        m[prompt:] = 1
-        out.append(
-            TrainSequence(
-                input_ids=rng.integers(4, vocab, seq_len).astype(np.int32),
-                loss_mask=m,
-                rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(seq_len))).astype(np.float32),
-                advantages=(m * rng.standard_normal()).astype(np.float32),
-                reduction_weights=(m / total).astype(np.float32),
-                token_versions=np.zeros(seq_len, dtype=np.int32),
-                behavior_version=0,
-                group_id=f"g{i}",
-                sample_index=i,
-            )
-        )
-    return out
+    return [train_sequence(rng, prompt, seq_len, total, vocab, f"g{i}", i) for i in range(num_seqs)]
 
 
 def baseline_step(model, optimizer, minibatch, cfg, pad_token_id: int) -> None:
@@ -156,8 +157,6 @@ REALISTIC_SHAPE = {"quick": dict(prompts=4, budget=16), "full": dict(prompts=16,
 
 def realistic_batch(prompts: int, budget: int, vocab: int, seed: int, samples: int = 8, p_full: float = 0.3):
     """A mini-batch of the realistic workload's shape (module docstring); token_mean weights."""
-    from asyncrl.types import TrainSequence
-
     rng = np.random.default_rng(seed)
     longs = set(rng.choice(prompts, max(1, round(0.1 * prompts)), replace=False).tolist())
     shapes = []
@@ -166,25 +165,10 @@ def realistic_batch(prompts: int, budget: int, vocab: int, seed: int, samples: i
         for _ in range(samples):
             shapes.append((p, prompt, cap if rng.random() < p_full else int(rng.integers(1, cap))))
     total = sum(r for _, _, r in shapes)
-    out = []
-    for i, (p, prompt, response) in enumerate(shapes):
-        n = prompt + response
-        m = np.zeros(n, dtype=np.float32)
-        m[prompt:] = 1
-        out.append(
-            TrainSequence(
-                input_ids=rng.integers(4, vocab, n).astype(np.int32),
-                loss_mask=m,
-                rollout_logprobs=(m * (-4.0 + 0.2 * rng.standard_normal(n))).astype(np.float32),
-                advantages=(m * rng.standard_normal()).astype(np.float32),
-                reduction_weights=(m / total).astype(np.float32),
-                token_versions=np.zeros(n, dtype=np.int32),
-                behavior_version=0,
-                group_id=f"p{p}",
-                sample_index=i % samples,
-            )
-        )
-    return out
+    return [
+        train_sequence(rng, prompt, prompt + response, total, vocab, f"p{p}", i % samples)
+        for i, (p, prompt, response) in enumerate(shapes)
+    ]
 
 
 def measure_packing(model_dir: str, cfg, batch, *, steps: int, progress) -> dict:

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
 from asyncrl.control.cluster import connect_ray
+from asyncrl.control.preflight import check_prompt_source, prompt_sources
 from asyncrl.queue import RolloutQueue
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.rollout.envs import resolve_env_class
 from asyncrl.rollout.envs.chat import check_turn_template
-from asyncrl.rollout.prompts import check_chat_template, check_source
+from asyncrl.rollout.prompts import check_chat_template
 from asyncrl.sync import build_weight_sync
 
 if TYPE_CHECKING:
@@ -30,22 +31,9 @@ def check_prompts(cfg: Config, model_path: str) -> None:
     """Open the prompt sources and check the chat template once, here: a missing column or
     split, or a tokenizer without a template, would otherwise fail every generator's start
     (which Ray retries for ever) and the evaluator's."""
-    r, c = cfg.rollout, cfg.control
-
-    def first(source: str, split: str, where: str) -> None:
-        check_source(
-            source,
-            split=split,
-            prompt_field=r.prompt_field,
-            answer_field=r.answer_field,
-            chat_template=r.chat_template,
-            where=where,
-        )
-
-    if r.prompts:
-        first(r.prompts, r.prompt_split, "rollout.prompts")
-    if c.eval_every and c.eval_prompts:
-        first(c.eval_prompts, c.eval_split, "control.eval_prompts")
+    r = cfg.rollout
+    for where, source, split in prompt_sources(cfg):
+        check_prompt_source(cfg, where, source, split)
     if r.chat_template:
         from transformers import AutoTokenizer
 

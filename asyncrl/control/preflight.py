@@ -27,7 +27,7 @@ from pathlib import Path
 from asyncrl.config import Config, ConfigError
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
-from asyncrl.rollout.prompts import PromptSourceError, check_chat_template, check_source
+from asyncrl.rollout.prompts import PromptSourceError, SourceCheck, check_chat_template, check_source
 from asyncrl.rollout.sampling import engine_args, transfer_backend
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.nccl import NcclWeightSync
@@ -127,28 +127,39 @@ def check_imports(cfg: Config) -> list[str]:
     return lines
 
 
-def check_prompt_sources(cfg: Config) -> list[str]:
-    """Read every prompt source a run reads (evaluation's only when it evaluates) and check each
-    record; with rollout.chat_template and a local model, check its tokenizer has a template."""
+def prompt_sources(cfg: Config) -> list[tuple[str, str, str]]:
+    """(config key, source, split) of each prompt source a run reads: evaluation's only when
+    it evaluates."""
     r, c = cfg.rollout, cfg.control
     sources = [("rollout.prompts", r.prompts, r.prompt_split)]
     if c.eval_every:
         sources.append(("control.eval_prompts", c.eval_prompts, c.eval_split))
+    return [(where, source, split) for where, source, split in sources if source]
+
+
+def check_prompt_source(cfg: Config, where: str, source: str, split: str, hub_sample: int | None = None) -> SourceCheck:
+    """Read one of the run's prompt sources through as its generators would (PromptSourceError)."""
+    r = cfg.rollout
+    return check_source(
+        source,
+        split=split,
+        prompt_field=r.prompt_field,
+        answer_field=r.answer_field,
+        chat_template=r.chat_template,
+        where=where,
+        hub_sample=hub_sample,
+    )
+
+
+def check_prompt_sources(cfg: Config) -> list[str]:
+    """Read every prompt source a run reads (evaluation's only when it evaluates) and check each
+    record; with rollout.chat_template and a local model, check its tokenizer has a template."""
+    r = cfg.rollout
     lines = []
     try:
-        for where, source, split in sources:
-            if not source:
-                continue
+        for where, source, split in prompt_sources(cfg):
             try:
-                found = check_source(
-                    source,
-                    split=split,
-                    prompt_field=r.prompt_field,
-                    answer_field=r.answer_field,
-                    chat_template=r.chat_template,
-                    where=where,
-                    hub_sample=HUB_SAMPLE,
-                )
+                found = check_prompt_source(cfg, where, source, split, hub_sample=HUB_SAMPLE)
             except PromptSourceError as e:
                 # As CUDA: a cluster's config may be checked on a host that cannot reach the hub.
                 if not isinstance(e.__cause__, ConnectionError):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from asyncrl.learner import fsdp
 from asyncrl.learner.loss import microbatch_loss
 from asyncrl.learner.step import forward_logits
+from tests.support import models
 from tests.unit.test_grad_invariance import TEMP, VOCAB, algo_for, full_batch, make_groups, packed, rel_diff
 
 
@@ -33,20 +34,7 @@ def mesh():
 
 
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM  # transformers: heavy at import
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).to(torch.float64).train(False)
+    return models.tiny_llama(VOCAB, num_hidden_layers=3)
 
 
 def grad(model, algo, micro: list[dict]) -> torch.Tensor:

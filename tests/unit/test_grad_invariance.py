@@ -19,6 +19,7 @@ from asyncrl.data.microbatch import collate, field_dtypes, padding_microbatch, s
 from asyncrl.learner.loss import microbatch_loss, token_logprobs
 from asyncrl.learner.step import forward_logits, microbatch_logprobs
 from asyncrl.types import RolloutGroup, Sample, merge_metrics
+from tests.support import models
 
 VOCAB, DIM, TEMP = 13, 6, 0.8
 REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
@@ -259,20 +260,7 @@ def test_legacy_per_microbatch_token_mean_depends_on_the_split(groups):
 
 @pytest.fixture(scope="module")
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).to(torch.float64).train(False)
+    return models.tiny_llama(VOCAB)
 
 
 def row_lengths(mb: dict) -> list[int]:
