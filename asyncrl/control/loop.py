@@ -111,6 +111,7 @@ class TrainLoop:
             self.state,
             deadline_s=cfg.sync.publish_deadline_s,
             stop=self.stop,
+            while_waiting=self.watchdog.check,
         )
 
     # ------------------------------------------------------------------ set-up

@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asyncrl.sync.weight_sync import PublishResult, WeightSync
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
 RETRY_LOG_S = 60.0
+JOIN_POLL_S = 1.0
 """While waiting for space, how often that is said again."""
 _NO_SPACE = ("no space left on device", "disk quota exceeded", "objectstorefullerror", "outofdiskerror")
 
@@ -91,6 +93,7 @@ class Publisher:
         *,
         deadline_s: float | None = None,
         stop: StopFlag | None = None,
+        while_waiting: Callable[[], object] | None = None,
     ):
         self.learner = learner
         self.weight_sync = weight_sync
@@ -105,6 +108,8 @@ class Publisher:
         self.export_bytes: int | None = None
         """Size of the last file this publisher exported (what the next one needs); None before
         the first, and for the object store, whose exports have no file to measure."""
+        self.while_waiting = while_waiting
+        """Run while waiting for a publish in flight (the loop's generator watchdog)."""
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -206,10 +211,18 @@ class Publisher:
         self._raise_error()
 
     def join(self) -> None:
-        """Wait for the publish in flight without raising (tear-down: engines must not go mid-load)."""
-        if self._inflight is not None:
-            self._inflight.join()
-            self._inflight = None
+        """Wait for the publish in flight without raising (tear-down: engines must not go mid-load).
+        The wait runs `while_waiting` every second: a generator that hangs mid-load holds the
+        publish, and only the watchdog, killing it, lets that publish end."""
+        if self._inflight is None:
+            return
+        while True:
+            self._inflight.join(timeout=JOIN_POLL_S)
+            if not self._inflight.is_alive():
+                break
+            if self.while_waiting is not None:
+                self.while_waiting()
+        self._inflight = None
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
