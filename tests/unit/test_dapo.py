@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, penalised_rewards, rewards_tie, soft_overlong_penalty
 from asyncrl.config import AlgoConfig, Config, ConfigError, load_config, schema_text
+from asyncrl.control.summary import run_summary
 from asyncrl.data.batch import build_minibatches
 from asyncrl.rollout.envs import make_env
 from asyncrl.rollout.groups import GroupMaker
@@ -132,6 +134,9 @@ def test_config_fields_are_validated_and_documented():
         load_config(None, ["rollout.drop_uniform_groups=true", "algo.advantage_estimator=reinforce_pp"])
     with pytest.raises(ConfigError, match="single-turn"):
         load_config(None, ["algo.overlong.soft_penalty.buffer=4", "rollout.env=countdown_chat"])
+    demo = load_config("configs/demo_dapo.yaml")
+    assert demo.rollout.drop_uniform_groups and demo.algo.overlong.mask
+    assert demo.algo.overlong.soft_penalty is not None and demo.algo.overlong.soft_penalty.buffer == 4
     text = schema_text()
     for line in ("algo.overlong:", "algo.overlong.soft_penalty:", "buffer: int = required  (> 0)", "drop_uniform"):
         assert line in text
@@ -168,3 +173,23 @@ def test_uniform_groups_are_exactly_the_ties_of_what_the_estimator_sees():
     t1 = [sample(2, 1.0, trajectory_id=1, step_index=0)]
     assert steps.uniform(group("traj", *t0, *t1))
     assert not maker().uniform(group("traj", *t0, *t1))
+
+
+def test_the_end_of_run_summary_counts_the_uniform_drops():
+    def summary(counters):
+        return run_summary(
+            [{"step": 1}],
+            startup_s=1.0,
+            wall_s=2.0,
+            counters=counters,
+            max_staleness=1,
+            status="finished",
+            metrics=Path("m.jsonl"),
+            checkpoint=None,
+            hf_dir=None,
+            dashboard_url=None,
+            resume_cmd="asyncrl train --resume r",
+        )
+
+    assert "  uniform groups  7 dropped by the generators (rewards all tied)" in summary({"dropped_uniform": 7})
+    assert "uniform groups" not in summary({})
