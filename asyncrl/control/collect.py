@@ -90,11 +90,15 @@ class BatchCollector:
                         f"counters={self.run_state.counters()}"
                     )
                 log.warning(
-                    "no full batch for %.0f s (%d/%d groups); waiting for %s",
+                    "no full batch for %.0f s (%d/%d groups); waiting for %s%s",
                     time.monotonic() - t0,
                     len(items),
                     want,
                     ", ".join(runnable),
+                    # all-tie groups (a solved or hopeless task) starve the step by design: say so
+                    f"; {self.dropped_uniform} groups dropped meanwhile as uniform (rollout.drop_uniform_groups)"
+                    if self.dropped_uniform
+                    else "",
                 )
                 deadline = time.monotonic() + WAIT_LOG_S
             items += self.queue.get_batch(want - len(items), min_version, timeout=1.0)
