@@ -50,6 +50,26 @@ class CorrectionConfig(CorrectionParams):
         return CorrectionParams(**self.model_dump())
 
 
+class SoftPenaltyConfig(Section):
+    """DAPO's soft overlong penalty, added to the reward before advantages (asyncrl.algo.overlong):
+    0 up to rollout.max_tokens - buffer tokens, then falling linearly to -coef at rollout.max_tokens."""
+
+    buffer: int = Field(gt=0)
+    """L_cache: how many tokens before the budget the penalty starts; < rollout.max_tokens."""
+    coef: float = Field(1.0, ge=0)
+    """Scale of the penalty (-coef at the budget)."""
+
+
+class OverlongConfig(Section):
+    """What to do with responses that ran into the token budget (DAPO, arXiv:2503.14476)."""
+
+    mask: bool = False
+    """Drop truncated samples (finish reason 'length') from the loss: loss mask 0, so they take no
+    reduction weight either; they still count in their group's baseline."""
+    soft_penalty: SoftPenaltyConfig | None = None
+    """{buffer: N, coef: c}: DAPO's soft length penalty on the reward (single-turn environments)."""
+
+
 class AlgoConfig(Section):
     """The RL objective: advantages, policy loss, reduction, KL and entropy terms."""
 
@@ -84,6 +104,9 @@ class AlgoConfig(Section):
     """Multi-turn samples are step-wise trajectories (one sequence per step)."""
     merge_stepwise: bool = True
     """Merge consecutive steps that share a prefix into one sequence."""
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    """Truncated responses: {mask: true} drops them from the loss, {soft_penalty: {buffer: N, coef: c}}
+    penalises length near the budget (DAPO)."""
 
     @property
     def rollout_anchored(self) -> bool:

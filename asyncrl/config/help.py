@@ -42,6 +42,14 @@ def _default(field: Any) -> str:
     return "required"
 
 
+def _section_type(tp: Any) -> type[BaseModel] | None:
+    """The section model of a field typed ``Section`` or ``Section | None``, else None."""
+    options = get_args(tp) if get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    models = [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
+    rest = [a for a in options if a is not type(None) and a not in models]
+    return models[0] if len(models) == 1 and not rest else None
+
+
 def _fields(model: type[BaseModel], indent: str, skip: tuple[str, ...] = ()) -> list[str]:
     lines = []
     for name, field in model.model_fields.items():
@@ -49,8 +57,9 @@ def _fields(model: type[BaseModel], indent: str, skip: tuple[str, ...] = ()) -> 
             continue
         if name == "policy_loss":
             lines.append(f"{indent}{name}: policy loss (see below) = {_default(field)}")
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            lines.append(f"{indent}{name}: section (see below)")
+        elif _section_type(field.annotation) is not None:
+            optional = "" if isinstance(field.annotation, type) else f" or None = {_default(field)}"
+            lines.append(f"{indent}{name}: section{optional} (see below)")
         else:
             bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in _BOUNDS if hasattr(m, attr)]
             limits = f"  ({', '.join(bounds)})" if bounds else ""
@@ -65,6 +74,20 @@ def _doc(model: type) -> str:
     return " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
 
 
+def _subsections(model: type[BaseModel], path: str, indent: str) -> list[str]:
+    """Every section nested in ``model`` (at any depth), each with its fields."""
+    lines = []
+    for name, sub in model.model_fields.items():
+        if name == "policy_loss":
+            continue  # listed with every loss at the end
+        nested = _section_type(sub.annotation)
+        if nested is not None:
+            lines.append(f"{indent}{path}.{name}:  {_doc(nested)}")
+            lines += _fields(nested, indent + "  ")
+            lines += _subsections(nested, f"{path}.{name}", indent + "  ")
+    return lines
+
+
 def schema_text() -> str:
     lines = ["asyncrl config: section.field: type = default (set in YAML or as section.field=value)", ""]
     for section, field in Config.model_fields.items():
@@ -72,10 +95,7 @@ def schema_text() -> str:
         assert isinstance(model, type) and issubclass(model, BaseModel)
         lines.append(f"{section}:  {_doc(model)}")
         lines += _fields(model, "  ")
-        for name, sub in model.model_fields.items():
-            if isinstance(sub.annotation, type) and issubclass(sub.annotation, BaseModel):
-                lines.append(f"  {section}.{name}:  {_doc(sub.annotation)}")
-                lines += _fields(sub.annotation, "    ")
+        lines += _subsections(model, section, "  ")
         lines.append("")
     lines.append(
         "algo.policy_loss: a name (its defaults), {type: NAME, setting: value, ...} or "

@@ -108,6 +108,10 @@ class RolloutConfig(Section):
     """Prompts longer than this are skipped and counted."""
     max_inflight_groups: int = Field(16, ge=1)
     """Groups a generator keeps in flight at once."""
+    drop_uniform_groups: bool = False
+    """DAPO's dynamic sampling: a group whose rewards all tie (after algo.overlong's penalty) has
+    advantage 0 under a group baseline; the generator drops it instead of putting it, gives its
+    admission back and draws a new prompt (counted: rollout/dropped_uniform_groups)."""
     engine_max_model_len: int = 256
     engine_max_num_seqs: int = 64
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)

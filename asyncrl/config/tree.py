@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from asyncrl.config.algo import AlgoConfig
-from asyncrl.config.base import GROUP_BASELINE_ESTIMATORS, ConfigError, Section
+from asyncrl.config.base import ADVANTAGE_ESTIMATORS, GROUP_BASELINE_ESTIMATORS, ConfigError, Section
 from asyncrl.config.sections import (
     ControlConfig,
     LearnerConfig,
@@ -61,6 +61,7 @@ def validate(cfg: Config) -> None:
                 "MaxRL is meant for rewards in [0, 1]; consider grpo or dr_grpo.",
                 why,
             )
+    _dapo_rules(a, r)
     if a.correction.tis_auto and not r.logprobs:
         a.correction.tis = "none"  # the default yields to engine logprobs turned off on purpose
     if (
@@ -130,6 +131,39 @@ def validate(cfg: Config) -> None:
         )
     if c.mode == "async" and r.num_generators < 1:
         raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")
+
+
+MULTI_TURN_ENVIRONMENTS = ("countdown_chat",)
+
+
+def _dapo_rules(a: AlgoConfig, r: RolloutConfig) -> None:
+    """algo.overlong.soft_penalty against the token budget; rollout.drop_uniform_groups against
+    the estimator (import-path environments are checked again by the generator, which knows
+    whether they are multi-turn)."""
+    soft = a.overlong.soft_penalty
+    if soft is not None:
+        if soft.buffer >= r.max_tokens:
+            raise ConfigError(
+                f"algo.overlong.soft_penalty.buffer={soft.buffer}: must be < rollout.max_tokens={r.max_tokens} "
+                f"(the penalty starts buffer tokens before the budget)"
+            )
+        if r.env in MULTI_TURN_ENVIRONMENTS:
+            raise ConfigError(
+                f"algo.overlong.soft_penalty is for single-turn environments: rollout.env={r.env!r} is "
+                f"multi-turn (rollout.max_tokens bounds each turn, not the trajectory); use algo.overlong.mask"
+            )
+    if r.drop_uniform_groups and a.advantage_estimator not in GROUP_BASELINE_ESTIMATORS:
+        if a.advantage_estimator in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(
+                f"rollout.drop_uniform_groups=true drops groups whose rewards tie because a group baseline "
+                f"gives them advantage 0; algo.advantage_estimator={a.advantage_estimator!r} has a batch "
+                f"baseline, so such groups still train. Use one of {', '.join(GROUP_BASELINE_ESTIMATORS)}."
+            )
+        log.warning(
+            "rollout.drop_uniform_groups=true assumes algo.advantage_estimator=%r gives advantage 0 to a "
+            "group whose rewards all tie (a group baseline)",
+            a.advantage_estimator,
+        )
 
 
 def _negative_rewards_possible(r: RolloutConfig) -> str | None:

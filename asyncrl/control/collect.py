@@ -57,6 +57,9 @@ class BatchCollector:
         self.watchdog = watchdog
         self.stop = stop
         self._counters_seen: dict[str, int] = {}
+        self.dropped_uniform = 0
+        """Groups the generators dropped as uniform (rollout.drop_uniform_groups) since the
+        previous collect: the step's rollout/dropped_uniform_groups_step."""
 
     def start_counting(self) -> None:
         """Count lost groups from now on (what was lost before is not this trainer's to release)."""
@@ -65,6 +68,7 @@ class BatchCollector:
     def collect(self, min_version: int) -> list[tuple[str, RolloutGroup]]:
         """Block until a full step's groups no older than `min_version` are here (or stop was asked for)."""
         want = self.cfg.control.groups_per_step
+        self.dropped_uniform = 0
         items: list[tuple[str, RolloutGroup]] = []
         t0 = time.monotonic()
         deadline = t0 + self.cfg.control.batch_timeout_s
@@ -86,11 +90,15 @@ class BatchCollector:
                         f"counters={self.run_state.counters()}"
                     )
                 log.warning(
-                    "no full batch for %.0f s (%d/%d groups); waiting for %s",
+                    "no full batch for %.0f s (%d/%d groups); waiting for %s%s",
                     time.monotonic() - t0,
                     len(items),
                     want,
                     ", ".join(runnable),
+                    # all-tie groups (a solved or hopeless task) starve the step by design: say so
+                    f"; {self.dropped_uniform} groups dropped meanwhile as uniform (rollout.drop_uniform_groups)"
+                    if self.dropped_uniform
+                    else "",
                 )
                 deadline = time.monotonic() + WAIT_LOG_S
             items += self.queue.get_batch(want - len(items), min_version, timeout=1.0)
@@ -103,4 +111,6 @@ class BatchCollector:
         lost = sum(now.get(k, 0) - self._counters_seen.get(k, 0) for k in ("dropped_stale", "dead_lettered"))
         if lost > 0:
             self.run_state.release_admission(lost)
+        # The generators give a uniform group's admission back themselves: only counted here.
+        self.dropped_uniform += now.get("dropped_uniform", 0) - self._counters_seen.get("dropped_uniform", 0)
         self._counters_seen = now

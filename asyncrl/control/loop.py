@@ -179,7 +179,11 @@ class TrainLoop:
 
         m = self.cfg.learner.mini_batches_per_step
         minibatches, batch_metrics = build_minibatches(
-            groups, self.cfg.algo, num_minibatches=m, pad_token_id=self.learner.pad_token_id
+            groups,
+            self.cfg.algo,
+            num_minibatches=m,
+            pad_token_id=self.learner.pad_token_id,
+            max_new_tokens=self.cfg.rollout.max_tokens,
         )
         # Every record's staleness at the version its mini-batch trains at, checked one by one.
         for j, mb in enumerate(minibatches):
@@ -265,6 +269,7 @@ class TrainLoop:
                 queue=self.queue,
                 run_state=self.run_state,
                 watchdog=self.watchdog,
+                dropped_uniform=self.collector.dropped_uniform,
             )
         )
         self.logger.log(self.state.step, metrics)

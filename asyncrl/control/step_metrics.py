@@ -40,9 +40,11 @@ def step_metrics(
     queue: RolloutQueue,
     run_state: RunState,
     watchdog: GeneratorWatchdog,
+    dropped_uniform: int = 0,
 ) -> dict[str, float]:
-    """time/*, sync/*, queue/*, staleness/*, throughput/* and generator/* after a step that
-    reached policy `version` (its watchdog news are logged here too)."""
+    """time/*, sync/*, queue/*, staleness/*, throughput/*, rollout/* and generator/* after a step
+    that reached policy `version` (its watchdog news are logged here too). ``dropped_uniform``:
+    groups the generators dropped as uniform while this step's data was collected."""
     counters = run_state.counters()
     gen_tokens = sum(g.num_tokens for g in groups)
     out = {
@@ -58,6 +60,8 @@ def step_metrics(
         "queue/dead_lettered": float(counters.get("dead_lettered", 0)),
         "queue/stale_reissued": float(counters.get("stale_reissued", 0)),
         "queue/stale_abandoned": float(counters.get("stale_abandoned", 0)),
+        "rollout/dropped_uniform_groups": float(counters.get("dropped_uniform", 0)),
+        "rollout/dropped_uniform_groups_step": float(max(dropped_uniform, 0)),
         "learner/version": float(version),
         "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(times.step, 1e-9),
         "throughput/step_tokens_per_s": gen_tokens / max(times.step, 1e-9),

@@ -76,6 +76,11 @@ def run_summary(
             *(counters.get(k, 0) for k in ("groups_produced", "groups_trained", "dropped_stale", "dead_lettered"))
         ),
         *_stale_lines(counters),
+        *(
+            [f"  uniform groups  {counters['dropped_uniform']} dropped by the generators (rewards all tied)"]
+            if counters.get("dropped_uniform", 0)
+            else []
+        ),
         f"  checkpoint      {checkpoint or '-'}",
         f"  model (HF)      {hf_dir or '-'}",
         f"  metrics         {metrics}",

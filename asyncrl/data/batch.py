@@ -8,6 +8,9 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
 1. Samples whose reward failed (NaN/inf reward, or ``error`` set) are excluded: they take
    no part in the group statistics, and their loss mask is zeroed (the record stays, so
    counts and versions stay honest, but it carries no gradient and no reduction weight).
+   ``algo.overlong`` (DAPO, asyncrl.algo.overlong): ``soft_penalty`` adds the length penalty
+   to each reward before the estimator sees it; ``mask`` zeroes the loss mask of truncated
+   samples (finish reason 'length'), which still count in their group's baseline.
 2. Advantages from the configured estimator, with the group id per sample. Step-wise
    (``algo.stepwise``): one scalar per trajectory (its last step's reward), broadcast to
    every step on the step's own mask; then consecutive steps sharing a prefix are merged.
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.advantages import AdvantageParams, get_advantage_estimator
+from asyncrl.algo.overlong import is_truncated, penalised_rewards
 from asyncrl.algo.reduction import reduction_weights
 from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
 from asyncrl.config import AlgoConfig
@@ -48,6 +52,10 @@ class _Row:
     sample: Sample
     prompt: np.ndarray
     valid: bool
+    reward: float
+    """What the estimator sees: the sample's reward plus algo.overlong's soft penalty, if on."""
+    overlong_masked: bool = False
+    """Truncated and algo.overlong.mask is on: no loss, no reduction weight (still in the baseline)."""
 
 
 def _check_sample(g: RolloutGroup, i: int, s: Sample) -> None:
@@ -62,15 +70,20 @@ def _is_valid(s: Sample) -> bool:
     return s.error is None and math.isfinite(s.reward)
 
 
-def _rows(groups: list[RolloutGroup]) -> list[_Row]:
+def _rows(groups: list[RolloutGroup], algo: AlgoConfig, max_new_tokens: int | None) -> list[_Row]:
     rows = []
+    soft, mask = algo.overlong.soft_penalty, algo.overlong.mask
     for gi, g in enumerate(groups):
         if not g.samples:
             raise ValueError(f"group {g.group_id!r} has no samples")
+        rewards = penalised_rewards(
+            g, soft.buffer if soft else None, soft.coef if soft else 1.0, default_max_new_tokens=max_new_tokens
+        )
         for si, s in enumerate(g.samples):
             _check_sample(g, si, s)
             prompt = s.prompt_ids if s.prompt_ids is not None else g.prompt_ids
-            rows.append(_Row(gi, si, s, prompt, _is_valid(s)))
+            masked = mask and is_truncated(s.stop_reason)
+            rows.append(_Row(gi, si, s, prompt, _is_valid(s), float(rewards[si]), masked))
     return rows
 
 
@@ -83,7 +96,7 @@ def _padded(arrays: list[np.ndarray], dtype=torch.float64) -> torch.Tensor:
 
 
 def _response_mask(r: _Row) -> np.ndarray:
-    return r.sample.loss_mask.astype(np.float64) * (1.0 if r.valid else 0.0)
+    return r.sample.loss_mask.astype(np.float64) * (1.0 if r.valid and not r.overlong_masked else 0.0)
 
 
 def _advantage_params(algo: AlgoConfig) -> AdvantageParams:
@@ -115,7 +128,7 @@ def _outcome_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]:
     if any(r.sample.token_rewards is not None for r in valid):
         token_rewards = _padded([_token_rewards(r) for r in valid])
     adv = estimator(
-        torch.tensor([r.sample.reward for r in valid], dtype=torch.float64),
+        torch.tensor([r.reward for r in valid], dtype=torch.float64),
         torch.tensor([r.group_index for r in valid], dtype=torch.long),
         mask,
         params=_advantage_params(algo),
@@ -141,7 +154,7 @@ def _stepwise_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]
     valid_set = set(valid_t)
     traj_adv = torch.zeros(len(keys), dtype=torch.float64)
     if valid_t:
-        rewards = torch.tensor([rows[last[i]].sample.reward for i in valid_t], dtype=torch.float64)
+        rewards = torch.tensor([rows[last[i]].reward for i in valid_t], dtype=torch.float64)
         gids = torch.tensor([keys[i][0] for i in valid_t], dtype=torch.long)
         ones = torch.ones(len(valid_t), 1, dtype=torch.float64)
         traj_adv[valid_t] = estimator(rewards, gids, ones, params=_advantage_params(algo))[:, 0]
@@ -190,6 +203,7 @@ def build_minibatches(
     *,
     num_minibatches: int,
     pad_token_id: int = 0,
+    max_new_tokens: int | None = None,
 ) -> tuple[list[list[TrainSequence]], dict[str, float]]:
     """Advantages, step-wise merge, whole-group mini-batches and their reduction weights.
 
@@ -199,6 +213,8 @@ def build_minibatches(
         num_minibatches: optimizer steps this data is split into (whole groups each).
         pad_token_id: not needed here (TrainSequences are unpadded; ``asyncrl.data.microbatch``
             pads); accepted so callers can pass one tokenizer setting through.
+        max_new_tokens: rollout.max_tokens, the soft overlong penalty's L_max for groups that
+            did not record their own budget.
 
     Returns:
         (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std`` (left out when
@@ -212,10 +228,12 @@ def build_minibatches(
         raise ValueError(f"num_minibatches={num_minibatches!r}: must be >= 1")
     if len(groups) < num_minibatches:
         raise ValueError(f"{len(groups)} groups cannot fill num_minibatches={num_minibatches} (groups are never split)")
-    rows = _rows(groups)
+    rows = _rows(groups, algo, max_new_tokens)
     advs = _stepwise_advantages(rows, algo) if algo.stepwise else _outcome_advantages(rows, algo)
     fields = [_sequence_fields(r, a) for r, a in zip(rows, advs, strict=True)]
     metrics = _metrics(rows, advs)
+    if algo.overlong.mask or algo.overlong.soft_penalty is not None:
+        metrics |= _overlong_metrics(rows)
     if algo.stepwise and algo.merge_stepwise:
         fields, sources = _merge_steps(rows, fields)
         metrics["stepwise/num_seq_before_merge"] = float(len(rows))
@@ -280,4 +298,13 @@ def _metrics(rows: list[_Row], advs: list[np.ndarray]) -> dict[str, float]:
         "response/length_max": float(lengths.max()) if lengths.size else 0.0,
         "advantages/mean": float(masked_adv.mean()) if masked_adv.size else 0.0,
         "advantages/abs_mean": float(np.abs(masked_adv).mean()) if masked_adv.size else 0.0,
+    }
+
+
+def _overlong_metrics(rows: list[_Row]) -> dict[str, float]:
+    valid = [r for r in rows if r.valid]
+    return {
+        "overlong/truncated_frac": float(np.mean([is_truncated(r.sample.stop_reason) for r in rows])),
+        "overlong/masked_samples": float(sum(r.overlong_masked for r in rows)),
+        "overlong/penalty_mean": float(np.mean([r.reward - r.sample.reward for r in valid])) if valid else 0.0,
     }

@@ -72,6 +72,14 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("queue/dead_lettered", "max", "malformed records moved to the dead-letter stream", "groups", "counter"),
     _m("queue/stale_reissued", "max", "prompts of stale-dropped groups run again", "groups", "counter"),
     _m("queue/stale_abandoned", "max", "stale-dropped groups whose prompt was not run again", "groups", "counter"),
+    _m(
+        "rollout/dropped_uniform_groups",
+        "max",
+        "groups dropped by generators because their rewards all tied (rollout.drop_uniform_groups)",
+        "groups",
+        "counter",
+    ),
+    _m("rollout/dropped_uniform_groups_step", "sum", "groups dropped as uniform during this step", "groups"),
     _m("queue/dropped_response_len_mean", "max", "mean response length of groups dropped as stale (run)", "tokens"),
     _m("queue/trained_response_len_mean", "max", "mean response length of trained groups (run)", "tokens"),
     # Train/rollout drift: train-side logprob (old) vs the engine's rollout logprob.

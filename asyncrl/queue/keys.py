@@ -9,7 +9,8 @@ asyncrl:{run}:state               hash   policy_version, weights_version, weight
                                          trainer_step, checkpoint_step, max_staleness,
                                          groups_per_step, status, ...
 asyncrl:{run}:counters            hash   groups_started, groups_produced, dropped_stale,
-                                         dead_lettered, duplicates, groups_trained, ...
+                                         dead_lettered, duplicates, groups_trained,
+                                         dropped_uniform (generator-dropped tie groups), ...
 asyncrl:{run}:dropped             set    group ids dropped as too stale
 asyncrl:{run}:produced            set    every group id put (only with queue.ledger on)
 asyncrl:{run}:inflight:{gen}      hash   a generator's admitted, unfinished prompts (re-issued on restart)

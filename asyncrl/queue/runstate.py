@@ -34,7 +34,14 @@ from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
 from asyncrl.queue.records import from_text, to_text, unpack_small
 from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
-from asyncrl.queue.scripts import RELEASE_ADMISSION, RELEASE_INFLIGHT, RESTART_ADMISSION, RETIRE_WEIGHTS, TRY_ADMIT
+from asyncrl.queue.scripts import (
+    DROP_ADMITTED,
+    RELEASE_ADMISSION,
+    RELEASE_INFLIGHT,
+    RESTART_ADMISSION,
+    RETIRE_WEIGHTS,
+    TRY_ADMIT,
+)
 from asyncrl.queue.signing import config_key, job_signature_ok, sign_job
 from asyncrl.types import WeightLocation, format_location, parse_location
 
@@ -73,6 +80,7 @@ class RunState:
         self._try_admit = client.register_script(TRY_ADMIT)
         self._release = client.register_script(RELEASE_ADMISSION)
         self._release_inflight = client.register_script(RELEASE_INFLIGHT)
+        self._drop_admitted = client.register_script(DROP_ADMITTED)
         self._retire_weights = client.register_script(RETIRE_WEIGHTS)
         self._restart_admission = client.register_script(RESTART_ADMISSION)
 
@@ -338,6 +346,19 @@ class RunState:
         """Hand back the admission of every prompt the generator still has noted, and forget
         them (a clean stop). Returns how many."""
         return int(self._retry(self._release_inflight, keys=[self._k_counters, keys.inflight(self.run, generator_id)]))
+
+    def drop_admitted(self, generator_id: str, prompt_id: str, counter: str = "dropped_uniform") -> bool:
+        """A finished group of an admitted prompt will not be put: forget its note, hand its
+        admission back and count it under ``counter``, in one step. False (nothing done) if the
+        note was already gone (a retry, or a stop that released it)."""
+        return (
+            self._retry(
+                self._drop_admitted,
+                keys=[self._k_counters, keys.inflight(self.run, generator_id)],
+                args=[prompt_id, counter],
+            )
+            == 1
+        )
 
     def engine_record(self, generator_id: str) -> dict[str, Any] | None:
         """What the generator's last incarnation left for a successor (see set_engine_record)."""

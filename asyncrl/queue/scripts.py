@@ -94,6 +94,20 @@ end
 return n
 """
 
+DROP_ADMITTED = """
+-- KEYS[1] counters hash, KEYS[2] a generator's in-flight hash; ARGV[1] prompt id, ARGV[2] the
+-- counter to raise. A finished group the generator will not put (rollout.drop_uniform_groups):
+-- its note is deleted, its admission handed back (groups_started -= 1, never below 0) and the
+-- counter raised, in one step and only if the note was still there, so a retry after a lost
+-- reply counts nothing twice and a prompt is never both dropped and re-issued by a successor.
+-- Returns 1 if dropped now, 0 if the note was already gone.
+if redis.call('HDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
+local left = redis.call('HINCRBY', KEYS[1], 'groups_started', -1)
+if left < 0 then redis.call('HSET', KEYS[1], 'groups_started', 0) end
+redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+return 1
+"""
+
 RETIRE_WEIGHTS = """
 -- KEYS[1] state hash. A trainer starting on this run (fresh or resumed): forget the announced
 -- weights and close admission until its prepare() configures it again, so no generator loads

@@ -4,6 +4,7 @@ trajectories through the environment (multi-turn), each scored as the reward see
     maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0")
     group = await maker.make(PromptItem("gen-0.1:7", "abc=", {...}, ids))
     maker.reward_errors                     # samples whose reward raised, so far
+    maker.uniform(group)                    # its rewards all tie: no gradient (rollout.drop_uniform_groups)
 
 Request ids come from the prompt id (unique in a run): ``prompt_id`` for a single-turn group,
 ``prompt_id/t{k}/{turn}`` per trajectory and turn, so every request's seed, and with it the
@@ -18,7 +19,8 @@ from typing import cast
 
 import numpy as np
 
-from asyncrl.config import Config
+from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, penalised_rewards, rewards_tie
+from asyncrl.config import Config, ConfigError
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.envs import make_env, score_completion
 from asyncrl.rollout.envs.chat import turn_codec
@@ -44,6 +46,13 @@ class GroupMaker:
         role = getattr(env, "observation_role", "user")
         chat = cfg.rollout.chat_template
         self.codec = turn_codec(tokenizer, chat_template=chat, role=role) if env.multi_turn else None
+        self.soft_penalty = cfg.algo.overlong.soft_penalty
+        if self.soft_penalty is not None and env.multi_turn:
+            # The config rule knows the built-in environments; an import path is known only here.
+            raise ConfigError(
+                f"algo.overlong.soft_penalty is for single-turn environments: rollout.env={cfg.rollout.env!r} "
+                f"is multi-turn (rollout.max_tokens bounds each turn, not the trajectory); use algo.overlong.mask"
+            )
 
     async def make(self, item: PromptItem) -> RolloutGroup:
         t0 = time.time()
@@ -62,6 +71,8 @@ class GroupMaker:
         # How in-flight requests met a weight update; "keep" means later tokens may have attended
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
+        if self.soft_penalty is not None and not self.env.multi_turn:
+            meta[MAX_NEW_TOKENS_KEY] = max_tokens or self.rollout.max_tokens  # the penalty's L_max
         if self.cfg.sync.inflight == "keep" and any(
             s.token_versions is not None
             and s.token_versions.size > 0
@@ -79,6 +90,28 @@ class GroupMaker:
             env=self.rollout.env,
             metadata=meta,
         )
+
+    def uniform(self, group: RolloutGroup) -> bool:
+        """Whether every reward the advantage estimator will see for ``group`` is the same
+        (asyncrl.data.batch: failed rewards left out, algo.overlong's soft penalty added,
+        step-wise the last step of each trajectory), so every group-baseline advantage is 0.
+        A group whose rewards all failed is not uniform: its failure must reach the trainer."""
+        soft = self.soft_penalty
+        rewards = penalised_rewards(
+            group,
+            soft.buffer if soft else None,
+            soft.coef if soft else 1.0,
+            default_max_new_tokens=self.rollout.max_tokens,
+        )
+        samples = list(enumerate(group.samples))
+        if self.cfg.algo.stepwise:  # a trajectory's advantage comes from its last step's reward
+            last: dict[int, tuple[int, Sample]] = {}
+            for i, s in samples:
+                if s.trajectory_id not in last or s.step_index > last[s.trajectory_id][1].step_index:
+                    last[s.trajectory_id] = (i, s)
+            samples = list(last.values())
+        seen = [rewards[i] for i, s in samples if s.error is None and np.isfinite(rewards[i])]
+        return rewards_tie(seen)
 
     def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
         reward, error = score_completion(self.env, self.tokenizer, prompt, c.token_ids, metadata)

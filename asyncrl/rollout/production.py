@@ -15,6 +15,13 @@ handed to ``on_fail``, since a line that went on without it would leave the trai
 short for good. A request aborted under a group (an engine rebuild) fails the whole group
 (RequestAborted, counted in ``counts.aborted``): torn samples are never scored or put. Re-issued
 prompts wait, like new ones, while the announced weights cannot be loaded.
+
+With rollout.drop_uniform_groups (DAPO's dynamic sampling), a finished group whose rewards all
+tie (``GroupMaker.uniform``) is not put: its note is deleted, its admission handed back and
+``dropped_uniform`` counted in one script (run_state.drop_admitted), and the line draws the
+next prompt. The prompt is consumed, not retried: it comes back only when the prompt source
+does (its next epoch). A dropped group never reaches the stream, so the ledger (produced =
+trained + dropped-stale + dead-lettered + queued) is untouched by it.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class ProductionCounts:
     group_errors: int = 0
     aborted: int = 0
     reissued: int = 0
+    dropped_uniform: int = 0
     admission_calls: int = 0
     admission_s: float = 0.0
 
@@ -215,6 +223,12 @@ class Production:
         finally:  # the slot frees before the put: the next group generates while this one is sent
             self.slots_taken -= 1
             self._slot_freed.set()
+        if self.rollout.drop_uniform_groups and self.groups.uniform(group):
+            # Dropped, not put: the slot is already free and the admission goes back, so the
+            # loop admits a fresh prompt in its place and the learner is not starved.
+            if await asyncio.to_thread(self.run_state.drop_admitted, self.generator_id, item.prompt_id):
+                self.counts.dropped_uniform += 1
+            return
         while True:
             try:
                 return await asyncio.to_thread(self._put, group)

@@ -45,6 +45,8 @@ class GeneratorStats:
     """Of those, rollouts a request abort tore (an engine rebuild)."""
     reissued: int
     """A crashed predecessor's admitted prompts taken over at start."""
+    dropped_uniform: int
+    """Finished groups whose rewards all tied, dropped instead of put (rollout.drop_uniform_groups)."""
     weight_updates: int
     weight_update_errors: int
     admission_calls: int
@@ -81,6 +83,7 @@ class GeneratorStats:
             group_errors=made.group_errors,
             aborted=made.aborted,
             reissued=made.reissued,
+            dropped_uniform=made.dropped_uniform,
             weight_updates=weights.updates,
             weight_update_errors=weights.update_errors,
             admission_calls=made.admission_calls,

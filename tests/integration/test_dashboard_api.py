@@ -123,6 +123,7 @@ def test_summary_has_state_counters_and_latest(api):
         "groups_trained": 80,
         "dropped_stale": 3,
         "dead_lettered": 1,
+        "dropped_uniform": 0,
     }
     assert s["latest"]["reward/mean"] == pytest.approx(0.9)
     assert s["latest"]["queue/depth"] == 13.0

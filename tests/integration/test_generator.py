@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, is_truncated
 from asyncrl.config import Config, RolloutConfig
+from asyncrl.config.algo import SoftPenaltyConfig
 from asyncrl.queue import keys
 from asyncrl.rollout.envs.synthetic import positional_credit
 from asyncrl.rollout.generator import GeneratorActor
@@ -79,6 +81,8 @@ def cfg(prompts_file):
     c.queue.maxlen = 3  # small, so put() blocks and in-flight prompts pile up for the kill test
     c.queue.put_timeout_s = 1.0  # a full queue outlasts many timeouts: groups must be held, not lost
     c.queue.ledger = True
+    # On only for what the generator records: each group's token budget (the penalty's L_max).
+    c.algo.overlong.soft_penalty = SoftPenaltyConfig(buffer=4)
     return c
 
 
@@ -218,11 +222,15 @@ def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_sessio
         assert len(g.samples) == N and g.env == "copy"
         prompt = tokenizer.decode(g.prompt_ids.tolist())
         assert prompt.endswith("=") and len(prompt) == 4  # the 71-char prompt was skipped
+        assert g.metadata[MAX_NEW_TOKENS_KEY] == 8  # the budget it was sampled with
         for s in g.samples:
             assert s.generator_id == "g0" and s.behavior_version == 0
             assert len(s.rollout_logprobs) == s.num_tokens and np.all(s.rollout_logprobs <= 0)
             assert s.token_versions.tolist() == [0] * s.num_tokens
             assert not set(s.response_ids.tolist()) & set(NOT_SAMPLED)
+            # 'length' (what algo.overlong.mask drops) marks exactly the responses cut at the budget.
+            assert is_truncated(s.stop_reason) == (s.response_ids[-1] != tokenizer.eos_token_id)
+            assert s.num_tokens == 8 or not is_truncated(s.stop_reason)
             response = tokenizer.decode(s.response_ids.tolist(), skip_special_tokens=True)
             if isinstance(g.metadata["target"], str):
                 assert s.error is None

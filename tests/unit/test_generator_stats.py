@@ -14,6 +14,7 @@ STATS_KEYS = {
     "group_errors",
     "aborted",
     "reissued",
+    "dropped_uniform",
     "weight_updates",
     "weight_update_errors",
     "admission_calls",

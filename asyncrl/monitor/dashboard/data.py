@@ -32,7 +32,14 @@ STATE_FLOAT_FIELDS = (
     "alert_staleness_frac",
     "alert_logprob_diff_max",
 )
-COUNTER_FIELDS = ("groups_started", "groups_produced", "groups_trained", "dropped_stale", "dead_lettered")
+COUNTER_FIELDS = (
+    "groups_started",
+    "groups_produced",
+    "groups_trained",
+    "dropped_stale",
+    "dead_lettered",
+    "dropped_uniform",
+)
 LATEST_WINDOW = 500
 """Stream entries scanned (newest first) to find each metric's latest value."""
 SERIES_LIMIT = 20_000

@@ -22,7 +22,7 @@ const CHARTS = [
       .map(n => [n, "staleness " + n.split("_").pop()]) },
   { id: "queue", title: "Queue", yTitle: "groups",
     metrics: [["queue/depth", "depth"], ["queue/pending", "pending"], ["queue/dropped_stale", "dropped stale"],
-              ["queue/dead_lettered", "dead-lettered"]] },
+              ["queue/dead_lettered", "dead-lettered"], ["rollout/dropped_uniform_groups", "dropped uniform"]] },
   { id: "drift", title: "Train / rollout drift",
     metrics: [["drift/rollout_kl", "rollout KL (k3)"], ["drift/abs_logp_diff", "mean |Δlogp|"]],
     refLine: s => ({ y: s.thresholds.rollout_kl, label: "KL alert" }) },
@@ -228,6 +228,7 @@ function drawTiles(snap) {
   setText("stat-queue-pending", m["queue/pending"] != null ? `${fmt(m["queue/pending"])} pending ack` : "");
   setText("stat-dropped", fmt(c.dropped_stale));
   setText("stat-dead", fmt(c.dead_lettered));
+  setText("stat-uniform", fmt(c.dropped_uniform));
   setText("stat-trained", fmt(c.groups_trained));
   setText("stat-produced", `${fmt(c.groups_produced)} produced · ${fmt(c.groups_started)} started`);
   const kinds = new Set(snap.alerts.map(a => a.kind));
