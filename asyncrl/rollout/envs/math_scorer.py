@@ -26,6 +26,7 @@ TimeoutError, which the reward reports as a failed sample, and the next call sta
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import select
@@ -39,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 GSM8K_MARKER = "####"
+STARTUP_TIMEOUT_S = 120.0
+"""For the worker to import sympy and math-verify and warm them up (~1 s; more on a loaded box):
+not counted in a call's timeout_s."""
 MAX_CHARS = 100_000
 """Longer texts are cut to their last MAX_CHARS characters (where final answers are)."""
 
@@ -93,8 +97,10 @@ class MathScorer:
     (it reads requests from a pipe and stops at end of file)."""
 
     def __init__(self, timeout_s: float = 5.0):
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: must be > 0")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0")
+        if importlib.util.find_spec("math_verify") is None:
+            raise ValueError("math-verify is not installed: pip install 'math-verify[antlr4_13_2]==0.9.0'")
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
@@ -110,10 +116,10 @@ class MathScorer:
             try:
                 proc.stdin.write(request)
                 proc.stdin.flush()
-                reply = self._read_line(proc)
+                reply = self._read_line(proc, self.timeout_s)
             except TimeoutError:
                 self._kill()
-                raise
+                raise TimeoutError(f"math-verify took over {self.timeout_s:g} s to compare the answers") from None
             except OSError as e:  # the child died (killed from outside, out of memory)
                 self._kill()
                 raise RuntimeError(f"the math-verify worker process died: {e}") from e
@@ -128,28 +134,37 @@ class MathScorer:
     def _start(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
+        self._proc = self._spawn()
+        try:
+            self._read_line(self._proc, STARTUP_TIMEOUT_S)  # its "ready" line
+        except (TimeoutError, OSError) as e:
+            self._kill()
+            raise RuntimeError(f"the math-verify worker process did not start: {e}") from e
+        return self._proc
+
+    def _spawn(self) -> subprocess.Popen:
         env = dict(os.environ)
         # The child imports this module by name: make the copy of asyncrl the parent runs importable.
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "asyncrl.rollout.envs.math_scorer"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
         )
         self._buffer = b""
-        weakref.finalize(self, _kill_process, self._proc)
-        return self._proc
+        weakref.finalize(self, _kill_process, proc)
+        return proc
 
-    def _read_line(self, proc: subprocess.Popen) -> dict[str, Any]:
+    def _read_line(self, proc: subprocess.Popen, timeout_s: float) -> dict[str, Any]:
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise TimeoutError(f"math-verify took over {self.timeout_s:g} s to compare the answers")
+                raise TimeoutError(f"no reply within {timeout_s:g} s")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 raise OSError(f"it exited with status {proc.wait()}")
@@ -181,6 +196,8 @@ def serve() -> None:
     os.dup2(2, 1)
     # It warns that its (signal) timeout is off: the parent enforces the limit instead.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    judge("\\frac{1}{2}", "$0.5$")  # the first comparison loads the LaTeX grammar (~0.5 s): before "ready"
+    out.write(b'{"ready": true}\n')
     for line in sys.stdin.buffer:
         try:
             request = json.loads(line)
