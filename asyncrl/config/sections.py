@@ -85,7 +85,7 @@ class RolloutConfig(Section):
     top_k: int = -1
     """-1 (off) or >= 1."""
     env: str = "copy"
-    """A built-in environment (copy, reverse, arithmetic, gsm8k, countdown_chat) or an import
+    """A built-in environment (copy, reverse, arithmetic, gsm8k, math, countdown_chat) or an import
     path 'package.module:Class'."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     rewards: list[RewardFnConfig] = Field(default_factory=list)

@@ -176,9 +176,9 @@ def _negative_rewards_possible(r: RolloutConfig) -> str | None:
             f"rollout.env={r.env!r} subtracts length_penalty={penalty!r} per character of length error, "
             f"so its rewards go below 0"
         )
-    if r.env == "gsm8k":
+    if r.env in ("gsm8k", "math"):
         low = min(r.env_kwargs.get("correct_reward", 1.0), r.env_kwargs.get("format_reward", 0.0))
-        return None if low >= 0 else f"rollout.env='gsm8k' has a reward of {low!r}"
+        return None if low >= 0 else f"rollout.env={r.env!r} has a reward of {low!r}"
     if r.env == "countdown_chat":
         return "rollout.env='countdown_chat' subtracts 0.05 per character of length error in every turn"
     return f"the rewards of rollout.env={r.env!r} are not known to be >= 0"

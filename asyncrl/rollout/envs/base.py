@@ -25,6 +25,7 @@ BUILTIN = {
     "reverse": "asyncrl.rollout.envs.synthetic:ReverseEnv",
     "arithmetic": "asyncrl.rollout.envs.synthetic:ArithmeticEnv",
     "gsm8k": "asyncrl.rollout.envs.gsm8k:GSM8KEnv",
+    "math": "asyncrl.rollout.envs.math_env:MathEnv",
     "countdown_chat": "asyncrl.rollout.envs.multiturn:CountdownChatEnv",
 }
 

@@ -1,21 +1,24 @@
-"""GSM8K-style reward: extract the final number from a response and compare it to the answer.
+"""GSM8K-style reward: the response's final answer, compared with the reference by math-verify.
 
     env = GSM8KEnv()
     env.reward(question, "... so she has 18 - 2 = 16 eggs. #### 16", {"answer": "... #### 16"})  # 1.0
 
 Extraction follows the dataset's own convention: the answer is what follows the last
-"####"; without a marker, the last number in the text ("strict=False", the common
-"flexible" match). Numbers are compared after removing thousands separators, "$" and a
-trailing ".", as floats. Prompts come from a file (rollout.prompts) with an "answer"
-(GSM8K's worked solution ending in "#### N") or a bare number in the metadata.
+"####"; without a marker (unless ``strict``) it is what math-verify reads: a \\boxed{} answer,
+"the answer is ...", else the last number. The comparison is math-verify's, so "1,000",
+"$1000" and "\\boxed{1000}" all match 1000, and 0.5 matches \\frac{1}{2} (``math_scorer``).
+Prompts come from a file (rollout.prompts) with an "answer" (GSM8K's worked solution ending
+in "#### N") or a bare number in the metadata.
+
+``extract_answer`` is the quick regex reading of a GSM8K answer as a float, for callers that
+want the number itself.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from asyncrl.rollout.envs.base import Environment
+from asyncrl.rollout.envs.math_env import VerifiedMathEnv
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
@@ -40,20 +43,10 @@ def extract_answer(text: str, strict: bool = False) -> float | None:
     return _normalize(numbers[-1]) if numbers else None
 
 
-class GSM8KEnv(Environment):
-    """Reward ``correct_reward`` when the extracted answer equals the reference, else ``format_reward``
-    if a number could be extracted at all, else 0."""
+class GSM8KEnv(VerifiedMathEnv):
+    """Reward ``correct_reward`` when the response's answer equals the reference, else
+    ``format_reward`` if an answer could be read at all, else 0. ``strict``: the answer must
+    follow "####"."""
 
-    def __init__(self, strict: bool = False, correct_reward: float = 1.0, format_reward: float = 0.0):
-        self.strict, self.correct_reward, self.format_reward = strict, correct_reward, format_reward
-
-    def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
-        if "answer" not in metadata:
-            raise KeyError("gsm8k: the prompt's metadata has no 'answer' field")
-        reference = extract_answer(str(metadata["answer"]), strict=False)
-        if reference is None:
-            raise ValueError(f"gsm8k: cannot read a number from the reference answer {metadata['answer']!r}")
-        got = extract_answer(response, strict=self.strict)
-        if got is None:
-            return 0.0
-        return self.correct_reward if abs(got - reference) < 1e-6 else self.format_reward
+    name = "gsm8k"
+    marker = "####"
