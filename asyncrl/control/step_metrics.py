@@ -77,7 +77,14 @@ def step_metrics(
         log.warning(news)
     for gid, info in gens.items():
         out[f"generator/{gid}/lag"] = float(version - int(info.get("version", 0)))
+    for name in ("reward_errors", "reward_timeouts"):  # so far, over the generators alive now
+        out[f"rollout/{name}"] = float(sum(_count(info.get(name)) for info in gens.values()))
     tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]
     if tps:
         out["throughput/gen_tokens_per_s"] = sum(tps)
     return out
+
+
+def _count(value: object) -> int:
+    """A heartbeat's count, 0 when absent or not a count (a heartbeat from an older generator)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -11,6 +11,8 @@ STATS_KEYS = {
     "tokens",
     "prompts_skipped",
     "reward_errors",
+    "reward_timeouts",
+    "reward_threads_hung",
     "group_errors",
     "aborted",
     "reissued",
@@ -37,4 +39,6 @@ def test_stats_dict_and_heartbeat_keep_their_keys():
         "tokens_per_s": values["tokens_per_s"],
         "inflight": values["inflight"],
         "blocked": "cannot load v3",  # the trainer's console shows why a generator admits nothing
+        "reward_errors": values["reward_errors"],  # summed into rollout/reward_errors by the trainer
+        "reward_timeouts": values["reward_timeouts"],
     }
