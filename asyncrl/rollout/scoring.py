@@ -71,6 +71,7 @@ class RewardLimits:
 @dataclass(eq=False)
 class _Job:
     fn: Callable[..., Any]
+    args: tuple[Any, ...]
     kwargs: dict[str, Any]
     loop: asyncio.AbstractEventLoop
     started: asyncio.Future = field(init=False)
@@ -127,7 +128,7 @@ class RewardPool:
                 continue
             job.post(job.started)
             try:
-                job.post(job.done, job.fn(**job.kwargs))
+                job.post(job.done, job.fn(*job.args, **job.kwargs))
             except BaseException as e:  # user code: whatever it raises goes to its caller
                 job.post(job.done, exc=e)
             with self._lock:
@@ -136,11 +137,11 @@ class RewardPool:
                     self.hung -= 1
                     return
 
-    async def call(self, fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float) -> Any:
-        """``fn(**kwargs)`` on a pool thread; RewardTimeout once it has run ``timeout_s``."""
+    async def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], timeout_s: float) -> Any:
+        """``fn(*args, **kwargs)`` on a pool thread; RewardTimeout once it has run ``timeout_s``."""
         if self._closed:
             raise RuntimeError("the reward pool is closed")
-        job = _Job(fn, kwargs, asyncio.get_running_loop())
+        job = _Job(fn, args, kwargs, asyncio.get_running_loop())
         self._jobs.put(job)
         try:
             await job.started
@@ -191,9 +192,8 @@ class RewardScorer:
                 value = await self._weighted(self.env, prompt, response, metadata)
             else:
                 name = f"{type(self.env).__name__}.reward"
-                out = await self._call(
-                    name, self.env.reward, {"prompt": prompt, "response": response, "metadata": metadata}
-                )
+                # Positional, as the Environment contract calls it (subclasses name them freely).
+                out = await self._call(name, self.env.reward, (prompt, response, metadata), {})
                 value = check_reward_value(name, out)
         except RewardError as e:
             return self._failed(e)
@@ -201,7 +201,7 @@ class RewardScorer:
 
     async def _weighted(self, env: WeightedRewards, prompt: str, response: str, metadata: dict[str, Any]) -> float:
         kwargs = env.call_kwargs(prompt, response, metadata)
-        calls = [self._call(f.path, f.fn, kwargs, f.timeout_s) for f in env.fns]
+        calls = [self._call(f.path, f.fn, (), kwargs, f.timeout_s) for f in env.fns]
         outs = await asyncio.gather(*calls, return_exceptions=True)
         for out in outs:  # the first failure fails the sample; the others have been awaited
             if isinstance(out, BaseException):
@@ -211,15 +211,23 @@ class RewardScorer:
         except ValueError as e:  # a function returned a non-number: its failure, named in e
             raise RewardError(str(e)) from e
 
-    async def _call(self, name: str, fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float | None = None):
+    async def _call(
+        self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], timeout_s: float | None = None
+    ):
         timeout = timeout_s if timeout_s is not None else self.limits.timeout_s
         try:
             if inspect.iscoroutinefunction(fn):
                 try:
-                    return await asyncio.wait_for(fn(**kwargs), timeout)
+                    return await asyncio.wait_for(fn(*args, **kwargs), timeout)
                 except TimeoutError:
                     raise RewardTimeout(f"did not return within {timeout:g} s") from None
-            return await self.pool.call(fn, kwargs, timeout)
+            out = await self.pool.call(fn, args, kwargs, timeout)
+            if inspect.iscoroutine(out):  # an object whose __call__ is async: await it here
+                try:
+                    return await asyncio.wait_for(out, timeout)
+                except TimeoutError:
+                    raise RewardTimeout(f"did not return within {timeout:g} s") from None
+            return out
         except RewardTimeout as e:
             raise RewardTimeout(f"{name} {e}") from None
         except RewardError:

@@ -26,7 +26,8 @@ class SleepyEnv(Environment):
     def __init__(self):
         self.release = threading.Event()
 
-    def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+    # Its own parameter names: the contract calls reward(prompt, response, metadata) positionally.
+    def reward(self, text: str, response: str, info: dict[str, Any]) -> float:  # type: ignore[override]
         if response == "hang":
             self.release.wait(30)
             return 1.0
@@ -43,12 +44,29 @@ async def score_all(scorer: RewardScorer, responses: list[str]) -> list[tuple[fl
 def test_a_slow_reward_fails_its_sample_and_the_others_score_concurrently():
     env = SleepyEnv()
     scorer = RewardScorer(env, RewardLimits(timeout_s=0.5, workers=8))
+    gaps: list[float] = []
+
+    async def while_generating():  # a 10 ms ticker stands in for the rest of the generator
+        async def ticker():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        tick = asyncio.ensure_future(ticker())
+        try:
+            return await score_all(scorer, ["2.0"] + ["0.3"] * 7)
+        finally:
+            tick.cancel()
+
     try:
         t0 = time.perf_counter()
-        out = asyncio.run(score_all(scorer, ["2.0"] + ["0.3"] * 7))
+        out = asyncio.run(while_generating())
         wall = time.perf_counter() - t0
     finally:
         scorer.close()
+    assert len(gaps) > 10 and max(gaps) < 0.25  # the loop never waited on a reward (on it: 0.3 s+)
     assert math.isnan(out[0][0]) and "SleepyEnv.reward did not return within 0.5 s" in str(out[0][1])
     assert out[1:] == [(1.0, None)] * 7
     assert scorer.timeouts == 1 and scorer.errors == 0
