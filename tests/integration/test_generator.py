@@ -233,6 +233,8 @@ def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_sessio
     assert errors >= N  # 8 of the 12 shuffled prompts include at least one raising one
     stats = ray.get(gen.stats.remote())
     assert stats["reward_errors"] >= errors and stats["groups"] >= 8
+    # scored on the reward threads: raising rewards are errors, not timeouts, and leave no thread behind
+    assert stats["reward_timeouts"] == 0 and stats["reward_threads_hung"] == 0
     # admission: exactly (0 + 0 + 1) * 8 groups may start; the long prompt was skipped and counted
     assert run_state.counters()["groups_started"] == 8
     assert stats["prompts_skipped"] >= 1 or run_state.counters().get("prompts_skipped", 0) >= 0
