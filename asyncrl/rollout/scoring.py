@@ -129,8 +129,10 @@ class RewardPool:
             job.post(job.started)
             try:
                 job.post(job.done, job.fn(*job.args, **job.kwargs))
-            except BaseException as e:  # user code: whatever it raises goes to its caller
+            except Exception as e:  # user code: whatever it raises goes to its caller
                 job.post(job.done, exc=e)
+            except BaseException as e:  # sys.exit() in a reward fails that sample, not the generator
+                job.post(job.done, exc=RuntimeError(f"{type(e).__name__}: {e}"))
             with self._lock:
                 job.finished = True
                 if job.abandoned:  # a replacement already took this thread's place
@@ -164,7 +166,16 @@ class RewardPool:
             job.abandoned = True
             self.hung += 1
             self.abandoned += 1
+            hung = self.hung
         self._spawn()
+        # Never returning costs a thread per call: say so loudly as the count doubles, rather
+        # than cap the replacements and let queued samples wait behind hung threads for good.
+        if hung >= self.workers and hung & (hung - 1) == 0:
+            log.warning(
+                "%d reward threads are hung (calls abandoned past their timeout, still running): "
+                "a reward that never returns leaks one thread per call; fix it or give it its own deadline",
+                hung,
+            )
 
     def close(self) -> None:
         """Stop the idle threads; hung ones are daemons and end with the process."""

@@ -100,7 +100,7 @@ def test_reward_on_failure_scores_a_failed_sample_and_trains_on_it():
     assert scorer.errors == 1 and scorer.timeouts == 1
 
 
-def test_a_hung_reward_does_not_block_the_next_group():
+def test_a_hung_reward_does_not_block_the_next_group(caplog):
     env = SleepyEnv()
     scorer = RewardScorer(env, RewardLimits(timeout_s=0.3, workers=2))
 
@@ -111,7 +111,9 @@ def test_a_hung_reward_does_not_block_the_next_group():
         return hung, after, time.perf_counter() - t0
 
     try:
-        hung, after, wall = asyncio.run(run())
+        with caplog.at_level(logging.WARNING, logger="asyncrl.rollout.scoring"):
+            hung, after, wall = asyncio.run(run())
+        assert "2 reward threads are hung" in caplog.text  # as many hung as workers: said loudly
         assert all(math.isnan(r) for r, _ in hung) and scorer.timeouts == 2
         assert after == [(1.0, None)] * 4 and wall < 0.3  # fresh threads took the hung ones' places
         assert scorer.pool.hung == 2 and scorer.pool.abandoned == 2
