@@ -15,6 +15,10 @@ columns, e.g. ``answer``) as ``name=[value]``. The sample's reward is sum_i weig
 fn_i(...)[0]; a function may return None for "does not apply" (TRL's convention), which adds
 nothing. A function that raises or returns a non-number fails that sample only (see
 ``score``), as an environment's reward would.
+
+A function may be ``async def`` (a remote verifier) and may set its own ``timeout_s``:
+generators call each function separately, off their event loop and under its timeout
+(asyncrl.rollout.scoring).
 """
 
 from __future__ import annotations
