@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 
 VERIFIER_LATENCY_S = 0.05
 STUCK_S = 60.0
 """How long the stand-in verifier takes on an answer it chokes on: far past any timeout."""
 
 
+def chokes_on(answer: str) -> bool:
+    """About one answer in ten, fixed by the answer's text (e.g. "cbb"; "bab" passes)."""
+    return zlib.crc32(answer.encode()) % 10 == 0
+
+
 async def remote_verifier(prompts, completions, target, **_):
     """Stands in for an HTTP call to a verifier service (await it with your client of choice,
-    e.g. httpx.AsyncClient): it answers in 50 ms, but never in time for an answer containing
-    "ccc", which then times out instead of holding up the generator."""
-    stuck = any("ccc" in c for c in completions)
-    await asyncio.sleep(STUCK_S if stuck else VERIFIER_LATENCY_S)
+    e.g. httpx.AsyncClient): it answers in 50 ms, but never in time for the answers it chokes
+    on, which then time out instead of holding up the generator."""
+    await asyncio.sleep(STUCK_S if any(chokes_on(c) for c in completions) else VERIFIER_LATENCY_S)
     return [1.0 if c.strip() == t else 0.0 for c, t in zip(completions, target, strict=True)]
 
 

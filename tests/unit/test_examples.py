@@ -98,7 +98,7 @@ def test_slow_reward_config_times_out_the_stuck_verifier_and_scores_the_rest():
     async def score(responses):
         return await asyncio.gather(*(scorer.score(prompt, r, meta) for r in responses))
 
-    out = asyncio.run(score([meta["target"], "ccc", "abcabc"]))
+    out = asyncio.run(score([meta["target"], "cbb", "abcabc"]))  # the verifier chokes on "cbb"
     scorer.close()
     assert out == [(1.1, None), (0.0, None), (0.0, None)]  # the stuck one scored reward_on_failure
     assert scorer.timeouts == 1 and scorer.errors == 0
