@@ -69,6 +69,8 @@ class RewardFnConfig(Section):
     """Import path 'package.module:function'."""
     weight: float = 1.0
     """Its weight in the sum; finite."""
+    timeout_s: float | None = Field(None, gt=0)
+    """Seconds one call may run; None: rollout.reward_timeout_s."""
 
 
 class RolloutConfig(Section):
@@ -91,7 +93,15 @@ class RolloutConfig(Section):
     rewards: list[RewardFnConfig] = Field(default_factory=list)
     """Reward functions by import path, summed with their weights, in place of the
     environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
-    TRL's signature: fn(prompts, completions, **columns) -> list[float | None]."""
+    TRL's signature: fn(prompts, completions, **columns) -> list[float | None]; `async def` too."""
+    reward_timeout_s: float = Field(30.0, gt=0)
+    """Seconds one reward call may run before its sample is scored as failed (counted in
+    rollout/reward_timeouts); the generator keeps going either way."""
+    reward_workers: int = Field(8, ge=1)
+    """Threads per generator running plain `def` rewards (a hung call's thread is replaced)."""
+    reward_on_failure: float | None = None
+    """The reward of a sample whose reward timed out or raised: None leaves the sample out of
+    the loss (reward NaN); a number (e.g. 0.0, as verl and SkyRL do) trains on it with that reward."""
     prompts: str | None = None
     """jsonl / parquet, a datasets directory (Dataset(Dict).save_to_disk) or a hub id
     'owner/name[:config]'; None lets the environment make prompts (asyncrl.rollout.prompts)."""
@@ -160,6 +170,8 @@ class RolloutConfig(Section):
             check_import_path(f"rollout.rewards[{i}].fn", spec.fn)
             if not math.isfinite(spec.weight):
                 raise ConfigError(f"rollout.rewards[{i}].weight={spec.weight!r}: must be a finite number")
+        if self.reward_on_failure is not None and not math.isfinite(self.reward_on_failure):
+            raise ConfigError(f"rollout.reward_on_failure={self.reward_on_failure!r}: must be a finite number or null")
         if self.max_prompt_tokens + self.max_tokens > self.engine_max_model_len:
             raise ConfigError(
                 f"rollout.max_prompt_tokens + rollout.max_tokens = {self.max_prompt_tokens + self.max_tokens} "

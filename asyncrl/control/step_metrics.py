@@ -81,7 +81,22 @@ def step_metrics(
         log.warning(news)
     for gid, info in gens.items():
         out[f"generator/{gid}/lag"] = float(version - int(info.get("version", 0)))
+    out.update(reward_failures(gens))
     tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]
     if tps:
         out["throughput/gen_tokens_per_s"] = sum(tps)
     return out
+
+
+def reward_failures(gens: dict[str, dict]) -> dict[str, float]:
+    """rollout/reward_errors and rollout/reward_timeouts: the generators' heartbeat counts so
+    far, summed over the generators alive now."""
+    return {
+        f"rollout/{name}": float(sum(_count(info.get(name)) for info in gens.values()))
+        for name in ("reward_errors", "reward_timeouts")
+    }
+
+
+def _count(value: object) -> int:
+    """A heartbeat's count, 0 when absent or not a count (a heartbeat from an older generator)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -132,6 +132,10 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("time/step", "max", "wall seconds of the whole trainer step", "s"),
     _m("sync/seconds", "max", "learner seconds of this step's weight publish (same as time/sync)", "s"),
     _m("sync/apply_s", "max", "seconds the engines took to apply the last publish (pause, load, resume)", "s"),
+    # Rewards that failed at the generators (asyncrl.rollout.scoring): counts so far, summed
+    # over the generators alive now (a restarted generator counts from 0 again).
+    _m("rollout/reward_errors", "max", "reward calls that raised or returned a non-number, so far", "calls", "counter"),
+    _m("rollout/reward_timeouts", "max", "reward calls that ran past their timeout, so far", "calls", "counter"),
     # Task.
     _m("reward/mean", "mean", "mean reward of trained samples"),
     _m("reward/std", "mean", "std of rewards of trained samples (mean across parts)"),

@@ -3,7 +3,7 @@ trajectories through the environment (multi-turn), each scored as the reward see
 
     maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0")
     group = await maker.make(PromptItem("gen-0.1:7", "abc=", {...}, ids))
-    maker.reward_errors                     # samples whose reward raised, so far
+    maker.scorer.errors, maker.scorer.timeouts   # rewards that raised / timed out, so far
     maker.uniform(group)                    # its rewards all tie: no gradient (rollout.drop_uniform_groups)
 
 Request ids come from the prompt id (unique in a run): ``prompt_id`` for a single-turn group,
@@ -22,7 +22,7 @@ import numpy as np
 from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, penalised_rewards, rewards_tie
 from asyncrl.config import Config, ConfigError
 from asyncrl.rollout.engine import RolloutEngine
-from asyncrl.rollout.envs import make_env, score_completion
+from asyncrl.rollout.envs import make_env
 from asyncrl.rollout.envs.chat import turn_codec
 from asyncrl.rollout.envs.multiturn import (
     MultiTurnEnvironment,
@@ -32,16 +32,19 @@ from asyncrl.rollout.envs.multiturn import (
     to_step_samples,
 )
 from asyncrl.rollout.prompts import PromptItem
+from asyncrl.rollout.scoring import RewardLimits, RewardScorer
 from asyncrl.types import RolloutGroup, Sample
 
 
 class GroupMaker:
-    """Rolls prompts out on one engine and scores them; counts the rewards that raised."""
+    """Rolls prompts out on one engine and scores them off the loop (``scorer`` counts the
+    rewards that failed)."""
 
     def __init__(self, cfg: Config, env, tokenizer, engine: RolloutEngine, generator_id: str):
         self.cfg, self.rollout, self.env, self.tokenizer = cfg, cfg.rollout, env, tokenizer
         self.engine, self.generator_id = engine, generator_id
-        self.reward_errors = 0
+        # Multi-turn rewards come from env.step() inside the trajectory, not from a scorer.
+        self.scorer = RewardScorer(env, RewardLimits.from_rollout(cfg.rollout))
         # Multi-turn contexts: built (and a chat template that cannot grow turn by turn refused) once.
         role = getattr(env, "observation_role", "user")
         chat = cfg.rollout.chat_template
@@ -67,7 +70,8 @@ class GroupMaker:
             completions = await self.engine.generate(
                 item.ids, self.rollout.n_samples, item.prompt_id, max_tokens=max_tokens
             )
-            samples = [self._sample(item.text, item.metadata, c, t0) for c in completions]
+            # Scored concurrently: one slow reward holds up its own group only, never the loop.
+            samples = list(await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions)))
         # How in-flight requests met a weight update; "keep" means later tokens may have attended
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
@@ -113,10 +117,10 @@ class GroupMaker:
         seen = [rewards[i] for i, s in samples if s.error is None and np.isfinite(rewards[i])]
         return rewards_tie(seen)
 
-    def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
-        reward, error = score_completion(self.env, self.tokenizer, prompt, c.token_ids, metadata)
-        if error is not None:
-            self.reward_errors += 1
+    async def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
+        # Decoded as score_completion decodes it, so training and evaluation judge the same text.
+        response = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        reward, error = await self.scorer.score(prompt, response, metadata)
         n = len(c.token_ids)
         versions = list(c.versions) or [self.engine.version]
         if self.cfg.sync.inflight == "keep" and c.submitted_version is not None:

@@ -6,7 +6,7 @@
     snap.heartbeat()                 # the part the trainer's console and watchdog read from Redis
 
 Each part of a generator counts what it does itself (rollout/production.py: admission,
-groups put, re-issues; rollout/groups.py: reward errors; rollout/watcher.py: weight loads);
+groups put, re-issues; rollout/scoring.py: reward failures; rollout/watcher.py: weight loads);
 GeneratorStats.read() reads them into one snapshot, so no part writes another's counts.
 """
 
@@ -38,7 +38,11 @@ class GeneratorStats:
     prompts_skipped: int
     """Drawn prompts longer than rollout.max_prompt_tokens (never admitted)."""
     reward_errors: int
-    """Samples whose reward raised (marked in the sample, not fatal)."""
+    """Reward calls that raised or returned a non-number (the sample scored as failed, not fatal)."""
+    reward_timeouts: int
+    """Reward calls that ran past their timeout (likewise)."""
+    reward_threads_hung: int
+    """Threads still running an abandoned (timed-out) reward call."""
     group_errors: int
     """Rollouts that failed (engine trouble) and were re-issued."""
     aborted: int
@@ -79,7 +83,9 @@ class GeneratorStats:
             samples=made.samples,
             tokens=made.tokens,
             prompts_skipped=made.prompts_skipped,
-            reward_errors=groups.reward_errors,
+            reward_errors=groups.scorer.errors,
+            reward_timeouts=groups.scorer.timeouts,
+            reward_threads_hung=groups.scorer.pool.hung,
             group_errors=made.group_errors,
             aborted=made.aborted,
             reissued=made.reissued,
@@ -107,6 +113,9 @@ class GeneratorStats:
             "inflight": self.inflight,
             # why it admits nothing, if so: the trainer shows it on its console
             "blocked": self.weights_blocked,
+            # failed rewards so far: the trainer sums them into rollout/reward_*
+            "reward_errors": self.reward_errors,
+            "reward_timeouts": self.reward_timeouts,
         }
 
 

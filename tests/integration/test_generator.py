@@ -242,6 +242,8 @@ def test_groups_arrive_with_env_rewards_and_reward_errors_do_not_stop(ray_sessio
     # The generator counts a group once its put returns: the 8th can be read before that.
     stats = wait_for(lambda: (st := ray.get(gen.stats.remote()))["groups"] >= 8 and st, 10, "8 groups counted")
     assert stats["reward_errors"] >= errors
+    # scored on the reward threads: raising rewards are errors, not timeouts, and leave no thread behind
+    assert stats["reward_timeouts"] == 0 and stats["reward_threads_hung"] == 0
     # admission: exactly (0 + 0 + 1) * 8 groups may start; the long prompt was skipped and counted
     assert run_state.counters()["groups_started"] == 8
     assert stats["prompts_skipped"] >= 1 or run_state.counters().get("prompts_skipped", 0) >= 0

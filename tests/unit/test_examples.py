@@ -78,3 +78,27 @@ def test_custom_and_multiturn_environments_load_and_score():
     assert (obs, reward, done) == ("<" if target < wrong else ">", 0.0, False)
     assert game.step(str(target)) == ("", 1.0, True)
     assert "examples" in sys.modules
+
+
+def test_slow_reward_config_times_out_the_stuck_verifier_and_scores_the_rest():
+    import asyncio
+
+    from asyncrl.config import load_config
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.envs.reward_fns import WeightedRewards
+    from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+
+    rollout = load_config(ROOT / "configs/slow_rewards.yaml").rollout
+    assert [s.timeout_s for s in rollout.rewards] == [2.0, None] and rollout.reward_on_failure == 0.0
+    verifier = rollout.rewards[0].model_copy(update={"timeout_s": 0.3})  # the test's time is short
+    env = WeightedRewards(make_env(rollout.env, rollout.env_kwargs), [verifier, rollout.rewards[1]])
+    scorer = RewardScorer(env, RewardLimits.from_rollout(rollout))
+    prompt, meta = make_env("copy", rollout.env_kwargs).make_prompt(random.Random(0))
+
+    async def score(responses):
+        return await asyncio.gather(*(scorer.score(prompt, r, meta) for r in responses))
+
+    out = asyncio.run(score([meta["target"], "cbb", "abcabc"]))  # the verifier chokes on "cbb"
+    scorer.close()
+    assert out == [(1.1, None), (0.0, None), (0.0, None)]  # the stuck one scored reward_on_failure
+    assert scorer.timeouts == 1 and scorer.errors == 0

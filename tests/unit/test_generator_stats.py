@@ -3,6 +3,7 @@ bench/generate.py): its keys, and the heartbeat's, are a contract."""
 
 from __future__ import annotations
 
+from asyncrl.control.step_metrics import reward_failures
 from asyncrl.rollout.stats import GeneratorStats
 
 STATS_KEYS = {
@@ -11,6 +12,8 @@ STATS_KEYS = {
     "tokens",
     "prompts_skipped",
     "reward_errors",
+    "reward_timeouts",
+    "reward_threads_hung",
     "group_errors",
     "aborted",
     "reissued",
@@ -38,4 +41,15 @@ def test_stats_dict_and_heartbeat_keep_their_keys():
         "tokens_per_s": values["tokens_per_s"],
         "inflight": values["inflight"],
         "blocked": "cannot load v3",  # the trainer's console shows why a generator admits nothing
+        "reward_errors": values["reward_errors"],  # summed into rollout/reward_errors by the trainer
+        "reward_timeouts": values["reward_timeouts"],
     }
+
+
+def test_the_trainer_sums_the_generators_reward_failures_from_their_heartbeats():
+    values = {k: 0 for k in STATS_KEYS}
+    g0 = GeneratorStats(**{**values, "generator_id": "g0", "reward_errors": 3, "reward_timeouts": 1})
+    g1 = GeneratorStats(**{**values, "generator_id": "g1", "reward_errors": 2, "reward_timeouts": 5})
+    older = {"version": 0, "groups": 1}  # a heartbeat without the counts (a generator of an older release)
+    gens = {"g0": g0.heartbeat(), "g1": g1.heartbeat(), "g2": older}
+    assert reward_failures(gens) == {"rollout/reward_errors": 5.0, "rollout/reward_timeouts": 6.0}

@@ -60,7 +60,8 @@ def test_bad_reward_specs_fail_at_load_naming_the_entry():
         rewards("{fn: examples.custom_reward:exact_copy}", "{fn: nope.mod:f}")
     with pytest.raises(ConfigError, match=r"rollout.rewards\[0\].weight='x': expected a number"):
         rewards("{fn: examples.custom_reward:exact_copy, weight: x}")
-    with pytest.raises(ConfigError, match=r"rollout.rewards\[0\].scale: unknown field; RewardFnConfig has: fn, weight"):
+    unknown = r"rollout.rewards\[0\].scale: unknown field; RewardFnConfig has: fn, weight, timeout_s"
+    with pytest.raises(ConfigError, match=unknown):
         rewards("{fn: examples.custom_reward:exact_copy, scale: 2}")
     with pytest.raises(ConfigError, match=r"rollout.rewards\[0\]: missing field 'fn' \(RewardFnConfig needs: fn\)"):
         rewards("{weight: 2}")

@@ -13,7 +13,9 @@ environments so that every Ray worker can build its own copy.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import random
 from typing import Any
@@ -66,13 +68,24 @@ def score(env: Environment, prompt: str, response: str, metadata: dict[str, Any]
     instead of dying: a buggy reward must not stop generation.
     """
     try:
-        value = env.reward(prompt, response, metadata)
+        value = run_if_coroutine(env.reward(prompt, response, metadata))
     except Exception as e:  # user code: any exception is the reward's failure, not ours
         raise RewardError(f"{type(env).__name__}.reward raised {type(e).__name__}: {e}") from e
+    return check_reward_value(f"{type(env).__name__}.reward", value)
+
+
+def run_if_coroutine(value: Any) -> Any:
+    """An ``async def`` reward's result, for the callers that score outside an event loop
+    (evaluation); the generators await it on their loop instead (asyncrl.rollout.scoring)."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+
+def check_reward_value(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite number, else a RewardError naming ``name``."""
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardError(f"{type(env).__name__}.reward returned {value!r}, expected a float")
+        raise RewardError(f"{name} returned {value!r}, expected a float")
     if not math.isfinite(value):
-        raise RewardError(f"{type(env).__name__}.reward returned {value!r}, expected a finite float")
+        raise RewardError(f"{name} returned {value!r}, expected a finite float")
     return float(value)
 
 

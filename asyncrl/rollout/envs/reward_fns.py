@@ -15,6 +15,10 @@ columns, e.g. ``answer``) as ``name=[value]``. The sample's reward is sum_i weig
 fn_i(...)[0]; a function may return None for "does not apply" (TRL's convention), which adds
 nothing. A function that raises or returns a non-number fails that sample only (see
 ``score``), as an environment's reward would.
+
+A function may be ``async def`` (a remote verifier) and may set its own ``timeout_s``:
+generators call each function separately, off their event loop and under its timeout
+(asyncrl.rollout.scoring).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.rollout.envs.base import Environment, make_env
+from asyncrl.rollout.envs.base import Environment, make_env, run_if_coroutine
 
 
 def resolve_function(path: str) -> Callable:
@@ -47,8 +52,22 @@ def resolve_function(path: str) -> Callable:
     return fn
 
 
+@dataclass(frozen=True)
+class RewardFn:
+    """One function of rollout.rewards, resolved."""
+
+    path: str
+    fn: Callable
+    weight: float
+    timeout_s: float | None
+    """Its own rollout.rewards[i].timeout_s; None: rollout.reward_timeout_s."""
+
+
 class WeightedRewards(Environment):
-    """An environment's prompts with the weighted sum of reward functions as its reward."""
+    """An environment's prompts with the weighted sum of reward functions as its reward.
+
+    Generators call each function separately, off their loop and under its timeout
+    (asyncrl.rollout.scoring); ``reward`` calls them in turn, for scoring outside a generator."""
 
     def __init__(self, base: Environment, specs: Sequence[Any]):
         if base.multi_turn:
@@ -57,22 +76,34 @@ class WeightedRewards(Environment):
                 f"(its rewards come from step())"
             )
         self.base = base
-        self.fns = [(spec.fn, resolve_function(spec.fn), float(spec.weight)) for spec in specs]
+        self.fns = [
+            RewardFn(spec.fn, resolve_function(spec.fn), float(spec.weight), getattr(spec, "timeout_s", None))
+            for spec in specs
+        ]
 
     def make_prompt(self, rng):
         return self.base.make_prompt(rng)
 
-    def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+    @staticmethod
+    def call_kwargs(prompt: str, response: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        """TRL's keyword arguments for one sample: every field a list of length 1."""
+        return {"prompts": [prompt], "completions": [response], **{k: [v] for k, v in metadata.items()}}
+
+    def combine(self, outs: Sequence[Any]) -> float:
+        """The weighted sum of the functions' outputs (in ``fns`` order); None adds nothing."""
         total = 0.0
-        for path, fn, weight in self.fns:
-            out = fn(prompts=[prompt], completions=[response], **{k: [v] for k, v in metadata.items()})
+        for f, out in zip(self.fns, outs, strict=True):
             value = out[0] if isinstance(out, (list, tuple)) else out
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{path} returned {value!r}, expected a finite number (or None)")
-            total += weight * float(value)
+                raise ValueError(f"{f.path} returned {value!r}, expected a finite number (or None)")
+            total += f.weight * float(value)
         return total
+
+    def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+        kwargs = self.call_kwargs(prompt, response, metadata)
+        return self.combine([run_if_coroutine(f.fn(**kwargs)) for f in self.fns])
 
 
 def make_rollout_env(rollout) -> Environment:

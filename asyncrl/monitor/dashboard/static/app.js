@@ -38,6 +38,8 @@ const CHARTS = [
     refLine: s => ({ y: s.thresholds.masked_frac, label: "mask alert" }) },
   { id: "throughput", title: "Throughput", yTitle: "tokens/s",
     metrics: [["throughput/gen_tokens_per_s", "generation"], ["throughput/train_tokens_per_s", "training"]] },
+  { id: "reward-failures", title: "Failed rewards at the generators (so far)", yTitle: "calls",
+    metrics: [["rollout/reward_errors", "raised"], ["rollout/reward_timeouts", "timed out"]] },
   { id: "time", title: "Step time split", yTitle: "seconds", stacked: true,
     palette: ["#f59e0b", "#2563eb", "#16a34a"],
     metrics: [["time/wait_data", "wait for data"], ["time/train", "train"], ["time/sync", "weight sync"]] },
