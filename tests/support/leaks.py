@@ -22,6 +22,8 @@ def redis_values(client: redis.Redis) -> list[bytes]:
     for key in client.scan_iter(count=1000):
         out.append(key)
         kind = client.type(key)
+        if kind == b"none":
+            continue  # deleted since SCAN listed it (a live job's in-flight notes come and go)
         if kind == b"string":
             out.append(client.get(key))
         elif kind == b"hash":
