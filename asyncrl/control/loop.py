@@ -316,9 +316,16 @@ class TrainLoop:
         return path
 
     def _checkpoint_for_resume(self, why: str, when: str, redis_up: bool = True) -> None:
-        self.checkpoint(redis_up=redis_up)
         if redis_up:
-            self.run_state.set_state(status="failed")
+            try:
+                self.checkpoint()
+                self.run_state.set_state(status="failed")
+            except QueueUnavailable:
+                # Redis went too (the generators died of the same outage): the weights are
+                # saved before the ack, so the checkpoint holds; the unacked entries stay pending.
+                when = f"{when} and Redis is back"
+        else:
+            self.checkpoint(redis_up=False)
         msg = "%s; checkpointed step %d. Resume once %s: asyncrl train --resume %s"
         log.error(msg, why, self.state.step, when, self.rt.run_dir)
 

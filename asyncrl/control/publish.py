@@ -206,22 +206,36 @@ class Publisher:
             self._error = e
 
     def finish(self) -> None:
-        """Wait for the publish in flight (if any); its failure is raised here, in the caller."""
-        self.join()
+        """Wait for the publish in flight (if any); its failure is raised here, in the caller,
+        as is a failing watchdog check (Redis gone: the loop's outage handling takes it)."""
+        self._wait(tear_down=False)
         self._raise_error()
 
     def join(self) -> None:
         """Wait for the publish in flight without raising (tear-down: engines must not go mid-load).
-        The wait runs `while_waiting` every second: a generator that hangs mid-load holds the
+        A watchdog check that fails here is logged and not run again: the tear-down is often
+        for the very reason it fails (Redis gone), and must still reach its checkpoint."""
+        self._wait(tear_down=True)
+
+    def _wait(self, *, tear_down: bool) -> None:
+        """The wait runs `while_waiting` every second: a generator that hangs mid-load holds the
         publish, and only the watchdog, killing it, lets that publish end."""
         if self._inflight is None:
             return
+        check = self.while_waiting
         while True:
             self._inflight.join(timeout=JOIN_POLL_S)
             if not self._inflight.is_alive():
                 break
-            if self.while_waiting is not None:
-                self.while_waiting()
+            if check is None:
+                continue
+            try:
+                check()
+            except Exception as e:
+                if not tear_down:
+                    raise
+                log.warning("waiting for the publish in flight without the generator watchdog: %s", _first_line(e))
+                check = None
         self._inflight = None
 
     def _raise_error(self) -> None:

@@ -55,3 +55,26 @@ def test_waiting_for_a_held_publish_runs_the_watchdog_until_it_ends():
     pub.finish()
     assert checks and run_state.versions == [1, 2]
     assert pub.last_result is not None and pub.last_result.version == 2
+
+
+def test_a_tear_down_wait_outlives_a_failing_watchdog_and_a_step_wait_raises_it():
+    """Redis gone: the watchdog's check fails. The step's wait raises it (the loop's outage
+    handling takes it); the tear-down's wait must not, or the outage checkpoint never happens."""
+    sync, run_state, checks = HeldSync(), RunState(), []
+
+    def watchdog_check() -> list[str]:
+        checks.append(1)
+        if len(checks) >= 2:
+            sync.killed.set()
+        raise ConnectionError("Redis unreachable")
+
+    pub = Publisher(Learner(), sync, run_state, LoopState(), while_waiting=watchdog_check)
+    pub.publish(1, overlap=True)
+    try:
+        pub.finish()
+    except ConnectionError:
+        pass
+    else:
+        raise AssertionError("the step's wait swallowed the watchdog's failure")
+    pub.join()  # the publish ends on its own (the second check lets it); nothing raised
+    assert len(checks) == 2 and run_state.versions == [1]
