@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
 from asyncrl.control.cluster import connect_ray
-from asyncrl.control.preflight import check_prompt_source, prompt_sources
+from asyncrl.control.preflight import HUB_SAMPLE, check_prompt_source, prompt_sources
 from asyncrl.queue import RolloutQueue
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.rollout.envs import resolve_env_class
@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 def check_prompts(cfg: Config, model_path: str) -> None:
     """Open the prompt sources and check the chat template once, here: a missing column or
     split, or a tokenizer without a template, would otherwise fail every generator's start
-    (which Ray retries for ever) and the evaluator's."""
+    (which Ray retries for ever) and the evaluator's. A hub dataset is sampled as `--check`
+    samples it: reading millions of rows on the driver would hold the start for minutes."""
     r = cfg.rollout
     for where, source, split in prompt_sources(cfg):
-        check_prompt_source(cfg, where, source, split)
+        check_prompt_source(cfg, where, source, split, hub_sample=HUB_SAMPLE)
     if r.chat_template:
         from transformers import AutoTokenizer
 
