@@ -104,3 +104,20 @@ def final_number(prompts, completions, answer, **columns):
 
 def broken_reward(prompts, completions, **columns):
     raise RuntimeError("the verifier is down")
+
+
+# The tiny model's alphabet has no quotes or braces: for episodes on its engine, a template that
+# lists the tools by name, and a "format" in which every reply calls the calculator.
+TINY_TOOLS_TEMPLATE = (
+    "{%- if tools %}<bos>system:tools:{% for t in tools %} {{ t.function.name }}{% endfor %}<eos>|{%- endif %}"
+    "{%- for m in messages %}<bos>{{ m.role }}:{{ m.content }}<eos>|{%- endfor %}"
+    "{%- if add_generation_prompt %}<bos>assistant:{% endif %}"
+)
+TINY_CALL = "1+1"
+
+
+def every_reply_calls(text: str):
+    """A tool-call parser under which each reply calls calculator(TINY_CALL)."""
+    from asyncrl.rollout.envs.tool_calls import ParsedReply, ToolCall
+
+    return ParsedReply(text, (ToolCall("calculator", {"expression": TINY_CALL}),))

@@ -297,3 +297,23 @@ def test_tool_counts_become_step_metrics():
     groups = [group({"tool_calls": 3, "tool_errors": 1, "tool_timeouts": 0}), group({"tool_calls": 2, "other": 9})]
     expected = {"rollout/tool_calls": 5.0, "rollout/tool_errors": 1.0, "rollout/tool_timeouts": 0.0}
     assert episode_counts(groups) == expected  # "other" is not a catalogued metric
+
+
+def test_the_example_config_checks_and_its_reward_reads_the_final_answer(monkeypatch):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root))
+    cfg = load_config("configs/tools_calculator_qwen2.5_0.5b_gpu.yaml")
+    assert "rollout.env_kwargs.tools: asyncrl.rollout.envs.calculator:calculator: imported, calculator(expression)" in (
+        check_imports(cfg)
+    )
+    from examples.tools.calc import final_answer
+
+    row = json.loads((root / "examples/tools/calc_prompts.jsonl").read_text().splitlines()[0])
+    expr = row["prompt"].removeprefix("What is ").partition("?")[0]
+    assert calculator(expr) == row["answer"]  # the calculator solves the task
+    assert final_answer([row["prompt"]], [f"It is {int(row['answer']):,}."], [row["answer"]]) == [1.0]
+    assert final_answer([row["prompt"]], ["It is 7."], [row["answer"]]) == [0.1]
+    assert final_answer([row["prompt"]], ["no idea"], [row["answer"]]) == [0.0]
