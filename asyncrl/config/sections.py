@@ -21,6 +21,7 @@ from asyncrl.config.base import (
     prompt_source,
 )
 from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
+from asyncrl.config.tool_env import TOOLS_ENV, env_mapping, tool_env_config
 from asyncrl.infra import redact_url
 
 
@@ -87,8 +88,8 @@ class RolloutConfig(Section):
     top_k: int = -1
     """-1 (off) or >= 1."""
     env: str = "copy"
-    """A built-in environment (copy, reverse, arithmetic, gsm8k, math, countdown_chat) or an import
-    path 'package.module:Class'."""
+    """A built-in environment (copy, reverse, arithmetic, gsm8k, math, countdown_chat, tools) or an
+    import path 'package.module:Class'; or a mapping {type: NAME, **env_kwargs}."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     rewards: list[RewardFnConfig] = Field(default_factory=list)
     """Reward functions by import path, summed with their weights, in place of the
@@ -142,6 +143,11 @@ class RolloutConfig(Section):
     """CPU cores for the generators' engines, e.g. "0" or "0-3" ("" = no pinning). Benchmarks give
     generators and learners disjoint cores, as a cluster gives them disjoint GPUs."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _env_mapping(cls, data: Any) -> Any:
+        return env_mapping(data)
+
     @field_validator("resources", mode="before")
     @classmethod
     def _resources(cls, value: Any) -> Any:
@@ -162,6 +168,13 @@ class RolloutConfig(Section):
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"rollout.top_k={self.top_k!r}: must be -1 (off) or >= 1")
         one_of("rollout.env", self.env, ENVIRONMENTS, import_path_ok=True)
+        if self.env == TOOLS_ENV:
+            tool_env_config(self.env_kwargs)
+            if not self.chat_template:
+                raise ConfigError(
+                    "rollout.env=tools needs rollout.chat_template=true: the tool schemas, the model's calls "
+                    "and the tools' output are written in the chat template's tool format"
+                )
         for i, spec in enumerate(self.rewards):
             if not is_import_path(spec.fn):
                 raise ConfigError(

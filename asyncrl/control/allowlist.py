@@ -28,6 +28,7 @@ import yaml
 
 from asyncrl.algo.params import is_import_path
 from asyncrl.config import Config, ConfigError
+from asyncrl.config.tool_env import TOOLS_ENV
 
 CODE_ENGINE_KWARGS = ("worker_cls", "worker_extension_cls", "logits_processors")
 """vLLM engine arguments whose values vLLM imports by qualified name."""
@@ -51,7 +52,16 @@ def named_imports(data: Any) -> list[ImportPath]:
         if isinstance(value, str) and (always or is_import_path(value)):
             found.append(ImportPath(field, value))
 
-    add("rollout.env", rollout.get("env"))
+    env, env_kwargs = rollout.get("env"), rollout.get("env_kwargs")
+    if isinstance(env, Mapping):  # {type: NAME, **kwargs}, not yet folded by the config
+        env, env_kwargs = env.get("type"), env
+    add("rollout.env", env)
+    if env == TOOLS_ENV and isinstance(env_kwargs, Mapping):  # each tool and the reward are imported
+        tools = env_kwargs.get("tools")
+        for i, path in enumerate(tools if isinstance(tools, list) else [tools]):
+            add(f"rollout.env_kwargs.tools[{i}]", path, always=True)
+        add("rollout.env_kwargs.reward", env_kwargs.get("reward"), always=True)
+        add("rollout.env_kwargs.parser", env_kwargs.get("parser"))
     rewards = rollout.get("rewards")
     for i, spec in enumerate(rewards if isinstance(rewards, list) else []):
         add(f"rollout.rewards[{i}].fn", spec.get("fn") if isinstance(spec, Mapping) else spec, always=True)

@@ -40,7 +40,7 @@ def check_prompts(cfg: Config, model_path: str) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         check_chat_template(tokenizer, r.model)
-        check_turn_template(tokenizer, r.env)
+        check_turn_template(tokenizer, r.env, r.env_kwargs)
 
 
 def start_redis(cfg: Config, run_dir: Path, stack: contextlib.ExitStack) -> tuple[str, EmbeddedRedis | None]:

@@ -116,6 +116,11 @@ def check_imports(cfg: Config) -> list[str]:
         raise ConfigError(str(e)) from e
     lines = [f"rollout.env={r.env}: imported and built" + (" (makes the prompts)" if not r.prompts else "")]
     lines += [f"rollout.rewards[{i}].fn={spec.fn}: imported" for i, spec in enumerate(r.rewards)]
+    tools = getattr(env, "tools", None) if r.env == "tools" else None
+    if tools:  # the tools env imported each tool and made its schema when it was built
+        lines += [
+            f"rollout.env_kwargs.tools: {t.path}: imported, {t.name}({', '.join(t.params)})" for t in tools.values()
+        ]
     lines += [
         f"{field}={path}: imported"
         for field, path in (
@@ -174,7 +179,7 @@ def check_prompt_sources(cfg: Config) -> list[str]:
 
             tokenizer = AutoTokenizer.from_pretrained(r.model)
             check_chat_template(tokenizer, r.model)
-            check_turn_template(tokenizer, r.env)
+            check_turn_template(tokenizer, r.env, r.env_kwargs)
             lines.append(f"rollout.chat_template: {r.model}'s tokenizer has one")
         elif r.chat_template:
             lines.append(f"rollout.chat_template: not checked ({r.model} is not a local directory)")

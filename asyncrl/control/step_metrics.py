@@ -7,7 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from asyncrl.monitor.metrics import staleness_summary
+from asyncrl.monitor.metrics import is_known, staleness_summary
+from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY
 
 if TYPE_CHECKING:
     from asyncrl.control.watchdog import GeneratorWatchdog
@@ -82,6 +83,7 @@ def step_metrics(
     for gid, info in gens.items():
         out[f"generator/{gid}/lag"] = float(version - int(info.get("version", 0)))
     out.update(reward_failures(gens))
+    out.update(episode_counts(groups))
     tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]
     if tps:
         out["throughput/gen_tokens_per_s"] = sum(tps)
@@ -95,6 +97,17 @@ def reward_failures(gens: dict[str, dict]) -> dict[str, float]:
         f"rollout/{name}": float(sum(_count(info.get(name)) for info in gens.values()))
         for name in ("reward_errors", "reward_timeouts")
     }
+
+
+def episode_counts(groups: list[RolloutGroup]) -> dict[str, float]:
+    """rollout/<name> for each count multi-turn environments report per episode (tool calls,
+    tool errors...), summed over this step's groups; only the names the catalogue knows."""
+    totals: dict[str, int] = {}
+    for g in groups:
+        counts = g.metadata.get(EPISODE_COUNTS_KEY)
+        for name, n in (counts if isinstance(counts, dict) else {}).items():
+            totals[name] = totals.get(name, 0) + _count(n)
+    return {f"rollout/{name}": float(n) for name, n in totals.items() if is_known(f"rollout/{name}")}
 
 
 def _count(value: object) -> int:

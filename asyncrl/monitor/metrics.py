@@ -136,6 +136,15 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     # over the generators alive now (a restarted generator counts from 0 again).
     _m("rollout/reward_errors", "max", "reward calls that raised or returned a non-number, so far", "calls", "counter"),
     _m("rollout/reward_timeouts", "max", "reward calls that ran past their timeout, so far", "calls", "counter"),
+    # Multi-turn environments' per-episode counts (rollout.env=tools), summed over a step's groups.
+    _m("rollout/tool_calls", "sum", "tool calls in this step's trained trajectories", "calls"),
+    _m(
+        "rollout/tool_errors",
+        "sum",
+        "of those, calls answered with an error (unreadable, unknown, bad args, raised)",
+        "calls",
+    ),
+    _m("rollout/tool_timeouts", "sum", "of those, calls that ran past rollout.env_kwargs.tool_timeout_s", "calls"),
     # Task.
     _m("reward/mean", "mean", "mean reward of trained samples"),
     _m("reward/std", "mean", "std of rewards of trained samples (mean across parts)"),

@@ -23,8 +23,8 @@ from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, penalised_rewards, rewards
 from asyncrl.config import Config, ConfigError
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.envs import make_env
-from asyncrl.rollout.envs.chat import turn_codec
 from asyncrl.rollout.envs.multiturn import (
+    EPISODE_COUNTS_KEY,
     MultiTurnEnvironment,
     Turn,
     run_trajectory,
@@ -46,9 +46,8 @@ class GroupMaker:
         # Multi-turn rewards come from env.step() inside the trajectory, not from a scorer.
         self.scorer = RewardScorer(env, RewardLimits.from_rollout(cfg.rollout))
         # Multi-turn contexts: built (and a chat template that cannot grow turn by turn refused) once.
-        role = getattr(env, "observation_role", "user")
         chat = cfg.rollout.chat_template
-        self.codec = turn_codec(tokenizer, chat_template=chat, role=role) if env.multi_turn else None
+        self.codec = cast(MultiTurnEnvironment, env).turn_codec(tokenizer, chat) if env.multi_turn else None
         self.soft_penalty = cfg.algo.overlong.soft_penalty
         if self.soft_penalty is not None and env.multi_turn:
             # The config rule knows the built-in environments; an import path is known only here.
@@ -59,8 +58,9 @@ class GroupMaker:
 
     async def make(self, item: PromptItem) -> RolloutGroup:
         t0 = time.time()
+        counts: dict[str, int] = {}
         if self.env.multi_turn:
-            samples = await self._multi_turn_samples(item)
+            samples, counts = await self._multi_turn_samples(item)
         else:
             max_tokens = item.metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
             if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
@@ -75,6 +75,8 @@ class GroupMaker:
         # How in-flight requests met a weight update; "keep" means later tokens may have attended
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
+        if counts:
+            meta[EPISODE_COUNTS_KEY] = counts  # summed per step by the trainer (rollout/<name>)
         if self.soft_penalty is not None and not self.env.multi_turn:
             meta[MAX_NEW_TOKENS_KEY] = max_tokens or self.rollout.max_tokens  # the penalty's L_max
         if self.cfg.sync.inflight == "keep" and any(
@@ -141,7 +143,7 @@ class GroupMaker:
             error=error,
         )
 
-    async def _multi_turn_samples(self, item: PromptItem) -> list[Sample]:
+    async def _multi_turn_samples(self, item: PromptItem) -> tuple[list[Sample], dict[str, int]]:
         assert self.codec is not None
         codec = self.codec
         budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
@@ -166,6 +168,12 @@ class GroupMaker:
             for t in tasks:
                 t.cancel()
             raise
+        counts: dict[str, int] = {}
+        for t in trajectories:
+            for name, n in t.counts.items():
+                counts[name] = counts.get(name, 0) + int(n)
         if self.cfg.algo.stepwise:
-            return [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
-        return [to_interleaved_sample(t, self.generator_id) for t in trajectories]
+            samples = [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
+        else:
+            samples = [to_interleaved_sample(t, self.generator_id) for t in trajectories]
+        return samples, counts

@@ -30,6 +30,7 @@ from asyncrl.learner.step import sequence_logprobs
 from asyncrl.rollout.envs.multiturn import CountdownChatEnv
 from asyncrl.rollout.prompts import PromptItem, encode_prompt
 from tests.support.chat import CHATML, llama_style_tokenizer
+from tests.support.tools import TINY_CALL, TINY_TOOLS_TEMPLATE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -202,6 +203,80 @@ def test_learner_sees_and_scores_what_the_engine_sampled(
     variant = f"{'chat' if chat_template else 'plain'}/{'stepwise' if stepwise else 'interleaved'}"
     print(f"\n{variant}: {trained} trained tokens, max |learner - engine| = {diffs.max():.2e}, mean {diffs.mean():.2e}")
     assert diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF, (variant, diffs.max(), diffs.mean())
+
+
+TOOL_KWARGS = {
+    "tools": ["asyncrl.rollout.envs.calculator:calculator"],
+    "reward": "tests.support.tools:final_number",
+    "parser": "tests.support.tools:every_reply_calls",
+    "max_turns": 3,
+}
+
+
+def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_tokens(
+    loop, engine, learner_model, tmp_path
+):
+    """rollout.env=tools through the generator's GroupMaker: every reply calls the calculator, its
+    output comes back as a tool turn (loss mask 0), and the learner scores exactly the sampled ids."""
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY
+    from asyncrl.rollout.groups import GroupMaker
+
+    tok = llama_style_tokenizer(tmp_path, TINY_TOOLS_TEMPLATE)
+    cfg = Config()
+    cfg.rollout = rollout_config(True).model_copy(update={"env": "tools", "env_kwargs": TOOL_KWARGS})
+    env = make_env("tools", TOOL_KWARGS)
+    schemas = env.chat_tools()
+    seen: dict[str, list[int]] = {}
+    generate = engine.generate
+
+    async def recording(prompt_ids, n, request_id, **kw):
+        seen[request_id] = list(prompt_ids)
+        return await generate(prompt_ids, n, request_id, **kw)
+
+    maker = GroupMaker(cfg, env, tok, engine, "g")
+    engine.generate = recording
+    try:
+        groups = [
+            loop.run_until_complete(maker.make(PromptItem(f"tools:{q}", q, {"answer": 2}, encode_prompt(tok, q, True))))
+            for q in ("1+1=", "2+2=")
+        ]
+    finally:
+        engine.generate = generate
+    for g in groups:
+        assert g.metadata[EPISODE_COUNTS_KEY] == {"tool_calls": 2 * N, "tool_errors": 0, "tool_timeouts": 0}
+        for t, s in enumerate(g.samples):
+            replies = turns_of(g, False)[t]
+            assert len(replies) == 3  # max_turns; the last reply's call is not run
+            conversation = [{"role": "user", "content": g.prompt_id.partition(":")[2]}]
+            for j, reply in enumerate(replies):
+                text = tok.apply_chat_template(conversation, tools=schemas, add_generation_prompt=True, tokenize=False)
+                assert seen[f"{g.prompt_id}/t{t}/{j + 1}"] == tok.encode(text, add_special_tokens=False)
+                closed = reply[:-1] if reply[-1] == tok.eos_token_id else reply
+                conversation += [
+                    {"role": "assistant", "content": tok.decode(closed, skip_special_tokens=False)},
+                    {"role": "tool", "content": "2"},  # calculator(TINY_CALL)
+                ]
+            # The learner's sequence is the last context plus the last reply; the tool turns are
+            # in it with loss mask 0, one after each of the first two replies.
+            assert s.prompt_ids.tolist() + s.response_ids.tolist() == seen[f"{g.prompt_id}/t{t}/3"] + replies[-1]
+            masked = tok.decode(s.response_ids[s.loss_mask == 0], skip_special_tokens=False)
+            assert masked.count("<bos>tool:2<eos>|") == 2, (TINY_CALL, masked)
+    (seqs,), _ = build_minibatches(groups, cfg.algo, num_minibatches=1)
+    batch = collate([seq_fields(s) for s in seqs], pad_token_id=tok.pad_token_id)
+    (logps,) = sequence_logprobs(
+        learner_model,
+        [batch],
+        [[s.num_tokens for s in seqs]],
+        temperature=TEMPERATURE,
+        logprob_fn=token_logprobs,
+        device=torch.device("cpu"),
+    )
+    diffs = np.concatenate(
+        [np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs, strict=True)]
+    )
+    print(f"\ntools: {diffs.size} trained tokens, max |learner - engine| = {diffs.max():.2e}, mean {diffs.mean():.2e}")
+    assert diffs.size >= 2 * N * 3 and diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF
 
 
 def sampled_positions(contexts: list[list[int]], replies: list[list[int]]) -> set[int]:

@@ -28,14 +28,20 @@ extended turn by turn: ``ChatTemplateError`` says so when the codec is built.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
-from asyncrl.rollout.envs.base import resolve_env_class
+from asyncrl.rollout.envs.base import make_env, resolve_env_class
 from asyncrl.rollout.prompts import PromptSourceError, encode_prompt
 
 _BASE_USER = "hi"
 _BASE_REPLY = "ok"
 _PROBE = "0"
+
+
+Message = dict[str, Any]
+Observation = str | list[Message]
+"""What an environment answers a turn with: text (a turn of its observation role), or chat
+messages rendered as the template writes them (several tool results at once, say)."""
 
 
 class ChatTemplateError(PromptSourceError):
@@ -47,7 +53,7 @@ class TurnCodec(Protocol):
 
     def prompt(self, text: str) -> list[int]: ...
 
-    def observation(self, text: str, reply_ids: list[int], finish_reason: str) -> list[int]: ...
+    def observation(self, text: Observation, reply_ids: list[int], finish_reason: str) -> list[int]: ...
 
     def reply_text(self, reply_ids: list[int]) -> str: ...
 
@@ -61,7 +67,9 @@ class PlainTurns:
     def prompt(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, chat_template=False)
 
-    def observation(self, text: str, reply_ids: list[int], finish_reason: str) -> list[int]:
+    def observation(self, text: Observation, reply_ids: list[int], finish_reason: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ChatTemplateError("an environment that answers with chat messages needs rollout.chat_template=true")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def reply_text(self, reply_ids: list[int]) -> str:
@@ -90,13 +98,17 @@ class ChatTurns(PlainTurns):
             raise ChatTemplateError("the chat template's end of an assistant turn merges with its content on encoding")
         self.turn_end = self._base_ids[len(upto) :]
         """What the template writes after an assistant message's content (e.g. <|im_end|>, "\\n")."""
-        self._delta(_PROBE)  # a template that cannot be extended fails here, before any rollout
+        self._delta([self.message(_PROBE)])  # a template that cannot be extended fails here, before any rollout
 
     def prompt(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, chat_template=True)
 
-    def observation(self, text: str, reply_ids: list[int], finish_reason: str) -> list[int]:
-        return self.closing(reply_ids, finish_reason) + self._delta(text)
+    def observation(self, text: Observation, reply_ids: list[int], finish_reason: str) -> list[int]:
+        messages = [self.message(text)] if isinstance(text, str) else list(text)
+        return self.closing(reply_ids, finish_reason) + self._delta(messages)
+
+    def message(self, text: str) -> Message:
+        return {"role": self.role, "content": text}
 
     def closing(self, reply_ids: list[int], finish_reason: str) -> list[int]:
         """The rest of the template's end of the assistant turn: all of it unless the engine
@@ -107,18 +119,20 @@ class ChatTurns(PlainTurns):
             return end[1:]
         return list(end)
 
-    def _delta(self, text: str) -> list[int]:
-        message = {"role": self.role, "content": text}
-        extended = self._ids(self._render([*self._base, message], generation_prompt=True))
+    def _delta(self, messages: list[Message]) -> list[int]:
+        # Rendered together: a template may write consecutive messages as one turn (Qwen's
+        # groups a reply's tool results into one user turn), so each alone would differ.
+        extended = self._ids(self._render([*self._base, *messages], generation_prompt=True))
         if extended[: len(self._base_ids)] != self._base_ids:
+            roles = [m.get("role") for m in messages]
             raise ChatTemplateError(
-                f"the chat template is not prefix-stable: a conversation with one more {self.role!r} turn "
+                f"the chat template is not prefix-stable: a conversation with more turns ({roles}) "
                 f"does not begin with the ids of the conversation without it, so the context cannot grow "
                 f"one turn at a time (use rollout.chat_template=false and format the turns in the environment)"
             )
         return extended[len(self._base_ids) :]
 
-    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+    def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
         except Exception as e:  # the template's own error (e.g. a role it does not accept)
@@ -135,14 +149,16 @@ def turn_codec(tokenizer, *, chat_template: bool, role: str = "user") -> TurnCod
     return ChatTurns(tokenizer, role) if chat_template else PlainTurns(tokenizer)
 
 
-def check_turn_template(tokenizer, env_name: str) -> None:
+def check_turn_template(tokenizer, env_name: str, env_kwargs: dict[str, Any] | None = None) -> None:
     """At start-up, for rollout.chat_template: a multi-turn environment needs a template that
-    grows one turn at a time (otherwise every generator would fail at its start)."""
+    grows one turn at a time (otherwise every generator would fail at its start). The
+    environment builds its own codec (a tool environment renders its tool schemas too)."""
     cls = resolve_env_class(env_name)
     if not cls.multi_turn:
         return
+    env: Any = make_env(env_name, env_kwargs)  # multi_turn: a MultiTurnEnvironment (not imported here: it imports us)
     try:
-        ChatTurns(tokenizer, getattr(cls, "observation_role", "user"))
+        env.turn_codec(tokenizer, chat_template=True)
     except ChatTemplateError as e:
         where = f"rollout.chat_template=true with the multi-turn rollout.env={env_name!r}"
         raise ChatTemplateError(f"{where}: {e}") from None

@@ -34,8 +34,11 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollout.envs.base import Environment
-from asyncrl.rollout.envs.chat import TurnCodec
+from asyncrl.rollout.envs.chat import Observation, TurnCodec, turn_codec
 from asyncrl.types import Sample
+
+EPISODE_COUNTS_KEY = "episode_counts"
+"""A multi-turn group's metadata entry: its trajectories' ``episode_counts()`` summed."""
 
 
 class MultiTurnEnvironment(Environment):
@@ -53,6 +56,20 @@ class MultiTurnEnvironment(Environment):
     def step(self, response: str) -> tuple[str, float, bool]:
         """Consume the model's reply; return (next observation, this step's reward, done)."""
         raise NotImplementedError
+
+    async def astep(self, response: str) -> tuple[Observation, float, bool]:
+        """What trajectories call: ``step`` unless overridden by an environment that awaits
+        work off the generator's loop (tool calls) or answers with chat messages."""
+        return self.step(response)
+
+    def turn_codec(self, tokenizer, chat_template: bool) -> TurnCodec:
+        """How this environment's episodes become ids (one codec serves all its trajectories)."""
+        return turn_codec(tokenizer, chat_template=chat_template, role=self.observation_role)
+
+    def episode_counts(self) -> dict[str, int]:
+        """Counts of this episode (e.g. tool calls) that the trainer sums per step into
+        ``rollout/<name>`` for the names the metric catalogue knows."""
+        return {}
 
     def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
         raise TypeError(f"{type(self).__name__} is multi-turn: use reset/step, not reward")
@@ -77,6 +94,8 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     observation_ids: list[list[int]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    """The environment's ``episode_counts()`` at the end."""
 
     @property
     def total_reward(self) -> float:
@@ -116,7 +135,7 @@ async def run_trajectory(
                 f"turn {k}: {len(turn.token_ids)} tokens, {len(turn.logprobs)} logprobs, {len(turn.versions)} versions"
             )
         traj.turns.append(turn)
-        observation, reward, done = env.step(codec.reply_text(turn.token_ids))
+        observation, reward, done = await env.astep(codec.reply_text(turn.token_ids))
         traj.rewards.append(float(reward))
         traj.observation_ids.append([])
         context = context + list(turn.token_ids)  # a new list: the policy may keep the one it got
@@ -128,6 +147,7 @@ async def run_trajectory(
         if len(context) >= max_context_tokens:  # no room for another turn: the observation was never seen
             traj.observation_ids[-1] = []
             break
+    traj.counts = dict(env.episode_counts())
     return traj
 
 
