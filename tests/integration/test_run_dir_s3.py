@@ -116,9 +116,7 @@ def test_a_dcp_checkpoint_round_trips_through_s3_and_exports_from_there(
     fresh, fresh_opt, fresh_sched = _trained(tiny_model_dir, mesh, seed=1)
     assert any(not torch.equal(v, _full(fresh, fresh_opt)[k]) for k, v in want.items())
     t0 = time.perf_counter()
-    step, version = checkpoint.load_rank_state(
-        str(final), fresh, fresh_opt, fresh_sched, rank=0, storage_options=opts
-    )
+    step, version = checkpoint.load_rank_state(str(final), fresh, fresh_opt, fresh_sched, rank=0, storage_options=opts)
     load_s = time.perf_counter() - t0
     assert (step, version) == (10, 11)
     got = _full(fresh, fresh_opt)
