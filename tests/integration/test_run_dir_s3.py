@@ -20,7 +20,7 @@ from asyncrl.control.preflight import check_run_dir
 from asyncrl.control.summary import write_summary_file
 from asyncrl.learner import checkpoint
 from asyncrl.monitor.sinks import JsonlSink
-from asyncrl.rundir import COMPLETE_MARKER, CONFIG_FILE, LATEST, METRICS_FILE, complete_checkpoints, read_extra
+from asyncrl.rundir import CONFIG_FILE, LATEST, METRICS_FILE, complete_checkpoints, read_extra
 from asyncrl.rundir.store import ObjectPath, run_path, upload_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,4 +262,3 @@ def test_a_scheme_without_its_package_and_the_options_secret():
     assert "sekrit" not in json.dumps(redacted)
     # A joining generator writes no run dir: the redacted value is dropped, not validated.
     assert "storage_options" not in rejoin_config(redacted, redis_url="redis://x", password=None)["control"]
-    assert COMPLETE_MARKER == ".complete"
