@@ -134,7 +134,8 @@ def _cmd_train(args) -> int:
     if args.resume:
         # With --resume the positional CONFIG slot holds the first override, if any.
         overrides = ([args.config] if args.config else []) + args.overrides
-        cfg = load_config(Path(args.resume) / CONFIG_FILE, overrides)
+        # Joined as text: RUN_DIR may be a URL (s3://...), which pathlib would mangle.
+        cfg = load_config(f"{args.resume.rstrip('/')}/{CONFIG_FILE}", overrides)
     else:
         if not args.config:
             print("asyncrl train: a CONFIG file (or --resume RUN_DIR) is required", file=sys.stderr)

@@ -41,6 +41,15 @@ def redis_url(redis_server) -> str:
 
 
 @pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on a free 127.0.0.1 port (tests.support.s3), stopped by its PID at the end."""
+    from tests.support.s3 import s3_server as start
+
+    with start() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One real local Ray for the whole session (logical CPUs > cores so actors can co-exist)."""
     import ray

@@ -18,6 +18,7 @@ from asyncrl.algo.params import params_for as algo_params_for
 from asyncrl.config.base import ConfigError
 from asyncrl.config.losses import wrong_loss_field
 from asyncrl.config.tree import Config
+from asyncrl.rundir.store import ObjectPath, StorageError, run_path
 
 _EXPECTED = {
     "float_type": "expected a number",
@@ -189,14 +190,16 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(str(e).split())
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | ObjectPath | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (optional), apply `a.b.c=value` overrides, build and validate the tree."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = yaml.safe_load(run_path(path).read_text())  # a run dir's config.yaml may be a URL
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except StorageError as e:
+            raise ConfigError(str(e)) from None
         except OSError as e:  # a directory, no permission
             raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
         except UnicodeDecodeError as e:

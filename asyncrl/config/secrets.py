@@ -76,6 +76,9 @@ def rejoin_config(published: Mapping[str, Any], *, redis_url: str, password: str
     queue = data.setdefault("queue", {})
     if isinstance(queue, dict):
         queue.update(redis_url=redis_url, password=password)
+    control = data.get("control")
+    if isinstance(control, dict):
+        control.pop("storage_options", None)  # redacted, and a generator writes no run dir
     monitor = data.setdefault("monitor", {})
     if isinstance(monitor, dict):
         for name in ("dashboard", "dashboard_host", "dashboard_token"):

@@ -353,6 +353,16 @@ class ControlConfig(Section):
     run_dir/hf/final, which every run writes when it ends)."""
     run_name: str = "demo"
     run_dir: str = "runs/demo"
+    """A local path, or an fsspec URL (s3://bucket/runs/x; gs://... with gcsfs installed):
+    checkpoints, metrics.jsonl, summary.json, config.yaml and the Hugging Face exports go
+    there, so the nodes of a cluster need no shared filesystem."""
+    storage_options: Annotated[dict[str, Any] | None, SECRET] = None
+    """For a run_dir URL: the fsspec filesystem's options, e.g. {endpoint_url: ..., key: ...,
+    secret: ...} for s3fs. None: its standard credentials (for S3 the AWS_* variables, ~/.aws,
+    AWS_ENDPOINT_URL). A secret: redacted everywhere but config.yaml."""
+    local_dir: str | None = None
+    """For a run_dir URL: the trainer's local directory for what must stay local (the Redis
+    AOF, the metrics.jsonl spool, the tiny model, logs). None: ~/.cache/asyncrl/runs/<url path>."""
     seed: int = 0
     """The run's one seed: rollout, learner and the tiny model's initial weights derive from it."""
     batch_timeout_s: float = 600.0
@@ -365,7 +375,8 @@ class ControlConfig(Section):
     """Files and directories the run creates (run dir, Redis AOF, metrics, summary, logs,
     checkpoints, exported and /dev/shm weights) are its user's only, 0600 and 0700: the umask is
     077 while the run is up, and the Redis and Ray it starts inherit it. false: the process's
-    umask applies (e.g. for a group that shares run dirs)."""
+    umask applies (e.g. for a group that shares run dirs). Objects on an object store
+    (a run_dir URL) have no mode bits: who reads them is the bucket's policy."""
 
     @field_validator("eval_prompts")
     @classmethod

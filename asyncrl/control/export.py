@@ -9,28 +9,42 @@ The run writes `run_dir/hf/final` when it ends (finished or stopped) and `run_di
 every `control.export_every` steps. A folder is assembled under a temporary name and renamed
 into place, so a reader never sees a half-written one. Weights are float32 as trained; the
 config, tokenizer and generation config are the base model's (`rollout.model`).
+
+With the run dir on an object store the folder is assembled in a local temporary directory
+and uploaded file by file over the old one (no rename there: a reader during the upload may
+see a mix); the live export then takes the weights from the learners through Ray, since
+learner rank 0 may run on another node than this process.
 """
 
 from __future__ import annotations
 
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
 from asyncrl.config import load_config
 from asyncrl.control.runtime import resolve_model
-from asyncrl.learner.checkpoint import replace_dir
+from asyncrl.learner.checkpoint import dcp_storage, replace_dir
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, complete_checkpoints, private_files, step_of
+from asyncrl.rundir.store import ObjectPath, RunPath, local_dir_for, remove_tree, run_path, upload_tree
 
 HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def _assemble(out: Path, model_path: str, write_weights) -> Path:
-    """Stage a folder, let `write_weights(file)` put the weights in it, add the rest, rename it to `out`."""
+def _assemble(out: RunPath, model_path: str, write_weights) -> RunPath:
+    """Stage a folder, let `write_weights(file)` put the weights in it, add the rest, rename it to
+    `out` (upload it, on an object store)."""
+    if isinstance(out, ObjectPath):
+        with tempfile.TemporaryDirectory(prefix="asyncrl-export-") as tmp:
+            staged = Path(tmp) / out.name
+            _assemble(staged, model_path, write_weights)
+            remove_tree(out)
+            upload_tree(staged, out)
+        return out
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
@@ -51,14 +65,28 @@ def _assemble(out: Path, model_path: str, write_weights) -> Path:
     return out
 
 
-def export_live(learner, model_path: str, out: str | Path) -> Path:
+def export_live(learner, model_path: str, out: str | Path | RunPath) -> RunPath:
     """The learners' current weights (rank 0 gathers and writes them) as an HF folder at `out`."""
-    return _assemble(Path(out), model_path, lambda file: learner.export_to_file(str(file)))
+    out = run_path(out)
+    if isinstance(out, ObjectPath):
+        return _assemble(out, model_path, lambda file: _save_weights(learner.export_state_dict(), file, {}))
+    return _assemble(out, model_path, lambda file: learner.export_to_file(str(file)))
 
 
-def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
+def _save_weights(state, file: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    # Tied weights are one tensor under two names: safetensors stores each name's own copy.
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in state.items()},
+        str(file),
+        metadata={"format": "pt", **metadata},
+    )
+
+
+def checkpoint_dir(run_dir: str | Path | RunPath, step: int | None = None) -> RunPath:
     """The complete checkpoint of `step` in the run, or its latest; FileNotFoundError naming what exists."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
+    root = run_path(run_dir) / CHECKPOINTS_DIR
     done = complete_checkpoints(root)
     if not done:
         raise FileNotFoundError(f"{root}: no complete checkpoint to export")
@@ -71,33 +99,31 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
     return path
 
 
-def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | Path | None = None) -> Path:
+def export_checkpoint(
+    run_dir: str | Path | RunPath, step: int | None = None, out: str | Path | RunPath | None = None
+) -> RunPath:
     """An HF folder from a run's DCP checkpoint (default: the latest), read in this process with
-    no learner or process group; written to `out` or ``run_dir/hf/step_N``."""
+    no learner or process group; written to `out` or ``run_dir/hf/step_N``. A URL is read with
+    its filesystem's standard credentials (asyncrl.rundir.store.run_path)."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    run_dir = Path(run_dir)
+    run_dir = run_path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     ckpt = checkpoint_dir(run_dir, step)
     cfg = load_config(run_dir / CONFIG_FILE)
-    model_path = resolve_model(cfg, run_dir)
+    model_path = resolve_model(cfg, local_dir_for(run_dir, cfg.control.local_dir))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     state = model.state_dict()
     # The checkpoint holds {"model", "optim"}; only the model's entries are asked for.
-    dcp.load({"model": state}, checkpoint_id=str(ckpt / "dcp"))
+    dcp.load({"model": state}, **dcp_storage(ckpt, reader=True))
     n = step_of(ckpt)
 
     def write(file: Path) -> None:
-        # Tied weights are one tensor under two names: safetensors stores each name's own copy.
-        save_file(
-            {k: v.detach().clone().contiguous() for k, v in state.items()},
-            str(file),
-            metadata={"format": "pt", "step": str(n)},
-        )
+        _save_weights(state, file, {"step": str(n)})
 
+    target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
     with private_files(cfg.control.private_files):  # as private as the run's own exports
-        return _assemble(Path(out) if out is not None else run_dir / HF_DIR / f"step_{n}", model_path, write)
+        return _assemble(target or run_dir / HF_DIR / f"step_{n}", model_path, write)

@@ -18,12 +18,12 @@ the checkpoint itself keeps only counts and the last interval's ids (LoopState).
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.queue.runstate import unpack_small
+from asyncrl.rundir.store import RunPath, append_durable, run_path
 
 TRAINED_FILE = "trained_ids.jsonl"
 
@@ -98,22 +98,20 @@ def audit(queue, trained_ids: list[str]) -> Ledger:
     )
 
 
-def record_trained(run_dir: str | Path, step: int, group_ids: list[str]) -> None:
-    """Append (durably) that the checkpoint of `step` trained `group_ids`."""
+def record_trained(run_dir: str | Path | RunPath, step: int, group_ids: list[str]) -> None:
+    """Append (durably) that the checkpoint of `step` trained `group_ids` (on an object store
+    the file is rewritten whole: it exists only with queue.ledger on, for tests and soaks)."""
     line = json.dumps({"step": int(step), "ids": list(group_ids)}, separators=(",", ":")) + "\n"
-    with open(Path(run_dir) / TRAINED_FILE, "a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    append_durable(run_path(run_dir) / TRAINED_FILE, line)
 
 
-def trained_ids(run_dir: str | Path, upto_step: int) -> list[str]:
+def trained_ids(run_dir: str | Path | RunPath, upto_step: int) -> list[str]:
     """Every group id trained into the weights of the checkpoint of `upto_step`, oldest first.
 
     A step written twice (a resume rewrites its checkpoint's line) counts once, the last
     line winning; lines past `upto_step` (steps no complete checkpoint covers) are ignored.
     """
-    path = Path(run_dir) / TRAINED_FILE
+    path = run_path(run_dir) / TRAINED_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: no trained-ids audit (it is written only with queue.ledger=true)")
     by_step: dict[int, list[str]] = {}

@@ -33,7 +33,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from asyncrl.config import Config, redact_config
@@ -48,6 +47,7 @@ from asyncrl.control.step_metrics import StepTimes, step_metrics
 from asyncrl.control.watchdog import GeneratorWatchdog
 from asyncrl.queue import QueueUnavailable
 from asyncrl.rundir import CHECKPOINTS_DIR
+from asyncrl.rundir.store import RunPath
 
 if TYPE_CHECKING:
     from asyncrl.control.progress import StepProgress
@@ -97,7 +97,7 @@ class TrainLoop:
         self.progress = progress
         self.on_step: Callable[[TrainLoop, dict[str, float]], None] | None = None
         """Optional callback(loop, metrics) after every step (tests, benchmarks)."""
-        self.ckpt_root = Path(runtime.run_dir) / CHECKPOINTS_DIR
+        self.ckpt_root = runtime.run_dir / CHECKPOINTS_DIR
         self.last_trained: list[TrainedGroup] = []
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
         self._evaluator: Evaluator | None = None
@@ -277,7 +277,7 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def checkpoint(self, *, redis_up: bool = True) -> Path:
+    def checkpoint(self, *, redis_up: bool = True) -> RunPath:
         """Durable checkpoint first, ack second: a crash in between only redelivers (and the
         resume skips what this checkpoint trained). Without Redis nothing is acked: the
         entries stay pending, and the resume sorts them out the same way."""
@@ -307,11 +307,11 @@ class TrainLoop:
             self._evaluator = Evaluator(self.cfg, self.model_path)
         return self._evaluator.run(self.rt.generators, step=self.state.step)
 
-    def export_hf(self, name: str) -> Path:
+    def export_hf(self, name: str) -> RunPath:
         """The learners' weights as a Hugging Face folder, run_dir/hf/NAME."""
         from asyncrl.control.export import HF_DIR, export_live
 
-        path = export_live(self.learner, self.model_path, Path(self.rt.run_dir) / HF_DIR / name)
+        path = export_live(self.learner, self.model_path, self.rt.run_dir / HF_DIR / name)
         log.info("exported a Hugging Face folder at step %d: %s", self.state.step, path)
         return path
 

@@ -11,6 +11,7 @@ Ray or a device:
 - every prompt source a run reads, through to the end (a hub dataset's first HUB_SAMPLE
   records, as the output says), each record split and validated as a generator would; with
   rollout.chat_template and a local model, that its tokenizer has a usable template;
+- a run dir on an object store (control.run_dir a URL): that this host can write there;
 - the weight-sync backend (``auto`` as this host would run it), the vLLM engine arguments a
   generator builds (unknown ``rollout.engine_kwargs`` are rejected here, and a nccl sync needs
   engines built with vLLM's nccl weight transfer), the sync directory.
@@ -29,6 +30,7 @@ from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import PromptSourceError, SourceCheck, check_chat_template, check_source
 from asyncrl.rollout.sampling import engine_args, transfer_backend
+from asyncrl.rundir.store import StorageError, check_writable, is_url, run_path
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.nccl import NcclWeightSync
 from asyncrl.sync.objstore import ObjectStoreWeightSync
@@ -41,7 +43,7 @@ HUB_SAMPLE = 1000
 
 def preflight(cfg: Config) -> list[str]:
     # The user's inputs first: they need no torch (a custom loss aside) and fail in a second.
-    lines = [*check_prompt_sources(cfg), *check_imports(cfg)]
+    lines = [*check_prompt_sources(cfg), *check_imports(cfg), *check_run_dir(cfg)]
     import torch  # for CUDA below; loaded here, not with --check's modules
 
     s, r, learner = cfg.sync, cfg.rollout, cfg.learner
@@ -81,6 +83,20 @@ def preflight(cfg: Config) -> list[str]:
         state = "available" if cuda else "not available on this host: checked up to here"
         lines.append(f"needs CUDA: {', '.join(needs)} ({state})")
     return lines
+
+
+def check_run_dir(cfg: Config) -> list[str]:
+    """A run dir URL: its filesystem package is installed and a probe object can be written and
+    deleted there (credentials, endpoint, bucket, permission). A local run dir is created at
+    start-up, as before."""
+    c = cfg.control
+    if not is_url(c.run_dir):
+        return []
+    try:
+        check_writable(run_path(c.run_dir, c.storage_options))
+    except (StorageError, OSError) as e:
+        raise ConfigError(f"control.run_dir={c.run_dir!r}: {e}") from None
+    return [f"run dir: {c.run_dir} is writable"]
 
 
 def _sync_class(backend: str) -> type:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from asyncrl.queue import RolloutQueue, RunState
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE, private_files
+from asyncrl.rundir.store import RunPath, check_writable, is_remote, local_dir_for, run_path, write_atomic
 from asyncrl.sync.model_ship import ship_model
 from asyncrl.sync.objstore import ObjectStoreWeightSync
 from asyncrl.sync.weight_sync import cluster_is_multinode
@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model(cfg: Config, run_dir: Path) -> str:
-    """'tiny' writes a tiny random Llama for the environment's alphabet into the run dir."""
+    """'tiny' writes a tiny random Llama for the environment's alphabet into the run's local
+    dir (`run_dir`: the run dir itself when it is local; it is deterministic, so another
+    machine writes the same one)."""
     if cfg.rollout.model != "tiny":
         return cfg.rollout.model
 
@@ -62,9 +64,10 @@ class Runtime:
     """Owns the processes and actors of one run; leaving it stops exactly those. Entering
     brings them up and returns the StartedRun that holds them."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, *, start_generators: bool = True):
+    def __init__(self, cfg: Config, run_dir: str | Path | RunPath, *, start_generators: bool = True):
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_path(run_dir, cfg.control.storage_options)
+        self.local_dir = local_dir_for(self.run_dir, cfg.control.local_dir)
         self.start_generators = start_generators
         self._stack = contextlib.ExitStack()
 
@@ -80,7 +83,7 @@ class Runtime:
         return self._stack.__exit__(*exc)
 
     def _bring_up(self, stack: contextlib.ExitStack) -> StartedRun:
-        cfg, run_dir = self.cfg, self.run_dir
+        cfg, run_dir, local_dir = self.cfg, self.run_dir, self.local_dir
         t0 = time.perf_counter()
         startup: dict[str, float] = {}
 
@@ -89,17 +92,20 @@ class Runtime:
 
         # Before anything starts: the redis-server and Ray started below keep the umask they start with.
         stack.enter_context(private_files(cfg.control.private_files))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        redis_url, embedded_redis = bringup.start_redis(cfg, run_dir, stack)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        if is_remote(run_dir):  # a bucket that is missing or refuses us fails here, not at the first checkpoint
+            check_writable(run_dir)
+            log.info("run dir %s; local files (Redis, metrics spool, logs) in %s", run_dir, local_dir)
+        redis_url, embedded_redis = bringup.start_redis(cfg, local_dir, stack)
         queue = bringup.connect_queue(cfg, redis_url, stack)
         run_state = RunState.of(queue)
         # Before any generator exists: a predecessor's announced weights and open admission
         # would have them load discarded weights and start work against its budget.
         highest_version = run_state.retire_weights()
         mark("redis")
-        bringup.start_ray(cfg, run_dir, stack)
+        bringup.start_ray(cfg, local_dir, stack)
         mark("ray")
-        model_path = resolve_model(cfg, run_dir)
+        model_path = resolve_model(cfg, local_dir)
         bringup.check_prompts(cfg, model_path)
 
         # Other nodes get a local model directory through Ray, as weights "version 0".
@@ -118,6 +124,7 @@ class Runtime:
         return StartedRun(
             cfg=cfg,
             run_dir=run_dir,
+            local_dir=local_dir,
             redis_url=redis_url,
             embedded_redis=embedded_redis,
             queue=queue,
@@ -140,7 +147,10 @@ class StartedRun:
     fills in once (at bring-up or at launch_generators) and empties at tear-down."""
 
     cfg: Config
-    run_dir: Path
+    run_dir: RunPath
+    """A local path or an object-store URL (asyncrl.rundir.store)."""
+    local_dir: Path
+    """What stays on this machine (Redis AOF, metrics spool, logs): run_dir itself when local."""
     redis_url: str
     embedded_redis: EmbeddedRedis | None
     """The Redis this runtime started; None when queue.redis_url names one (left running)."""
@@ -224,14 +234,13 @@ class StartedRun:
             log.error("lost actor: %s", line)
         return lines
 
-    def write_config(self) -> Path:
+    def write_config(self) -> RunPath:
         import yaml
 
         path = self.run_dir / CONFIG_FILE
-        # 0600: it may hold queue.password (resume reads it back from here).
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        # 0600: it may hold queue.password (resume reads it back from here). On an object
+        # store the bucket's policy decides who reads it.
+        write_atomic(path, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False).encode(), private=True)
         return path
 
 

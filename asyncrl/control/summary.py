@@ -12,13 +12,13 @@ once the run and its Redis are gone.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from asyncrl.rundir import SUMMARY_FILE
+from asyncrl.rundir.store import RunPath, run_path, write_atomic
 
 WINDOW = 10
 """Steps averaged for the "first -> last" reward and response length."""
@@ -45,9 +45,9 @@ def run_summary(
     counters: Mapping[str, int],
     max_staleness: int,
     status: str,
-    metrics: Path,
-    checkpoint: Path | None,
-    hf_dir: Path | None,
+    metrics: RunPath,
+    checkpoint: RunPath | None,
+    hf_dir: RunPath | None,
     dashboard_url: str | None,
     resume_cmd: str,
     dashboard_cmd: str | None = None,
@@ -110,11 +110,9 @@ def _stale_lines(counters: Mapping[str, int]) -> list[str]:
     ]
 
 
-def write_summary_file(run_dir: str | Path, record: Mapping[str, Any]) -> Path:
+def write_summary_file(run_dir: str | Path | RunPath, record: Mapping[str, Any]) -> RunPath:
     """run_dir/summary.json, replaced whole (a reader never sees half a file); a resumed run
     rewrites it with its own session's facts."""
-    path = Path(run_dir) / SUMMARY_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(record), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    path = run_path(run_dir) / SUMMARY_FILE
+    write_atomic(path, (json.dumps(dict(record), indent=1, sort_keys=True) + "\n").encode())
     return path

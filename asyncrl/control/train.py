@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.control.loop import TrainLoop
 from asyncrl.control.progress import StepProgress
 from asyncrl.control.runtime import Runtime
@@ -27,6 +27,7 @@ from asyncrl.monitor.sinks import build_metrics_logger
 from asyncrl.queue.connection import redact_url
 from asyncrl.rollout.envs.reward_fns import task_target_length
 from asyncrl.rundir import METRICS_FILE, latest_checkpoint
+from asyncrl.rundir.store import RunPath, StorageError, run_path
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -44,7 +45,10 @@ def train(
 ) -> LoopState:
     """Run one job to `control.total_steps` (or until SIGINT/SIGTERM); return the LoopState."""
     t0 = time.perf_counter()
-    run_dir = Path(resume_dir or cfg.control.run_dir)
+    try:
+        run_dir = run_path(resume_dir or cfg.control.run_dir, cfg.control.storage_options)
+    except StorageError as e:
+        raise ConfigError(f"control.run_dir: {e}") from None
     stop = StopFlag()
     stop.install()
     target_length = task_target_length(cfg.rollout)
@@ -79,6 +83,7 @@ def train(
                 cfg.to_dict(),
                 password=cfg.queue.password,
                 target_length=target_length,
+                local_dir=rt.local_dir,
             )
             rt.callback(logger.close)
             dashboard_url = _start_dashboard(cfg, rt)
@@ -116,7 +121,7 @@ def train(
 
 def _summary(
     rt: StartedRun,
-    run_dir: Path,
+    run_dir: RunPath,
     first_step: int,
     max_staleness: int,
     status: str,
@@ -129,7 +134,7 @@ def _summary(
     # that `asyncrl train` checks its config (and `--check` runs) without them.
     from asyncrl.control.export import HF_DIR
 
-    path = run_dir / METRICS_FILE
+    path = rt.local_dir / METRICS_FILE  # the spool when run_dir is a URL: up to date before its upload
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     rows = [r for r in rows if r.get("step", 0) > first_step]  # a resumed run appends to the file
     hf = run_dir / HF_DIR / "final"
@@ -140,7 +145,7 @@ def _summary(
         counters=rt.run_state.counters(),
         max_staleness=max_staleness,
         status=status,
-        metrics=path,
+        metrics=run_dir / METRICS_FILE,
         checkpoint=latest_checkpoint(run_dir),
         hf_dir=hf if hf.is_dir() else None,
         dashboard_url=dashboard_url,
@@ -151,7 +156,7 @@ def _summary(
 
 
 def _write_summary_file(
-    rt: StartedRun, run_dir: Path, state: LoopState, first_step: int, max_staleness: int, status: str, wall_s: float
+    rt: StartedRun, run_dir: RunPath, state: LoopState, first_step: int, max_staleness: int, status: str, wall_s: float
 ) -> None:
     """run_dir/summary.json: what `asyncrl dashboard RUN_DIR` shows of a run whose Redis is gone."""
     ended = time.time()
@@ -181,7 +186,7 @@ def _start_dashboard(cfg: Config, rt: StartedRun) -> str | None:
     from asyncrl.monitor.dashboard.guard import resolve_token
 
     m = cfg.monitor
-    token = resolve_token(m.dashboard_token, rt.run_dir)
+    token = resolve_token(m.dashboard_token, rt.local_dir)
 
     def serve(port: int):
         return serve_in_thread(
@@ -208,7 +213,7 @@ def _announce(cfg: Config, rt: StartedRun, dashboard_url: str | None) -> None:
         "metrics: %s, Redis stream asyncrl:%s:metrics%s",
         rt.run_dir / METRICS_FILE,
         run,
-        f", wandb ({cfg.monitor.wandb}) in {rt.run_dir / 'wandb'}" if cfg.monitor.wandb != "disabled" else "",
+        f", wandb ({cfg.monitor.wandb}) in {rt.local_dir / 'wandb'}" if cfg.monitor.wandb != "disabled" else "",
     )
     if dashboard_url:
         log.info("dashboard: %s  (token required)" if cfg.monitor.dashboard_token else "dashboard: %s", dashboard_url)

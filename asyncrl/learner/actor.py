@@ -291,12 +291,18 @@ class LearnerActor:
             rank=self.rank,
             step=self.step_count,
             version=self.version,
+            storage_options=self.cfg.control.storage_options,
         )
         return self.version
 
     def load(self, directory: str) -> int:
         self.step_count, self.version = checkpoint.load_rank_state(
-            directory, self.model, self.optimizer, self.scheduler, rank=self.rank
+            directory,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            rank=self.rank,
+            storage_options=self.cfg.control.storage_options,
         )
         return self.version
 

@@ -17,6 +17,12 @@ returned, writes extra + marker and renames staging -> final, then rewrites `lat
 os.replace. A crash at any point leaves either the previous checkpoint or the new one,
 never a half-written directory under the final name. DCP reshards on load, so the model
 and optimizer can be restored at another world size; RNG states are per rank.
+
+On an object store (`root` an fsspec URL, asyncrl.rundir.store) there is no rename: the ranks
+write straight under the final name (DCP through its fsspec writer), and the marker, written
+last, is what makes it a checkpoint; readers ignore a prefix without one. Only a step that
+already has a complete checkpoint (an outage checkpoint at the same step) is staged, then
+copied over the old one after its marker is deleted. `latest` is one PUT (atomic).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,10 +40,27 @@ import numpy as np
 import torch
 
 from asyncrl.rundir import COMPLETE_MARKER, EXTRA_FILE, LATEST, complete_checkpoints, step_of
+from asyncrl.rundir.store import ObjectPath, RunPath, copy_tree, remove_tree, run_path, write_atomic
 
 
-def rank_file(directory: str | Path, rank: int) -> Path:
-    return Path(directory) / f"rank_{rank:05d}.msgpack"
+def rank_file(directory: str | Path | RunPath, rank: int) -> RunPath:
+    return run_path(directory) / f"rank_{rank:05d}.msgpack"
+
+
+def dcp_storage(directory: RunPath, *, reader: bool) -> dict[str, Any]:
+    """dcp.save/load arguments for `directory`/dcp: a local path as before; on an object store
+    torch's fsspec reader/writer, opened with the run's storage options (a bare checkpoint_id
+    would reopen the URL without them)."""
+    target = directory / "dcp"
+    if not isinstance(target, ObjectPath):
+        return {"checkpoint_id": str(target)}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    if reader:
+        return {"storage_reader": FsspecReader(target.url, **target.storage_options)}
+    # sync_files=False: a stream to an object store has no fileno, and torch's fallback is a
+    # machine-wide os.sync(); the object is durable once its upload completes anyway.
+    return {"storage_writer": FsspecWriter(target.url, sync_files=False, **target.storage_options)}
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -83,33 +107,42 @@ def save_rank_state(
     rank: int,
     step: int,
     version: int,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Collective: every rank writes its model/optimizer shards via DCP plus its own msgpack file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    root = run_path(directory, storage_options)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / "dcp"))
+    dcp.save({"model": model_sd, "optim": optim_sd}, **dcp_storage(root, reader=False))
     record = {"step": step, "version": version, "scheduler": scheduler.state_dict(), "rng": rng_state()}
-    rank_file(directory, rank).write_bytes(msgpack.packb(record, use_bin_type=True))
+    rank_file(root, rank).write_bytes(msgpack.packb(record, use_bin_type=True))
 
 
 def load_rank_state(
-    directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, rank: int
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    rank: int,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Collective: restore shards (resharding if the world size changed), scheduler and RNG;
     return (step, version)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    root = run_path(directory, storage_options)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(Path(directory) / "dcp"))
+    dcp.load(state, **dcp_storage(root, reader=True))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     # Rank 0's file always exists; a rank beyond the saved world size takes rank 0's
     # step/version/scheduler (identical on all ranks) and keeps its own fresh RNG.
-    own = rank_file(directory, rank)
-    record = msgpack.unpackb((own if own.exists() else rank_file(directory, 0)).read_bytes(), raw=False)
+    own = rank_file(root, rank)
+    record = msgpack.unpackb((own if own.exists() else rank_file(root, 0)).read_bytes(), raw=False)
     scheduler.load_state_dict(record["scheduler"])
     if own.exists():
         set_rng_state(record["rng"])
@@ -119,9 +152,16 @@ def load_rank_state(
 # ----------------------------------------------------------------------------- driver side
 
 
-def staging_dir(final: str | Path) -> Path:
-    """A fresh sibling directory the ranks write into before it is renamed to `final`."""
-    final = Path(final)
+def staging_dir(final: str | Path | RunPath) -> RunPath:
+    """Where the ranks write a checkpoint that becomes `final`: a fresh sibling directory,
+    renamed into place by `publish`. On an object store, `final` itself (cleared of what a
+    crashed save left there) unless it holds a complete checkpoint: see the module doc."""
+    final = run_path(final)
+    if isinstance(final, ObjectPath):
+        if not (final / COMPLETE_MARKER).exists():
+            remove_tree(final)
+            return final
+        return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     final.parent.mkdir(parents=True, exist_ok=True)
     path = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     path.mkdir()
@@ -149,27 +189,37 @@ def replace_dir(staging: Path, final: Path) -> None:
         os.replace(staging, final)
 
 
-def publish(staging: Path, final: str | Path, extra: dict[str, Any]) -> Path:
+def publish(staging: RunPath, final: str | Path | RunPath, extra: dict[str, Any]) -> RunPath:
     """Write `extra` and the marker into `staging`, rename it to `final`, point `latest` at it."""
-    final = Path(final)
+    final = run_path(final, staging.storage_options if isinstance(staging, ObjectPath) else None)
     try:
         payload = msgpack.packb(extra, use_bin_type=True)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint extra must be msgpack-able (dicts, lists, str, numbers, bytes): {e}") from None
+    if isinstance(final, ObjectPath):
+        assert isinstance(staging, ObjectPath)
+        if staging != final:  # a complete checkpoint of this step is replaced: out of sight first
+            (final / COMPLETE_MARKER).unlink(missing_ok=True)
+            remove_tree(final)
+            copy_tree(staging, final)
+            remove_tree(staging)
+        (final / EXTRA_FILE).write_bytes(payload)
+        (final / COMPLETE_MARKER).write_text("ok\n")
+        (final.parent / LATEST).write_text(final.name + "\n")
+        return final
+    assert isinstance(staging, Path)
     (staging / EXTRA_FILE).write_bytes(payload)
     (staging / COMPLETE_MARKER).write_text("ok\n")
     _fsync_dir(staging)
     replace_dir(staging, final)
-    pointer = final.parent / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, final.parent / LATEST)
+    write_atomic(final.parent / LATEST, (final.name + "\n").encode())
     _fsync_dir(final.parent)
     return final
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path | RunPath) -> RunPath:
     """A complete checkpoint directory: `path` itself, or the one its `latest` pointer names."""
-    path = Path(path)
+    path = run_path(path)
     if (path / LATEST).is_file() and not (path / COMPLETE_MARKER).exists():
         path = path / (path / LATEST).read_text().strip()
     if not (path / COMPLETE_MARKER).exists():
@@ -177,13 +227,13 @@ def resolve(path: str | Path) -> Path:
     return path
 
 
-def prune(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+def prune(root: str | Path | RunPath, keep_last: int, keep_every: int = 0) -> list[RunPath]:
     """Delete complete ``step_*`` checkpoints under `root` but the newest `keep_last`, those
     whose step is a multiple of `keep_every` (> 0) and the one `latest` names; returns the
     deleted ones. Staging directories are left alone: a save may be writing them."""
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1")
-    root = Path(root)
+    root = run_path(root)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     removed = []
     for path in complete_checkpoints(root)[:-keep_last]:
@@ -192,6 +242,6 @@ def prune(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
         # Out of readers' sight first (the marker), then the bytes: a crash mid-delete leaves
         # no directory that looks complete but is not.
         (path / COMPLETE_MARKER).unlink()
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
         removed.append(path)
     return removed

@@ -34,6 +34,7 @@ from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.result import RankStepResult, StepResult
 from asyncrl.learner.validate import validate_minibatches
 from asyncrl.rundir import read_extra
+from asyncrl.rundir.store import remove_tree, run_path
 from asyncrl.types import MetricValue, TrainSequence, WeightsObject, merge_metrics
 
 log = logging.getLogger(__name__)
@@ -315,19 +316,19 @@ class LearnerGroup:
 
     def save_checkpoint(self, dir: str, extra: dict[str, Any] | None = None) -> None:
         """DCP model + optimizer shards, scheduler, RNG, step and version, plus `extra`; atomic."""
-        staging = checkpoint.staging_dir(dir)
+        final = run_path(dir, self.cfg.control.storage_options)
+        staging = checkpoint.staging_dir(final)
         try:
             self._call("save", [(str(staging),)] * self.num_ranks, what="save_checkpoint")
-            checkpoint.publish(staging, dir, dict(extra or {}))
+            checkpoint.publish(staging, final, dict(extra or {}))
         except BaseException:
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging != final:  # on an object store a first save writes in place: its marker is missing
+                remove_tree(staging)
             raise
 
     def load_checkpoint(self, dir: str) -> dict[str, Any]:
         """Restore from `dir` (or the checkpoint its `latest` pointer names); return its `extra`."""
-        path = checkpoint.resolve(dir)
+        path = checkpoint.resolve(run_path(dir, self.cfg.control.storage_options))
         versions = self._call("load", [(str(path),)] * self.num_ranks, what="load_checkpoint")
         self._version = int(versions[0])
         return read_extra(path)

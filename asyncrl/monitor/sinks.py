@@ -29,6 +29,7 @@ from asyncrl.config import redact_config
 from asyncrl.monitor.metrics import clean
 from asyncrl.queue import keys
 from asyncrl.rundir import METRICS_FILE
+from asyncrl.rundir.store import ObjectPath, RunPath, run_path
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +138,23 @@ class JsonlSink:
     then the catalogue's names}. The run's Redis goes when the run ends; this file stays, and
     ``pandas.read_json(path, lines=True)`` reads it. Non-finite values are written as null
     (JSON has no NaN). Lines are flushed per step, so a killed run keeps every step it logged;
-    a resumed run appends, and its steps after the checkpoint repeat the ones logged before it."""
+    a resumed run appends, and its steps after the checkpoint repeat the ones logged before it.
 
-    def __init__(self, path: str | Path):
+    With `upload_to` (run_dir/metrics.jsonl on an object store, which cannot append) `path` is a
+    local spool: the whole file is uploaded at most every `upload_every_s` (one PUT replaces
+    the object atomically) and at close. A spool shorter than the object (a resume on another
+    machine) starts from the object's rows."""
+
+    def __init__(self, path: str | Path, upload_to: RunPath | None = None, upload_every_s: float = 30.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.upload_to = upload_to
+        self.upload_every_s = upload_every_s
+        self._uploaded_at = time.monotonic()
+        if upload_to is not None and upload_to.exists():
+            size = self.path.stat().st_size if self.path.exists() else 0
+            if size < upload_to.stat().st_size:
+                self.path.write_bytes(upload_to.read_bytes())
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -151,9 +164,18 @@ class JsonlSink:
         row.update({k: (v if math.isfinite(v) else None) for k, v in clean(metrics).items()})
         self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
         self._file.flush()
+        if self.upload_to is not None and time.monotonic() - self._uploaded_at >= self.upload_every_s:
+            self.upload()
+
+    def upload(self) -> None:
+        """The spool to `upload_to` now (a no-op without one)."""
+        if self.upload_to is not None:
+            self._uploaded_at = time.monotonic()
+            self.upload_to.write_bytes(self.path.read_bytes())
 
     def close(self) -> None:
         self._file.close()
+        self.upload()
 
 
 class TensorBoardSink:
@@ -258,32 +280,39 @@ def build_metrics_logger(
     monitor_cfg: Any,
     redis_client: Any,
     run: str,
-    run_dir: str | Path,
+    run_dir: str | Path | RunPath,
     config_dict: Mapping[str, Any],
     *,
     password: str | None = None,
     target_length: float | None = None,
+    local_dir: Path | None = None,
 ) -> MetricsLogger:
     """The sinks a MonitorConfig asks for. run_dir/metrics.jsonl is always written; Redis is
     always on (the dashboard reads it) if a client is given; run_dir/tensorboard with
-    monitor.tensorboard.
+    monitor.tensorboard. With run_dir on an object store, metrics.jsonl is spooled in
+    `local_dir` (JsonlSink) and TensorBoard and wandb write there (they append to their files).
 
     A sink that cannot even start (e.g. wandb online without a login) is warned about and left
     out, for the same reason sinks never raise: monitoring must not stop a run.
     """
-    sinks: list[Sink] = [JsonlSink(Path(run_dir) / METRICS_FILE)]
+    root = run_path(run_dir)
+    if isinstance(root, ObjectPath):
+        if local_dir is None:
+            raise ValueError(f"run_dir {root} is on an object store: build_metrics_logger needs a local_dir")
+        sinks: list[Sink] = [JsonlSink(local_dir / METRICS_FILE, upload_to=root / METRICS_FILE)]
+    else:
+        local_dir = root
+        sinks = [JsonlSink(local_dir / METRICS_FILE)]
     if monitor_cfg.tensorboard:
         try:
-            sinks.append(TensorBoardSink(Path(run_dir) / TENSORBOARD_DIR))
+            sinks.append(TensorBoardSink(local_dir / TENSORBOARD_DIR))
         except Exception as e:
             log.warning("tensorboard sink could not start, continuing without it: %s: %s", type(e).__name__, e)
     if redis_client is not None:
         sinks.append(RedisSink(redis_client, run, password=password))
     if monitor_cfg.wandb != "disabled":
         try:
-            sinks.append(
-                WandbSink(monitor_cfg.wandb, monitor_cfg.wandb_project, run, config_dict, Path(run_dir) / "wandb")
-            )
+            sinks.append(WandbSink(monitor_cfg.wandb, monitor_cfg.wandb_project, run, config_dict, local_dir / "wandb"))
         except Exception as e:
             log.warning(
                 "wandb sink (mode=%s) could not start, continuing without it: %s: %s",

@@ -1,7 +1,8 @@
 """The demo task across two "hosts" (see conftest.py): every generator and learner rank 1 on
 the second node, the trainer, Redis and rank 0 on the head, nothing shared but the loopback
-network and the checkpoint dir; and an elastic generator from a third private namespace that
-sees neither the run dir nor the model.
+network and the checkpoint dir (a shared disk in the first test, an S3 bucket on loopback in
+the second); and an elastic generator from a third private namespace that sees neither the
+run dir nor the model.
 
 One run serves both checks (the elastic generator joins it mid-run): each run's start-up
 (two vLLM engines and two FSDP ranks) is most of a minute on a 2-core box."""
@@ -133,25 +134,32 @@ def test_demo_learns_with_generators_and_a_learner_rank_on_another_host(two_node
 
 
 def test_losing_the_second_host_names_what_was_lost_and_the_resumed_run_balances_its_ledger(
-    two_nodes, tiny_model_dir, caplog
+    two_nodes, tiny_model_dir, caplog, s3_server
 ):
     """The second node's raylet is SIGKILLed mid-run (a host crash): the run fails with an error
     naming learner rank 1, reports each actor the node took and what Ray does about it (the
     generator restarts once a node with its resources exists; a rank does not); a fresh second
     host joins, `train(resume_dir=...)` resumes from the last checkpoint, and every group
-    produced is trained exactly once, dropped, or still queued."""
+    produced is trained exactly once, dropped, or still queued.
+
+    The run dir is on S3 (moto on loopback), not on the shared disk: both ranks write their
+    checkpoint shards there, and the resume reads them back from there."""
     from asyncrl.learner.group import LearnerError
     from asyncrl.queue import RolloutQueue
     from asyncrl.queue.server import EmbeddedRedis
+    from asyncrl.rundir.store import run_path
 
-    run_dir = two_nodes.shared_dir / "crash"
+    run_dir = run_path(f"s3://{s3_server.bucket()}/runs/crash", s3_server.storage_options)
+    local_dir = two_nodes.shared_dir / "crash-local"  # the trainer's own (Redis AOF); no rank reads it
 
     def config(total_steps: int):
         return load_config(
             ROOT / "configs" / "demo.yaml",
             [
                 "control.run_name=crash",
-                f"control.run_dir={run_dir}",
+                f"control.run_dir={run_dir.url}",
+                f"control.local_dir={local_dir}",
+                *s3_server.overrides(),
                 "monitor.console=false",
                 "monitor.dashboard=false",
                 "queue.ledger=true",
@@ -184,10 +192,13 @@ def test_losing_the_second_host_names_what_was_lost_and_the_resumed_run_balances
     two_nodes.restart_node2()
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None and ckpt.name == "step_000010", ckpt
-    state = train(config(16), resume_dir=run_dir)
+    state = train(config(16), resume_dir=run_dir.url)
     assert state.step == 16
+    assert (run_dir / "hf" / "final" / "model.safetensors").is_file()  # the end-of-run export, uploaded
+    assert (run_dir / "summary.json").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert sorted(p.name for p in local_dir.iterdir()) == ["metrics.jsonl", "redis"]
 
-    with EmbeddedRedis(run_dir / "redis", aof=True) as server:
+    with EmbeddedRedis(local_dir / "redis", aof=True) as server:
         q = RolloutQueue.connect(server.url, "crash", ledger=True)
         ids = trained_ids(run_dir, upto_step=state.step)
         ledger = audit(q, ids).check()

@@ -4,7 +4,7 @@ parts below it in LAYERS, so there is no cycle between parts.
 Every import counts, the ones inside functions and under ``if TYPE_CHECKING`` too: an import
 moved into a function still makes its module depend on the other part; it only hides the
 edge from Python until the function runs. A helper two parts share belongs in the lower one
-(or in a low-level module such as asyncrl/infra.py or asyncrl/rundir.py), not behind a
+(or in a low-level module such as asyncrl/infra.py or asyncrl/rundir/), not behind a
 function-level import.
 """
 

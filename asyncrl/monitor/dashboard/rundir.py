@@ -16,9 +16,11 @@ the charts show the trajectory the final weights came from. Stream ids here are 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.dashboard import data
 from asyncrl.monitor.metrics import Thresholds, evaluate_alerts
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, complete_checkpoints, read_extra
+from asyncrl.rundir.store import ObjectPath, RunPath, run_path
 
 
 class NotARunDir(FileNotFoundError, ExpectedFailure):
@@ -46,13 +49,17 @@ def _row_of(line: str) -> dict[str, Any] | None:
     return row
 
 
-def _read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
+def _read_rows(path: RunPath) -> tuple[list[dict[str, Any]], int]:
     """The rows of the final trajectory (a resumed run's repeats replace the rows they redo), and
     how many lines were not valid rows."""
     rows: list[dict[str, Any]] = []
     bad = 0
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with contextlib.ExitStack() as stack:
+        if isinstance(path, ObjectPath):  # one GET of the whole object
+            lines: Iterable[str] = path.read_text(errors="replace").splitlines()
+        else:
+            lines = stack.enter_context(path.open(encoding="utf-8", errors="replace"))
+        for line in lines:
             if not line.strip():
                 continue
             row = _row_of(line)
@@ -84,8 +91,10 @@ class RunDirSource:
     mode = "finished"
     read_errors: tuple[type[Exception], ...] = (OSError,)
 
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir).expanduser().resolve()
+    def __init__(self, run_dir: str | Path | RunPath):
+        root = run_path(run_dir)
+        # A URL is read with its filesystem's standard credentials (for S3 the AWS_* variables).
+        self.run_dir: RunPath = root if isinstance(root, ObjectPath) else root.expanduser().resolve()
         self.metrics_path = self.run_dir / METRICS_FILE
         if not self.run_dir.is_dir():
             raise NotARunDir(f"run_dir={str(run_dir)!r}: not a directory")

@@ -13,6 +13,9 @@ checkpointer) and its readers (the dashboard, `asyncrl export`, resume) agree on
 Reading it needs neither torch nor Ray, so the dashboard of a finished run stays light.
 Everything in it but config.yaml is free of secrets (asyncrl.config.secrets), and a run
 creates it all private to its user (`private_files`, control.private_files).
+
+The run directory may be an fsspec URL (``s3://bucket/runs/x``): asyncrl.rundir.store; the
+functions here take either (a `RunPath`, or a location that `run_path` opens).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 
 import msgpack
 
+from asyncrl.rundir.store import ObjectPath, RunPath, run_path
+
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -34,26 +39,31 @@ LATEST = "latest"
 EXTRA_FILE = "extra.msgpack"
 
 
-def step_of(path: Path) -> int:
+def step_of(path: RunPath) -> int:
     return int(path.name.removeprefix("step_"))
 
 
-def complete_checkpoints(root: str | Path) -> list[Path]:
+def complete_checkpoints(root: str | Path | RunPath) -> list[RunPath]:
     """The complete ``step_N`` checkpoints under `root`, oldest first (by step number)."""
-    root = Path(root)
+    root = run_path(root)
+    if isinstance(root, ObjectPath):
+        # One listing of every marker instead of a request per checkpoint (and no isdir first).
+        found = root.fs.glob(f"{root.path}/step_*/{COMPLETE_MARKER}")
+        steps = [ObjectPath(root.fs, str(key).rsplit("/", 1)[0], root.storage_options) for key in found]
+        return sorted(steps, key=step_of)
     if not root.is_dir():
         return []
     return sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()), key=step_of)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_checkpoint(run_dir: str | Path | RunPath) -> RunPath | None:
     """The run's newest complete checkpoint, None before its first."""
-    steps = complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
+    steps = complete_checkpoints(run_path(run_dir) / CHECKPOINTS_DIR)
     return steps[-1] if steps else None
 
 
-def read_extra(path: str | Path) -> dict[str, Any]:
-    return msgpack.unpackb((Path(path) / EXTRA_FILE).read_bytes(), raw=False)
+def read_extra(path: str | Path | RunPath) -> dict[str, Any]:
+    return msgpack.unpackb((run_path(path) / EXTRA_FILE).read_bytes(), raw=False)
 
 
 PRIVATE_UMASK = 0o077
