@@ -21,6 +21,7 @@ from asyncrl.config.base import (
     prompt_source,
 )
 from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
+from asyncrl.config.envspec import check_library_env, expand_env_spec
 from asyncrl.infra import redact_url
 
 
@@ -88,7 +89,7 @@ class RolloutConfig(Section):
     """-1 (off) or >= 1."""
     env: str = "copy"
     """A built-in environment (copy, reverse, arithmetic, gsm8k, math, countdown_chat) or an import
-    path 'package.module:Class'."""
+    path 'package.module:Class'; or a library's: {type: verifiers, id: module, args: {...}}."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     rewards: list[RewardFnConfig] = Field(default_factory=list)
     """Reward functions by import path, summed with their weights, in place of the
@@ -142,6 +143,11 @@ class RolloutConfig(Section):
     """CPU cores for the generators' engines, e.g. "0" or "0-3" ("" = no pinning). Benchmarks give
     generators and learners disjoint cores, as a cluster gives them disjoint GPUs."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _env_spec(cls, data: Any) -> Any:
+        return expand_env_spec(data)
+
     @field_validator("resources", mode="before")
     @classmethod
     def _resources(cls, value: Any) -> Any:
@@ -162,6 +168,7 @@ class RolloutConfig(Section):
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"rollout.top_k={self.top_k!r}: must be -1 (off) or >= 1")
         one_of("rollout.env", self.env, ENVIRONMENTS, import_path_ok=True)
+        check_library_env(self.env, self.env_kwargs, self.prompts)
         for i, spec in enumerate(self.rewards):
             if not is_import_path(spec.fn):
                 raise ConfigError(

@@ -29,6 +29,7 @@ BUILTIN = {
     "gsm8k": "asyncrl.rollout.envs.gsm8k:GSM8KEnv",
     "math": "asyncrl.rollout.envs.math_env:MathEnv",
     "countdown_chat": "asyncrl.rollout.envs.multiturn:CountdownChatEnv",
+    "verifiers": "asyncrl.rollout.envs.verifiers_env:VerifiersEnv",
 }
 
 
