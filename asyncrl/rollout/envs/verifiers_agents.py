@@ -29,7 +29,7 @@ from typing import Any
 
 from asyncrl.rollout.envs.chat import ChatTurns, TurnCodec
 from asyncrl.rollout.envs.multiturn import Policy, Trajectory, TurnAborted
-from asyncrl.rollout.prompts import MESSAGES_KEY, encode_prompt
+from asyncrl.rollout.prompts import MESSAGES_KEY, PromptSourceError, encode_prompt
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -281,8 +281,8 @@ async def play_episode(env, task, policy: Policy, codec: TurnCodec, budget: int)
     try:
         await env.setup(agents)
         await env.run(task, agents)
-    except (TurnAborted, EpisodeError, asyncio.CancelledError):
-        raise
+    except (TurnAborted, EpisodeError, PromptSourceError, asyncio.CancelledError):
+        raise  # a void turn, or asyncrl's own refusal: not the environment's failure
     except Exception as e:  # the environment's own code: recorded on the sample, as verifiers records it
         error = f"{name}.run raised {type(e).__name__}: {e}"
     record = vf.Episode(
@@ -300,6 +300,8 @@ async def play_episode(env, task, policy: Policy, codec: TurnCodec, budget: int)
 
 def _trainable_trajectory(episode: Episode, name: str, error: str | None) -> EpisodeTrajectory:
     played = [t for t in episode.traces if t.agent.trainable]
+    if not played and error is not None:  # nothing to score: the group fails, as a native step() raising
+        raise EpisodeError(error)
     if len(played) != 1:
         raise EpisodeError(
             f"{name}: an episode must leave exactly one trainable agent run (a sample), it left {len(played)}; "

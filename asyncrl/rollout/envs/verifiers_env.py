@@ -80,9 +80,13 @@ def _opening(data) -> list[dict[str, str]]:
 
 
 def _load(id: str, args: dict[str, Any]):
-    import verifiers.v1 as vf  # heavy: see _opening
-
     where = f"verifiers environment {id!r}"
+    try:
+        import verifiers.v1 as vf  # heavy: see _opening
+    except ImportError as e:
+        raise ValueError(
+            f"{where}: the verifiers package is not installed (pip install 'asyncrl[verifiers]'): {e}"
+        ) from e
     try:
         module = importlib.import_module(id)
     except Exception as e:  # user code: whatever its import raises is this id's failure
