@@ -118,14 +118,19 @@ class Conversation:
             raise RuntimeError("this interaction is closed")
         new = self._messages(message)
         limit = self.seat.config.max_turns
-        if self.over or (limit is not None and self.trace.num_turns >= limit):
-            self.over = True
-            self.trace.stop("max_turns")
+        if self.over:  # a stop predicate, a limit or a full context ended it
             return vf.Segment(messages=[], terminated=True)
-        if self.context is None:
-            if self.task.data.prompt is None and not new:
-                raise ValueError("a task without a prompt is opened by the first turn(message)")
-            self._open(new if self.task.data.prompt is None else [])
+        if limit is not None and self.trace.num_turns >= limit:
+            return self._end("max_turns")
+        if self.context is None:  # verifiers' rule: a prompted task speaks first, a prompt-less one is opened
+            prompted = self.task.data.prompt is not None
+            if prompted == bool(new):
+                raise ValueError(
+                    "a prompted task's first turn() takes no message"
+                    if prompted
+                    else "a task without a prompt is opened by the first turn(message)"
+                )
+            self._open(new)
         elif not new:
             raise ValueError("this exchange takes its next user message")
         elif not self._extend(new):
