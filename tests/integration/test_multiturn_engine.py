@@ -287,3 +287,9 @@ def test_verifiers_env_trains_what_the_engine_sampled(
     assert diffs.size >= 2 * N * turns
     print(f"\nverifiers turns={turns}: {diffs.size} trained tokens, max |learner - engine| = {diffs.max():.2e}")
     assert diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF
+    if turns == 1:  # a rubric that raises fails its samples (reward NaN, error), as a failed reward does
+        failing = make_env(cfg.rollout.env, {**cfg.rollout.env_kwargs, "args": {"fail": True}})
+        text, meta = failing.make_prompt(rng)
+        item = PromptItem("vf-fail:0", text, meta, encode_prompt(tok, text, True, meta))
+        group = loop.run_until_complete(GroupMaker(cfg, failing, tok, engine, "g").make(item))
+        assert all(np.isnan(s.reward) and "the rubric broke" in s.error for s in group.samples)
