@@ -51,7 +51,7 @@ class VerifiersEnv(MultiTurnEnvironment):
         data = self.tasks[i].data
         metadata: dict[str, Any] = {TASK_KEY: i}
         if data.system_prompt or not isinstance(data.prompt, (str, type(None))):
-            # More than one user message: rendered by the chat template (rollout.chat_template).
+            # A system prompt or a message list: the chat template renders it (rollout.chat_template).
             metadata[MESSAGES_KEY] = _opening(data)
         return data.prompt_text, metadata
 
