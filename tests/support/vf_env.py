@@ -78,7 +78,7 @@ class TwoSolvers(vf.Env[TwoSolversConfig]):
 __all__ = ["CopyTaskset"]
 
 
-def load_environment(turns: int = 1, system: str = "", two: bool = False, fail: bool = False):
+def load_environment(turns: int = 1, system: str = "", two: bool = False, fail: bool = False, max_turns=None):
     global SYSTEM, FAIL
     SYSTEM, FAIL = system, fail
     taskset = {"id": __name__}
@@ -86,7 +86,7 @@ def load_environment(turns: int = 1, system: str = "", two: bool = False, fail: 
         return TwoSolvers(TwoSolversConfig(taskset=taskset))
     if turns == 1:
         return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset))
-    return EchoEnv(EchoConfig(taskset=taskset, turns=turns))
+    return EchoEnv(EchoConfig(taskset=taskset, turns=turns, agent={"max_turns": max_turns}))
 """
 
 WORDS = ("abc", "bad")

@@ -145,6 +145,14 @@ def test_stop_predicate_ends_the_exchange(vf_module, tok):
     assert len(seen) == len(traj.turns) == 1 and traj.rewards == [0.0]
 
 
+def test_agent_max_turns_ends_the_exchange_before_the_next_observation(vf_module, tok):
+    env = make_env("verifiers", {"id": vf_module, "args": {"turns": 3, "max_turns": 2}})
+    _, _, traj, seen = episode(env, tok, ["ab", "abc", "never"])
+    assert len(seen) == len(traj.turns) == 2 and traj.observation_ids[-1] == []
+    sample = to_interleaved_sample(traj)
+    assert sample.response_ids.tolist()[-len(traj.turns[-1].token_ids) :] == traj.turns[-1].token_ids
+
+
 def test_system_prompt_is_rendered_by_the_template_and_needs_one(vf_module, tok):
     env = make_env("verifiers", {"id": vf_module, "args": {"system": "be brief"}})
     prompt, meta, _, seen = episode(env, tok, ["abc"])
