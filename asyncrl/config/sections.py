@@ -21,7 +21,8 @@ from asyncrl.config.base import (
     prompt_source,
 )
 from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
-from asyncrl.config.tool_env import TOOLS_ENV, env_mapping, tool_env_config
+from asyncrl.config.envspec import check_library_env, env_mapping
+from asyncrl.config.tool_env import TOOLS_ENV, tool_env_config
 from asyncrl.infra import redact_url
 
 
@@ -88,8 +89,9 @@ class RolloutConfig(Section):
     top_k: int = -1
     """-1 (off) or >= 1."""
     env: str = "copy"
-    """A built-in environment (copy, reverse, arithmetic, gsm8k, math, countdown_chat, tools) or an
-    import path 'package.module:Class'; or a mapping {type: NAME, **env_kwargs}."""
+    """A built-in environment (copy, reverse, arithmetic, gsm8k, math, countdown_chat, tools,
+    verifiers) or an import path 'package.module:Class'; or a mapping {type: NAME, **env_kwargs}
+    (a library's: {type: verifiers, id: module, args: {...}})."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     rewards: list[RewardFnConfig] = Field(default_factory=list)
     """Reward functions by import path, summed with their weights, in place of the
@@ -175,6 +177,7 @@ class RolloutConfig(Section):
                     "rollout.env=tools needs rollout.chat_template=true: the tool schemas, the model's calls "
                     "and the tools' output are written in the chat template's tool format"
                 )
+        check_library_env(self.env, self.env_kwargs, self.prompts)
         for i, spec in enumerate(self.rewards):
             if not is_import_path(spec.fn):
                 raise ConfigError(

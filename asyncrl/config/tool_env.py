@@ -5,7 +5,7 @@
       env: {type: tools, tools: ["asyncrl.rollout.envs.calculator:calculator"], reward: "my_pkg:answer_reward"}
 
 ``rollout.env`` given as a mapping is the environment's name (``type``) with its keyword
-arguments (asyncrl.config.sections folds it into ``env`` and ``env_kwargs``).
+arguments (asyncrl.config.envspec folds it into ``env`` and ``env_kwargs``).
 """
 
 from __future__ import annotations
@@ -62,20 +62,3 @@ def tool_env_config(env_kwargs: dict[str, Any], where: str = "rollout.env_kwargs
     if ":" in spec.parser:
         check_import_path(f"{where}.parser", spec.parser)
     return spec
-
-
-def env_mapping(data: Any) -> Any:
-    """A raw rollout section whose ``env`` is ``{type: NAME, **kwargs}`` -> ``env: NAME`` and
-    ``env_kwargs: kwargs`` (anything else unchanged)."""
-    if not isinstance(data, dict) or not isinstance(data.get("env"), dict):
-        return data
-    kwargs = dict(data["env"])
-    name = kwargs.pop("type", None)
-    if not isinstance(name, str) or not name:
-        raise ConfigError("rollout.env: a mapping needs 'type', the environment's name or import path")
-    if data.get("env_kwargs"):
-        raise ConfigError(
-            f"rollout.env={{type: {name}, ...}} carries its own keyword arguments: "
-            f"set them there or in rollout.env_kwargs, not both"
-        )
-    return {**data, "env": name, "env_kwargs": kwargs}

@@ -133,7 +133,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.num_generators=0: async mode needs at least one generator")
 
 
-MULTI_TURN_ENVIRONMENTS = ("countdown_chat", "tools")
+MULTI_TURN_ENVIRONMENTS = ("countdown_chat", "tools", "verifiers")
 
 
 def _dapo_rules(a: AlgoConfig, r: RolloutConfig) -> None:

@@ -157,6 +157,8 @@ class GroupMaker:
                 c = (await self.engine.generate(context, 1, f"{item.prompt_id}/t{k}/{turns}"))[0]
                 return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
 
+            if getattr(self.env, "drives_episodes", False):  # a library environment runs its own episode loop
+                return await self.env.run_episode(item.text, item.metadata, policy, codec, budget)
             # Episode state is per trajectory. multi_turn (checked by make()) means a stepped env.
             env = cast(MultiTurnEnvironment, make_env(self.rollout.env, self.rollout.env_kwargs))
             return await run_trajectory(env, item.text, item.metadata, policy, codec, budget)
@@ -176,4 +178,10 @@ class GroupMaker:
             samples = [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
         else:
             samples = [to_interleaved_sample(t, self.generator_id) for t in trajectories]
+        for k, s in enumerate(samples):  # an episode whose scoring failed: as a failed reward (rollout/scoring.py)
+            error = getattr(trajectories[s.trajectory_id if self.cfg.algo.stepwise else k], "error", None)
+            if error is not None and self.rollout.reward_on_failure is not None:
+                s.reward = self.rollout.reward_on_failure
+            elif error is not None:
+                s.error = error  # its reward is NaN already
         return samples, counts

@@ -282,3 +282,89 @@ def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_token
 def sampled_positions(contexts: list[list[int]], replies: list[list[int]]) -> set[int]:
     """Positions of the last context that hold a sampled token (the model may sample a BOS itself)."""
     return {p for c, reply in zip(contexts, replies, strict=True) for p in range(len(c), len(c) + len(reply))}
+
+
+# ---------------------------------------------------------------- a verifiers environment on the engine
+
+
+def render(tok, conversation) -> list[int]:
+    text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("turns", [1, 2], ids=["single", "multi"])
+def test_verifiers_env_trains_what_the_engine_sampled(
+    loop, engine, learner_model, tokenizers, tmp_path, monkeypatch, turns
+):
+    """rollout.env: {type: verifiers}: a verifiers environment defined by the test (two in-memory
+    tasks, a rubric of rule rewards; with turns=2 it answers each reply) runs through the
+    generator's GroupMaker on the engine. The contexts are the templated conversation, the
+    return is the rubric's weighted sum, and the learner scores every trained token as the engine did."""
+    import random
+
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.groups import GroupMaker
+    from tests.support.vf_env import env_reply, write_vf_env
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {"type": "verifiers", "id": write_vf_env(tmp_path, "vf_copy_engine"), "args": {"turns": turns}}
+    tok = tokenizers[True]
+    cfg = Config()
+    cfg.rollout = RolloutConfig(**{**rollout_config(True).model_dump(exclude={"env", "env_kwargs"}), "env": spec})
+    env = make_env(cfg.rollout.env, cfg.rollout.env_kwargs)
+    seen: dict[str, list[int]] = {}
+    generate = engine.generate
+
+    async def recording(prompt_ids, n, request_id, **kw):
+        seen[request_id] = list(prompt_ids)
+        return await generate(prompt_ids, n, request_id, **kw)
+
+    maker = GroupMaker(cfg, env, tok, engine, "g")
+    rng, groups = random.Random(0), []
+    engine.generate = recording
+    try:
+        for i in range(2):
+            text, meta = env.make_prompt(rng)
+            item = PromptItem(f"vf-{turns}:{i}", text, meta, encode_prompt(tok, text, True, meta))
+            groups.append(loop.run_until_complete(maker.make(item)))
+    finally:
+        engine.generate = generate
+    for g in groups:
+        answer = env.tasks[g.metadata["vf_task"]].data.answer
+        for t, replies in turns_of(g, False).items():
+            assert len(replies) == turns
+            conversation = [{"role": "user", "content": f"{answer}="}]
+            for j, reply in enumerate(replies):
+                assert seen[f"{g.prompt_id}/t{t}/{j + 1}"] == render(tok, conversation)
+                closed = reply[:-1] if reply[-1] == tok.eos_token_id else reply  # the template writes <eos>
+                text = tok.decode(reply, skip_special_tokens=True).strip()  # as trace.last_reply
+                conversation += [
+                    {"role": "assistant", "content": tok.decode(closed, skip_special_tokens=False)},
+                    {"role": "user", "content": env_reply(text)},
+                ]
+            s = g.samples[t]
+            assert s.reward == 1.0 * (text == answer) + 0.5 * (text[:1] == answer[:1]) and s.error is None
+            assert s.prompt_ids.tolist() == seen[f"{g.prompt_id}/t{t}/1"]
+            assert s.token_versions.tolist() == [0] * s.response_ids.size
+    (seqs,), _ = build_minibatches(groups, cfg.algo, num_minibatches=1)
+    batch = collate([seq_fields(s) for s in seqs], pad_token_id=tok.pad_token_id)
+    (logps,) = sequence_logprobs(
+        learner_model,
+        [batch],
+        [[s.num_tokens for s in seqs]],
+        temperature=TEMPERATURE,
+        logprob_fn=token_logprobs,
+        device=torch.device("cpu"),
+    )
+    diffs = np.concatenate(
+        [np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs, strict=True)]
+    )
+    assert diffs.size >= 2 * N * turns
+    print(f"\nverifiers turns={turns}: {diffs.size} trained tokens, max |learner - engine| = {diffs.max():.2e}")
+    assert diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF
+    if turns == 1:  # a rubric that raises fails its samples (reward NaN, error), as a failed reward does
+        failing = make_env(cfg.rollout.env, {**cfg.rollout.env_kwargs, "args": {"fail": True}})
+        text, meta = failing.make_prompt(rng)
+        item = PromptItem("vf-fail:0", text, meta, encode_prompt(tok, text, True, meta))
+        group = loop.run_until_complete(GroupMaker(cfg, failing, tok, engine, "g").make(item))
+        assert all(np.isnan(s.reward) and "the rubric broke" in s.error for s in group.samples)

@@ -30,6 +30,7 @@ BUILTIN = {
     "math": "asyncrl.rollout.envs.math_env:MathEnv",
     "countdown_chat": "asyncrl.rollout.envs.multiturn:CountdownChatEnv",
     "tools": "asyncrl.rollout.envs.tools:ToolEnv",
+    "verifiers": "asyncrl.rollout.envs.verifiers_env:VerifiersEnv",
 }
 
 
