@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -166,7 +167,10 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     t0 = time.monotonic()
     rc = job.wait(180)
     assert rc != 0, job.log_tail()
-    assert "LearnerError" in job.log_tail(20_000)
+    tail = job.log_tail(20_000)
+    assert "LearnerError" in tail
+    # The report names the dead rank on its live node (this one: no wait for a node to be declared dead).
+    assert re.search(r"lost actor: learner rank 1 on node \w+ \(alive\): lost", tail), tail
     print(f"learner rank killed: job exited {rc} after {time.monotonic() - t0:.1f}s")
     deadline = time.monotonic() + 30
     while job.leftovers() and time.monotonic() < deadline:
