@@ -3,18 +3,14 @@ generator training the tiny model on the copy task through `asyncrl.control.trai
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from asyncrl.config import load_config
@@ -243,81 +239,6 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
         assert state["status"] == "failed" and state["trainer_step"] == 3
         assert state["policy_version"] == 1  # v2 never loaded, so never announced
         rs.close()
-
-
-def _run_port(run_dir: Path) -> int | None:
-    conf = run_dir / "redis" / "redis.conf"
-    if not conf.exists():
-        return None
-    return next(int(line.split()[1]) for line in conf.read_text().splitlines() if line.startswith("port "))
-
-
-def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
-    """Ctrl-C (SIGINT to the whole process group): the job checkpoints, stops its engines,
-    actors and embedded Redis, and exits 0; nothing it started survives."""
-    import redis
-
-    run_dir = tmp_path / "sigint"
-    shm_before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.cli",
-            "train",
-            str(ROOT / "configs" / "demo.yaml"),
-            f"control.run_dir={run_dir}",
-            "control.run_name=sigint",
-            "control.total_steps=1000",
-            "monitor.dashboard=false",
-            "control.checkpoint_every=100",
-            "monitor.console_every=1",
-        ],
-        cwd=ROOT,
-        stdout=(tmp_path / "train.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        step = 0
-        while time.monotonic() < deadline and step < 3:
-            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            port = _run_port(run_dir)
-            if port:
-                with contextlib.suppress(redis.ConnectionError):
-                    step = int(redis.Redis(port=port).hget("asyncrl:sigint:state", "policy_version") or 0)
-            time.sleep(1)
-        assert step >= 3, "the job never reached step 3"
-        started = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        redis_pid = int((run_dir / "redis" / "redis.pid").read_text())
-        started.add(redis_pid)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=180) == 0, (tmp_path / "train.log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(pid_running(p) for p in started):
-        time.sleep(0.5)
-    alive = [p for p in started if pid_running(p)]
-    assert not alive, [psutil.Process(p).cmdline()[:3] for p in alive]
-    leaked = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith(("psm_", "asyncrl-"))}
-    assert not leaked, leaked
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-    assert ckpts and (ckpts[-1] / ".complete").exists(), "no checkpoint written on SIGINT"
-
-    # A console people can read: asyncrl's own lines and the summary; no Ray worker or vLLM
-    # output (it is in the Ray logs linked from the run dir), no progress bar redrawn into a file.
-    console = (tmp_path / "train.log").read_text()
-    assert "run stopped: " in console and "resume          asyncrl train --resume" in console
-    step_lines = [line for line in console.splitlines() if re.match(r"step \d+  reward", line)]
-    # One line per step (rich wraps at 80 columns where there is no terminal, unless told not to).
-    assert step_lines and all(re.search(r" step [\d.]+s$", line.rstrip()) for line in step_lines), console
-    for noise in ("(GeneratorActor pid=", "(LearnerActor pid=", "Triton is not installed", "━"):
-        assert noise not in console, (noise, console[-3000:])
-    worker_logs = [p for p in (run_dir / "logs" / "ray").iterdir() if p.name.startswith("worker-")]
-    assert any("Triton is not installed" in p.read_text(errors="replace") for p in worker_logs), worker_logs
 
 
 def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path, caplog):
