@@ -391,6 +391,11 @@ class TrainJob:
         'ray::GeneratorActor...', 'ray::LearnerActor...')."""
         return sorted(pid for pid, cmd in self.processes().items() if fragment in cmd)
 
+    def restarted_redis_pids(self) -> set[int]:
+        """The redis-servers start_redis() started in the job's place: the job's own exit does
+        not stop them (it did not start them); a resume stops them as a predecessor's."""
+        return {proc.pid for proc in self._redis_procs}
+
     def leftovers(self) -> dict[int, str]:
         """Processes the job started (seen by processes()) that are still alive."""
         out = {}
