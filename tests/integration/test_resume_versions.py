@@ -148,7 +148,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
         # into one) leaves at once, its engine's processes and shared memory gone first.
         proc = elastic["proc"]
         engine = psutil.Process(proc.pid).children(recursive=True)
-        segments = shm_segments_of([p.pid for p in engine])
+        segments = shm_segments_of([proc.pid, *(p.pid for p in engine)])
         proc.send_signal(signal.SIGINT)
         proc.send_signal(signal.SIGTERM)
         elastic["rc"] = proc.wait(timeout=120)
