@@ -179,6 +179,10 @@ def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> 
     import ray
 
     deadline = time.monotonic() + wait_s
+    # This process runs on its own node, so that node is alive: an actor lost there lost only
+    # its process, and waiting for the GCS to declare the node dead would only delay the report
+    # (on a single machine, every failure's).
+    here = _own_node_id()
     while True:
         dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
         states = {name: actor_state(handle) for name, (handle, _) in placed.items()}
@@ -187,7 +191,8 @@ def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> 
             for name, (_, node) in placed.items()
             if node in dead_nodes or states[name][0] != "ALIVE" or states[name][1] != node
         ]
-        if (lost and all(placed[name][1] in dead_nodes for name in lost)) or time.monotonic() >= deadline:
+        settled = all(placed[name][1] in dead_nodes or placed[name][1] == here for name in lost)
+        if (lost and settled) or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
     lines = []
@@ -203,3 +208,14 @@ def lost_actors(placed: dict[str, tuple[object, str]], wait_s: float = 30.0) -> 
             fate = "lost (not restartable: resume the run from its last checkpoint)"
         lines.append(f"{name} on {where}: {fate}")
     return lines
+
+
+def _own_node_id() -> str | None:
+    """The Ray node this process runs on (None through Ray Client, which has none here)."""
+    import ray
+
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # Ray Client's context has no node of ours
+        return None
+    return node if isinstance(node, str) and node else None

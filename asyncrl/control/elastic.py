@@ -9,7 +9,8 @@ and loads newer weights itself), and admission (so an extra generator never push
 job past its staleness budget). The generator heartbeats while it runs and removes itself
 on a clean exit (SIGINT/SIGTERM or --max-groups reached); if it dies instead, its
 heartbeat goes stale and its in-flight prompts wait in Redis for a generator of the same
-id.
+id. A second SIGINT/SIGTERM leaves at once, without draining (the job's Redis may be gone):
+the engine's processes, which would outlive this one, are stopped first.
 
 Weights are read from the location the trainer announces. On one host that is a file in
 /dev/shm. On a multi-node job (sync.backend=object_store) it is an object in the job's Ray
@@ -43,6 +44,7 @@ from asyncrl.control.allowlist import ImportAllowList, named_imports, typed_impo
 from asyncrl.control.cluster import ClusterUnavailable, probe, warn_if_open_cluster
 from asyncrl.queue import RunState
 from asyncrl.rollout.generator import GeneratorActor
+from asyncrl.rollout.recovery import reap_processes, unlink_segments
 from asyncrl.sync.objstore import open_store
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,15 @@ def run_elastic_generator(
     model_package = _attach_ray(ray_address, run) if ray_address else None
     generator_id = generator_id or f"elastic-{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started: list[GeneratorActor] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set() and started:
+            _abandon(started[0], signal.Signals(signum).name)
+            os._exit(128 + signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     gen = GeneratorActor(
         cfg,
         model_path=model_path,
@@ -119,6 +129,7 @@ def run_elastic_generator(
         autostart=True,
         model_package=model_package,
     )
+    started.append(gen)
     log.info("%s joined run %r (model %s)", generator_id, run, model_path)
     try:
         while not stop.wait(poll_s):
@@ -136,6 +147,18 @@ def run_elastic_generator(
             import ray
 
             ray.shutdown()
+
+
+def _abandon(gen: GeneratorActor, signame: str) -> None:
+    """A second SIGINT/SIGTERM while the first one's drain waits (on a Redis that is gone when
+    the job has ended: an outage is waited out, by default for ever): stop the engine's
+    processes and delete its shared memory without the engine's client, which may be the part
+    that waits. Left running, they outlive this process (~2 GB for the tiny demo model)."""
+    engine = gen.engine
+    log.warning("second %s: leaving without draining; stopping the engine's processes", signame)
+    reap_processes(engine.engine_pids, timeout_s=5)
+    unlink_segments(engine.shm_segments)
+    engine.drop_kept()
 
 
 def _attach_ray(ray_address: str, run: str):

@@ -9,6 +9,10 @@ environment, then hurt by killing a learner rank:
 - the password and the dashboard token are in no Redis key, no dashboard answer (live and
   finished-run), no log and no file of the run dir but config.yaml and redis.conf, and the
   run's files are private (0600 / 0700);
+- a Redis outage longer than queue.retry_deadline_s pauses the job instead of ending it: it
+  says it waits, the heartbeats written before the outage do not get the generator killed once
+  Redis is back, and it trains on (that check shares this job: it needs a running job and is
+  independent of the others, which it precedes only in the rank kill);
 - a SIGKILLed learner rank fails the step cleanly (LearnerError, non-zero exit, no hang,
   nothing left running), and `--resume` finishes the run with a balanced ledger.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -36,6 +41,7 @@ from asyncrl.monitor.dashboard.app import create_run_dir_app
 from asyncrl.queue.server import free_port
 from asyncrl.rundir import CONFIG_FILE
 from tests.support.leaks import assert_no_secret, check_run_dir, redis_values
+from tests.support.waiting import holds_for, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 GROUPS = 4
@@ -94,6 +100,10 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
         f"monitor.dashboard_port={dashboard_port}",
         f"monitor.dashboard_token={TOKEN}",
         "learner.collective_timeout_s=60",
+        "queue.retry_deadline_s=2",
+        # Shorter than the outage below: heartbeats written before it must not get the
+        # generator killed once Redis is back (their age counts from its return).
+        "rollout.heartbeat_timeout_s=6",
         env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
     )
     job.start()
@@ -158,6 +168,32 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     assert_no_secret(body, "the dashboard's summary", (PASSWORD, TOKEN))
     assert json.loads(body)["config"]["queue"]["password"] == REDACTED
 
+    # Redis is gone for longer than the retry deadline: the job waits instead of ending. The
+    # outage lasts until the trainer has said it is waiting past its retry deadline, and at
+    # least six retry deadlines and two heartbeat timeouts; the job must be alive all along.
+    (gen,) = job.pids_named("ray::GeneratorActor")
+    job.kill_redis()
+    t0 = time.monotonic()
+    waiting = re.compile(r"redis at \S+ unreachable for \d+s; waiting \(queue\.outage_deadline_s=none\)")
+    wait_for(
+        lambda: not job.running() or (waiting.search(job.log_tail(400_000)) and time.monotonic() - t0 >= 12),
+        300,
+        "the trainer waiting out the outage",
+        interval=0.5,
+    )
+    assert job.running(), job.log_tail()
+    job.start_redis()
+    back = time.monotonic()
+    job.wait_for_step(job.trainer_step() + 3, timeout=120)
+    # Until a heartbeat timeout after Redis came back: the same generator (it waited; nothing
+    # restarted it), and the watchdog never took the outage for a hang.
+    holds_for(
+        lambda: job.pids_named("ray::GeneratorActor") == [gen] and "no heartbeat for" not in job.log_tail(400_000),
+        max(0.0, back + 8 - time.monotonic()),
+        "the generator kept through the outage",
+        interval=0.5,
+    )
+
     # A learner rank dies: the step fails with LearnerError and the job exits non-zero, quickly.
     ranks = job.pids_named("ray::LearnerActor")
     assert len(ranks) == 2, job.processes()
@@ -166,12 +202,20 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
     t0 = time.monotonic()
     rc = job.wait(180)
     assert rc != 0, job.log_tail()
-    assert "LearnerError" in job.log_tail(20_000)
+    tail = job.log_tail(20_000)
+    assert "LearnerError" in tail
+    # The report names the dead rank on its live node (this one: no wait for a node to be declared dead).
+    assert re.search(r"lost actor: learner rank 1 on node \w+ \(alive\): lost", tail), tail
     print(f"learner rank killed: job exited {rc} after {time.monotonic() - t0:.1f}s")
+
+    # (The redis-server restarted after the outage is this harness's, not the job's.)
+    def left() -> dict[int, str]:
+        return {pid: cmd for pid, cmd in job.leftovers().items() if pid not in job.restarted_redis_pids()}
+
     deadline = time.monotonic() + 30
-    while job.leftovers() and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not job.leftovers(), job.leftovers()
+    assert not left(), left()
 
     steps = killed_at + 3  # finish a few steps past the kill
     job.resume(f"control.total_steps={steps}")

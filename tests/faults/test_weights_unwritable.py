@@ -72,7 +72,9 @@ def test_a_full_sync_dir_pauses_publishing_and_only_the_deadline_ends_the_run(tr
         "control.total_steps=1000",
         "sync.backend=shm",
         f"sync.shm_dir={small_tmpfs}",
-        "sync.publish_deadline_s=25",
+        # Outlasts the first full spell (freed after a 3 s hold; written at the retry 7 s in, or
+        # 15 s in on a slow box); the second spell is waited out to this deadline.
+        "sync.publish_deadline_s=15",
     )
     filler: Filler | None = None
     try:
@@ -101,7 +103,7 @@ def test_a_full_sync_dir_pauses_publishing_and_only_the_deadline_ends_the_run(tr
             rf"weights v(\d+) cannot be written to {re.escape(str(small_tmpfs))}/asyncrl-full-v\d+\.safetensors: "
             rf"{re.escape(str(small_tmpfs))} has [\d.]+ MB free of [\d.]+ MB; one export needs 0\.3 MB "
             r"\(.*No space left on device.*\)\. Retrying with backoff; the engines keep v\d+ and admission holds "
-            r"the staleness bound \(sync\.publish_deadline_s=25s\)",
+            r"the staleness bound \(sync\.publish_deadline_s=15s\)",
             log,
         )
         assert said, log[-4000:]
@@ -117,7 +119,7 @@ def test_a_full_sync_dir_pauses_publishing_and_only_the_deadline_ends_the_run(tr
         print(f"the job ended {time.monotonic() - t0:.0f} s after the directory filled up")
         log = job.log_tail(400_000)
         found = re.search(
-            r"could not be written to \S+ for \d+s \(\d+ attempts, sync\.publish_deadline_s=25\): .*; checkpointed "
+            r"could not be written to \S+ for \d+s \(\d+ attempts, sync\.publish_deadline_s=15\): .*; checkpointed "
             r"step (\d+)\. Resume once there is space for the weights: asyncrl train --resume (\S+)",
             log,
         )

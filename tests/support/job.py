@@ -51,6 +51,33 @@ def pid_running(pid: int) -> bool:
         return False
 
 
+def stop_process_tree(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 60.0) -> int | None:
+    """Send `sig` to `proc` and wait up to `timeout` for it to exit; if it does not, SIGKILL it
+    and every descendant it has (a killed `asyncrl generate` would orphan its vLLM EngineCore,
+    ~2 GB, for good). Returns its exit status, None if it had to be killed."""
+    if proc.poll() is not None:
+        return proc.returncode
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = {p.pid: p for p in [*tree, *psutil.Process(proc.pid).children(recursive=True)]}.values()
+    proc.kill()
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    proc.wait(timeout=30)
+    psutil.wait_procs(list(tree), timeout=30)
+    return None
+
+
 def elastic_generator_argv(redis_url: str, run: str, generator_id: str, *options: str) -> list[str]:
     """`asyncrl generate`: a generator joining a running job from its own process, knowing only
     Redis (`options`: e.g. "--max-groups", "3")."""
@@ -363,6 +390,11 @@ class TrainJob:
         """Live job processes whose command contains `fragment` (Ray titles its actors
         'ray::GeneratorActor...', 'ray::LearnerActor...')."""
         return sorted(pid for pid, cmd in self.processes().items() if fragment in cmd)
+
+    def restarted_redis_pids(self) -> set[int]:
+        """The redis-servers start_redis() started in the job's place: the job's own exit does
+        not stop them (it did not start them); a resume stops them as a predecessor's."""
+        return {proc.pid for proc in self._redis_procs}
 
     def leftovers(self) -> dict[int, str]:
         """Processes the job started (seen by processes()) that are still alive."""
