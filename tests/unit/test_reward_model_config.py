@@ -86,3 +86,17 @@ def test_check_reads_the_reward_models_tokenizer(tmp_path):
     (path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"rollout.rewards\[1\].model='.*rm': its tokenizer cannot be loaded"):
         check_imports(cfg)
+
+
+def test_the_example_config_loads_once_its_tiny_reward_model_is_written(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from examples.tiny_reward_model import write_tiny_reward_model
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # the example names runs/tiny-reward-model, relative to where it runs
+    with pytest.raises(ConfigError, match=r"rollout.rewards\[1\].model='runs/tiny-reward-model': no such directory"):
+        load_config(root / "configs" / "reward_model.yaml")
+    write_tiny_reward_model(tmp_path / "runs" / "tiny-reward-model")
+    rewards = load_config(root / "configs" / "reward_model.yaml").rollout.rewards
+    assert [(type(r).__name__, r.weight) for r in rewards] == [("RewardFnConfig", 1.0), ("RewardModelConfig", 0.1)]
