@@ -314,7 +314,7 @@ def stop_reward_models(started: list[tuple[str, Any]]) -> None:
 
     for where, handle in started:
         with contextlib.suppress(Exception):  # a dead actor has nothing to say; tear-down goes on
-            log.info("reward model %s: %s", where, ray.get(handle.stats.remote(), timeout=10).describe())
+            log.info("reward model %s: %s", where, ray.get(handle.stats.remote(), timeout=30).describe())
         with contextlib.suppress(Exception):
             ray.kill(handle, no_restart=True)
     started.clear()

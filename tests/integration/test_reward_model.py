@@ -5,7 +5,6 @@ through the generators' own scoring path, against a direct Hugging Face forward.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.reward_model import NAMESPACE, actor_name, start_reward_models, stop_reward_models, wait_ready
 from asyncrl.rollout.scoring import RewardLimits, RewardScorer
 from examples.tiny_reward_model import write_tiny_reward_model
+from tests.support.waiting import wait_for
 
 COPY = "rollout.env_kwargs={alphabet: abc, min_len: 3, max_len: 3}"
 # Prompts and completions of different lengths, so a batch is padded; every fourth one exact.
@@ -71,8 +71,16 @@ def reward_actor(ray_session, tiny_rm):
         yield cfg, started[0][1]
     finally:
         stop_reward_models(started)
-    with pytest.raises(ValueError):  # the actor lives as long as its run: gone at tear-down
-        ray_session.get_actor(actor_name(run, 1), namespace=NAMESPACE)
+    # The actor lives as long as its run: gone at tear-down (its name freed once Ray marks it dead).
+    wait_for(lambda: not named_actor_exists(ray_session, actor_name(run, 1)), 60, "the reward model's actor to end")
+
+
+def named_actor_exists(ray, name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def test_concurrent_samples_are_scored_in_batches_as_a_direct_forward_and_weighted_with_a_rule(
@@ -109,10 +117,7 @@ def test_a_crashed_reward_model_is_restarted_and_its_pending_request_retried(ray
     ray, (_, handle) = ray_session, reward_actor
     requests = ray.get(handle.stats.remote()).requests
     pending = handle.score.remote(["abc="], ["abc"])  # waits in the actor for 7 more samples
-    deadline = time.monotonic() + 60
-    while ray.get(handle.stats.remote()).requests <= requests:
-        assert time.monotonic() < deadline, "the request never reached the actor"
-        time.sleep(0.05)
+    wait_for(lambda: ray.get(handle.stats.remote()).requests > requests, 60, "the request to reach the actor")
     ray.kill(handle, no_restart=False)  # a crash: Ray restarts the actor
     completions = ["c", "ca", "cab", "cabc", "b", "bb", "bbb"]
     others = [handle.score.remote(["cab="], [c]) for c in completions]
