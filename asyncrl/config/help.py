@@ -50,6 +50,18 @@ def _section_type(tp: Any) -> type[BaseModel] | None:
     return models[0] if len(models) == 1 and not rest else None
 
 
+def _entry_sections(tp: Any) -> list[type[BaseModel]]:
+    """The section models a list field's entries may be (each kind of a tagged union), else []."""
+    if get_origin(tp) is not list:
+        return []
+    entry = get_args(tp)[0]
+    while get_origin(entry) is typing.Annotated:
+        entry = get_args(entry)[0]
+    options = get_args(entry) if get_origin(entry) in (typing.Union, types.UnionType) else (entry,)
+    options = tuple(get_args(a)[0] if get_origin(a) is typing.Annotated else a for a in options)
+    return [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
 def _fields(model: type[BaseModel], indent: str, skip: tuple[str, ...] = ()) -> list[str]:
     lines = []
     for name, field in model.model_fields.items():
@@ -80,6 +92,9 @@ def _subsections(model: type[BaseModel], path: str, indent: str) -> list[str]:
     for name, sub in model.model_fields.items():
         if name == "policy_loss":
             continue  # listed with every loss at the end
+        for entry in _entry_sections(sub.annotation):
+            lines.append(f"{indent}{path}.{name}[i] ({entry.__name__}):  {_doc(entry)}")
+            lines += _fields(entry, indent + "  ")
         nested = _section_type(sub.annotation)
         if nested is not None:
             lines.append(f"{indent}{path}.{name}:  {_doc(nested)}")

@@ -17,6 +17,7 @@ from asyncrl.algo.params import LOSS_FIELDS, TAGS, WHERE, LossParams, ParamsErro
 from asyncrl.algo.params import params_for as algo_params_for
 from asyncrl.config.base import ConfigError
 from asyncrl.config.losses import wrong_loss_field
+from asyncrl.config.sections import REWARD_KINDS
 from asyncrl.config.tree import Config
 from asyncrl.rundir.store import ObjectPath, StorageError, run_path
 
@@ -47,6 +48,8 @@ def _path(loc: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
         if i and loc[i - 1] == "policy_loss" and key in TAGS:
             continue
         parts.append(key)
+        if i and isinstance(loc[i - 1], int) and key in REWARD_KINDS:
+            continue  # a rollout.rewards entry's kind: in parts (for its model), not in the text
         if isinstance(key, int):
             text = f"{text or 'config root'}[{key}]"
         elif isinstance(key, str) and key.isidentifier():
@@ -61,6 +64,9 @@ def _section_at(parts: tuple[Any, ...]) -> type[BaseModel] | None:
     cls: Any = Config
     for key in parts:
         if isinstance(key, int):
+            continue
+        if key in REWARD_KINDS and not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            cls = REWARD_KINDS[key]  # the tagged union of rollout.rewards: the entry's own kind
             continue
         field = cls.model_fields.get(key) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
         if field is None:

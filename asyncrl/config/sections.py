@@ -7,7 +7,7 @@ import ipaddress
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from asyncrl.config.base import (
     CREDENTIALS_URL,
@@ -22,6 +22,7 @@ from asyncrl.config.base import (
 )
 from asyncrl.config.base import parse_cpu_list as _parse_cpu_list
 from asyncrl.config.envspec import check_library_env, env_mapping
+from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.config.tool_env import TOOLS_ENV, tool_env_config
 from asyncrl.infra import redact_url
 
@@ -75,6 +76,23 @@ class RewardFnConfig(Section):
     """Seconds one call may run; None: rollout.reward_timeout_s."""
 
 
+def _reward_kind(entry: Any) -> str:
+    # An entry with a `model` key is a reward model; anything else is checked as a function,
+    # so a mapping missing both keys is told it misses `fn`, as before reward models.
+    has_model = (isinstance(entry, dict) and "model" in entry) or isinstance(entry, RewardModelConfig)
+    return "RewardModelConfig" if has_model else "RewardFnConfig"
+
+
+REWARD_KINDS: dict[str, type[Section]] = {"RewardFnConfig": RewardFnConfig, "RewardModelConfig": RewardModelConfig}
+"""The kinds of rollout.rewards entry by their union tag (asyncrl.config.load leaves the tag
+out of the field paths its messages name)."""
+
+RewardSpec = Annotated[
+    Annotated[RewardFnConfig, Tag("RewardFnConfig")] | Annotated[RewardModelConfig, Tag("RewardModelConfig")],
+    Discriminator(_reward_kind),
+]
+
+
 class RolloutConfig(Section):
     """Generators: the vLLM engines, sampling, environment and prompts."""
 
@@ -93,10 +111,11 @@ class RolloutConfig(Section):
     verifiers) or an import path 'package.module:Class'; or a mapping {type: NAME, **env_kwargs}
     (a library's: {type: verifiers, id: module, args: {...}})."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
-    rewards: list[RewardFnConfig] = Field(default_factory=list)
+    rewards: list[RewardSpec] = Field(default_factory=list)
     """Reward functions by import path, summed with their weights, in place of the
     environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
-    TRL's signature: fn(prompts, completions, **columns) -> list[float | None]; `async def` too."""
+    TRL's signature: fn(prompts, completions, **columns) -> list[float | None]; `async def` too.
+    An entry {model: DIR, ...} is a sequence-classification reward model (RewardModelConfig)."""
     reward_timeout_s: float = Field(30.0, gt=0)
     """Seconds one reward call may run before its sample is scored as failed (counted in
     rollout/reward_timeouts); the generator keeps going either way."""
@@ -179,6 +198,11 @@ class RolloutConfig(Section):
                 )
         check_library_env(self.env, self.env_kwargs, self.prompts)
         for i, spec in enumerate(self.rewards):
+            if isinstance(spec, RewardModelConfig):
+                if not math.isfinite(spec.weight):
+                    raise ConfigError(f"rollout.rewards[{i}].weight={spec.weight!r}: must be a finite number")
+                read_reward_model(f"rollout.rewards[{i}]", spec)
+                continue
             if not is_import_path(spec.fn):
                 raise ConfigError(
                     f"rollout.rewards[{i}].fn={spec.fn!r}: must be an import path 'package.module:function'"

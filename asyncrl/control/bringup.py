@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.control.cluster import connect_ray
@@ -17,6 +17,7 @@ from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.rollout.envs import resolve_env_class
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.prompts import check_chat_template
+from asyncrl.rollout.reward_model import start_reward_models, stop_reward_models
 from asyncrl.sync import build_weight_sync
 
 if TYPE_CHECKING:
@@ -108,6 +109,15 @@ def _link_ray_logs(run_dir: Path, *, verbose: bool) -> None:
     link.symlink_to(session / "logs", target_is_directory=True)
     if not verbose:
         log.info("Ray worker and vLLM engine logs: %s (asyncrl train --verbose streams them here)", link)
+
+
+def start_reward_model_actors(cfg: Config, stack: contextlib.ExitStack) -> list[tuple[str, Any]]:
+    """One actor per reward model of rollout.rewards, loading in the background (the run waits
+    for them before its generators start: asyncrl.rollout.reward_model.wait_ready)."""
+    started: list[tuple[str, Any]] = []
+    stack.callback(stop_reward_models, started)
+    started += start_reward_models(cfg)
+    return started
 
 
 def start_learner(

@@ -39,7 +39,7 @@ class Evaluator:
         c, r = cfg.control, cfg.rollout
         self.temperature = c.eval_temperature
         self.max_tokens = r.max_tokens
-        self.env = make_rollout_env(r)
+        self.env = make_rollout_env(r, c.run_name)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         stream = open_prompts(
             c.eval_prompts,

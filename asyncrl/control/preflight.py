@@ -26,6 +26,7 @@ import random
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import PromptSourceError, SourceCheck, check_chat_template, check_source
@@ -131,7 +132,7 @@ def check_imports(cfg: Config) -> list[str]:
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from e
     lines = [f"rollout.env={r.env}: imported and built" + (" (makes the prompts)" if not r.prompts else "")]
-    lines += [f"rollout.rewards[{i}].fn={spec.fn}: imported" for i, spec in enumerate(r.rewards)]
+    lines += [_reward_line(i, spec) for i, spec in enumerate(r.rewards)]
     tools = getattr(env, "tools", None) if r.env == "tools" else None
     if tools:  # the tools env imported each tool and made its schema when it was built
         lines += [
@@ -146,6 +147,24 @@ def check_imports(cfg: Config) -> list[str]:
         if ":" in path
     ]
     return lines
+
+
+def _reward_line(index: int, spec) -> str:
+    """A reward function was imported above; a reward model's config and tokenizer are read
+    here (its weights only by its actor)."""
+    where = f"rollout.rewards[{index}]"
+    if not isinstance(spec, RewardModelConfig):
+        return f"{where}.fn={spec.fn}: imported"
+    info = read_reward_model(where, spec)
+    # transformers only here: --check must start without it.
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(spec.model)
+    except Exception as e:  # whatever a broken tokenizer directory raises, the actor would die of it
+        why = f"{type(e).__name__}: {e}"
+        raise ConfigError(f"{where}.model={spec.model!r}: its tokenizer cannot be loaded: {why}") from e
+    return f"{where}.model={spec.model}: {info.describe()}, tokenizer loaded"
 
 
 def prompt_sources(cfg: Config) -> list[tuple[str, str, str]]:

@@ -32,6 +32,7 @@ from asyncrl.control.cluster import actor_state, lost_actors
 from asyncrl.control.restart import own_generator_ids
 from asyncrl.queue import RolloutQueue, RunState
 from asyncrl.rollout.generator import GeneratorActor
+from asyncrl.rollout.reward_model import wait_ready
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE, private_files
 from asyncrl.rundir.store import RunPath, check_writable, is_remote, local_dir_for, run_path, write_atomic
@@ -111,6 +112,7 @@ class Runtime:
         # Other nodes get a local model directory through Ray, as weights "version 0".
         model_package = ship_model(model_path) if cluster_is_multinode() else None
         weight_sync = bringup.start_weight_sync(cfg, run_state, model_package, stack)
+        reward_models = bringup.start_reward_model_actors(cfg, stack)  # they load while the rest comes up
         generators: list[Any] = []
         if self.start_generators:  # their engines load while the learners do
             _create_generators(cfg, generators, weight_sync, stack, model_path, redis_url, model_package)
@@ -121,6 +123,9 @@ class Runtime:
         if isinstance(weight_sync, ObjectStoreWeightSync):
             weight_sync.learner = learner
         mark("learner")
+        if reward_models:  # loaded before any generator can score with them
+            wait_ready(reward_models)
+            mark("reward_models")
         return StartedRun(
             cfg=cfg,
             run_dir=run_dir,

@@ -144,7 +144,7 @@ class GeneratorActor:
         from transformers import AutoTokenizer  # heavy: imported when a generator is built, not with the module
 
         r = self.rollout
-        self.env = make_rollout_env(r)
+        self.env = make_rollout_env(r, self.run)
         model_path = local_model(model_path, model_package)  # another node: the shipped copy
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Incarnation 1 on a fresh run, so two runs of one config sample the same prompts with

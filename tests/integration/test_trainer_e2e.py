@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -202,10 +203,17 @@ def assert_same_hf_model(a: Path, b: Path) -> None:
     assert (a / "generation_config.json").is_file() and (b / "generation_config.json").is_file()
 
 
-def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session, tmp_path):
+def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session, tmp_path, caplog):
     """With max_staleness > 0 the engines load weights in a background thread while the
     learner trains on; if that load fails, the error is raised in the loop at the next step,
-    the run is marked failed, and the policy version never claims the failed weights."""
+    the run is marked failed, and the policy version never claims the failed weights.
+    The run also scores with a reward model at weight 0 (rewards unchanged): the run starts
+    its actor, the generator's samples reach it, and tear-down ends it."""
+    from asyncrl.rollout.reward_model import NAMESPACE, actor_name
+    from examples.tiny_reward_model import write_tiny_reward_model
+    from tests.support.waiting import wait_for
+
+    reward_model = write_tiny_reward_model(tmp_path / "reward-model")
     cfg = demo_config(
         tmp_path,
         "pubfail",
@@ -214,10 +222,14 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
         "control.groups_per_step=4",
         "rollout.n_samples=4",
         "control.checkpoint_every=8",
+        f"rollout.rewards=[{{fn: examples.custom_reward:exact_copy}}, {{model: {reward_model}, weight: 0.0}}]",
     )
     steps: list[int] = []
+    failed_rewards: list[float] = []
+    caplog.set_level("INFO", logger="asyncrl.rollout.reward_model")
 
     def on_step(loop, metrics):
+        failed_rewards.append(metrics["rollout/reward_errors"] + metrics["rollout/reward_timeouts"])
         steps.append(loop.state.step)
         if loop.state.step == 1:
 
@@ -229,6 +241,19 @@ def test_a_background_publish_failure_stops_the_run_at_the_next_step(ray_session
     with pytest.raises(RuntimeError, match="injected: engines could not load v2"):
         train(cfg, on_step=on_step)
     assert steps == [1, 2]  # step 3 trained, then met the error before its own publish
+    assert failed_rewards == [0, 0]
+    scored = re.search(r"reward model rollout.rewards\[1\]: (\d+) samples in (\d+) forward passes", caplog.text)
+    assert scored and int(scored[1]) >= 3 * 4 * 4, caplog.text  # at least the 3 steps' groups of 4 samples
+
+    def reward_actor_gone() -> bool:
+        try:
+            ray_session.get_actor(actor_name("pubfail", 1), namespace=NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
+    # The run's actor ended with the run (its name is freed once Ray marks it dead).
+    wait_for(reward_actor_gone, 60, "the reward model's actor to end")
 
     from asyncrl.queue import RunState
     from asyncrl.queue.server import EmbeddedRedis

@@ -19,6 +19,9 @@ nothing. A function that raises or returns a non-number fails that sample only (
 A function may be ``async def`` (a remote verifier) and may set its own ``timeout_s``:
 generators call each function separately, off their event loop and under its timeout
 (asyncrl.rollout.scoring).
+
+An entry ``{model: DIR, weight: w, ...}`` is a reward model: the same call, answered by the
+run's actor for that entry (asyncrl.rollout.reward_model), so it sums with the functions.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.config.reward_model import RewardModelConfig
 from asyncrl.rollout.envs.base import Environment, make_env, run_if_coroutine
+from asyncrl.rollout.reward_model import RewardModelClient
 
 
 def resolve_function(path: str) -> Callable:
@@ -69,17 +74,22 @@ class WeightedRewards(Environment):
     Generators call each function separately, off their loop and under its timeout
     (asyncrl.rollout.scoring); ``reward`` calls them in turn, for scoring outside a generator."""
 
-    def __init__(self, base: Environment, specs: Sequence[Any]):
+    def __init__(self, base: Environment, specs: Sequence[Any], run: str | None = None):
         if base.multi_turn:
             raise ValueError(
                 f"rollout.rewards replaces a single-turn reward; {type(base).__name__} is multi-turn "
                 f"(its rewards come from step())"
             )
         self.base = base
-        self.fns = [
-            RewardFn(spec.fn, resolve_function(spec.fn), float(spec.weight), getattr(spec, "timeout_s", None))
-            for spec in specs
-        ]
+        self.fns = [self._resolve(i, spec, run) for i, spec in enumerate(specs)]
+
+    @staticmethod
+    def _resolve(index: int, spec: Any, run: str | None) -> RewardFn:
+        """A function by its import path, or a reward model's client (``run`` names its actor)."""
+        if isinstance(spec, RewardModelConfig):
+            client = RewardModelClient(run, index)
+            return RewardFn(f"{client.where}.model", client.score, float(spec.weight), spec.timeout_s)
+        return RewardFn(spec.fn, resolve_function(spec.fn), float(spec.weight), getattr(spec, "timeout_s", None))
 
     def make_prompt(self, rng):
         return self.base.make_prompt(rng)
@@ -106,11 +116,12 @@ class WeightedRewards(Environment):
         return self.combine([run_if_coroutine(f.fn(**kwargs)) for f in self.fns])
 
 
-def make_rollout_env(rollout) -> Environment:
+def make_rollout_env(rollout, run: str | None = None) -> Environment:
     """The environment a rollout config describes: ``rollout.env`` with its kwargs, its reward
-    replaced by ``rollout.rewards`` when those are given (generators and evaluation alike)."""
+    replaced by ``rollout.rewards`` when those are given (generators and evaluation alike).
+    ``run``: the run whose reward-model actors score its reward models (None: not scored here)."""
     env = make_env(rollout.env, rollout.env_kwargs)
-    return WeightedRewards(env, rollout.rewards) if rollout.rewards else env
+    return WeightedRewards(env, rollout.rewards, run) if rollout.rewards else env
 
 
 def task_target_length(rollout) -> float | None:
