@@ -126,7 +126,10 @@ WORKLOADS = {
         steps=20,
     ),
 }
-QUICK = {"demo": dict(steps=20), "realistic": dict(steps=6, budget=16, long_budget=96, prompts_per_step=4)}
+# The realistic quick run: 12 measured steps after the first (the warm-up the steady rates leave out).
+QUICK = {"demo": dict(steps=20), "realistic": dict(steps=13, budget=16, long_budget=96, prompts_per_step=4)}
+# What each workload stands for in the report: the demo's step is mostly the engine's fixed cost.
+ROLE = {"demo": "engine overhead", "realistic": "realistic"}
 COMMON = dict(
     n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28, tis_cap=2.0, seed=0
 )
@@ -222,7 +225,15 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
     from asyncrl.control.train import train
 
     spec = json.loads(Path(spec_path).read_text())
-    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "padding": [], "error": None}
+    result: dict = {
+        "steps": [],
+        "rewards": [],
+        "completions": [],
+        "tokens": [],
+        "useful_tokens": [],
+        "padding": [],
+        "error": None,
+    }
     kw = ", ".join(f"{k}: {v}" for k, v in spec["env_kwargs"].items())
     run_dir = Path(spec["workdir"]) / f"run-{spec['mode']}"
     overrides = [
@@ -256,6 +267,8 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
         result["rewards"].append(m.get("reward/mean", float("nan")))
         result["completions"].append(round(m["throughput/samples_per_s"] * m["time/step"]))
         result["tokens"].append(round(m["throughput/step_tokens_per_s"] * m["time/step"]))
+        # Every generated token is one the reward reads: the generator stops each prompt at its budget.
+        result["useful_tokens"].append(result["tokens"][-1])
         result["padding"].append(m.get("learner/padding_frac"))
 
     try:
@@ -270,14 +283,15 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
 # ---------------------------------------------------------------- running one trainer
 
 
-def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
-    """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time."""
-    tag = f"{Path(spec['workdir']).name}-{trainer}"
+def run_trainer(trainer: str, spec: dict, out: Path, timeout: float, rep: int = 0) -> dict:
+    """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time.
+    Each repetition gets its own work dir: an asyncrl run dir left by the first would be resumed."""
+    tag = f"{Path(spec['workdir']).name}-{trainer}-run{rep + 1}"
     spec = {
         **spec,
         "backend": "vllm" if trainer == "trl_vllm" else "hf",
         "mode": trainer.split("_")[-1],
-        "workdir": str(Path(spec["workdir"]) / trainer),
+        "workdir": str(Path(spec["workdir"]) / f"{trainer}-run{rep + 1}"),
     }
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
     spec_path, result_path = Path(spec["workdir"]) / "spec.json", Path(spec["workdir"]) / "result.json"
@@ -310,6 +324,7 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
                 "rewards": [],
                 "completions": [],
                 "tokens": [],
+                "useful_tokens": [],
             }
         error = None
         try:
@@ -335,7 +350,7 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
         "wall_s": wall,
         "error": error,
         "log": str(log_path),
-        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens", "padding")},
+        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens", "useful_tokens", "padding")},
     }
 
 
@@ -350,6 +365,7 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
         "steps_per_s_median": None,
         "completions_per_s": None,
         "tokens_per_s": None,
+        "useful_tokens_per_s": None,
         "reward_first": None,
         "reward_last": None,
         "time_to_threshold_s": None,
@@ -368,6 +384,8 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
         out["steps_per_s"] = (len(steps) - 1) / span
         out["completions_per_s"] = sum(raw["completions"][1:]) / span
         out["tokens_per_s"] = sum(raw["tokens"][1:]) / span
+        if len(raw.get("useful_tokens", [])) == len(raw["tokens"]):
+            out["useful_tokens_per_s"] = sum(raw["useful_tokens"][1:]) / span
         # Robust to a few slow steps (another process on the box): 1 / the median step time.
         out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in pairwise(steps)), 1e-9)
     padding = [p for p in raw.get("padding", []) if p is not None]  # asyncrl's learner/padding_frac
@@ -381,6 +399,10 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
     return out
 
 
+def rnd(x):
+    return round(x, 3) if isinstance(x, float) else x
+
+
 def fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -391,7 +413,8 @@ def line(wl: str, trainer: str, s: dict) -> str:
         return f"{head} FAILED: {s['error']}"
     txt = (
         f"{head} start-up {fmt(s['startup_s'], '.1f')}s  {fmt(s['steps_per_s'])} steps/s  "
-        f"{fmt(s['completions_per_s'], '.1f')} completions/s  {fmt(s['tokens_per_s'], '.0f')} tokens/s  "
+        f"{fmt(s['completions_per_s'], '.1f')} completions/s  {fmt(s['useful_tokens_per_s'], '.0f')} useful "
+        f"of {fmt(s['tokens_per_s'], '.0f')} tokens/s  "
         f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
         f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s"
     )
@@ -400,21 +423,69 @@ def line(wl: str, trainer: str, s: dict) -> str:
     return txt + (f"  [{s['error']}]" if s["error"] else "")
 
 
+# Per-run figures a trainer's combined entry averages (over the runs that finished).
+FIGURES = (
+    "startup_s",
+    "steps_per_s",
+    "steps_per_s_median",
+    "completions_per_s",
+    "tokens_per_s",
+    "useful_tokens_per_s",
+    "reward_first",
+    "reward_last",
+    "time_to_threshold_s",
+    "learner_padding",
+)
+# The throughput figures a ratio is taken on; useful tokens/s is the realistic workload's headline.
+METRICS = ("useful_tokens_per_s", "completions_per_s", "tokens_per_s")
+
+
+def combine(runs: list[dict]) -> dict:
+    """One trainer's repetitions: each figure's mean over the runs that finished, every run kept.
+    A run that failed is left out of the means; the trainer fails only when every run did."""
+    good = [r for r in runs if not r["error"] and r["completions_per_s"]]
+    out: dict = {
+        "error": None if good else "; ".join(r["error"] or "no steady steps" for r in runs),
+        "failed_runs": len(runs) - len(good),
+        "threshold": runs[0]["threshold"],
+        "runs": runs,
+    }
+    for k in FIGURES:
+        vals = [r[k] for r in good if r[k] is not None]
+        out[k] = statistics.fmean(vals) if vals else None
+    return out
+
+
 def add_ratios(report: dict) -> None:
-    """Per workload: the best TRL peer by completions/s (failed ones left out), `ratio` = asyncrl_async
-    completions/s over the best peer's and `token_ratio` = the same for generated tokens/s (these differ
-    where TRL cannot apply per-prompt budgets); report["ratio"] = the minimum `ratio` over workloads."""
+    """Per workload and metric: the best TRL peer (failed ones left out), `ratio` = asyncrl_async's figure
+    over the best peer's (means over the runs) and `runs` = the same ratio within each repetition.
+    Completions/s and useful tokens/s differ where TRL cannot apply per-prompt budgets: it generates
+    every prompt to the long budget, and the reward reads only each prompt's own budget."""
     for entry in report["workloads"].values():
         tr = entry["trainers"]
-        ok = {k: v for k, v in tr.items() if k.startswith("trl") and not v["error"] and v["completions_per_s"]}
-        best = max(ok, key=lambda k: ok[k]["completions_per_s"]) if ok else None
         ours = tr.get("asyncrl_async")
-        good = best is not None and ours is not None and not ours["error"] and ours["completions_per_s"]
-        entry["best_peer"] = best
-        entry["ratio"] = ours["completions_per_s"] / ok[best]["completions_per_s"] if good else None
-        entry["token_ratio"] = ours["tokens_per_s"] / ok[best]["tokens_per_s"] if good else None
-    got = [e["ratio"] for e in report["workloads"].values() if e["ratio"] is not None]
-    report["ratio"] = min(got) if got else None
+        entry["ratios"] = {}
+        for m in METRICS:
+            ok = {k: v for k, v in tr.items() if k.startswith("trl") and not v["error"] and v[m]}
+            best = max(ok, key=lambda k: ok[k][m]) if ok else None
+            good = best is not None and ours is not None and not ours["error"] and ours[m]
+            per_run = []
+            if good:
+                for a, b in zip(ours["runs"], tr[best]["runs"], strict=False):
+                    fine = not a["error"] and not b["error"] and a[m] and b[m]
+                    per_run.append(a[m] / b[m] if fine else None)
+            entry["ratios"][m] = {
+                "best_peer": best,
+                "ratio": ours[m] / ok[best][m] if good else None,
+                "runs": per_run,
+            }
+    wls = report["workloads"]
+    report["headline"] = {
+        f"{wl}_{m}_ratio": wls[wl]["ratios"][m]["ratio"]
+        for wl, ms in (("realistic", METRICS[:2]), ("demo", METRICS[1:2]))
+        if wl in wls
+        for m in ms
+    }
 
 
 def plot(report: dict, paths: list[Path]) -> None:
@@ -428,20 +499,33 @@ def plot(report: dict, paths: list[Path]) -> None:
     for i, wl in enumerate(wls):
         trainers = report["workloads"][wl]["trainers"]
         names = [tr for tr in TRAINERS if tr in trainers]
-        vals = [trainers[tr].get("completions_per_s") or 0.0 for tr in names]
+        # The realistic workload's headline is useful tokens/s; the demo's (engine overhead) completions/s.
+        metric, unit = (
+            ("useful_tokens_per_s", "useful tokens / s")
+            if wl == "realistic"
+            else ("completions_per_s", "completions / s")
+        )
+        vals = [trainers[tr].get(metric) or 0.0 for tr in names]
         bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
         axes[0][i].bar_label(
             bars,
             [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals, strict=True)],
             fontsize=8,
         )
-        axes[0][i].set_title(f"{wl}: completions / s (steady)")
+        axes[0][i].set_title(f"{wl} ({ROLE[wl]}): {unit} (steady, mean of runs)")
         axes[0][i].tick_params(axis="x", labelsize=8)
         ax = axes[1][i]
         for tr in names:
-            s = trainers[tr]
-            if s["reward_curve"]:
-                ax.plot(s["step_times_s"], s["reward_curve"], marker=".", color=f"C{TRAINERS.index(tr)}", label=tr)
+            for k, s in enumerate(trainers[tr]["runs"]):
+                if s["reward_curve"]:
+                    ax.plot(
+                        s["step_times_s"],
+                        s["reward_curve"],
+                        marker=".",
+                        linestyle="-" if k == 0 else "--",
+                        color=f"C{TRAINERS.index(tr)}",
+                        label=f"{tr} #{k + 1}",
+                    )
         ax.set_title(f"{wl}: reward vs wall time (from launch)")
         ax.set_xlabel("s")
         ax.legend(fontsize=8)
@@ -465,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--steps", type=int, default=None, help="steps per trainer (full run; default: demo 60, realistic 20)"
     )
+    p.add_argument("--repeats", type=int, default=None, help="runs of each trainer, interleaved (default: 2 quick, 1)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
     p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 240 quick, 3600)")
@@ -486,6 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     timeout = args.timeout or (240.0 if args.quick else 3600.0)
+    repeats = args.repeats or (2 if args.quick else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -508,6 +594,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{os.cpu_count()} cores (CPU), commit {commit or '?'}",
         "commit": commit,
         "quick": args.quick,
+        "repeats": repeats,
         "venv": venv,
         "workloads": {},
     }
@@ -526,36 +613,35 @@ def main(argv: list[str] | None = None) -> None:
                 "trainers": {},
             }
             report["workloads"][name] = entry
+            runs: dict[str, list[dict]] = {tr: [] for tr in args.trainers}
+            # Repetitions interleave (all trainers, then all again), so a slow spell on the box
+            # hits every trainer rather than one trainer's both runs.
+            for rep in range(repeats):
+                for tr in args.trainers:
+                    s = summarize(run_trainer(tr, spec, out, timeout, rep), spec["threshold"])
+                    runs[tr].append(s)
+                    log(line(name, f"{tr}#{rep + 1}", s))
             for tr in args.trainers:
-                s = summarize(run_trainer(tr, spec, out, timeout), spec["threshold"])
-                entry["trainers"][tr] = s
-                log(line(name, tr, s))
+                entry["trainers"][tr] = combine(runs[tr])
     add_ratios(report)
     report["total_s"] = time.perf_counter() - t_all
     (out / "peers.json").write_text(json.dumps(report, indent=2))
     plots = [out / "peers.png"] + ([Path(args.plot)] if args.plot else [])
     plot(report, plots)
     summary = {
-        "ratio": None if report["ratio"] is None else round(report["ratio"], 3),
+        **{k: rnd(v) for k, v in report["headline"].items()},
+        "repeats": repeats,
         "by_workload": {
             n: {
-                "ratio": None if e["ratio"] is None else round(e["ratio"], 3),
-                "best_peer": e["best_peer"],
-                "token_ratio": None if e["token_ratio"] is None else round(e["token_ratio"], 3),
+                "role": ROLE[n],
+                "ratios": {
+                    m: {"best_peer": r["best_peer"], "ratio": rnd(r["ratio"]), "runs": [rnd(x) for x in r["runs"]]}
+                    for m, r in e["ratios"].items()
+                },
                 "trainers": {
                     k: {
-                        m: (round(v[m], 3) if isinstance(v[m], float) else v[m])
-                        for m in (
-                            "startup_s",
-                            "steps_per_s",
-                            "steps_per_s_median",
-                            "completions_per_s",
-                            "tokens_per_s",
-                            "reward_first",
-                            "reward_last",
-                            "time_to_threshold_s",
-                            "error",
-                        )
+                        **{m: rnd(v[m]) for m in (*FIGURES[:-1], "error")},
+                        "runs": [{m: rnd(r[m]) for m in ("startup_s", *METRICS, "error")} for r in v["runs"]],
                     }
                     for k, v in e["trainers"].items()
                 },
