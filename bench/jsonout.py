@@ -17,6 +17,13 @@ import os
 import sys
 
 
+def _plain(obj):
+    """numpy scalars (a figure or a comparison of figures) as the Python value they hold."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} in a bench's result is not JSON")
+
+
 class JsonStdout:
     def __init__(self) -> None:
         self.result: dict | None = None
@@ -37,5 +44,5 @@ class JsonStdout:
         # Written even when the bench failed after its figures were in: a partial result is
         # still the last line, and the exception (on stderr) says what went wrong.
         if self.result is not None:
-            self.line(json.dumps(self.result))
+            self.line(json.dumps(self.result, default=_plain))
         os.close(self._fd)

@@ -386,7 +386,7 @@ def smoke_checks(result: dict) -> dict:
     return {
         "baseline_trained": result["tokens_per_s"] > 0 and result["baseline_tokens_per_s"] > 0,
         "packing_trained": pk["packed_tokens_per_s"] > 0 and pk["padded_tokens_per_s"] > 0,
-        "packing_pads_less": pk["padding_frac_packed"] <= pk["padding_frac_padded"],
+        "packing_pads_less": bool(pk["padding_frac_packed"] <= pk["padding_frac_padded"]),
         "ac_ran": all(v > 0 for v in ac["peak_rss_mib"].values()),
     }
 

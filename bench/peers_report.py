@@ -170,7 +170,8 @@ def plot(report: dict, paths: list[Path]) -> None:
             [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals, strict=True)],
             fontsize=8,
         )
-        axes[0][i].set_title(f"{wl} ({ROLE[wl]}): {unit} (steady, mean of runs)")
+        role = f" ({ROLE[wl]})" if ROLE[wl] != wl else ""
+        axes[0][i].set_title(f"{wl}{role}: {unit} (steady, mean of runs)")
         axes[0][i].tick_params(axis="x", labelsize=8)
         ax = axes[1][i]
         for tr in names:
