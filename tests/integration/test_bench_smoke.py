@@ -3,10 +3,12 @@ sizes, seconds), as a subprocess the way a user runs it, and must exit 0 with it
 last stdout line (whatever Ray and vLLM print meanwhile), carrying its headline keys and its
 own checks, all passed.
 
-The benches whose smoke mode starts no training job run here by default (with the two that
-start a vLLM engine, ~45 s in all on 2 cores). The three built on whole training jobs (e2e:
-three jobs; soak and peers: one each, ~25-35 s a job) run with ASYNCRL_BENCH_SMOKE_JOBS=1: their
-job start-ups do not fit the suite's time budget.
+The suite's budget for these is ~45 s on 2 cores. Measured one after another on a loaded
+2-core box (2026-11-25): simulate 1.2 s, queue 3.6 s, sync 21.5 s and generate 21.9 s (each
+one vLLM engine start) run by default, 48 s together. The rest run with
+ASYNCRL_BENCH_SMOKE_ALL=1: learner 28 s (Ray, three learner groups, two ac processes), peers
+32 s and soak 38 s (one training job each) and e2e 72 s (three jobs); each alone would take
+the suite's share for these past its budget.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-JOBS = os.environ.get("ASYNCRL_BENCH_SMOKE_JOBS") == "1"
-needs_jobs = pytest.mark.skipif(not JOBS, reason="whole training jobs: set ASYNCRL_BENCH_SMOKE_JOBS=1")
+ALL = os.environ.get("ASYNCRL_BENCH_SMOKE_ALL") == "1"
+over_budget = pytest.mark.skipif(not ALL, reason="past the suite's time budget: set ASYNCRL_BENCH_SMOKE_ALL=1")
 
 
 def run_smoke(name: str, *args: str, timeout: float = 300) -> dict:
@@ -58,6 +60,7 @@ def test_queue_smoke():
     assert r["groups_per_s"] > 0 and r["ratio_vs_raw_loop"] > 0
 
 
+@over_budget
 def test_learner_smoke():
     r = run_smoke("learner")
     assert r["ratio"] > 0 and r["packing"]["ratio"] > 0
@@ -82,7 +85,7 @@ def test_generate_smoke():
 
 
 @pytest.mark.vllm
-@needs_jobs
+@over_budget
 def test_e2e_smoke(tmp_path):
     r = run_smoke("e2e", "--out", str(tmp_path), timeout=600)
     assert set(r["by_workload"]["demo"]) == {"sync", "async_s1"}
@@ -91,7 +94,7 @@ def test_e2e_smoke(tmp_path):
 
 
 @pytest.mark.vllm
-@needs_jobs
+@over_budget
 def test_soak_smoke(tmp_path):
     r = run_smoke("soak", "--run-dir", str(tmp_path / "soak"), timeout=600)
     assert r["faults_injected"] == 1 and r["faults"]["connection_drop"] == 1
@@ -99,7 +102,7 @@ def test_soak_smoke(tmp_path):
 
 
 @pytest.mark.vllm
-@needs_jobs
+@over_budget
 def test_peers_smoke(tmp_path):
     r = run_smoke("peers", "--out", str(tmp_path), "--plot", "", timeout=600)
     ours = r["by_workload"]["demo"]["trainers"]["asyncrl_async"]
