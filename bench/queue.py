@@ -246,7 +246,7 @@ def run() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short runs (< 60 s in all)")
     ap.add_argument(
-        "--smoke", action="store_true", help="n=1, one producer, 256 tokens, 0.5 s each, no redis-benchmark"
+        "--smoke", action="store_true", help="n=1, one producer, 256 tokens, 1 s each, no redis-benchmark"
     )
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=None, help="measured seconds per configuration")
@@ -254,7 +254,7 @@ def run() -> dict:
     ap.add_argument("--no-install", action="store_true", help="never apt-get redis-tools")
     args = ap.parse_args()
     if args.smoke:
-        args.tokens, args.seconds = 256, args.seconds or 0.5
+        args.tokens, args.seconds = 256, args.seconds or 1.0
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     console = Console(stderr=True)
     rb = None if args.smoke else find_redis_benchmark(not args.no_install, console)
