@@ -5,7 +5,8 @@ own checks, all passed.
 
 The suite's budget for these is ~45 s on 2 cores. Measured one after another on a loaded
 2-core box (2026-11-25): simulate 1.2 s, queue 3.6 s, sync 21.5 s and generate 21.9 s (each
-one vLLM engine start) run by default, 48 s together. The rest run with
+one vLLM engine start) run by default, 48 s together (60 s in a second, busier run). The rest
+run with
 ASYNCRL_BENCH_SMOKE_ALL=1: learner 28 s (Ray, three learner groups, two ac processes), peers
 32 s and soak 38 s (one training job each) and e2e 72 s (three jobs); each alone would take
 the suite's share for these past its budget.
