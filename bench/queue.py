@@ -245,9 +245,7 @@ def main() -> None:
 def run() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short runs (< 60 s in all)")
-    ap.add_argument(
-        "--smoke", action="store_true", help="n=1, one producer, 256 tokens, 1 s each, no redis-benchmark"
-    )
+    ap.add_argument("--smoke", action="store_true", help="n=1, one producer, 256 tokens, 1 s each, no redis-benchmark")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=None, help="measured seconds per configuration")
     ap.add_argument("--batch", type=int, default=1, help="groups per put_many / XADDs per pipeline")
