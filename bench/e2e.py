@@ -2,6 +2,7 @@
 
     python bench/e2e.py --quick            # < 10 min on a 2-core CPU box
     python bench/e2e.py --steps 60 --bounds 1 2 4 --out bench/results
+    python bench/e2e.py --smoke --out /tmp/e2e   # the demo, 3 steps per mode, bound 1 (three job start-ups)
 
 For each workload (the CPU demo, and a long-tailed variant where 10% of prompts may run
 6x longer), on the same resource split (generators pinned to one set of cores, learner and
@@ -40,6 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run as a script, bench/ would come first on sys.path and bench/queue.py would shadow the
 # standard library's `queue` (Ray and redis-py import it): put the repo root there instead.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+
+from bench.jsonout import JsonStdout  # noqa: E402
 
 WORKLOADS = {
     "demo": [],
@@ -311,8 +314,14 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    with JsonStdout() as out:
+        out.result = run(argv)
+
+
+def run(argv: list[str] | None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="both workloads, sync + async(max_staleness 2), ~8 min")
+    p.add_argument("--smoke", action="store_true", help="the demo, sync + async(1) + generation alone, 3 steps each")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--gen-batches", type=int, default=12, help="steps' worth of groups timed in generation alone")
@@ -322,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.bounds = 24, [2]
+    if args.smoke:
+        args.workloads, args.steps, args.warmup, args.bounds, args.gen_batches = ["demo"], 3, 1, [1], 2
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     import ray
@@ -412,8 +423,20 @@ def main(argv: list[str] | None = None) -> None:
         "simulator_max_rel_error": round(max(s["simulator"]["max_rel_error"] for s in report["workloads"].values()), 3),
         "json": str(out / "e2e.json"),
         "plot": str(out / "e2e.png"),
+        "checks": checks(results),
     }
-    print(json.dumps(summary))
+    return summary
+
+
+def checks(results: dict[str, dict[str, ModeResult]]) -> dict[str, bool]:
+    """The bench's own invariants: each mode trained its steps, the synchronous one only fresh
+    groups, the async ones none staler than their bound."""
+    out = {}
+    for wl, res in results.items():
+        for key, r in res.items():
+            out[f"{wl}_{key}_trained"] = len(r.reward_curve) == r.steps and bool(r.staleness_hist)
+            out[f"{wl}_{key}_staleness_within_bound"] = max(r.staleness_hist, default=0) <= r.max_staleness
+    return out
 
 
 if __name__ == "__main__":

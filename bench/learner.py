@@ -5,6 +5,7 @@ packed against padded micro-batches on the realistic shape.
     .venv/bin/python bench/learner.py --quick          # both cases, ~2 min on 2 cores
     .venv/bin/python bench/learner.py --ranks 2 --steps 8 --hidden 384
     .venv/bin/python bench/learner.py --quick --case packing
+    .venv/bin/python bench/learner.py --smoke          # all three cases on tiny models, one step (the test suite's)
 
 Case `baseline`: both sides run, per optimizer step: the old-logprob pre-pass (no grad),
 forward + backward of `microbatch_loss` over micro-batches cut by the same token budget,
@@ -48,6 +49,9 @@ import numpy as np
 # bench/ holds scripts named like stdlib modules (bench/queue.py); drop this script's own
 # directory from the import path so `import queue` inside redis/ray finds the stdlib one.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.jsonout import JsonStdout  # noqa: E402
 
 
 def train_sequence(rng, prompt: int, length: int, total: int, vocab: int, group_id: str, index: int):
@@ -152,7 +156,13 @@ def measure(model_dir: str, cfg, batch, *, steps: int, ranks: int, threads: int,
 
 
 REALISTIC_MODEL = dict(hidden_size=512, num_layers=10, num_heads=8, num_kv_heads=8, intermediate_size=1408)
-REALISTIC_SHAPE = {"quick": dict(prompts=4, budget=16), "full": dict(prompts=16, budget=128)}
+REALISTIC_SHAPE = {
+    "smoke": dict(prompts=2, budget=8),
+    "quick": dict(prompts=4, budget=16),
+    "full": dict(prompts=16, budget=128),
+}
+SMOKE_MODEL = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+"""--smoke's model for every case: the bench's code paths, not its figures."""
 
 
 def realistic_batch(prompts: int, budget: int, vocab: int, seed: int, samples: int = 8, p_full: float = 0.3):
@@ -218,10 +228,9 @@ def measure_packing(model_dir: str, cfg, batch, *, steps: int, progress) -> dict
 def run_packing(args, cfg, tmp: str, progress) -> dict:
     from asyncrl.rollout.tiny import write_tiny_model
 
-    shape = REALISTIC_SHAPE["quick" if args.quick else "full"]
-    model_dir = str(
-        write_tiny_model(f"{tmp}/realistic", alphabet="abcde", max_position_embeddings=1024, **REALISTIC_MODEL)
-    )
+    shape = REALISTIC_SHAPE["smoke" if args.smoke else "quick" if args.quick else "full"]
+    model = SMOKE_MODEL if args.smoke else REALISTIC_MODEL
+    model_dir = str(write_tiny_model(f"{tmp}/realistic", alphabet="abcde", max_position_embeddings=1024, **model))
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
@@ -283,7 +292,8 @@ def run_ac(args) -> dict:
     from asyncrl.rollout.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(write_tiny_model(f"{tmp}/ac", max_position_embeddings=args.seq_len, **AC_MODEL))
+        model = SMOKE_MODEL if args.smoke else AC_MODEL
+        model_dir = str(write_tiny_model(f"{tmp}/ac", max_position_embeddings=args.seq_len, **model))
         sides = {}
         for name, flag in (("off", "0"), ("on", "1")):
             cmd = [sys.executable, os.path.abspath(__file__), "--ac-child", flag, "--model-dir", model_dir]
@@ -295,7 +305,7 @@ def run_ac(args) -> dict:
     mib = 1024 * 1024
     return {
         "tokens_per_step": args.seqs * args.seq_len,
-        "model": AC_MODEL,
+        "model": model,
         "peak_rss_mib": {k: round(v["peak_rss"] / mib) for k, v in sides.items()},
         "step_peak_mib": {k: round((v["peak_rss"] - v["rss_before_steps"]) / mib) for k, v in sides.items()},
         "peak_ratio": round(on["peak_rss"] / off["peak_rss"], 3),
@@ -308,8 +318,15 @@ def run_ac(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    with JsonStdout() as out:
+        out.result = run(argv)
+    return out.result
+
+
+def run(argv: list[str] | None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small run, ~2 min for both cases")
+    parser.add_argument("--smoke", action="store_true", help="every case (ac too), tiny models, 1 step")
     parser.add_argument("--case", choices=("baseline", "packing", "both", "ac"), default="both")
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
@@ -324,15 +341,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.ac_child is not None:  # one side of case `ac`, in its own process
         kw = dict(seqs=args.seqs, seq_len=args.seq_len, steps=args.steps, threads=args.threads)
-        child = ac_child(args.model_dir, args.ac_child == "1", **kw)
-        print(json.dumps(child))
-        return child
+        return ac_child(args.model_dir, args.ac_child == "1", **kw)
     if args.quick:
         args.steps, args.seqs, args.layers = 3, 8, 2
+    if args.smoke:
+        args.steps, args.seqs, args.seq_len, args.hidden, args.layers = 1, 4, 32, 64, 2
     if args.case == "ac":  # no Ray: one process per setting, the learner's model on a gloo group
-        result = {"ac": run_ac(args)}
-        print(json.dumps(result))
-        return result
+        return {"ac": run_ac(args)}
 
     import ray
     from rich.progress import Progress
@@ -353,14 +368,27 @@ def main(argv: list[str] | None = None) -> dict:
             object_store_memory=256 * 1024 * 1024,
         )
         try:
-            if args.case in ("baseline", "both"):
+            if args.case in ("baseline", "both") or args.smoke:
                 result.update(run_baseline(args, cfg, tmp, progress))
-            if args.case in ("packing", "both"):
+            if args.case in ("packing", "both") or args.smoke:
                 result["packing"] = run_packing(args, packing_cfg, tmp, progress)
         finally:
             ray.shutdown()
-    print(json.dumps(result))
+    if args.smoke:
+        result["ac"] = run_ac(args)
+        result["checks"] = smoke_checks(result)
     return result
+
+
+def smoke_checks(result: dict) -> dict:
+    """What --smoke asserts: each case ran a step, and packing removed padding (never added it)."""
+    pk, ac = result["packing"], result["ac"]
+    return {
+        "baseline_trained": result["tokens_per_s"] > 0 and result["baseline_tokens_per_s"] > 0,
+        "packing_trained": pk["packed_tokens_per_s"] > 0 and pk["padded_tokens_per_s"] > 0,
+        "packing_pads_less": bool(pk["padding_frac_packed"] <= pk["padding_frac_padded"]),
+        "ac_ran": all(v > 0 for v in ac["peak_rss_mib"].values()),
+    }
 
 
 def run_baseline(args, cfg, tmp: str, progress) -> dict:

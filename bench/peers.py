@@ -3,6 +3,7 @@
     python bench/peers.py --quick          # < 10 min on a 2-core CPU box (all 4 trainers, both workloads)
     python bench/peers.py --out bench/results     # full: demo 60 steps, realistic 20 (hours on 2 cores)
     asyncrl bench peers --quick                   # the same through the CLI
+    python bench/peers.py --smoke --out /tmp/p    # asyncrl async on the demo, 3 steps, no TRL (the test suite's)
 
 Trainers (each in its own subprocess, one after another, never concurrently):
 
@@ -43,29 +44,39 @@ Settings mapping (asyncrl config = TRL GRPOConfig):
 
 Workloads:
 
-  demo       configs/demo.yaml: the tiny Llama (asyncrl.rollout.tiny, ~70k params), env copy with
+  demo       the engine-overhead case (each step is mostly the engine's fixed cost):
+             configs/demo.yaml, the tiny Llama (asyncrl.rollout.tiny, ~70k params), env copy with
              {alphabet: abc, min_len: 3, max_len: 3}, max_tokens 8, 16 prompts x 8 per step.
   realistic  a larger tiny Llama (hidden 512, 10 layers, 8 heads of 64, 8 KV heads, MLP 1408:
              ~32M params), env copy {alphabet: abcde, min_len: 3, max_len: 8}, and a long tail of
              per-prompt token budgets: 90% of prompts get budget B, 10% get 6B. Full run: B=128
              (long 768), 16 prompts x 8 per step. --quick: B=16 (long 96), 4 prompts x 8 per
-             step, 6 steps (2 CPU cores cannot do the full shape in minutes); the demo runs 20.
+             step, 13 steps (12 measured after the first; 2 CPU cores cannot do the full shape in
+             minutes); the demo runs 20.
              asyncrl enforces each prompt's budget (metadata "max_tokens", honoured by its
              generator). TRL has one max_completion_length per run: it is set to the long budget,
              so TRL generates (and trains on) up to 6B tokens for every prompt, which is what a
              TRL user gets; its reward sees only the first `budget` tokens of each completion,
-             so the reward function is the same one. tokens/s is reported next to completions/s.
+             so the reward function is the same one. Hence *useful tokens/s*: generated tokens
+             the reward reads (TRL: each completion's tokens up to its prompt's budget; asyncrl:
+             all of them), the realistic workload's headline next to completions/s. Raw
+             generated tokens/s is reported too; it rewards TRL for tokens nobody reads.
 
-Per trainer: start-up seconds (process launch to the end of the first optimizer step),
-steps/s, completions/s and generated tokens/s (steady: from the end of step 1 to the end of the
-last), mean reward over steps 1-10 and over the last 10, and the wall time (from launch) to a
-reward threshold (rolling mean over 5 steps; None when not reached). A trainer that fails is
-reported with its error and left out of the best peer.
+Per trainer run: start-up seconds (process launch to the end of the first optimizer step),
+steps/s, completions/s, useful and generated tokens/s (steady: from the end of step 1 to the
+end of the last), mean reward over steps 1-10 and over the last 10, and the wall time (from
+launch) to a reward threshold (rolling mean over 5 steps; None when not reached). Each trainer
+runs --repeats times (2 with --quick), the runs interleaved (all trainers, then all again);
+a trainer's figures are the mean over its finished runs, and every run is reported. A trainer
+whose runs all fail is reported with its error and left out of the best peer.
 
-  ratio = min over workloads of asyncrl_async completions/s / best TRL peer's completions/s
+  <workload>_<metric>_ratio = asyncrl_async's <metric> / the best TRL peer's (by that metric)
+  headline: realistic_useful_tokens_per_s_ratio and realistic_completions_per_s_ratio;
+            demo_completions_per_s_ratio is the engine-overhead case
 
 Writes peers.json and peers.png to --out and the plot to docs/peers.png; one line per finished
-trainer while running; the last line printed is JSON with `ratio`.
+trainer run while running; the last line on stdout is JSON with the headline ratios, each
+workload's per-run ratios and every run's figures.
 """
 
 from __future__ import annotations
@@ -76,13 +87,11 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
-from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,9 +99,22 @@ ROOT = Path(__file__).resolve().parent.parent
 # standard library's `queue` (Ray and redis-py import it): put the repo root there instead.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
+from bench.jsonout import JsonStdout  # noqa: E402
+from bench.peers_report import (  # noqa: E402
+    FIGURES,
+    METRICS,
+    ROLE,
+    TRAINERS,
+    add_ratios,
+    combine,
+    line,
+    plot,
+    rnd,
+    summarize,
+)
+
 VENV = ROOT / ".venv-peers"
 TORCH, TRL = "2.13.0", "1.16.0"
-TRAINERS = ("trl_hf", "trl_vllm", "asyncrl_async", "asyncrl_sync")
 N_PROMPTS = 2048
 
 WORKLOADS = {
@@ -126,7 +148,8 @@ WORKLOADS = {
         steps=20,
     ),
 }
-QUICK = {"demo": dict(steps=20), "realistic": dict(steps=6, budget=16, long_budget=96, prompts_per_step=4)}
+# The realistic quick run: 12 measured steps after the first (the warm-up the steady rates leave out).
+QUICK = {"demo": dict(steps=20), "realistic": dict(steps=13, budget=16, long_budget=96, prompts_per_step=4)}
 COMMON = dict(
     n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28, tis_cap=2.0, seed=0
 )
@@ -222,7 +245,15 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
     from asyncrl.control.train import train
 
     spec = json.loads(Path(spec_path).read_text())
-    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "padding": [], "error": None}
+    result: dict = {
+        "steps": [],
+        "rewards": [],
+        "completions": [],
+        "tokens": [],
+        "useful_tokens": [],
+        "padding": [],
+        "error": None,
+    }
     kw = ", ".join(f"{k}: {v}" for k, v in spec["env_kwargs"].items())
     run_dir = Path(spec["workdir"]) / f"run-{spec['mode']}"
     overrides = [
@@ -256,6 +287,8 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
         result["rewards"].append(m.get("reward/mean", float("nan")))
         result["completions"].append(round(m["throughput/samples_per_s"] * m["time/step"]))
         result["tokens"].append(round(m["throughput/step_tokens_per_s"] * m["time/step"]))
+        # Every generated token is one the reward reads: the generator stops each prompt at its budget.
+        result["useful_tokens"].append(result["tokens"][-1])
         result["padding"].append(m.get("learner/padding_frac"))
 
     try:
@@ -270,14 +303,15 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
 # ---------------------------------------------------------------- running one trainer
 
 
-def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
-    """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time."""
-    tag = f"{Path(spec['workdir']).name}-{trainer}"
+def run_trainer(trainer: str, spec: dict, out: Path, timeout: float, rep: int = 0) -> dict:
+    """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time.
+    Each repetition gets its own work dir: an asyncrl run dir left by the first would be resumed."""
+    tag = f"{Path(spec['workdir']).name}-{trainer}-run{rep + 1}"
     spec = {
         **spec,
         "backend": "vllm" if trainer == "trl_vllm" else "hf",
         "mode": trainer.split("_")[-1],
-        "workdir": str(Path(spec["workdir"]) / trainer),
+        "workdir": str(Path(spec["workdir"]) / f"{trainer}-run{rep + 1}"),
     }
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
     spec_path, result_path = Path(spec["workdir"]) / "spec.json", Path(spec["workdir"]) / "result.json"
@@ -310,6 +344,7 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
                 "rewards": [],
                 "completions": [],
                 "tokens": [],
+                "useful_tokens": [],
             }
         error = None
         try:
@@ -335,127 +370,19 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float) -> dict:
         "wall_s": wall,
         "error": error,
         "log": str(log_path),
-        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens", "padding")},
+        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens", "useful_tokens", "padding")},
     }
-
-
-def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
-    steps, rewards = raw["steps"], raw["rewards"]
-    out: dict = {
-        "error": raw["error"],
-        "steps": len(steps),
-        "wall_s": raw["wall_s"],
-        "startup_s": None,
-        "steps_per_s": None,
-        "steps_per_s_median": None,
-        "completions_per_s": None,
-        "tokens_per_s": None,
-        "reward_first": None,
-        "reward_last": None,
-        "time_to_threshold_s": None,
-        "learner_padding": None,
-        "threshold": threshold,
-        "reward_curve": rewards,
-        "step_times_s": [t - raw["t0"] for t in steps],
-        "log": raw["log"],
-    }
-    if steps:
-        out["startup_s"] = steps[0] - raw["t0"]
-        out["reward_first"] = statistics.fmean(rewards[:window])
-        out["reward_last"] = statistics.fmean(rewards[-window:])
-    if len(steps) >= 2:  # steady: from the end of step 1 to the end of the last
-        span = steps[-1] - steps[0]
-        out["steps_per_s"] = (len(steps) - 1) / span
-        out["completions_per_s"] = sum(raw["completions"][1:]) / span
-        out["tokens_per_s"] = sum(raw["tokens"][1:]) / span
-        # Robust to a few slow steps (another process on the box): 1 / the median step time.
-        out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in pairwise(steps)), 1e-9)
-    padding = [p for p in raw.get("padding", []) if p is not None]  # asyncrl's learner/padding_frac
-    if padding:
-        out["learner_padding"] = statistics.fmean(padding)
-    for i in range(len(rewards)):
-        roll = rewards[max(0, i - 4) : i + 1]
-        if len(roll) == min(5, len(rewards)) and statistics.fmean(roll) >= threshold:
-            out["time_to_threshold_s"] = steps[i] - raw["t0"]
-            break
-    return out
-
-
-def fmt(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def line(wl: str, trainer: str, s: dict) -> str:
-    head = f"{wl:>9} {trainer:<13}"
-    if s["error"] and s["completions_per_s"] is None:
-        return f"{head} FAILED: {s['error']}"
-    txt = (
-        f"{head} start-up {fmt(s['startup_s'], '.1f')}s  {fmt(s['steps_per_s'])} steps/s  "
-        f"{fmt(s['completions_per_s'], '.1f')} completions/s  {fmt(s['tokens_per_s'], '.0f')} tokens/s  "
-        f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
-        f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s"
-    )
-    if s.get("learner_padding") is not None:
-        txt += f"  padding {s['learner_padding']:.0%}"
-    return txt + (f"  [{s['error']}]" if s["error"] else "")
-
-
-def add_ratios(report: dict) -> None:
-    """Per workload: the best TRL peer by completions/s (failed ones left out), `ratio` = asyncrl_async
-    completions/s over the best peer's and `token_ratio` = the same for generated tokens/s (these differ
-    where TRL cannot apply per-prompt budgets); report["ratio"] = the minimum `ratio` over workloads."""
-    for entry in report["workloads"].values():
-        tr = entry["trainers"]
-        ok = {k: v for k, v in tr.items() if k.startswith("trl") and not v["error"] and v["completions_per_s"]}
-        best = max(ok, key=lambda k: ok[k]["completions_per_s"]) if ok else None
-        ours = tr.get("asyncrl_async")
-        good = best is not None and ours is not None and not ours["error"] and ours["completions_per_s"]
-        entry["best_peer"] = best
-        entry["ratio"] = ours["completions_per_s"] / ok[best]["completions_per_s"] if good else None
-        entry["token_ratio"] = ours["tokens_per_s"] / ok[best]["tokens_per_s"] if good else None
-    got = [e["ratio"] for e in report["workloads"].values() if e["ratio"] is not None]
-    report["ratio"] = min(got) if got else None
-
-
-def plot(report: dict, paths: list[Path]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    wls = list(report["workloads"])
-    fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
-    for i, wl in enumerate(wls):
-        trainers = report["workloads"][wl]["trainers"]
-        names = [tr for tr in TRAINERS if tr in trainers]
-        vals = [trainers[tr].get("completions_per_s") or 0.0 for tr in names]
-        bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
-        axes[0][i].bar_label(
-            bars,
-            [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals, strict=True)],
-            fontsize=8,
-        )
-        axes[0][i].set_title(f"{wl}: completions / s (steady)")
-        axes[0][i].tick_params(axis="x", labelsize=8)
-        ax = axes[1][i]
-        for tr in names:
-            s = trainers[tr]
-            if s["reward_curve"]:
-                ax.plot(s["step_times_s"], s["reward_curve"], marker=".", color=f"C{TRAINERS.index(tr)}", label=tr)
-        ax.set_title(f"{wl}: reward vs wall time (from launch)")
-        ax.set_xlabel("s")
-        ax.legend(fontsize=8)
-    fig.suptitle(report["machine"], fontsize=9)
-    fig.tight_layout()
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--asyncrl-child"]:
         return asyncrl_child(argv[1], argv[2])
+    with JsonStdout() as out:
+        out.result = run(argv)
+
+
+def run(argv: list[str]) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--quick",
@@ -465,9 +392,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--steps", type=int, default=None, help="steps per trainer (full run; default: demo 60, realistic 20)"
     )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="asyncrl async on the demo, 3 steps, once; no TRL, no peers venv (seconds + one job start-up)",
+    )
+    p.add_argument("--repeats", type=int, default=None, help="runs of each trainer, interleaved (default: 2 quick, 1)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
-    p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 240 quick, 3600)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 600 quick, 3600)")
     p.add_argument(
         "--threshold",
         type=float,
@@ -484,8 +417,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"), help="second copy of the plot ('' for none)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.workloads, args.steps, args.repeats = ["demo"], 3, 1
+        args.plot = ""  # docs/peers.png keeps the last real run's plot
+        if args.trainers == list(TRAINERS):
+            args.trainers = ["asyncrl_async"]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    timeout = args.timeout or (240.0 if args.quick else 3600.0)
+    # A realistic quick run of TRL + HF generate is ~100 s on a quiet box; other work on two cores
+    # (oversubscribed torch threads) can make it several times that.
+    timeout = args.timeout or (600.0 if args.quick else 3600.0)
+    repeats = args.repeats or (2 if args.quick else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -494,7 +435,10 @@ def main(argv: list[str] | None = None) -> None:
 
     t_all = time.perf_counter()
     try:
-        venv = ensure_venv(log)
+        if not any(tr.startswith("trl") for tr in args.trainers):
+            venv = {"installed": False, "install_s": 0.0, "skipped": "no TRL trainer asked for"}
+        else:
+            venv = ensure_venv(log)
         state = f"installed in {venv['install_s']:.0f} s" if venv["installed"] else "up to date"
         log(f"peers venv: {state}")
     except Exception as e:  # the TRL peers then fail to start and are reported as failed; asyncrl still runs
@@ -508,6 +452,9 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{os.cpu_count()} cores (CPU), commit {commit or '?'}",
         "commit": commit,
         "quick": args.quick,
+        "repeats": repeats,
+        # The box's 1-minute load average at start (and at the end, below): other work skews figures.
+        "loadavg_start": os.getloadavg()[0],
         "venv": venv,
         "workloads": {},
     }
@@ -526,36 +473,36 @@ def main(argv: list[str] | None = None) -> None:
                 "trainers": {},
             }
             report["workloads"][name] = entry
+            runs: dict[str, list[dict]] = {tr: [] for tr in args.trainers}
+            # Repetitions interleave (all trainers, then all again), so a slow spell on the box
+            # hits every trainer rather than one trainer's both runs.
+            for rep in range(repeats):
+                for tr in args.trainers:
+                    s = summarize(run_trainer(tr, spec, out, timeout, rep), spec["threshold"])
+                    runs[tr].append(s)
+                    log(line(name, f"{tr}#{rep + 1}", s))
             for tr in args.trainers:
-                s = summarize(run_trainer(tr, spec, out, timeout), spec["threshold"])
-                entry["trainers"][tr] = s
-                log(line(name, tr, s))
+                entry["trainers"][tr] = combine(runs[tr])
     add_ratios(report)
     report["total_s"] = time.perf_counter() - t_all
+    report["loadavg_end"] = os.getloadavg()[0]
     (out / "peers.json").write_text(json.dumps(report, indent=2))
     plots = [out / "peers.png"] + ([Path(args.plot)] if args.plot else [])
     plot(report, plots)
     summary = {
-        "ratio": None if report["ratio"] is None else round(report["ratio"], 3),
+        **{k: rnd(v) for k, v in report["headline"].items()},
+        "repeats": repeats,
         "by_workload": {
             n: {
-                "ratio": None if e["ratio"] is None else round(e["ratio"], 3),
-                "best_peer": e["best_peer"],
-                "token_ratio": None if e["token_ratio"] is None else round(e["token_ratio"], 3),
+                "role": ROLE[n],
+                "ratios": {
+                    m: {"best_peer": r["best_peer"], "ratio": rnd(r["ratio"]), "runs": [rnd(x) for x in r["runs"]]}
+                    for m, r in e["ratios"].items()
+                },
                 "trainers": {
                     k: {
-                        m: (round(v[m], 3) if isinstance(v[m], float) else v[m])
-                        for m in (
-                            "startup_s",
-                            "steps_per_s",
-                            "steps_per_s_median",
-                            "completions_per_s",
-                            "tokens_per_s",
-                            "reward_first",
-                            "reward_last",
-                            "time_to_threshold_s",
-                            "error",
-                        )
+                        **{m: rnd(v[m]) for m in (*FIGURES[:-1], "error")},
+                        "runs": [{m: rnd(r[m]) for m in ("startup_s", *METRICS, "error")} for r in v["runs"]],
                     }
                     for k, v in e["trainers"].items()
                 },
@@ -564,10 +511,26 @@ def main(argv: list[str] | None = None) -> None:
         },
         "venv_install_s": round(venv["install_s"], 1),
         "total_s": round(report["total_s"], 1),
+        "loadavg": [round(report["loadavg_start"], 2), round(report["loadavg_end"], 2)],
         "json": str(out / "peers.json"),
         "plot": [str(p) for p in plots],
+        "checks": {
+            # Every run of every trainer finished its steps; asyncrl's useful tokens are all of
+            # its tokens (its generator stops each prompt at its own budget).
+            **{
+                f"{n}_{k}_finished": not v["failed_runs"]
+                for n, e in report["workloads"].items()
+                for k, v in e["trainers"].items()
+            },
+            **{
+                f"{n}_{k}_useful_is_all": v["useful_tokens_per_s"] == v["tokens_per_s"]
+                for n, e in report["workloads"].items()
+                for k, v in e["trainers"].items()
+                if k.startswith("asyncrl")
+            },
+        },
     }
-    print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ bench/peers.py writes SPEC.json (model dir, prompt file, env, steps, batch shape
 generation backend, the parent's clock at launch) and reads RESULT.json: the wall-clock time
 at the end of each optimizer step and, per step, the mean reward, the number of completions
 and of generated tokens (counted in the reward function, which TRL calls once per generation
-batch = once per step here). The reward is asyncrl's own: the env named in SPEC is built with
+batch = once per step here), and the useful ones: each completion's tokens up to its prompt's
+budget, which is all the reward reads. The reward is asyncrl's own: the env named in SPEC is built with
 asyncrl.rollout.envs.make_env and scored with asyncrl.rollout.envs.score on the completion
 decoded with skip_special_tokens=True, exactly as asyncrl's generator does.
 
@@ -31,7 +32,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != 
 
 def main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "error": None}
+    result: dict = {"steps": [], "rewards": [], "completions": [], "tokens": [], "useful_tokens": [], "error": None}
 
     def dump() -> None:
         Path(result_path).write_text(json.dumps(result))
@@ -102,16 +103,18 @@ def run(spec: dict, result: dict) -> None:
 
     def env_reward(prompts, completions, completion_ids, target, budget, **_):
         out = []
-        tokens = 0
+        tokens = useful = 0
         for prompt, ids, tgt, b in zip(prompts, completion_ids, target, budget, strict=True):
             ids = list(ids)
             tokens += len(ids)
+            useful += min(len(ids), b)  # what the reward reads; the rest was generated for nothing
             # TRL has one max_completion_length per run: the prompt's own budget is applied here.
             text = tokenizer.decode(ids[:b], skip_special_tokens=True)
             out.append(score(env, prompt, text, {"target": tgt}))
         result["rewards"].append(sum(out) / len(out))
         result["completions"].append(len(out))
         result["tokens"].append(tokens)
+        result["useful_tokens"].append(useful)
         return out
 
     class Clock(TrainerCallback):

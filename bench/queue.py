@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/queue.py --quick          # < 60 s; last line printed is JSON
     .venv/bin/python bench/queue.py --batch 16       # producers use put_many(16) / 16-deep pipelines
+    .venv/bin/python bench/queue.py --smoke          # one small configuration, seconds (the test suite's)
 
 For 2,048-token groups with n = 1 and 8 samples, and 1 and 4 producer processes, it measures:
   ours      producers call RolloutQueue.put (encode + one Lua XADD round trip each), the
@@ -28,7 +29,6 @@ sys.path.insert(0, str(_HERE.parent))
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import re
@@ -46,6 +46,7 @@ from asyncrl.data.codec import encode_group
 from asyncrl.queue import RolloutQueue, keys
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.types import RolloutGroup, Sample
+from bench.jsonout import JsonStdout
 
 MAXLEN = 512  # bounds Redis memory: 512 x ~150 KB records
 
@@ -170,6 +171,7 @@ def run_config(
         "samples": n_samples,
         "producers": producers,
         "batch": batch,
+        "received": received,
         "groups_per_s": received / seconds,
         "mb_per_s": received * payload_size / seconds / 1e6,
         "p50_ms": float(np.percentile(lat_ms, 50)),
@@ -236,17 +238,25 @@ def redis_benchmark_xadd(binary: str, server: EmbeddedRedis, payload_size: int, 
 
 
 def main() -> None:
+    with JsonStdout() as out:
+        out.result = run()
+
+
+def run() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short runs (< 60 s in all)")
+    ap.add_argument("--smoke", action="store_true", help="n=1, one producer, 256 tokens, 1 s each, no redis-benchmark")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=None, help="measured seconds per configuration")
     ap.add_argument("--batch", type=int, default=1, help="groups per put_many / XADDs per pipeline")
     ap.add_argument("--no-install", action="store_true", help="never apt-get redis-tools")
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.seconds = 256, args.seconds or 1.0
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     console = Console(stderr=True)
-    rb = find_redis_benchmark(not args.no_install, console)
-    configs = [(n, p) for n in (1, 8) for p in (1, 4)]
+    rb = None if args.smoke else find_redis_benchmark(not args.no_install, console)
+    configs = [(1, 1)] if args.smoke else [(n, p) for n in (1, 8) for p in (1, 4)]
     rows, rb_rates = [], {}
     with (
         tempfile.TemporaryDirectory() as d,
@@ -283,23 +293,21 @@ def main() -> None:
     raw = sum(r["groups_per_s"] for r in rows if r["kind"] == "raw")
     rb_total = sum(rb_rates.values())
     baseline, base = ("redis-benchmark XADD", rb_total) if rb else ("raw pipelined XADD + XREADGROUP loop", raw)
-    print(
-        json.dumps(
-            {
-                "groups_per_s": ours,
-                "baseline": baseline,
-                "baseline_ops_per_s": base,
-                "ratio": ours / base if base else None,
-                "raw_loop_ops_per_s": raw,
-                "ratio_vs_raw_loop": ours / raw if raw else None,
-                "redis_benchmark_xadd": {f"n{n}_c{p}": v for (n, p), v in rb_rates.items()},
-                "tokens": args.tokens,
-                "batch": args.batch,
-                "seconds_per_config": seconds,
-                "configs": rows,
-            }
-        )
-    )
+    return {
+        "groups_per_s": ours,
+        "baseline": baseline,
+        "baseline_ops_per_s": base,
+        "ratio": ours / base if base else None,
+        "raw_loop_ops_per_s": raw,
+        "ratio_vs_raw_loop": ours / raw if raw else None,
+        "redis_benchmark_xadd": {f"n{n}_c{p}": v for (n, p), v in rb_rates.items()},
+        "tokens": args.tokens,
+        "batch": args.batch,
+        "seconds_per_config": seconds,
+        "configs": rows,
+        # Every configuration moved groups both ways, and ours arrived intact (decoded, validated).
+        "checks": {f"{r['kind']}_n{r['samples']}_p{r['producers']}_received": r["received"] > 0 for r in rows},
+    }
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ exactly-once ledger must balance (nothing lost, nothing trained twice).
     .venv/bin/python bench/soak.py --quick            # ~3 minutes of faults
     .venv/bin/python bench/soak.py --minutes 30 --seed 1
     asyncrl bench soak --quick
+    .venv/bin/python bench/soak.py --smoke            # one connection drop, then stop and audit (the test suite's)
 
 Faults (drawn uniformly, one every --fault-every seconds on average, exponential gaps):
   generator_kill   SIGKILL the generator actor mid-generation (Ray restarts it)
@@ -26,7 +27,6 @@ checkpoint and a small, flattening RSS slope.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -48,6 +48,7 @@ from rich.console import Console, Group  # noqa: E402
 from rich.live import Live  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.jsonout import JsonStdout  # noqa: E402
 from tests.support.job import JobDied, TrainJob  # noqa: E402
 
 FAULTS = ("generator_kill", "redis_restart", "connection_drop", "trainer_kill")
@@ -173,7 +174,15 @@ def view(job: TrainJob, events: list[dict], counts: dict, t_end: float) -> Group
     return Group(run, faults)
 
 
-def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_timeout: float) -> dict:
+def soak(
+    minutes: float,
+    fault_every: float,
+    seed: int,
+    run_dir: Path,
+    recover_timeout: float,
+    faults: tuple[str, ...] = FAULTS,
+    max_faults: int | None = None,
+) -> dict:
     rng = random.Random(seed)
     job = TrainJob(ROOT / "configs" / "demo.yaml", OVERRIDES, run_dir=run_dir, run_name="soak")
     console = Console(stderr=True)
@@ -189,7 +198,7 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
         t0 = time.monotonic()
         t_end = t0 + minutes * 60
         with Live(view(job, events, counts, t_end), console=console, refresh_per_second=1) as live:
-            while time.monotonic() < t_end:
+            while time.monotonic() < t_end and (max_faults is None or counts["injected"] < max_faults):
                 next_at = time.monotonic() + rng.expovariate(1.0 / fault_every)
                 while time.monotonic() < min(next_at, t_end):
                     time.sleep(1.0)
@@ -202,7 +211,7 @@ def soak(minutes: float, fault_every: float, seed: int, run_dir: Path, recover_t
                     live.update(view(job, events, counts, t_end))
                 if time.monotonic() >= t_end:
                     break
-                fault = rng.choice(FAULTS)
+                fault = rng.choice(faults)
                 event = {"t": time.monotonic() - t0, "fault": fault}
                 events.append(event)
                 before = job.trainer_step()
@@ -264,12 +273,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-every", type=float, default=45.0, help="mean seconds between faults")
     p.add_argument("--recover-timeout", type=float, default=300.0, help="seconds to train 2 steps after a fault")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS, help="the kinds drawn from")
+    p.add_argument("--smoke", action="store_true", help="one connection drop right after step 1, then stop")
     p.add_argument("--run-dir", type=Path, default=None, help="default: a new temp dir")
     args = p.parse_args(argv)
     if args.quick:
         args.minutes, args.fault_every = 3.0, 25.0
+    max_faults = None
+    if args.smoke:  # the cheapest fault, once, at once: the bench's loop, recovery wait and audit
+        args.minutes, args.fault_every, args.faults, max_faults = 5.0, 0.01, ["connection_drop"], 1
+        args.recover_timeout = min(args.recover_timeout, 180.0)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="asyncrl-soak-")) / "soak"
-    result = soak(args.minutes, args.fault_every, args.seed, run_dir, args.recover_timeout)
+    with JsonStdout() as out:
+        result = soak(
+            args.minutes, args.fault_every, args.seed, run_dir, args.recover_timeout, tuple(args.faults), max_faults
+        )
+        result["checks"] = {
+            "ledger_balances": result["ledger_ok"],
+            "faults_survived": result["faults_survived"] == result["faults_injected"],
+            "clean_exit": result["exit_code"] == 0,
+        }
+        out.result = result
+        report(result)
+    return 0 if all(result["checks"].values()) else 1
+
+
+def report(result: dict) -> None:
     console = Console()
     console.print(f"faults survived: {result['faults_survived']}/{result['faults_injected']}  {result['faults']}")
     console.print(
@@ -285,9 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         f"lost {result['lost']} (must be 0)  double-trained {result['double_trained']} (must be 0)"
         + (f"\n[red]{result['ledger_problems']}" if result["ledger_problems"] else "")
     )
-    print(json.dumps(result))
-    ok = result["ledger_ok"] and result["faults_survived"] == result["faults_injected"] and result["exit_code"] == 0
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

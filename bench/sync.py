@@ -3,6 +3,7 @@ same bytes through /dev/shm, for three model sizes.
 
     .venv/bin/python bench/sync.py --quick          # < 60 s (the 60 MiB model only)
     .venv/bin/python bench/sync.py                  # three sizes: 0.3, 60 and 420 MiB
+    .venv/bin/python bench/sync.py --smoke          # the 0.3 MiB model, one rep (the test suite's)
 
 Ours (``ShmWeightSync.publish`` to an in-process ``GeneratorActor``): write the state dict as
 safetensors to /dev/shm, record it in Redis, then the engine pauses (keep requests), its
@@ -26,15 +27,14 @@ transport can avoid; the goal (<= 1.5) is on that one. The split: ``put_s`` (pac
 ``fetch_s`` (the slowest generator's pull to node 2 + file write), ``engine_load_s``;
 ``raw_put_s`` is the raw side's put.
 
-Everything else that writes to stdout meanwhile (Ray, vLLM, their processes) is sent to
-stderr, so stdout holds the summary lines and, last, the JSON.
+Everything else that writes to stdout (Ray, vLLM, their processes, also at exit) is sent to
+stderr (bench.jsonout), so stdout holds the summary lines and, last, the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -47,37 +47,23 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 # The repository root instead: --object-store starts its cluster with the tests' harness (tests.support).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.jsonout import JsonStdout  # noqa: E402
+
 # (label, hidden, layers): tiny is the test model; the wider ones make the bytes dominate.
 SIZES = (("tiny", 64, 2), ("h512-l4", 512, 4), ("h1024-l8", 1024, 8))
 # One engine start-up (~25 s on 2 cores) per size: --quick keeps the mid size only.
 QUICK_SIZES = (("h512-l4", 512, 4),)
+SMOKE_SIZES = (("tiny", 64, 2),)
 
 
-LINES: list[str] = []
-"""What the bench prints, held back until Ray and vLLM are down (see main)."""
+OUT: JsonStdout | None = None
+"""Where the bench's own lines go (see bench.jsonout); set by main."""
 
 
 def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)  # progress as it happens
-    LINES.append(line)
-
-
-@contextlib.contextmanager
-def logs_to_stderr():
-    """Everything written to stdout meanwhile (Ray's and vLLM's logs, their child processes')
-    goes to stderr; the bench's own lines then go to stdout, the JSON last."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        for line in LINES:
-            print(line, flush=True)
-        LINES.clear()
+    print(line, file=sys.stderr, flush=True)  # progress as it happens, and the summary on stdout
+    if OUT is not None:
+        OUT.line(line)
 
 
 def raw_copy(state: dict, path: str, dest: dict) -> float:
@@ -302,6 +288,9 @@ def measure_object_store(label: str, hidden: int, layers: int, reps: int, redis_
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one size (60 MiB), 3 repetitions: under 60 s")
+    parser.add_argument(
+        "--smoke", action="store_true", help="the tiny model (0.3 MiB), one rep: seconds + engine start"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--object-store",
@@ -309,13 +298,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="the object-store backend across two Ray nodes (60 MiB model; needs root)",
     )
     args = parser.parse_args(argv)
-    with logs_to_stderr():
-        return main_object_store(args) if args.object_store else main_shm(args)
+    if args.smoke:
+        args.quick, args.reps = True, 1
+    global OUT
+    with JsonStdout() as OUT:
+        OUT.result = main_object_store(args) if args.object_store else main_shm(args)
+    return OUT.result
 
 
 def main_shm(args) -> dict:
-    sizes = QUICK_SIZES if args.quick else SIZES
-    reps = 3 if args.quick else args.reps
+    sizes = SMOKE_SIZES if args.smoke else QUICK_SIZES if args.quick else SIZES
+    reps = args.reps if args.smoke else 3 if args.quick else args.reps
 
     import logging
 
@@ -348,8 +341,9 @@ def main_shm(args) -> dict:
         "sizes": rows,
         "reps": reps,
         "wall_s": round(time.perf_counter() - t_start, 1),
+        # check_engine_runs raised otherwise: the engine samples with the last published weights.
+        "checks": {"engine_runs_published_weights": True},
     }
-    say(json.dumps(result))
     return result
 
 
@@ -360,13 +354,14 @@ def main_object_store(args) -> dict:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t_start = time.perf_counter()
-    label, hidden, layers = QUICK_SIZES[0]
+    label, hidden, layers = (SMOKE_SIZES if args.smoke else QUICK_SIZES)[0]
     with (
         tempfile.TemporaryDirectory() as tmp,
         Progress(transient=True) as progress,
         EmbeddedRedis(os.path.join(tmp, "redis"), aof=False) as server,
     ):
-        row = measure_object_store(label, hidden, layers, 3 if args.quick else args.reps, server.url, tmp, progress)
+        reps = args.reps if args.smoke else 3 if args.quick else args.reps
+        row = measure_object_store(label, hidden, layers, reps, server.url, tmp, progress)
     say(
         f"{label:>9}: {row['mib']:8.2f} MiB  object store {row['ours_s'] * 1e3:8.1f} ms (put {row['put_s'] * 1e3:.1f}, "
         f"fetch on node 2 {row['fetch_s'] * 1e3:.1f}, engine load {row['engine_load_s'] * 1e3:.1f})  raw put+remote "
@@ -380,8 +375,8 @@ def main_object_store(args) -> dict:
         "goal": "ratio_excl_repack <= 1.5",
         "sizes": [row],
         "wall_s": round(time.perf_counter() - t_start, 1),
+        "checks": {"engine_runs_published_weights": True},  # as in main_shm
     }
-    say(json.dumps(result))
     return result
 
 

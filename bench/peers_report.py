@@ -1,0 +1,195 @@
+"""bench/peers.py's report: one trainer run's figures from its per-step record, a trainer's
+runs combined, the ratios against the best TRL peer per metric, the log line and the plot."""
+
+from __future__ import annotations
+
+import statistics
+from itertools import pairwise
+from pathlib import Path
+
+TRAINERS = ("trl_hf", "trl_vllm", "asyncrl_async", "asyncrl_sync")
+# What each workload stands for in the report: the demo's step is mostly the engine's fixed cost.
+ROLE = {"demo": "engine overhead", "realistic": "realistic"}
+
+
+def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
+    steps, rewards = raw["steps"], raw["rewards"]
+    out: dict = {
+        "error": raw["error"],
+        "steps": len(steps),
+        "wall_s": raw["wall_s"],
+        "startup_s": None,
+        "steps_per_s": None,
+        "steps_per_s_median": None,
+        "completions_per_s": None,
+        "tokens_per_s": None,
+        "useful_tokens_per_s": None,
+        "reward_first": None,
+        "reward_last": None,
+        "time_to_threshold_s": None,
+        "learner_padding": None,
+        "threshold": threshold,
+        "reward_curve": rewards,
+        "step_times_s": [t - raw["t0"] for t in steps],
+        "log": raw["log"],
+    }
+    if steps:
+        out["startup_s"] = steps[0] - raw["t0"]
+        out["reward_first"] = statistics.fmean(rewards[:window])
+        out["reward_last"] = statistics.fmean(rewards[-window:])
+    if len(steps) >= 2:  # steady: from the end of step 1 to the end of the last
+        span = steps[-1] - steps[0]
+        out["steps_per_s"] = (len(steps) - 1) / span
+        out["completions_per_s"] = sum(raw["completions"][1:]) / span
+        out["tokens_per_s"] = sum(raw["tokens"][1:]) / span
+        if len(raw.get("useful_tokens", [])) == len(raw["tokens"]):
+            out["useful_tokens_per_s"] = sum(raw["useful_tokens"][1:]) / span
+        # Robust to a few slow steps (another process on the box): 1 / the median step time.
+        out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in pairwise(steps)), 1e-9)
+    padding = [p for p in raw.get("padding", []) if p is not None]  # asyncrl's learner/padding_frac
+    if padding:
+        out["learner_padding"] = statistics.fmean(padding)
+    for i in range(len(rewards)):
+        roll = rewards[max(0, i - 4) : i + 1]
+        if len(roll) == min(5, len(rewards)) and statistics.fmean(roll) >= threshold:
+            out["time_to_threshold_s"] = steps[i] - raw["t0"]
+            break
+    return out
+
+
+def rnd(x):
+    return round(x, 3) if isinstance(x, float) else x
+
+
+def fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def line(wl: str, trainer: str, s: dict) -> str:
+    head = f"{wl:>9} {trainer:<13}"
+    if s["error"] and s["completions_per_s"] is None:
+        return f"{head} FAILED: {s['error']}"
+    txt = (
+        f"{head} start-up {fmt(s['startup_s'], '.1f')}s  {fmt(s['steps_per_s'])} steps/s  "
+        f"{fmt(s['completions_per_s'], '.1f')} completions/s  {fmt(s['useful_tokens_per_s'], '.0f')} useful "
+        f"of {fmt(s['tokens_per_s'], '.0f')} tokens/s  "
+        f"reward {fmt(s['reward_first'], '.3f')} -> {fmt(s['reward_last'], '.3f')}  "
+        f"to {s['threshold']}: {fmt(s['time_to_threshold_s'], '.1f')}s"
+    )
+    if s.get("learner_padding") is not None:
+        txt += f"  padding {s['learner_padding']:.0%}"
+    return txt + (f"  [{s['error']}]" if s["error"] else "")
+
+
+# Per-run figures a trainer's combined entry averages (over the runs that finished).
+FIGURES = (
+    "startup_s",
+    "steps_per_s",
+    "steps_per_s_median",
+    "completions_per_s",
+    "tokens_per_s",
+    "useful_tokens_per_s",
+    "reward_first",
+    "reward_last",
+    "time_to_threshold_s",
+    "learner_padding",
+)
+# The throughput figures a ratio is taken on; useful tokens/s is the realistic workload's headline.
+METRICS = ("useful_tokens_per_s", "completions_per_s", "tokens_per_s")
+
+
+def combine(runs: list[dict]) -> dict:
+    """One trainer's repetitions: each figure's mean over the runs that finished, every run kept.
+    A run that failed is left out of the means; the trainer fails only when every run did."""
+    good = [r for r in runs if not r["error"] and r["completions_per_s"]]
+    out: dict = {
+        "error": None if good else "; ".join(r["error"] or "no steady steps" for r in runs),
+        "failed_runs": len(runs) - len(good),
+        "threshold": runs[0]["threshold"],
+        "runs": runs,
+    }
+    for k in FIGURES:
+        vals = [r[k] for r in good if r[k] is not None]
+        out[k] = statistics.fmean(vals) if vals else None
+    return out
+
+
+def add_ratios(report: dict) -> None:
+    """Per workload and metric: the best TRL peer (failed ones left out), `ratio` = asyncrl_async's figure
+    over the best peer's (means over the runs) and `runs` = the same ratio within each repetition.
+    Completions/s and useful tokens/s differ where TRL cannot apply per-prompt budgets: it generates
+    every prompt to the long budget, and the reward reads only each prompt's own budget."""
+    for entry in report["workloads"].values():
+        tr = entry["trainers"]
+        ours = tr.get("asyncrl_async")
+        entry["ratios"] = {}
+        for m in METRICS:
+            ok = {k: v for k, v in tr.items() if k.startswith("trl") and not v["error"] and v[m]}
+            best = max(ok, key=lambda k: ok[k][m]) if ok else None
+            good = best is not None and ours is not None and not ours["error"] and ours[m]
+            per_run = []
+            if good:
+                for a, b in zip(ours["runs"], tr[best]["runs"], strict=False):
+                    fine = not a["error"] and not b["error"] and a[m] and b[m]
+                    per_run.append(a[m] / b[m] if fine else None)
+            entry["ratios"][m] = {
+                "best_peer": best,
+                "ratio": ours[m] / ok[best][m] if good else None,
+                "runs": per_run,
+            }
+    wls = report["workloads"]
+    report["headline"] = {
+        f"{wl}_{m}_ratio": wls[wl]["ratios"][m]["ratio"]
+        for wl, ms in (("realistic", METRICS[:2]), ("demo", METRICS[1:2]))
+        if wl in wls
+        for m in ms
+    }
+
+
+def plot(report: dict, paths: list[Path]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = list(report["workloads"])
+    fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
+    for i, wl in enumerate(wls):
+        trainers = report["workloads"][wl]["trainers"]
+        names = [tr for tr in TRAINERS if tr in trainers]
+        # The realistic workload's headline is useful tokens/s; the demo's (engine overhead) completions/s.
+        metric, unit = (
+            ("useful_tokens_per_s", "useful tokens / s")
+            if wl == "realistic"
+            else ("completions_per_s", "completions / s")
+        )
+        vals = [trainers[tr].get(metric) or 0.0 for tr in names]
+        bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
+        axes[0][i].bar_label(
+            bars,
+            [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals, strict=True)],
+            fontsize=8,
+        )
+        role = f" ({ROLE[wl]})" if ROLE[wl] != wl else ""
+        axes[0][i].set_title(f"{wl}{role}: {unit} (steady, mean of runs)")
+        axes[0][i].tick_params(axis="x", labelsize=8)
+        ax = axes[1][i]
+        for tr in names:
+            for k, s in enumerate(trainers[tr]["runs"]):
+                if s["reward_curve"]:
+                    ax.plot(
+                        s["step_times_s"],
+                        s["reward_curve"],
+                        marker=".",
+                        linestyle="-" if k == 0 else "--",
+                        color=f"C{TRAINERS.index(tr)}",
+                        label=f"{tr} #{k + 1}",
+                    )
+        ax.set_title(f"{wl}: reward vs wall time (from launch)")
+        ax.set_xlabel("s")
+        ax.legend(fontsize=8)
+    fig.suptitle(report["machine"], fontsize=9)
+    fig.tight_layout()
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110)
