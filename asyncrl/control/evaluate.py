@@ -14,6 +14,7 @@ queued or trained, and the trainer waits for the answers (a few engine steps).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
@@ -21,9 +22,9 @@ import statistics
 import time
 
 from asyncrl.config import Config
-from asyncrl.rollout.envs import score_completion
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import encode_prompt, open_prompts
+from asyncrl.rollout.scoring import RewardLimits, RewardScorer
 from asyncrl.seeding import rollout_seed
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class Evaluator:
         self.temperature = c.eval_temperature
         self.max_tokens = r.max_tokens
         self.env = make_rollout_env(r, c.run_name)
+        # The generators' scorer: the same timeouts, failure rule and reward-model batching.
+        self.scorer = RewardScorer(self.env, RewardLimits.from_rollout(r))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         stream = open_prompts(
             c.eval_prompts,
@@ -65,15 +68,21 @@ class Evaluator:
             generators[i % len(generators)].sample.remote(ids, 1, self.max_tokens, self.temperature)
             for i, (_, _, ids) in enumerate(self.prompts)
         ]
-        rewards, lengths, errors = [], [], 0
-        for (text, meta, _), out in zip(self.prompts, ray.get(refs), strict=True):
-            token_ids = out[0]["token_ids"]
-            lengths.append(len(token_ids))
-            reward, error = score_completion(self.env, self.tokenizer, text, token_ids, meta)
-            if error is None:
-                rewards.append(reward)
-            else:
-                errors += 1
+        outs = ray.get(refs)
+        failed_before = self.scorer.errors + self.scorer.timeouts
+
+        async def score_all() -> list[tuple[float, str | None]]:
+            return await asyncio.gather(
+                *(
+                    self.scorer.score_completion(self.tokenizer, text, out[0]["token_ids"], meta)
+                    for (text, meta, _), out in zip(self.prompts, outs, strict=True)
+                )
+            )
+
+        scored = asyncio.run(score_all())
+        lengths = [len(out[0]["token_ids"]) for out in outs]
+        rewards = [reward for reward, error in scored if error is None]
+        errors = self.scorer.errors + self.scorer.timeouts - failed_before
         out = {
             "eval/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "eval/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,

@@ -120,9 +120,7 @@ class GroupMaker:
         return rewards_tie(seen)
 
     async def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
-        # Decoded as score_completion decodes it, so training and evaluation judge the same text.
-        response = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        reward, error = await self.scorer.score(prompt, response, metadata)
+        reward, error = await self.scorer.score_completion(self.tokenizer, prompt, c.token_ids, metadata)
         n = len(c.token_ids)
         versions = list(c.versions) or [self.engine.version]
         if self.cfg.sync.inflight == "keep" and c.submitted_version is not None:

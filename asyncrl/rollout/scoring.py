@@ -37,7 +37,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +195,13 @@ class RewardScorer:
         self.errors = 0
         """Reward calls that raised or returned a non-number (timeouts not included)."""
         self._logged: set[tuple[str, str]] = set()
+
+    async def score_completion(
+        self, tokenizer: Any, prompt: str, token_ids: Sequence[int], metadata: dict[str, Any]
+    ) -> tuple[float, str | None]:
+        """A sampled completion decoded the way every reward reads it (special tokens dropped),
+        then scored: training and evaluation both come through here, so they judge the same text."""
+        return await self.score(prompt, tokenizer.decode(token_ids, skip_special_tokens=True), metadata)
 
     async def score(self, prompt: str, response: str, metadata: dict[str, Any]) -> tuple[float, str | None]:
         """(reward, None), or for a failed call (on_failure or NaN, why) as the module says."""

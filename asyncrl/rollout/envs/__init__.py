@@ -8,7 +8,6 @@ from asyncrl.rollout.envs.base import (
     make_env,
     resolve_env_class,
     score,
-    score_completion,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "make_env",
     "resolve_env_class",
     "score",
-    "score_completion",
 ]

@@ -91,19 +91,6 @@ def check_reward_value(name: str, value: Any) -> float:
     return float(value)
 
 
-def score_completion(
-    env: Environment, tokenizer, prompt: str, token_ids, metadata: dict[str, Any]
-) -> tuple[float, str | None]:
-    """Decode a sampled completion the way the reward sees it and score it: (reward, None), or
-    (NaN, why) when the reward fails (the sample is then masked from the loss). Training and
-    evaluation both score through here, so they judge the same text."""
-    response = tokenizer.decode(token_ids, skip_special_tokens=True)
-    try:
-        return score(env, prompt, response, metadata), None
-    except RewardError as e:
-        return math.nan, str(e)
-
-
 def allowed_token_ids(env_name: str, tokenizer) -> list[int] | None:
     """The ids generators may sample for ``env_name`` (None: any). An environment with
     ``sample_special_tokens = False`` gets every token of the tokenizer but its special ones,
