@@ -53,7 +53,7 @@ def _assemble(out: Path, model_path: str, write_weights) -> Path:
 
 def export_live(learner, model_path: str, out: str | Path) -> Path:
     """The learners' current weights (rank 0 gathers and writes them) as an HF folder at `out`."""
-    return _assemble(Path(out), model_path, lambda file: learner.export_to_file(str(file)))
+    return _assemble(Path(out), model_path, lambda file: learner.export_to_file(str(file), full=True))
 
 
 def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
@@ -71,9 +71,13 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
     return path
 
 
-def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | Path | None = None) -> Path:
+def export_checkpoint(
+    run_dir: str | Path, step: int | None = None, out: str | Path | None = None, *, adapter: bool = False
+) -> Path:
     """An HF folder from a run's DCP checkpoint (default: the latest), read in this process with
-    no learner or process group; written to `out` or ``run_dir/hf/step_N``."""
+    no learner or process group; written to `out` or ``run_dir/hf/step_N``. A LoRA run's
+    checkpoint holds only its adapter: it is loaded onto the base model and merged, or with
+    ``adapter`` written alone in PEFT's format (``run_dir/hf/step_N-adapter`` by default)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -84,12 +88,18 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     ckpt = checkpoint_dir(run_dir, step)
     cfg = load_config(run_dir / CONFIG_FILE)
+    lora = cfg.learner.lora
+    if adapter and lora is None:
+        raise ValueError(f"{run_dir}: --adapter needs a LoRA run (its config has no learner.lora)")
     model_path = resolve_model(cfg, run_dir)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    n = step_of(ckpt)
+    if lora is not None:
+        suffix = "-adapter" if adapter else ""
+        return _export_lora(model, cfg, ckpt, model_path, out or run_dir / HF_DIR / f"step_{n}{suffix}", adapter)
     state = model.state_dict()
     # The checkpoint holds {"model", "optim"}; only the model's entries are asked for.
     dcp.load({"model": state}, checkpoint_id=str(ckpt / "dcp"))
-    n = step_of(ckpt)
 
     def write(file: Path) -> None:
         # Tied weights are one tensor under two names: safetensors stores each name's own copy.
@@ -101,3 +111,40 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out: str | P
 
     with private_files(cfg.control.private_files):  # as private as the run's own exports
         return _assemble(Path(out) if out is not None else run_dir / HF_DIR / f"step_{n}", model_path, write)
+
+
+def _export_lora(model, cfg, ckpt: Path, model_path: str, out: str | Path, adapter: bool) -> Path:
+    """The checkpoint's adapter on ``model`` (the base): merged into an HF folder, or alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.learner.lora import apply_lora, is_adapter
+
+    peft_model = apply_lora(model, cfg.learner.lora, model_path)
+    inner = peft_model.base_model.model  # the names the learner checkpointed (asyncrl.learner.lora)
+    state = {k: v for k, v in inner.state_dict().items() if is_adapter(k)}
+    dcp.load({"model": state}, checkpoint_id=str(ckpt / "dcp"))
+    inner.load_state_dict(state, strict=False)
+    out = Path(out)
+    with private_files(cfg.control.private_files):
+        if adapter:
+            return _stage_and_replace(out, lambda stage: peft_model.save_pretrained(str(stage)))
+        merged = peft_model.merge_and_unload()
+
+        def write(file: Path) -> None:
+            merged.save_pretrained(str(file.parent))
+
+        return _assemble(out, model_path, write)
+
+
+def _stage_and_replace(out: Path, write) -> Path:
+    """Stage a folder, let `write(stage)` fill it, rename it to `out` (a reader never sees half)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        write(stage)
+        replace_dir(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
