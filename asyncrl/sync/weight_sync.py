@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from asyncrl.config import LoraConfig, SyncConfig
+from asyncrl.config import ConfigError, LoraConfig, SyncConfig
 from asyncrl.types import WeightLocation, WeightsObject
 
 BACKENDS = ("auto", "shm", "nccl", "object_store")
@@ -147,9 +147,15 @@ def lora_publish(lora: LoraConfig | None, sync: SyncConfig) -> str | None:
     engine's own weights, named as the base model's."""
     if lora is None:
         return None
+    nccl = resolve_backend(sync.backend) == "nccl"
+    if lora.publish == "adapter" and nccl:
+        raise ConfigError(
+            "learner.lora.publish=adapter: the nccl sync moves full weights into the engines; "
+            "use publish=merged (or auto) with nccl, or sync.backend=shm/object_store for adapters"
+        )
     if lora.publish != "auto":
         return lora.publish
-    return "merged" if resolve_backend(sync.backend) == "nccl" else "adapter"
+    return "merged" if nccl else "adapter"
 
 
 def build_weight_sync(

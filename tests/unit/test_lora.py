@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from asyncrl.config import LoraConfig, load_config
+from asyncrl.config import ConfigError, LoraConfig, load_config
 from asyncrl.learner import checkpoint, fsdp, lora, optim
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE
@@ -175,3 +175,5 @@ def test_publish_path():
     assert lora_publish(LoraConfig(), SyncConfig(backend="object_store")) == "adapter"
     assert lora_publish(LoraConfig(), SyncConfig(backend="nccl")) == "merged"
     assert lora_publish(LoraConfig(publish="merged"), SyncConfig(backend="shm")) == "merged"
+    with pytest.raises(ConfigError, match=r"learner\.lora\.publish=adapter: the nccl sync"):
+        lora_publish(LoraConfig(publish="adapter"), SyncConfig(backend="nccl"))
