@@ -177,3 +177,17 @@ def test_publish_path():
     assert lora_publish(LoraConfig(publish="merged"), SyncConfig(backend="shm")) == "merged"
     with pytest.raises(ConfigError, match=r"learner\.lora\.publish=adapter: the nccl sync"):
         lora_publish(LoraConfig(publish="adapter"), SyncConfig(backend="nccl"))
+
+
+def test_engine_lora_rank_fits_vllms_buffers():
+    from asyncrl.rollout.adapters import lora_engine_args
+
+    assert lora_engine_args(LoraConfig(r=8))["max_lora_rank"] == 8
+    assert lora_engine_args(LoraConfig(r=12)) == {
+        "enable_lora": True,
+        "max_lora_rank": 16,
+        "max_loras": 1,
+        "max_cpu_loras": 1,
+    }
+    with pytest.raises(ValueError, match=r"learner\.lora\.r=600: vLLM takes adapters up to rank 512"):
+        lora_engine_args(LoraConfig(r=600))
