@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from asyncrl.config import Config, parse_cpu_list
+from asyncrl.config import Config, LoraConfig, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.tokens import sampleable_ids
 from asyncrl.learner import checkpoint, fsdp, lora, loss, optim, step
@@ -36,6 +36,11 @@ from asyncrl.sync.weight_sync import lora_publish
 
 class LearnerActor:
     """One data-parallel rank. Construct cheaply; `setup()` joins the group and loads the model."""
+
+    lora_cfg: LoraConfig | None = None
+    """learner.lora (set by setup): None trains and publishes every weight."""
+    lora_publish: str | None = None
+    """What a LoRA run's publishes carry, "adapter" or "merged" (asyncrl.sync.weight_sync.lora_publish)."""
 
     def __init__(
         self,
@@ -93,7 +98,7 @@ class LearnerActor:
             activation_checkpointing=lc.activation_checkpointing,
             lora=lc.lora,
         )
-        self.lora_publish = lora_publish(lc.lora, self.cfg.sync)
+        self.lora_cfg, self.lora_publish = lc.lora, lora_publish(lc.lora, self.cfg.sync)
         # With LoRA, the HF model inside PEFT's wrappers (asyncrl.learner.lora).
         self.model: torch.nn.Module = loaded if lc.lora is None else cast(Any, loaded).base_model.model
         self.reference: Any = None
@@ -266,7 +271,7 @@ class LearnerActor:
         """Collective: what a publish sends (``full``: the full weights whatever it sends),
         on rank 0; {} on the others. A LoRA run publishes its adapter alone, or the merged
         weights (lora_publish); the adapter's gather leaves the frozen base where it is."""
-        lc = self.cfg.learner.lora
+        lc = self.lora_cfg
         if lc is None:
             return fsdp.full_state_dict(self.model)
         if self.lora_publish == "adapter" and not full:
