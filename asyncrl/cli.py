@@ -117,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", help="the run directory (control.run_dir)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
     e.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/hf/step_N)")
+    e.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: the adapter alone in PEFT format (default: base + adapter merged)",
+    )
     e.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     m = sub.add_parser("tiny-model", help="write a tiny random Llama + char tokenizer")
@@ -193,8 +198,8 @@ def _cmd_export(args) -> int:
     from asyncrl.control.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.run_dir, step=args.step, out=args.out)
-    except FileNotFoundError as e:
+        out = export_checkpoint(args.run_dir, step=args.step, out=args.out, adapter=args.adapter)
+    except (FileNotFoundError, ValueError) as e:
         print(f"asyncrl export: {e}", file=sys.stderr)
         return 2
     print(out)

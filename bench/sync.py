@@ -27,6 +27,14 @@ transport can avoid; the goal (<= 1.5) is on that one. The split: ``put_s`` (pac
 ``fetch_s`` (the slowest generator's pull to node 2 + file write), ``engine_load_s``;
 ``raw_put_s`` is the raw side's put.
 
+    .venv/bin/python bench/sync.py --lora           # LoRA: adapter-only vs full publish, tiny model
+
+``--lora`` publishes a LoRA run's weights both ways on the tiny model (learner.lora r=8 on
+q/k/v/o): the adapter alone to an engine that takes it as a vLLM LoRA, and the merged full
+weights to a plain engine; it reports the bytes each publish writes (``bytes_ratio`` = full /
+adapter; goal >= 10) and their apply times, and checks both engines sample with the log-probs
+of the same adapted model (transformers + PEFT).
+
 Everything else that writes to stdout (Ray, vLLM, their processes, also at exit) is sent to
 stderr (bench.jsonout), so stdout holds the summary lines and, last, the JSON.
 """
@@ -297,13 +305,101 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="the object-store backend across two Ray nodes (60 MiB model; needs root)",
     )
+    parser.add_argument("--lora", action="store_true", help="LoRA: adapter-only vs full publish (tiny model)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.quick, args.reps = True, 1
     global OUT
     with JsonStdout() as OUT:
-        OUT.result = main_object_store(args) if args.object_store else main_shm(args)
+        if args.lora:
+            OUT.result = main_lora(args)
+        else:
+            OUT.result = main_object_store(args) if args.object_store else main_shm(args)
     return OUT.result
+
+
+def main_lora(args) -> dict:
+    import logging
+
+    from asyncrl.queue.server import EmbeddedRedis
+
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedRedis(os.path.join(tmp, "redis"), aof=False)
+        server.start()
+        try:
+            result = measure_lora(3 if args.quick else args.reps, server.url, tmp)
+        finally:
+            server.stop()
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    say(
+        f"LoRA (tiny, r={result['r']}): adapter publish {result['adapter_bytes']} B "
+        f"(apply {result['adapter_apply_s'] * 1e3:.1f} ms), full publish {result['full_bytes']} B "
+        f"(apply {result['full_apply_s'] * 1e3:.1f} ms): {result['bytes_ratio']}x fewer bytes"
+    )
+    return result
+
+
+def measure_lora(reps: int, redis_url: str, tmp: str) -> dict:
+    """Adapter-only publishes to a LoRA engine vs merged full publishes to a plain one."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config import Config, LearnerConfig, LoraConfig, RolloutConfig, SyncConfig
+    from asyncrl.learner.lora import peft_config
+    from asyncrl.queue import RunState
+    from asyncrl.rollout.generator import GeneratorActor
+    from asyncrl.rollout.tiny import write_tiny_model
+    from asyncrl.sync.shm import ShmWeightSync
+
+    model_dir = str(write_tiny_model(os.path.join(tmp, "tiny")))
+    lora = LoraConfig(r=8, alpha=16)
+    rows: dict[str, dict] = {}
+    for mode in ("adapter", "merged"):
+        cfg = Config()
+        cfg.rollout = RolloutConfig(engine_max_model_len=256, engine_max_num_seqs=8, max_tokens=8)
+        cfg.learner = LearnerConfig(lora=lora.model_copy(update={"publish": mode}))
+        cfg.sync = SyncConfig(backend="shm")
+        run = f"bench-sync-lora-{mode}"
+        gen = GeneratorActor(cfg, model_dir, "bench", redis_url, run)
+        run_state = RunState.connect(redis_url, run)
+        sync = ShmWeightSync(cfg.sync, run_state=run_state, run=run, engines=[gen])
+        sizes, applies = [], []
+        try:
+            for i in range(reps + 1):
+                torch.manual_seed(i)
+                base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                cfg_peft = peft_config(lora, model_dir)
+                cfg_peft.init_lora_weights = False  # random A and B: a trained adapter's shape of update
+                peft_model = get_peft_model(base, cfg_peft).eval()
+                adapter = {k: v.contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+                merged = peft_model.merge_and_unload().state_dict()
+                info = sync.publish(adapter if mode == "adapter" else merged, version=i + 1)
+                assert info.errors == () and gen.version() == i + 1, info
+                if i:
+                    sizes.append(info.bytes)
+                    applies.append(info.apply_s)
+            check_engine_runs(gen, model_dir, merged)
+        finally:
+            sync.close()
+            gen.shutdown()
+            run_state.close()
+        rows[mode] = {"bytes": int(np.median(sizes)), "apply_s": round(float(np.median(applies)), 4)}
+    return {
+        "r": lora.r,
+        "target_modules": lora.target_modules,
+        "adapter_bytes": rows["adapter"]["bytes"],
+        "full_bytes": rows["merged"]["bytes"],
+        "bytes_ratio": round(rows["merged"]["bytes"] / rows["adapter"]["bytes"], 1),
+        "goal": ">= 10",
+        "adapter_apply_s": rows["adapter"]["apply_s"],
+        "full_apply_s": rows["merged"]["apply_s"],
+        "reps": reps,
+    }
 
 
 def main_shm(args) -> dict:

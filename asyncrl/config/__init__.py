@@ -32,6 +32,7 @@ from asyncrl.config.secrets import REDACTED, redact_config, rejoin_config
 from asyncrl.config.sections import (
     ControlConfig,
     LearnerConfig,
+    LoraConfig,
     MonitorConfig,
     QueueConfig,
     RewardFnConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "CorrectionConfig",
     "CustomLoss",
     "LearnerConfig",
+    "LoraConfig",
     "LossParams",
     "MonitorConfig",
     "PolicyLoss",

@@ -284,6 +284,32 @@ class QueueConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (PEFT's LoRA) on the learner's model: only they train, sit in the
+    optimizer and in checkpoints, and (publish: auto/adapter) travel to the engines."""
+
+    r: int = Field(16, ge=1)
+    """Rank of each adapter."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale numerator: the update is (alpha / r) * B @ A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in the training forward only (the engines, and the
+    learner's own log-prob passes, run without it; docs/design.md, "LoRA")."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the Linear layers that get adapters (PEFT's target_modules), or ["all-linear"]."""
+    publish: Literal["auto", "adapter", "merged"] = "auto"
+    """What each publish sends: adapter (the adapter alone, vLLM loads it as a LoRA), merged
+    (base + adapter as full weights, loaded as today), auto (adapter unless the sync backend
+    is nccl, whose transfer moves full weights)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: list[str]) -> list[str]:
+        if not value or any(not isinstance(v, str) or not v.strip() for v in value):
+            raise ConfigError(f"learner.lora.target_modules={value!r}: must name at least one module")
+        return value
+
+
 class LearnerConfig(Section):
     """FSDP2 learner ranks, optimiser and schedule."""
 
@@ -309,6 +335,9 @@ class LearnerConfig(Section):
     """Recompute each decoder block's activations in the backward pass instead of keeping them:
     activation memory drops to about one block's worth plus each block's input, for one more
     forward's compute. Gradients are unchanged (docs/design.md, "Activation checkpointing")."""
+    lora: LoraConfig | None = None
+    """{r, alpha, dropout, target_modules, publish}: train LoRA adapters instead of every
+    weight (off when absent); see docs/design.md, "LoRA"."""
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -19,6 +19,7 @@ from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.prompts import check_chat_template
 from asyncrl.rollout.reward_model import start_reward_models, stop_reward_models
 from asyncrl.sync import build_weight_sync
+from asyncrl.sync.weight_sync import lora_publish
 
 if TYPE_CHECKING:
     from asyncrl.learner import LearnerGroup
@@ -149,4 +150,9 @@ def start_weight_sync(
         model_package=model_package,
     )
     stack.callback(weight_sync.close)
+    match lora_publish(cfg.learner.lora, cfg.sync):
+        case "adapter":
+            log.info("LoRA: each publish sends the adapter alone; the engines load it as a vLLM LoRA")
+        case "merged":
+            log.info("LoRA: each publish sends the weights with the adapter merged in; the engines load them whole")
     return weight_sync

@@ -33,22 +33,36 @@ HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def _assemble(out: RunPath, model_path: str, write_weights) -> RunPath:
-    """Stage a folder, let `write_weights(file)` put the weights in it, add the rest, rename it to
-    `out` (upload it, on an object store)."""
+def _stage(out: RunPath, fill) -> RunPath:
+    """Let `fill(folder)` write a folder under a temporary name, then rename it to `out` (a reader
+    never sees half of it; a re-export of the same step replaces it); on an object store it is
+    filled in a local temporary directory and uploaded over the old one."""
     if isinstance(out, ObjectPath):
         with tempfile.TemporaryDirectory(prefix="asyncrl-export-") as tmp:
             staged = Path(tmp) / out.name
-            _assemble(staged, model_path, write_weights)
+            _stage(staged, fill)
             remove_tree(out)
             upload_tree(staged, out)
         return out
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
     try:
+        fill(stage)
+        replace_dir(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def _assemble(out: RunPath, model_path: str, write_weights) -> RunPath:
+    """An HF folder at `out`: `write_weights(file)` puts the weights in it; the config, tokenizer
+    and generation config are the base model's."""
+
+    def fill(stage: Path) -> None:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
         write_weights(stage / WEIGHTS_FILE)
         config = AutoConfig.from_pretrained(model_path)
         config.save_pretrained(stage)
@@ -58,11 +72,8 @@ def _assemble(out: RunPath, model_path: str, write_weights) -> RunPath:
         except OSError:  # the base model has none: the one its config implies
             generation = GenerationConfig.from_model_config(config)
         generation.save_pretrained(stage)
-        replace_dir(stage, out)  # a re-export of the same step replaces it
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return out
+
+    return _stage(out, fill)
 
 
 def export_live(learner, model_path: str, out: str | Path | RunPath) -> RunPath:
@@ -70,7 +81,7 @@ def export_live(learner, model_path: str, out: str | Path | RunPath) -> RunPath:
     out = run_path(out)
     if isinstance(out, ObjectPath):
         return _assemble(out, model_path, lambda file: _save_weights(learner.export_state_dict(), file, {}))
-    return _assemble(out, model_path, lambda file: learner.export_to_file(str(file)))
+    return _assemble(out, model_path, lambda file: learner.export_to_file(str(file), full=True))
 
 
 def _save_weights(state, file: Path, metadata: dict[str, str]) -> None:
@@ -100,11 +111,17 @@ def checkpoint_dir(run_dir: str | Path | RunPath, step: int | None = None) -> Ru
 
 
 def export_checkpoint(
-    run_dir: str | Path | RunPath, step: int | None = None, out: str | Path | RunPath | None = None
+    run_dir: str | Path | RunPath,
+    step: int | None = None,
+    out: str | Path | RunPath | None = None,
+    *,
+    adapter: bool = False,
 ) -> RunPath:
     """An HF folder from a run's DCP checkpoint (default: the latest), read in this process with
     no learner or process group; written to `out` or ``run_dir/hf/step_N``. A URL is read with
-    its filesystem's standard credentials (asyncrl.rundir.store.run_path)."""
+    its filesystem's standard credentials (asyncrl.rundir.store.run_path). A LoRA run's
+    checkpoint holds only its adapter: it is loaded onto the base model and merged, or with
+    ``adapter`` written alone in PEFT's format (``run_dir/hf/step_N-adapter`` by default)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
@@ -114,16 +131,44 @@ def export_checkpoint(
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     ckpt = checkpoint_dir(run_dir, step)
     cfg = load_config(run_dir / CONFIG_FILE)
+    lora = cfg.learner.lora
+    if adapter and lora is None:
+        raise ValueError(f"{run_dir}: --adapter needs a LoRA run (its config has no learner.lora)")
     model_path = resolve_model(cfg, local_dir_for(run_dir, cfg.control.local_dir))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    n = step_of(ckpt)
+    target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
+    if lora is not None:
+        default = run_dir / HF_DIR / (f"step_{n}-adapter" if adapter else f"step_{n}")
+        return _export_lora(model, cfg, ckpt, model_path, target or default, adapter)
     state = model.state_dict()
     # The checkpoint holds {"model", "optim"}; only the model's entries are asked for.
     dcp.load({"model": state}, **dcp_storage(ckpt, reader=True))
-    n = step_of(ckpt)
 
     def write(file: Path) -> None:
         _save_weights(state, file, {"step": str(n)})
 
-    target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
     with private_files(cfg.control.private_files):  # as private as the run's own exports
         return _assemble(target or run_dir / HF_DIR / f"step_{n}", model_path, write)
+
+
+def _export_lora(model, cfg, ckpt: RunPath, model_path: str, out: RunPath, adapter: bool) -> RunPath:
+    """The checkpoint's adapter on ``model`` (the base): merged into an HF folder, or alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.learner.lora import apply_lora, is_adapter
+
+    peft_model = apply_lora(model, cfg.learner.lora, model_path)
+    inner = peft_model.base_model.model  # the names the learner checkpointed (asyncrl.learner.lora)
+    state = {k: v for k, v in inner.state_dict().items() if is_adapter(k)}
+    dcp.load({"model": state}, **dcp_storage(ckpt, reader=True))
+    inner.load_state_dict(state, strict=False)
+    with private_files(cfg.control.private_files):
+        if adapter:
+            return _stage(out, lambda stage: peft_model.save_pretrained(str(stage)))
+        merged = peft_model.merge_and_unload()
+
+        def write(file: Path) -> None:
+            merged.save_pretrained(str(file.parent))
+
+        return _assemble(out, model_path, write)

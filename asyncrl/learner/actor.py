@@ -21,20 +21,26 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from asyncrl.config import Config, parse_cpu_list
+from asyncrl.config import Config, LoraConfig, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.tokens import sampleable_ids
-from asyncrl.learner import checkpoint, fsdp, loss, optim, step
+from asyncrl.learner import checkpoint, fsdp, lora, loss, optim, step
 from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
 from asyncrl.sync.model_ship import local_model
 from asyncrl.sync.objstore import weights_packet
 from asyncrl.sync.shm import temp_beside
+from asyncrl.sync.weight_sync import lora_publish
 
 
 class LearnerActor:
     """One data-parallel rank. Construct cheaply; `setup()` joins the group and loads the model."""
+
+    lora_cfg: LoraConfig | None = None
+    """learner.lora (set by setup): None trains and publishes every weight."""
+    lora_publish: str | None = None
+    """What a LoRA run's publishes carry, "adapter" or "merged" (asyncrl.sync.weight_sync.lora_publish)."""
 
     def __init__(
         self,
@@ -84,15 +90,22 @@ class LearnerActor:
             timeout_s=self.collective_timeout_s,
         )
         mesh = fsdp.build_mesh(self.device, self.world_size)
-        self.model = fsdp.load_sharded_model(
+        loaded = fsdp.load_sharded_model(
             self.model_path,
             mesh,
             device=self.device,
             dtype=lc.dtype,
             activation_checkpointing=lc.activation_checkpointing,
+            lora=lc.lora,
         )
-        self.reference = None
-        if self.cfg.algo.kl_coef > 0:
+        self.lora_cfg, self.lora_publish = lc.lora, lora_publish(lc.lora, self.cfg.sync)
+        # With LoRA, the HF model inside PEFT's wrappers (asyncrl.learner.lora).
+        self.model: torch.nn.Module = loaded if lc.lora is None else cast(Any, loaded).base_model.model
+        self.reference: Any = None
+        if self.cfg.algo.kl_coef > 0 and lc.lora is not None:
+            # The base weights are the model's own, under the adapters: no second copy.
+            self.reference = lora.AdapterDisabled(self.model)
+        elif self.cfg.algo.kl_coef > 0:
             self.reference = fsdp.load_sharded_model(
                 self.model_path, mesh, device=self.device, dtype=lc.dtype, trainable=False
             )
@@ -204,16 +217,18 @@ class LearnerActor:
             num_microbatches=count * self.world_size,
             old_from_current=proximal_key is None,
         )
-        stats = step.train_step(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            mbs,
-            loss_fn,
-            grad_clip=self.cfg.learner.grad_clip,
-            device=self.device,
-            disallowed=self.disallowed,
-        )
+        lc = self.cfg.learner
+        with lora.dropout_active(self.model, lc.lora is not None and lc.lora.dropout > 0):
+            stats = step.train_step(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                mbs,
+                loss_fn,
+                grad_clip=lc.grad_clip,
+                device=self.device,
+                disallowed=self.disallowed,
+            )
         self.version += 1
         self.step_count += 1
         real = sum(mbatch.computed_tokens(mb) for mb in mbs if not mb[mbatch.PADDING_KEY])
@@ -248,16 +263,30 @@ class LearnerActor:
         )
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Collective; the full HF-named state dict on rank 0, {} on the others."""
-        return fsdp.full_state_dict(self.model)
+        """Collective; the full HF-named state dict on rank 0, {} on the others (a LoRA run's
+        with its adapters merged in: the weights a model without LoRA loads)."""
+        return self._weights(full=True)
 
-    def write_weights(self, path: str) -> int | str:
-        """Collective; rank 0 writes safetensors to `path` (atomically). Returns the version, or
-        on rank 0 the write's error as text: the collective is over by then, so a full disk is
-        the caller's to wait out, not a reason to mark the group broken."""
+    def _weights(self, full: bool) -> dict[str, torch.Tensor]:
+        """Collective: what a publish sends (``full``: the full weights whatever it sends),
+        on rank 0; {} on the others. A LoRA run publishes its adapter alone, or the merged
+        weights (lora_publish); the adapter's gather leaves the frozen base where it is."""
+        lc = self.lora_cfg
+        if lc is None:
+            return fsdp.full_state_dict(self.model)
+        if self.lora_publish == "adapter" and not full:
+            return lora.adapter_state(self.model)
+        state = fsdp.full_state_dict(self.model)
+        return lora.merged_weights(state, lora.scale(lc)) if self.rank == 0 else {}
+
+    def write_weights(self, path: str, full: bool = False) -> int | str:
+        """Collective; rank 0 writes safetensors to `path` (atomically): what a publish sends,
+        or with ``full`` the full weights (an export). Returns the version, or on rank 0 the
+        write's error as text: the collective is over by then, so a full disk is the caller's
+        to wait out, not a reason to mark the group broken."""
         from safetensors.torch import save_file
 
-        state = fsdp.full_state_dict(self.model)
+        state = self._weights(full)
         if self.rank == 0:
             tmp: str | None = None
             try:
@@ -279,7 +308,7 @@ class LearnerActor:
 
     def export_blob(self):
         """Collective; (version, TensorPacket of the weights) on rank 0, (version, None) elsewhere."""
-        state = fsdp.full_state_dict(self.model)
+        state = self._weights(full=False)
         return self.version, (weights_packet(state) if self.rank == 0 else None)
 
     def save(self, directory: str) -> int:

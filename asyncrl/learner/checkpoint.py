@@ -98,6 +98,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- rank side
 
 
+def state_dict_options(model: torch.nn.Module) -> Any:
+    """Frozen parameters (a LoRA run's base model) stay out of the checkpoint: they are the
+    base model's, which every resume loads anyway. ``strict=False`` lets loading leave them
+    alone; DCP itself still fails on any entry that is asked for and missing."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def save_rank_state(
     directory: str | Path,
     model: torch.nn.Module,
@@ -114,7 +124,7 @@ def save_rank_state(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = run_path(directory, storage_options)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
     dcp.save({"model": model_sd, "optim": optim_sd}, **dcp_storage(root, reader=False))
     record = {"step": step, "version": version, "scheduler": scheduler.state_dict(), "rng": rng_state()}
     rank_file(root, rank).write_bytes(msgpack.packb(record, use_bin_type=True))
@@ -135,10 +145,11 @@ def load_rank_state(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root = run_path(directory, storage_options)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = state_dict_options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, **dcp_storage(root, reader=True))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     # Rank 0's file always exists; a rank beyond the saved world size takes rank 0's
     # step/version/scheduler (identical on all ranks) and keeps its own fresh RNG.
     own = rank_file(root, rank)

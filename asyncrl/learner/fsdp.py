@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from asyncrl.config import LoraConfig
+
 
 def pick_device(gpus_per_rank: float) -> torch.device:
     """cuda:0 (Ray already narrowed CUDA_VISIBLE_DEVICES to this rank's GPU) or cpu."""
@@ -166,8 +168,13 @@ def load_sharded_model(
     dtype: str,
     trainable: bool = True,
     activation_checkpointing: bool = False,
+    lora: LoraConfig | None = None,
 ) -> nn.Module:
     """Load the HF causal LM in float32 (master weights), shard it with FSDP2 over `mesh`.
+
+    With `lora`, PEFT's adapters are injected first (base frozen, adapters trainable) and the
+    PeftModel is returned; the HF model inside it (``.base_model.model``) is what is sharded
+    and what the learner runs (asyncrl.learner.lora).
 
     A frozen model (the KL reference) gets requires_grad=False, so it holds no gradients and
     no optimizer state, and is only ever run under no_grad.
@@ -191,9 +198,16 @@ def load_sharded_model(
     model.config.use_cache = False
     model.requires_grad_(trainable)
     model.train(False)
-    return shard_model(
+    peft_model = None
+    if lora is not None:
+        from asyncrl.learner.lora import apply_lora  # imports peft: only for LoRA runs
+
+        peft_model = apply_lora(model, lora, model_path)
+        peft_model.train(False)
+    shard_model(
         model, mesh, mixed_precision(dtype, device), activation_checkpointing=activation_checkpointing and trainable
     )
+    return model if peft_model is None else peft_model
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -294,9 +294,10 @@ class LearnerGroup:
         Ships every tensor through Ray: for weight sync prefer export_to_file."""
         return self._call("full_state")[0]
 
-    def export_to_file(self, path: str) -> tuple[str, int]:
-        """Rank 0 writes the full weights to `path` as safetensors (metadata: version)."""
-        versions = self._call("write_weights", [(str(path),)] * self.num_ranks)
+    def export_to_file(self, path: str, full: bool = False) -> tuple[str, int]:
+        """Rank 0 writes what a publish sends to `path` as safetensors (metadata: version): the
+        full weights, or a LoRA run's adapter alone; ``full``: the full weights always."""
+        versions = self._call("write_weights", [(str(path), full)] * self.num_ranks)
         if isinstance(versions[0], str):
             raise OSError(f"learner rank 0 could not write the weights to {path}: {versions[0]}")
         return str(path), int(versions[0])

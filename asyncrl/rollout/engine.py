@@ -34,7 +34,8 @@ import logging
 import os
 import time
 
-from asyncrl.config import RolloutConfig
+from asyncrl.config import LoraConfig, RolloutConfig
+from asyncrl.rollout.adapters import AdapterSlot
 from asyncrl.rollout.completions import Completion, completions
 from asyncrl.rollout.recovery import (
     is_resource_tracker,
@@ -92,6 +93,10 @@ class RolloutEngine:
         """vLLM's weight-transfer backend the engine was built with (a rebuild keeps it)."""
         self.learner_dtype = "float32"
         """learner.dtype, which the engine's dtype follows (a rebuild keeps it)."""
+        self.lora: LoraConfig | None = None
+        self.adapter: AdapterSlot | None = None
+        """A LoRA run's adapter slot (each load replaces the adapter, the base stays), or None:
+        loads replace the weights themselves."""
 
     @classmethod
     async def start(
@@ -103,6 +108,7 @@ class RolloutEngine:
         seed: int,
         weight_transfer: str | None = None,
         learner_dtype: str = "float32",
+        lora: LoraConfig | None = None,
     ) -> RolloutEngine:
         import psutil
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -110,7 +116,7 @@ class RolloutEngine:
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
         llm = AsyncLLM.from_engine_args(
-            engine_args(rollout, model_path, seed, weight_transfer, learner_dtype=learner_dtype)
+            engine_args(rollout, model_path, seed, weight_transfer, learner_dtype=learner_dtype, lora=lora)
         )
         pids = [
             [p.pid, p.create_time()]
@@ -120,6 +126,8 @@ class RolloutEngine:
         engine = cls(llm, rollout, model_path, pids, seed)
         engine.weight_transfer = weight_transfer
         engine.learner_dtype = learner_dtype
+        engine.lora = lora
+        engine.adapter = AdapterSlot(lora, model_path) if lora is not None else None
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
         engine.shm_segments = sorted(shm_segments_of([pid for pid, _ in pids] + [os.getpid()]))
@@ -169,7 +177,8 @@ class RolloutEngine:
         llm = self.llm
         self._requests.add(request_id)
         try:
-            async for out in llm.generate(prompt, params, request_id):
+            lora_request = self.adapter.request if self.adapter is not None else None
+            async for out in llm.generate(prompt, params, request_id, lora_request=lora_request):
                 final = out
         except Exception as e:
             if not llm.errored:
@@ -214,6 +223,9 @@ class RolloutEngine:
         await core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
 
     async def _rpc_load(self, path: str) -> None:
+        if self.adapter is not None:  # the file holds the adapter alone
+            await self.adapter.load(self.llm, path)
+            return
         await self.llm.collective_rpc("asyncrl_load_safetensors", args=(path,))
 
     async def load_weights(self, path: str, version: int, inflight: str = "recompute", retries: int = 1) -> dict:
@@ -317,7 +329,10 @@ class RolloutEngine:
                 await self._rpc_load(path)
                 self.closed = None
                 return
-            await self.llm.collective_rpc("reload_weights")  # the original checkpoint
+            if self.adapter is not None:  # the base weights never changed: drop the adapter
+                await self.adapter.unload(self.llm)
+            else:
+                await self.llm.collective_rpc("reload_weights")  # the original checkpoint
             if self.version != self.base_version:
                 self.closed = f"version {self.version}'s weights are gone; it holds version {self.base_version}'s"
             return
@@ -351,7 +366,12 @@ class RolloutEngine:
             seed=self.seed,
             weight_transfer=self.weight_transfer,
             learner_dtype=self.learner_dtype,
+            lora=self.lora,
         )
+        if fresh.adapter is not None:  # ours (its folder) stays; the fresh engine holds no adapter yet
+            fresh.adapter.close()
+            if self.adapter is not None:
+                self.adapter.request = None
         self.llm, self.engine_pids, self.shm_segments = fresh.llm, fresh.engine_pids, fresh.shm_segments
         self.closed = await self._load_last_good()
         if self.closed is None:
@@ -392,6 +412,8 @@ class RolloutEngine:
             await self.abort_all()
         self.llm.shutdown()
         self.drop_kept()
+        if self.adapter is not None:
+            self.adapter.close()
         _, alive = psutil.wait_procs(live_processes(self.engine_pids), timeout=10)
         if alive:  # those that exited meanwhile are skipped by reap_processes' own lookup
             reap_processes(self.engine_pids, timeout_s=5)

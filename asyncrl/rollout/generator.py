@@ -66,6 +66,7 @@ from asyncrl.rollout.stats import GeneratorStats, TokenRate
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.model_ship import local_model
+from asyncrl.sync.weight_sync import lora_publish
 from asyncrl.types import WeightLocation
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ class GeneratorActor:
                 seed=rollout_seed(self.cfg),
                 weight_transfer=transfer_backend(sync),
                 learner_dtype=self.cfg.learner.dtype,
+                lora=self.cfg.learner.lora if lora_publish(self.cfg.learner.lora, sync) == "adapter" else None,
             )
         )
         self.engine.allowed_token_ids = allowed_token_ids(self.rollout.env, self.tokenizer)

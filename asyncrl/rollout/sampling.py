@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import zlib
 
-from asyncrl.config import RolloutConfig, SyncConfig
+from asyncrl.config import LoraConfig, RolloutConfig, SyncConfig
+from asyncrl.rollout.adapters import lora_engine_args
 from asyncrl.rollout.worker_ext import WORKER_EXTENSION
 from asyncrl.sync.weight_sync import resolve_backend
 
@@ -78,6 +79,7 @@ def engine_args(
     *,
     learner_dtype: str = "float32",
     platform: str | None = None,
+    lora: LoraConfig | None = None,
 ):
     """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here.
 
@@ -87,7 +89,8 @@ def engine_args(
     ``learner_dtype`` is ``learner.dtype`` (see ``engine_dtype``); ``platform`` ("cpu" or
     "cuda") defaults to where vLLM runs here. CUDA graphs stay on with CUDA (they are most of
     vLLM's decode speed at small batch); on CPU the engine runs eager, there is no graph to
-    capture."""
+    capture. ``lora``: a LoRA run whose publishes carry the adapter alone (the engine takes
+    it as a vLLM LoRA, asyncrl.rollout.adapters)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     platform = platform or engine_platform()
@@ -107,6 +110,8 @@ def engine_args(
     )
     if weight_transfer is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_transfer}
+    if lora is not None:  # publishes carry the adapter alone (asyncrl.rollout.adapters)
+        kwargs.update(lora_engine_args(lora))
     kwargs.update(rollout.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
 

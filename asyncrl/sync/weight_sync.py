@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from asyncrl.config import SyncConfig
+from asyncrl.config import ConfigError, LoraConfig, SyncConfig
 from asyncrl.types import WeightLocation, WeightsObject
 
 BACKENDS = ("auto", "shm", "nccl", "object_store")
@@ -138,6 +138,24 @@ def resolve_backend(backend: str, multinode: bool = False) -> str:
             return backend
         case _:
             raise ValueError(f"sync.backend={backend!r}: must be one of {', '.join(map(repr, BACKENDS))}")
+
+
+def lora_publish(lora: LoraConfig | None, sync: SyncConfig) -> str | None:
+    """What a LoRA run's publishes carry: "adapter" (the adapter alone; the engines load it as
+    a vLLM LoRA), "merged" (base + adapter as full weights, loaded as any publish), or None
+    without LoRA. ``auto`` is the adapter except over nccl, whose transfer writes into the
+    engine's own weights, named as the base model's."""
+    if lora is None:
+        return None
+    nccl = resolve_backend(sync.backend) == "nccl"
+    if lora.publish == "adapter" and nccl:
+        raise ConfigError(
+            "learner.lora.publish=adapter: the nccl sync moves full weights into the engines; "
+            "use publish=merged (or auto) with nccl, or sync.backend=shm/object_store for adapters"
+        )
+    if lora.publish != "auto":
+        return lora.publish
+    return "merged" if nccl else "adapter"
 
 
 def build_weight_sync(

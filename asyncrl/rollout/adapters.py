@@ -1,0 +1,91 @@
+"""A LoRA run's adapter in the engine: vLLM's LoRA support, one slot whose contents each
+publish replaces.
+
+    slot = AdapterSlot(cfg.learner.lora, model_path)   # engine built with enable_lora (lora_engine_args)
+    await slot.load(llm, "/dev/shm/asyncrl-demo-v3.safetensors")   # the adapter alone, PEFT names
+    llm.generate(prompt, params, request_id, lora_request=slot.request)
+
+Every version's adapter goes in under one LoRA id: the old one is removed and the new one
+added while the engine is paused, so requests already running (which name that id) continue
+with the new adapter, as they continue with new full weights after a full-weight load (with
+``sync.inflight=recompute`` their KV is recomputed by it). A new id per version would leave
+them on the adapter they started with while their later tokens are labelled with the newer
+version. Nothing of the base model changes: version 0 is the base model, no adapter.
+
+vLLM reads a LoRA from a PEFT folder (adapter_config.json + adapter_model.safetensors): the
+slot keeps one in a private temp folder, the config written once from the run's config and
+each version's tensors linked in (copied across filesystems). vLLM copies the tensors into
+its own buffers when the adapter is added, so the folder is free for the next version then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from asyncrl.config import LoraConfig
+
+LORA_ID = 1
+LORA_NAME = "asyncrl"
+ADAPTER_FILE = "adapter_model.safetensors"
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM sizes its LoRA buffers for (vllm/config/lora.py, MaxLoRARanks)."""
+
+
+def lora_engine_args(lora: LoraConfig) -> dict[str, Any]:
+    """The engine arguments a LoRA slot needs: one adapter, buffers of at least rank ``r``."""
+    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= lora.r), None)
+    if rank is None:
+        raise ValueError(
+            f"learner.lora.r={lora.r}: vLLM takes adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}; "
+            f"set learner.lora.publish=merged to send merged weights instead"
+        )
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 1}
+
+
+class AdapterSlot:
+    """The engine's one LoRA: its PEFT folder and the request that names it (None: base model)."""
+
+    def __init__(self, lora: LoraConfig, base_model: str) -> None:
+        from asyncrl.learner.lora import peft_config  # peft: heavy at import
+
+        self.dir = tempfile.mkdtemp(prefix="asyncrl-lora-")
+        peft_config(lora, base_model).save_pretrained(self.dir)
+        self.request: Any = None
+        """The LoRARequest every new request carries, or None before the first adapter."""
+
+    def _stage(self, path: str) -> None:
+        tmp = os.path.join(self.dir, f".{ADAPTER_FILE}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:  # another filesystem
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, os.path.join(self.dir, ADAPTER_FILE))
+
+    async def load(self, llm: Any, path: str) -> None:
+        """Make the adapter in ``path`` (safetensors, PEFT names) the one every request uses.
+        Call with the engine paused. On failure no adapter is loaded (``request`` is None)."""
+        from vllm.lora.request import LoRARequest
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"adapter file {path} does not exist")
+        self._stage(path)
+        await self.unload(llm)
+        request = LoRARequest(LORA_NAME, LORA_ID, self.dir)
+        if not await llm.add_lora(request):
+            raise RuntimeError(f"the engine did not take the adapter {path}")
+        self.request = request
+
+    async def unload(self, llm: Any) -> None:
+        """Back to the base model's weights (no adapter). Asked of the engine even with no
+        request set: an add that failed part-way may have left the id behind."""
+        self.request = None
+        await llm.remove_lora(LORA_ID)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
