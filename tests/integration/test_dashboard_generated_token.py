@@ -38,7 +38,7 @@ def _wait_up(url: str) -> None:
 def test_generated_token_guards_the_trainers_dashboard(redis_url, tmp_path):
     cfg = load_config(None, ["monitor.dashboard_token=generate", "monitor.dashboard_port=0"])
     stops: list = []
-    rt = SimpleNamespace(redis_url=redis_url, run_dir=tmp_path, callback=lambda *a: stops.append(a))
+    rt = SimpleNamespace(redis_url=redis_url, run_dir=tmp_path, local_dir=tmp_path, callback=lambda *a: stops.append(a))
     url = _start_dashboard(cfg, rt)  # type: ignore[arg-type]
     try:
         path = tmp_path / "dashboard_token"
