@@ -156,3 +156,21 @@ def finished_run_dir(tmp_path):
         },
     )
     return run_dir, reward_of_step
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-rank gloo process group and its FSDP2 device mesh, for one module's tests (a
+    FSDP2 learner built in this process, without Ray)."""
+    import torch
+    import torch.distributed as dist
+
+    from asyncrl.learner import fsdp
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield fsdp.build_mesh(torch.device("cpu"), 1)
+    finally:
+        dist.destroy_process_group()

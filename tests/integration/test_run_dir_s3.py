@@ -37,22 +37,6 @@ def s3_root(s3_server):
 # ----------------------------------------------------------------------------- checkpoints
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    import torch
-    import torch.distributed as dist
-
-    from asyncrl.learner import fsdp
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield fsdp.build_mesh(torch.device("cpu"), 1)
-    finally:
-        dist.destroy_process_group()
-
-
 def _trained(model_dir: str, mesh, seed: int):
     """The tiny model sharded as the learner shards it, with AdamW state after one step."""
     import torch

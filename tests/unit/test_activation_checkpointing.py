@@ -11,26 +11,13 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pytest
 import torch
-import torch.distributed as dist
 
 from asyncrl.learner import fsdp
 from asyncrl.learner.loss import microbatch_loss
 from asyncrl.learner.step import forward_logits
 from tests.support import models
 from tests.unit.test_grad_invariance import TEMP, VOCAB, algo_for, full_batch, make_groups, packed, rel_diff
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield fsdp.build_mesh(torch.device("cpu"), 1)
-    finally:
-        dist.destroy_process_group()
 
 
 def tiny_llama():

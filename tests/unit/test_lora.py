@@ -15,7 +15,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 
 from asyncrl.config import ConfigError, LoraConfig, load_config
@@ -25,17 +24,6 @@ from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 IDS = torch.tensor([[1, 5, 9, 14, 20, 7, 33, 12]])
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield fsdp.build_mesh(torch.device("cpu"), 1)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
