@@ -87,14 +87,10 @@ def tokenizers(tmp_path_factory):
     }
 
 
-def run_groups(loop, engine, tok, chat_template: bool, stepwise: bool):
+def make_groups(loop, engine, cfg: Config, env, tok, items: list[PromptItem]):
     """Groups made by the generator's GroupMaker, and every context the engine was given (by request id)."""
-    from asyncrl.rollout.envs import make_env
     from asyncrl.rollout.groups import GroupMaker
 
-    cfg = Config()
-    cfg.rollout = rollout_config(chat_template)
-    cfg.algo.stepwise = stepwise
     seen: dict[str, list[int]] = {}
     generate = engine.generate
 
@@ -102,17 +98,42 @@ def run_groups(loop, engine, tok, chat_template: bool, stepwise: bool):
         seen[request_id] = list(prompt_ids)
         return await generate(prompt_ids, n, request_id, **kw)
 
-    maker = GroupMaker(cfg, make_env("countdown_chat", ENV_KWARGS), tok, engine, "g")
+    maker = GroupMaker(cfg, env, tok, engine, "g")
     engine.generate = recording
     try:
-        groups = []
-        for start in STARTS:
-            text, pid = f"{start}>", f"mt-{int(chat_template)}{int(stepwise)}:{start}"
-            item = PromptItem(pid, text, {"start": start}, encode_prompt(tok, text, chat_template))
-            groups.append(loop.run_until_complete(maker.make(item)))
+        groups = [loop.run_until_complete(maker.make(item)) for item in items]
     finally:
         engine.generate = generate
+    return groups, seen
+
+
+def run_groups(loop, engine, tok, chat_template: bool, stepwise: bool):
+    """The countdown env's groups through GroupMaker, and every context the engine was given."""
+    from asyncrl.rollout.envs import make_env
+
+    cfg = Config()
+    cfg.rollout = rollout_config(chat_template)
+    cfg.algo.stepwise = stepwise
+    items = []
+    for start in STARTS:
+        text, pid = f"{start}>", f"mt-{int(chat_template)}{int(stepwise)}:{start}"
+        items.append(PromptItem(pid, text, {"start": start}, encode_prompt(tok, text, chat_template)))
+    groups, seen = make_groups(loop, engine, cfg, make_env("countdown_chat", ENV_KWARGS), tok, items)
     return cfg, groups, seen
+
+
+def trained_token_diffs(learner_model, seqs, tok) -> np.ndarray:
+    """|learner - engine| log-prob of every trained token (loss mask 1): learner's code, engine's weights."""
+    batch = collate([seq_fields(s) for s in seqs], pad_token_id=tok.pad_token_id)
+    (logps,) = sequence_logprobs(
+        learner_model,
+        [batch],
+        [[s.num_tokens for s in seqs]],
+        temperature=TEMPERATURE,
+        logprob_fn=token_logprobs,
+        device=torch.device("cpu"),
+    )
+    return np.concatenate([np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs, strict=True)])
 
 
 def turns_of(group, stepwise: bool) -> dict[int, list[list[int]]]:
@@ -186,18 +207,7 @@ def test_learner_sees_and_scores_what_the_engine_sampled(
     assert sorted(s.input_ids.tolist() for s in seqs) == sorted(last_context.values())
 
     # Log-prob parity on every trained token: learner's code, engine's weights.
-    batch = collate([seq_fields(s) for s in seqs], pad_token_id=tok.pad_token_id)
-    (logps,) = sequence_logprobs(
-        learner_model,
-        [batch],
-        [[s.num_tokens for s in seqs]],
-        temperature=TEMPERATURE,
-        logprob_fn=token_logprobs,
-        device=torch.device("cpu"),
-    )
-    diffs = np.concatenate(
-        [np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs, strict=True)]
-    )
+    diffs = trained_token_diffs(learner_model, seqs, tok)
     trained = int(sum((s.loss_mask > 0).sum() for s in seqs))
     assert diffs.size == trained >= len(STARTS) * N * 2
     variant = f"{'chat' if chat_template else 'plain'}/{'stepwise' if stepwise else 'interleaved'}"
@@ -220,29 +230,14 @@ def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_token
     output comes back as a tool turn (loss mask 0), and the learner scores exactly the sampled ids."""
     from asyncrl.rollout.envs import make_env
     from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY
-    from asyncrl.rollout.groups import GroupMaker
 
     tok = llama_style_tokenizer(tmp_path, TINY_TOOLS_TEMPLATE)
     cfg = Config()
     cfg.rollout = rollout_config(True).model_copy(update={"env": "tools", "env_kwargs": TOOL_KWARGS})
     env = make_env("tools", TOOL_KWARGS)
     schemas = env.chat_tools()
-    seen: dict[str, list[int]] = {}
-    generate = engine.generate
-
-    async def recording(prompt_ids, n, request_id, **kw):
-        seen[request_id] = list(prompt_ids)
-        return await generate(prompt_ids, n, request_id, **kw)
-
-    maker = GroupMaker(cfg, env, tok, engine, "g")
-    engine.generate = recording
-    try:
-        groups = [
-            loop.run_until_complete(maker.make(PromptItem(f"tools:{q}", q, {"answer": 2}, encode_prompt(tok, q, True))))
-            for q in ("1+1=", "2+2=")
-        ]
-    finally:
-        engine.generate = generate
+    items = [PromptItem(f"tools:{q}", q, {"answer": 2}, encode_prompt(tok, q, True)) for q in ("1+1=", "2+2=")]
+    groups, seen = make_groups(loop, engine, cfg, env, tok, items)
     for g in groups:
         assert g.metadata[EPISODE_COUNTS_KEY] == {"tool_calls": 2 * N, "tool_errors": 0, "tool_timeouts": 0}
         for t, s in enumerate(g.samples):
@@ -263,18 +258,7 @@ def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_token
             masked = tok.decode(s.response_ids[s.loss_mask == 0], skip_special_tokens=False)
             assert masked.count("<bos>tool:2<eos>|") == 2, (TINY_CALL, masked)
     (seqs,), _ = build_minibatches(groups, cfg.algo, num_minibatches=1)
-    batch = collate([seq_fields(s) for s in seqs], pad_token_id=tok.pad_token_id)
-    (logps,) = sequence_logprobs(
-        learner_model,
-        [batch],
-        [[s.num_tokens for s in seqs]],
-        temperature=TEMPERATURE,
-        logprob_fn=token_logprobs,
-        device=torch.device("cpu"),
-    )
-    diffs = np.concatenate(
-        [np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs, strict=True)]
-    )
+    diffs = trained_token_diffs(learner_model, seqs, tok)
     print(f"\ntools: {diffs.size} trained tokens, max |learner - engine| = {diffs.max():.2e}, mean {diffs.mean():.2e}")
     assert diffs.size >= 2 * N * 3 and diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF
 
@@ -312,23 +296,11 @@ def test_verifiers_env_trains_what_the_engine_sampled(
     cfg = Config()
     cfg.rollout = RolloutConfig(**{**rollout_config(True).model_dump(exclude={"env", "env_kwargs"}), "env": spec})
     env = make_env(cfg.rollout.env, cfg.rollout.env_kwargs)
-    seen: dict[str, list[int]] = {}
-    generate = engine.generate
-
-    async def recording(prompt_ids, n, request_id, **kw):
-        seen[request_id] = list(prompt_ids)
-        return await generate(prompt_ids, n, request_id, **kw)
-
-    maker = GroupMaker(cfg, env, tok, engine, "g")
-    rng, groups = random.Random(0), []
-    engine.generate = recording
-    try:
-        for i in range(2):
-            text, meta = env.make_prompt(rng)
-            item = PromptItem(f"vf-{turns}:{i}", text, meta, encode_prompt(tok, text, True, meta))
-            groups.append(loop.run_until_complete(maker.make(item)))
-    finally:
-        engine.generate = generate
+    rng, items = random.Random(0), []
+    for i in range(2):
+        text, meta = env.make_prompt(rng)
+        items.append(PromptItem(f"vf-{turns}:{i}", text, meta, encode_prompt(tok, text, True, meta)))
+    groups, seen = make_groups(loop, engine, cfg, env, tok, items)
     for g in groups:
         answer = env.tasks[g.metadata["vf_task"]].data.answer
         for t, replies in turns_of(g, False).items():
@@ -347,18 +319,7 @@ def test_verifiers_env_trains_what_the_engine_sampled(
             assert s.prompt_ids.tolist() == seen[f"{g.prompt_id}/t{t}/1"]
             assert s.token_versions.tolist() == [0] * s.response_ids.size
     (seqs,), _ = build_minibatches(groups, cfg.algo, num_minibatches=1)
-    batch = collate([seq_fields(s) for s in seqs], pad_token_id=tok.pad_token_id)
-    (logps,) = sequence_logprobs(
-        learner_model,
-        [batch],
-        [[s.num_tokens for s in seqs]],
-        temperature=TEMPERATURE,
-        logprob_fn=token_logprobs,
-        device=torch.device("cpu"),
-    )
-    diffs = np.concatenate(
-        [np.abs(lp - s.rollout_logprobs)[s.loss_mask > 0] for lp, s in zip(logps, seqs, strict=True)]
-    )
+    diffs = trained_token_diffs(learner_model, seqs, tok)
     assert diffs.size >= 2 * N * turns
     print(f"\nverifiers turns={turns}: {diffs.size} trained tokens, max |learner - engine| = {diffs.max():.2e}")
     assert diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF

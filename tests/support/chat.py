@@ -47,3 +47,19 @@ def write_chat_model(model_dir: str | Path, path: str | Path, template: str | No
     shutil.copytree(model_dir, path)
     llama_style_tokenizer(path, template)
     return path
+
+
+def scripted_policy(tok, replies, *, logprob: float, version: int):
+    """The model's side of an episode without a model: fixed (text, finish_reason) replies, each
+    token with `logprob` and weight `version`; it records every context it was given."""
+    from asyncrl.rollout.envs.multiturn import Turn
+
+    contexts, queue = [], iter(replies)
+
+    async def policy(context):
+        text, finish = next(queue)
+        ids = tok.encode(text, add_special_tokens=False)
+        contexts.append(list(context))
+        return Turn(ids, [logprob] * len(ids), [version] * len(ids), finish)
+
+    return policy, contexts

@@ -22,7 +22,6 @@ from asyncrl.data.batch import build_minibatches
 from asyncrl.rollout.envs import make_env
 from asyncrl.rollout.envs.chat import ChatTemplateError, ChatTurns, PlainTurns, check_turn_template, turn_codec
 from asyncrl.rollout.envs.multiturn import (
-    Turn,
     TurnAborted,
     run_trajectory,
     to_interleaved_sample,
@@ -30,7 +29,7 @@ from asyncrl.rollout.envs.multiturn import (
 )
 from asyncrl.rollout.prompts import encode_prompt
 from asyncrl.types import RolloutGroup
-from tests.support.chat import CHATML, llama_style_tokenizer
+from tests.support.chat import CHATML, llama_style_tokenizer, scripted_policy
 
 # The generation prompt "assistant: " is not how an assistant message is rendered ("<bos>assistant: ...").
 HEADER_MISMATCH = (
@@ -58,15 +57,7 @@ def chat_tok(tmp_path):
 
 def scripted(tok, replies):
     """A policy answering with fixed (text, finish_reason) turns; it records every context it was given."""
-    contexts, queue = [], iter(replies)
-
-    async def policy(context):
-        text, finish = next(queue)
-        ids = tok.encode(text, add_special_tokens=False)
-        contexts.append(list(context))
-        return Turn(ids, [-0.25] * len(ids), [7] * len(ids), finish)
-
-    return policy, contexts
+    return scripted_policy(tok, replies, logprob=-0.25, version=7)
 
 
 def rendered(tok, messages, generation_prompt=True):

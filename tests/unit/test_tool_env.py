@@ -27,10 +27,10 @@ from asyncrl.control.step_metrics import episode_counts
 from asyncrl.rollout.envs import make_env
 from asyncrl.rollout.envs.calculator import calculator
 from asyncrl.rollout.envs.chat import ChatTemplateError, check_turn_template
-from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY, Turn, run_trajectory, to_interleaved_sample
+from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY, run_trajectory, to_interleaved_sample
 from asyncrl.rollout.envs.tool_calls import BadCall, ParsedReply, ToolCall, get_parser, parse_hermes, register_parser
 from asyncrl.types import RolloutGroup
-from tests.support.chat import CHATML
+from tests.support.chat import CHATML, scripted_policy
 from tests.support.tools import tool_tokenizer
 
 CALC = "asyncrl.rollout.envs.calculator:calculator"
@@ -56,15 +56,7 @@ def call(name, **args):
 
 def scripted(tok, replies):
     """The model's side: fixed (text, finish_reason) replies; records each context it was given."""
-    contexts, queue = [], iter(replies)
-
-    async def policy(context):
-        text, finish = next(queue)
-        ids = tok.encode(text, add_special_tokens=False)
-        contexts.append(list(context))
-        return Turn(ids, [-0.5] * len(ids), [3] * len(ids), finish)
-
-    return policy, contexts
+    return scripted_policy(tok, replies, logprob=-0.5, version=3)
 
 
 def episode(tok, env, prompt, meta, replies, budget=4096):
