@@ -174,3 +174,19 @@ def mesh():
         yield fsdp.build_mesh(torch.device("cpu"), 1)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored(request):
+    """A test that leaves its own SIGINT handler behind would change what Ctrl-C does in every
+    later test (and whether the tests of the trainer's own handler mean anything): put Python's
+    back and name the test, as a warning in the summary."""
+    import signal
+    import warnings
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left SIGINT handled by {after!r}; restored", stacklevel=1)
