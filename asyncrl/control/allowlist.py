@@ -62,7 +62,9 @@ def named_imports(data: Any) -> list[ImportPath]:
             add(f"rollout.env_kwargs.tools[{i}]", path, always=True)
         add("rollout.env_kwargs.reward", env_kwargs.get("reward"), always=True)
         add("rollout.env_kwargs.parser", env_kwargs.get("parser"))
-    found += _library_env_imports(rollout)
+    ident = env_kwargs.get("id") if env == "verifiers" and isinstance(env_kwargs, Mapping) else None
+    if isinstance(ident, str):  # a library environment's load_environment is user code
+        add("rollout.env.id", f"{ident}:load_environment", always=True)
     rewards = rollout.get("rewards")
     for i, spec in enumerate(rewards if isinstance(rewards, list) else []):
         add(f"rollout.rewards[{i}].fn", spec.get("fn") if isinstance(spec, Mapping) else spec, always=True)
@@ -87,19 +89,6 @@ def wants_remote_code(data: Any) -> bool:
 def _section(data: Any, name: str) -> Mapping[str, Any]:
     section = data.get(name) if isinstance(data, Mapping) else None
     return section if isinstance(section, Mapping) else {}
-
-
-def _library_env_imports(rollout: Mapping[str, Any]) -> list[ImportPath]:
-    """A library environment's module (``rollout.env: {type: verifiers, id: mod}``, or its
-    expanded form ``env: verifiers`` with ``env_kwargs.id``): its load_environment is user code."""
-    env, kwargs = rollout.get("env"), rollout.get("env_kwargs")
-    if isinstance(env, Mapping):
-        ident = env.get("id")
-    elif env == "verifiers" and isinstance(kwargs, Mapping):
-        ident = kwargs.get("id")
-    else:
-        return []
-    return [ImportPath("rollout.env.id", f"{ident}:load_environment")] if isinstance(ident, str) else []
 
 
 def _engine_imports(kwargs: Any) -> list[ImportPath]:
