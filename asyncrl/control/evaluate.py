@@ -1,20 +1,23 @@
-"""Evaluation every `control.eval_every` steps: a fixed held-out prompt set, sampled by the
-run's own engines (greedy by default) and scored by the run's reward, logged as `eval/*`.
+"""Evaluation every `control.eval_every` steps: a fixed held-out prompt set, rolled out by the
+run's own generators (greedy by default) exactly as they roll out training prompts, logged as `eval/*`.
 
-    ev = Evaluator(cfg, model_path)            # draws the held-out prompts once
+    ev = Evaluator(cfg)                        # draws the held-out prompts once
     metrics = ev.run(rt.generators)            # {"eval/reward_mean": ..., ...}
 
 The set is `control.eval_size` prompts from `control.eval_prompts` (any prompt source
 rollout.prompts takes, its `control.eval_split`; rollout.prompt_field / answer_field /
 chat_template apply as in training), or, without one, from the environment with a seed of
-its own, so it is the same set at every evaluation and across a resume. Requests go to the generators round
-robin through `GeneratorActor.sample`, next to their training work; nothing is admitted,
-queued or trained, and the trainer waits for the answers (a few engine steps).
+its own, so it is the same set at every evaluation and across a resume. The prompts go to the
+generators in round-robin batches through `GeneratorActor.evaluate` (asyncrl.rollout.evaluation),
+next to their training work: each is one group of one sample through the generator's own
+GroupMaker, so a single-turn completion is scored by the same RewardScorer and a multi-turn
+episode is stepped through the environment as in training, and an eval reward means what a
+training reward means. Nothing is admitted, queued or trained; the trainer waits for the answers.
+A prompt's id is its request id, so at one set of weights every evaluation samples with the same seeds.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math
@@ -22,9 +25,9 @@ import statistics
 import time
 
 from asyncrl.config import Config
-from asyncrl.rollout.envs.reward_fns import make_rollout_env
-from asyncrl.rollout.prompts import encode_prompt, open_prompts
-from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+from asyncrl.rollout.envs import make_env
+from asyncrl.rollout.evaluation import EvalOutcome
+from asyncrl.rollout.prompts import open_prompts
 from asyncrl.seeding import rollout_seed
 
 log = logging.getLogger(__name__)
@@ -34,19 +37,12 @@ EVAL_SEED_OFFSET = 1_000_003
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, model_path: str):
-        from transformers import AutoTokenizer
-
+    def __init__(self, cfg: Config):
         c, r = cfg.control, cfg.rollout
         self.temperature = c.eval_temperature
-        self.max_tokens = r.max_tokens
-        self.env = make_rollout_env(r, c.run_name)
-        # The generators' scorer: the same timeouts, failure rule and reward-model batching.
-        self.scorer = RewardScorer(self.env, RewardLimits.from_rollout(r))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         stream = open_prompts(
             c.eval_prompts,
-            self.env,
+            make_env(r.env, r.env_kwargs),  # for its prompts only: the generators score
             seed=rollout_seed(cfg) + EVAL_SEED_OFFSET,
             id_prefix="eval",
             split=c.eval_split,
@@ -54,40 +50,23 @@ class Evaluator:
             answer_field=r.answer_field,
             where="control.eval_prompts",
         )
-        self.prompts = [
-            (text, meta, encode_prompt(self.tokenizer, text, r.chat_template, meta))
-            for _, text, meta in itertools.islice(stream, c.eval_size)
-        ]
+        self.prompts: list[tuple[str, str, dict]] = list(itertools.islice(stream, c.eval_size))
 
     def run(self, generators: list, step: int | None = None) -> dict[str, float]:
         """eval/* metrics over the held-out prompts; logged as the evaluation at ``step``."""
         import ray
 
         t0 = time.perf_counter()
-        refs = [
-            generators[i % len(generators)].sample.remote(ids, 1, self.max_tokens, self.temperature)
-            for i, (_, _, ids) in enumerate(self.prompts)
-        ]
-        outs = ray.get(refs)
-        failed_before = self.scorer.errors + self.scorer.timeouts
-
-        async def score_all() -> list[tuple[float, str | None]]:
-            return await asyncio.gather(
-                *(
-                    self.scorer.score_completion(self.tokenizer, text, out[0]["token_ids"], meta)
-                    for (text, meta, _), out in zip(self.prompts, outs, strict=True)
-                )
-            )
-
-        scored = asyncio.run(score_all())
-        lengths = [len(out[0]["token_ids"]) for out in outs]
-        rewards = [reward for reward, error in scored if error is None]
-        errors = self.scorer.errors + self.scorer.timeouts - failed_before
+        shares = [(gen, self.prompts[i :: len(generators)]) for i, gen in enumerate(generators)]
+        refs = [gen.evaluate.remote(batch, self.temperature) for gen, batch in shares if batch]
+        outs: list[EvalOutcome] = ray.get(refs)
+        rewards = [x for o in outs for x in o.rewards if not math.isnan(x)]
+        lengths = [n for o in outs for n in o.response_tokens]
         out = {
             "eval/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "eval/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
             "eval/response_length_mean": statistics.fmean(lengths) if lengths else math.nan,
-            "eval/reward_errors": float(errors),
+            "eval/reward_errors": float(sum(o.failures for o in outs)),
             "eval/prompts": float(len(self.prompts)),
         }
         log.info(

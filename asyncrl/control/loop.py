@@ -304,7 +304,7 @@ class TrainLoop:
     def evaluate(self) -> dict[str, float]:
         """eval/* on the held-out set, through the run's own engines (asyncrl.control.evaluate)."""
         if self._evaluator is None:
-            self._evaluator = Evaluator(self.cfg, self.model_path)
+            self._evaluator = Evaluator(self.cfg)
         return self._evaluator.run(self.rt.generators, step=self.state.step)
 
     def export_hf(self, name: str) -> RunPath:

@@ -17,11 +17,12 @@ The parts, one module each: rollout/production.py (admission, the in-flight slot
 rollout/groups.py (a prompt -> a scored group), rollout/watcher.py (loading published weights),
 rollout/heartbeat.py (beats, and the weights poll of a generator nobody pushes weights to),
 rollout/recovery.py (a crashed predecessor's processes, segments and admitted prompts),
-rollout/engine.py (vLLM). Each counts what it does; snapshot() reads them into one
-GeneratorStats (rollout/stats.py). If the loop or a put fails (Redis gone past
-queue.outage_deadline_s, or refusing the write), stats() raises GeneratorFailed, and a Ray
-actor exits so that Ray restarts it; the successor reaps its predecessor's engine, re-issues
-its in-flight prompts without a second admission, and goes on generating if it was.
+rollout/evaluation.py (the trainer's held-out prompts), rollout/engine.py (vLLM). Each
+counts what it does; snapshot() reads them into one GeneratorStats (rollout/stats.py). If the
+loop or a put fails (Redis gone past queue.outage_deadline_s, or refusing the write), stats()
+raises GeneratorFailed, and a Ray actor exits so that Ray restarts it; the successor reaps its
+predecessor's engine, re-issues its in-flight prompts without a second admission, and goes on
+generating if it was.
 
 Reproducible, never repeating: each start takes an incarnation number from Redis (INCR, so
 1 on a fresh run). Prompt ids are "{generator_id}.{incarnation}:..." and double as group ids
@@ -56,6 +57,7 @@ from asyncrl.rollout.affinity import pin_to_cores
 from asyncrl.rollout.engine import RolloutEngine, WeightLoadError
 from asyncrl.rollout.envs import allowed_token_ids
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
+from asyncrl.rollout.evaluation import EvalOutcome, HeldOut
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.heartbeat import Heartbeat
 from asyncrl.rollout.production import Production
@@ -195,6 +197,7 @@ class GeneratorActor:
     def _build_parts(self) -> None:
         self.weights = WeightWatcher(self.engine, self.run_state, self.cfg, self.generator_id, self.run)
         self.groups = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id)
+        self.held_out = HeldOut(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id, self.encode)
         self.production = Production(
             self.cfg,
             self.queue,
@@ -307,6 +310,10 @@ class GeneratorActor:
             )
         )
         return [vars(c) for c in outs]
+
+    def evaluate(self, prompts: list[tuple[str, str, dict]], temperature: float) -> EvalOutcome:
+        """Held-out (prompt id, text, metadata), each rolled out once as training would (rollout/evaluation.py)."""
+        return self._call(self.held_out.run(prompts, temperature))
 
     def pid(self) -> int:
         return os.getpid()

@@ -4,6 +4,7 @@ trajectories through the environment (multi-turn), each scored as the reward see
     maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0")
     group = await maker.make(PromptItem("gen-0.1:7", "abc=", {...}, ids))
     maker.scorer.errors, maker.scorer.timeouts   # rewards that raised / timed out, so far
+    maker.episode_errors                    # multi-turn episodes whose scoring failed, so far
     maker.uniform(group)                    # its rewards all tie: no gradient (rollout.drop_uniform_groups)
 
 Request ids come from the prompt id (unique in a run): ``prompt_id`` for a single-turn group,
@@ -48,6 +49,8 @@ class GroupMaker:
         # Multi-turn contexts: built (and a chat template that cannot grow turn by turn refused) once.
         chat = cfg.rollout.chat_template
         self.codec = cast(MultiTurnEnvironment, env).turn_codec(tokenizer, chat) if env.multi_turn else None
+        self.episode_errors = 0
+        """Multi-turn episodes whose scoring failed (their reward NaN, or reward_on_failure)."""
         self.soft_penalty = cfg.algo.overlong.soft_penalty
         if self.soft_penalty is not None and env.multi_turn:
             # The config rule knows the built-in environments; an import path is known only here.
@@ -56,11 +59,14 @@ class GroupMaker:
                 f"is multi-turn (rollout.max_tokens bounds each turn, not the trajectory); use algo.overlong.mask"
             )
 
-    async def make(self, item: PromptItem) -> RolloutGroup:
+    async def make(self, item: PromptItem, n: int | None = None, temperature: float | None = None) -> RolloutGroup:
+        """``n`` samples or trajectories (None: rollout.n_samples) at ``temperature`` (None:
+        rollout.temperature); evaluation passes its own (asyncrl.rollout.evaluation)."""
         t0 = time.time()
+        n = self.rollout.n_samples if n is None else n
         counts: dict[str, int] = {}
         if self.env.multi_turn:
-            samples, counts = await self._multi_turn_samples(item)
+            samples, counts = await self._multi_turn_samples(item, n, temperature)
         else:
             max_tokens = item.metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
             if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
@@ -68,7 +74,7 @@ class GroupMaker:
             else:
                 max_tokens = None
             completions = await self.engine.generate(
-                item.ids, self.rollout.n_samples, item.prompt_id, max_tokens=max_tokens
+                item.ids, n, item.prompt_id, max_tokens=max_tokens, temperature=temperature
             )
             # Scored concurrently: one slow reward holds up its own group only, never the loop.
             samples = list(await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions)))
@@ -141,7 +147,9 @@ class GroupMaker:
             error=error,
         )
 
-    async def _multi_turn_samples(self, item: PromptItem) -> tuple[list[Sample], dict[str, int]]:
+    async def _multi_turn_samples(
+        self, item: PromptItem, n: int, temperature: float | None
+    ) -> tuple[list[Sample], dict[str, int]]:
         assert self.codec is not None
         codec = self.codec
         budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
@@ -152,7 +160,8 @@ class GroupMaker:
             async def policy(context: list[int]) -> Turn:
                 nonlocal turns
                 turns += 1
-                c = (await self.engine.generate(context, 1, f"{item.prompt_id}/t{k}/{turns}"))[0]
+                request_id = f"{item.prompt_id}/t{k}/{turns}"
+                c = (await self.engine.generate(context, 1, request_id, temperature=temperature))[0]
                 return Turn(c.token_ids, c.logprobs, c.versions, c.finish_reason)
 
             if getattr(self.env, "drives_episodes", False):  # a library environment runs its own episode loop
@@ -161,7 +170,7 @@ class GroupMaker:
             env = cast(MultiTurnEnvironment, make_env(self.rollout.env, self.rollout.env_kwargs))
             return await run_trajectory(env, item.text, item.metadata, policy, codec, budget)
 
-        tasks = [asyncio.ensure_future(one(k)) for k in range(self.rollout.n_samples)]
+        tasks = [asyncio.ensure_future(one(k)) for k in range(n)]
         try:
             trajectories = await asyncio.gather(*tasks)
         except BaseException:  # one void trajectory voids the group (it is re-issued): stop the others
@@ -178,6 +187,8 @@ class GroupMaker:
             samples = [to_interleaved_sample(t, self.generator_id) for t in trajectories]
         for k, s in enumerate(samples):  # an episode whose scoring failed: as a failed reward (rollout/scoring.py)
             error = getattr(trajectories[s.trajectory_id if self.cfg.algo.stepwise else k], "error", None)
+            if error is not None and (not self.cfg.algo.stepwise or s.step_index == 0):
+                self.episode_errors += 1
             if error is not None and self.rollout.reward_on_failure is not None:
                 s.reward = self.rollout.reward_on_failure
             elif error is not None:

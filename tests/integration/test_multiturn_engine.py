@@ -257,10 +257,21 @@ def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_token
             assert s.prompt_ids.tolist() + s.response_ids.tolist() == seen[f"{g.prompt_id}/t{t}/3"] + replies[-1]
             masked = tok.decode(s.response_ids[s.loss_mask == 0], skip_special_tokens=False)
             assert masked.count("<bos>tool:2<eos>|") == 2, (TINY_CALL, masked)
+    held_out = evaluate(loop, cfg, env, tok, engine, items)  # control.eval_every's path: one episode each
+    assert held_out.failures == 0 and set(held_out.rewards) <= {0.0, 1.0} and len(held_out.rewards) == 2
+    assert all(n >= 3 for n in held_out.response_tokens)  # three turns of at least a token
     (seqs,), _ = build_minibatches(groups, cfg.algo, num_minibatches=1)
     diffs = trained_token_diffs(learner_model, seqs, tok)
     print(f"\ntools: {diffs.size} trained tokens, max |learner - engine| = {diffs.max():.2e}, mean {diffs.mean():.2e}")
     assert diffs.size >= 2 * N * 3 and diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF
+
+
+def evaluate(loop, cfg: Config, env, tok, engine, items: list[PromptItem]):
+    """The held-out rollouts a generator runs for control.eval_every, greedy, on a GroupMaker of their own."""
+    from asyncrl.rollout.evaluation import evaluate_items
+    from asyncrl.rollout.groups import GroupMaker
+
+    return loop.run_until_complete(evaluate_items(GroupMaker(cfg, env, tok, engine, "g"), items, 0.0))
 
 
 def sampled_positions(contexts: list[list[int]], replies: list[list[int]]) -> set[int]:
@@ -318,6 +329,10 @@ def test_verifiers_env_trains_what_the_engine_sampled(
             assert s.reward == 1.0 * (text == answer) + 0.5 * (text[:1] == answer[:1]) and s.error is None
             assert s.prompt_ids.tolist() == seen[f"{g.prompt_id}/t{t}/1"]
             assert s.token_versions.tolist() == [0] * s.response_ids.size
+    # Evaluation's reward is the rubric's weighted sum, as training's: exact (1) implies first_char (0.5).
+    held_out = evaluate(loop, cfg, env, tok, engine, items)
+    assert held_out.failures == 0 and set(held_out.rewards) <= {0.0, 0.5, 1.5} and len(held_out.rewards) == 2
+    assert all(n >= turns for n in held_out.response_tokens)
     (seqs,), _ = build_minibatches(groups, cfg.algo, num_minibatches=1)
     diffs = trained_token_diffs(learner_model, seqs, tok)
     assert diffs.size >= 2 * N * turns
@@ -329,3 +344,5 @@ def test_verifiers_env_trains_what_the_engine_sampled(
         item = PromptItem("vf-fail:0", text, meta, encode_prompt(tok, text, True, meta))
         group = loop.run_until_complete(GroupMaker(cfg, failing, tok, engine, "g").make(item))
         assert all(np.isnan(s.reward) and "the rubric broke" in s.error for s in group.samples)
+        held_out = evaluate(loop, cfg, failing, tok, engine, [item])  # counted as eval/reward_errors
+        assert held_out.failures == 1 and len(held_out.rewards) == 1 and np.isnan(held_out.rewards[0])

@@ -167,6 +167,29 @@ def test_engine_processes_run_on_the_configured_cores(ray_session, gens):
                     continue
 
 
+def test_evaluation_steps_multi_turn_episodes_as_training_does(ray_session, gens, cfg):
+    """control.eval_every on a multi-turn environment: each held-out prompt is an episode stepped
+    through countdown_chat by the generator's own GroupMaker, its return the eval reward. No
+    reward fails (a stepped env has no single-turn reward to call), the mean return lies in the
+    environment's range (a turn earns at most 1/turns, and at worst loses 0.05 a character past
+    the one it wants, so with 4 one-character tokens a turn -0.15), an episode of 2 to 3 turns
+    samples at least a token a turn, and at one set of weights two fresh runs (and a second
+    evaluation, over both) give the same numbers."""
+    from asyncrl.control.evaluate import Evaluator
+
+    ev_cfg = cfg.model_copy(deep=True)
+    ev_cfg.control.eval_size = 6
+    ev = Evaluator(ev_cfg)
+    assert {meta["start"] for _, _, meta in ev.prompts} <= {2, 3, 4, 5}
+    a, b = (ev.run([gen]) for gen in gens)  # both at version 0 (the update below is on gens[0])
+    for out in (a, b):
+        assert out["eval/prompts"] == 6 and out["eval/reward_errors"] == 0, out
+        assert -0.15 <= out["eval/reward_mean"] <= 1.0, out
+        assert 2 <= out["eval/response_length_mean"] <= 3 * cfg.rollout.max_tokens, out
+    assert a == b, (a, b)
+    assert ev.run(gens) == pytest.approx(a)
+
+
 def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, queues, tiny_model_dir):
     """sync.inflight='keep': requests running at the update are not aborted; their tokens switch
     version mid-request (vLLM's weight_versions spans) and they run to their full length."""

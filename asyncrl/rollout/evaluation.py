@@ -1,0 +1,93 @@
+"""Held-out prompts rolled out on a generator's engine the way its training prompts are.
+
+    maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0")    # evaluation's own: its own failure counts
+    out = await evaluate_items(maker, items, temperature=0.0)   # EvalOutcome
+    out.rewards, out.response_tokens, out.failures
+
+Each prompt is one ``GroupMaker.make`` group of one sample (or one trajectory): a single-turn
+completion scored by the generator's RewardScorer, a multi-turn episode stepped through the
+environment (rollout/envs/multiturn.py, or a library environment's own episode loop), so an
+evaluation reward means what a training reward means for every environment. The trainer's
+side is asyncrl/control/evaluate.py; generators run this through ``GeneratorActor.evaluate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+
+from asyncrl.config import Config
+from asyncrl.rollout.engine import RolloutEngine
+from asyncrl.rollout.groups import GroupMaker
+from asyncrl.rollout.prompts import PromptItem
+from asyncrl.types import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalOutcome:
+    """What a batch of held-out prompts gave: one entry per prompt that was rolled out, in order."""
+
+    rewards: list[float] = field(default_factory=list)
+    """The reward training would see (an episode's return); NaN where its scoring failed."""
+    response_tokens: list[int] = field(default_factory=list)
+    """Tokens the policy sampled: the completion, or every turn of the episode."""
+    failures: int = 0
+    """Rewards or episode scorings that failed or timed out (reward_on_failure ones included),
+    and rollouts that raised (engine trouble), which training would have run again."""
+
+
+def failed_so_far(maker: GroupMaker) -> int:
+    return maker.scorer.errors + maker.scorer.timeouts + maker.episode_errors
+
+
+def reward_of(group: RolloutGroup) -> tuple[float, int]:
+    """(reward, sampled tokens) of a one-sample group: step-wise samples of one trajectory all
+    carry its return, an interleaved sample's observations have loss mask 0."""
+    s = group.samples[0]
+    reward = math.nan if any(x.error is not None for x in group.samples) else float(s.reward)
+    return reward, sum(int(x.loss_mask.sum()) for x in group.samples)
+
+
+async def evaluate_items(maker: GroupMaker, items: list[PromptItem], temperature: float) -> EvalOutcome:
+    """One rollout of each of ``items`` at ``temperature``, all at once on ``maker``'s engine."""
+    before = failed_so_far(maker)
+    groups = await asyncio.gather(
+        *(maker.make(item, n=1, temperature=temperature) for item in items), return_exceptions=True
+    )
+    out = EvalOutcome()
+    raised = 0
+    for item, group in zip(items, groups, strict=True):
+        if isinstance(group, asyncio.CancelledError):
+            raise group
+        if isinstance(group, BaseException):
+            # Training would run the prompt again; a held-out set is scored once, so it counts as failed.
+            raised += 1
+            log.warning("evaluation prompt %s failed: %s: %s", item.prompt_id, type(group).__name__, group)
+            continue
+        reward, tokens = reward_of(group)
+        out.rewards.append(reward)
+        out.response_tokens.append(tokens)
+    out.failures = failed_so_far(maker) - before + raised
+    return out
+
+
+class HeldOut:
+    """A generator's evaluation side (``GeneratorActor.evaluate``): held-out prompts encoded as
+    its training prompts are, rolled out by a GroupMaker of its own, built at the first call, so
+    evaluation's failed rewards stay out of the training counts (rollout/reward_errors)."""
+
+    def __init__(self, cfg: Config, env, tokenizer, engine: RolloutEngine, generator_id: str, encode):
+        self.cfg, self.env, self.tokenizer, self.engine, self.generator_id = cfg, env, tokenizer, engine, generator_id
+        self.encode = encode
+        self.maker: GroupMaker | None = None
+
+    async def run(self, prompts: list[tuple[str, str, dict]], temperature: float) -> EvalOutcome:
+        """(prompt id, text, metadata) -> one rollout each; the prompt id is its request id."""
+        if self.maker is None:
+            self.maker = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id)
+        items = [PromptItem(pid, text, meta, self.encode(text, meta)) for pid, text, meta in prompts]
+        return await evaluate_items(self.maker, items, temperature)
