@@ -89,5 +89,8 @@ class HeldOut:
         """(prompt id, text, metadata) -> one rollout each; the prompt id is its request id."""
         if self.maker is None:
             self.maker = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id)
-        items = [PromptItem(pid, text, meta, self.encode(text, meta)) for pid, text, meta in prompts]
-        return await evaluate_items(self.maker, items, temperature)
+        return await evaluate_items(self.maker, self.items(prompts), temperature)
+
+    def items(self, prompts: list[tuple[str, str, dict]]) -> list[PromptItem]:
+        """The prompts encoded as the generator encodes its training prompts (rollout.chat_template)."""
+        return [PromptItem(pid, text, meta, self.encode(text, meta)) for pid, text, meta in prompts]

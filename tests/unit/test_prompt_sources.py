@@ -150,6 +150,8 @@ def test_evaluation_prompts_come_from_the_eval_split_templated(dataset_dict, tmp
 
     from asyncrl.config import load_config
     from asyncrl.control.evaluate import Evaluator
+    from asyncrl.rollout.evaluation import HeldOut
+    from asyncrl.rollout.prompts import prompt_encoder
     from asyncrl.rollout.tiny import write_tokenizer
 
     write_tokenizer(tmp_path / "tok")
@@ -166,6 +168,10 @@ def test_evaluation_prompts_come_from_the_eval_split_templated(dataset_dict, tmp
             "control.eval_size=2",
         ],
     )
-    ev = Evaluator(cfg, str(tmp_path / "tok"))
-    assert [(text, meta["answer"]) for text, meta, _ in ev.prompts] == [("3+3=", "6")] * 2  # "test", cycled
-    assert ev.prompts[0][2] == [tok.bos_token_id, *tok.encode("user: 3+3=|assistant: ")]
+    ev = Evaluator(cfg)
+    assert [(text, meta["answer"]) for _, text, meta in ev.prompts] == [("3+3=", "6")] * 2  # "test", cycled
+    # A generator encodes them as its training prompts: its encoder, rollout.chat_template applied.
+    held_out = HeldOut(cfg, None, tok, None, "g", prompt_encoder(tok, cfg.rollout.chat_template))
+    items = held_out.items(ev.prompts)
+    assert [i.prompt_id for i in items] == ["eval:gsm:0:0", "eval:gsm:1:0"]  # the request ids: fixed seeds
+    assert items[0].ids == [tok.bos_token_id, *tok.encode("user: 3+3=|assistant: ")]
