@@ -9,7 +9,8 @@ names the field (``algo.policy_loss``), the bad value and what is allowed;
 
     base.py      ConfigError, the section base model, built-in name lists
     losses.py    one parameter model per policy loss (algo.policy_loss, tagged by `type`)
-    algo.py      the algo section;  sections.py  rollout, queue, learner, sync, control, monitor
+    algo.py      the algo section;  rollout.py  the rollout section (environment, rewards, engines)
+    training.py  learner (and LoRA), sync, control;  services.py  queue and monitor (Redis, dashboard)
     tree.py      the root and its cross-section rules;  load.py  YAML, overrides, error messages
     help.py      the schema as text;  secrets.py  the redacted copy every channel but config.yaml gets
 """
@@ -28,17 +29,10 @@ from asyncrl.config.base import (
 from asyncrl.config.help import schema_text
 from asyncrl.config.load import apply_overrides, config_from_dict, load_config, params_for
 from asyncrl.config.losses import POLICY_LOSSES, CustomLoss, LossParams, PolicyLoss
+from asyncrl.config.rollout import RewardFnConfig, RolloutConfig
 from asyncrl.config.secrets import REDACTED, redact_config, rejoin_config
-from asyncrl.config.sections import (
-    ControlConfig,
-    LearnerConfig,
-    LoraConfig,
-    MonitorConfig,
-    QueueConfig,
-    RewardFnConfig,
-    RolloutConfig,
-    SyncConfig,
-)
+from asyncrl.config.services import MonitorConfig, QueueConfig
+from asyncrl.config.training import ControlConfig, LearnerConfig, LoraConfig, SyncConfig
 from asyncrl.config.tree import Config, validate
 
 __all__ = [

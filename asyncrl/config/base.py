@@ -7,6 +7,7 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from asyncrl.algo.params import Params, is_import_path
 from asyncrl.infra import ExpectedFailure
@@ -90,6 +91,26 @@ def parse_cpu_list(text: str) -> list[int]:
             raise ValueError(f"{text!r}: range {part!r} runs backwards")
         cores += range(first, last + 1)
     return sorted(set(cores))
+
+
+def cpu_list(name: str, text: str) -> str:
+    """A core list field's text, checked (ConfigError naming ``name``)."""
+    try:
+        parse_cpu_list(text)
+    except ValueError as e:
+        raise ConfigError(f"{name}={e}") from None
+    return text
+
+
+def custom_resources(name: str, res: dict[str, Any]) -> dict[str, Any]:
+    """A `resources` field: custom Ray resource names with positive amounts (ConfigError naming ``name``)."""
+    for key, amount in res.items():
+        if key in ("CPU", "GPU", "memory") or not isinstance(amount, (int, float)) or not amount > 0:
+            raise ConfigError(
+                f"{name}.{key}={amount!r}: must be a custom resource name with an amount > 0 "
+                f"(CPUs and GPUs are set by cpus_per_* / gpus_per_*)"
+            )
+    return res
 
 
 def is_hub_id(source: str) -> bool:

@@ -17,7 +17,7 @@ from asyncrl.algo.params import LOSS_FIELDS, TAGS, WHERE, LossParams, ParamsErro
 from asyncrl.algo.params import params_for as algo_params_for
 from asyncrl.config.base import ConfigError
 from asyncrl.config.losses import wrong_loss_field
-from asyncrl.config.sections import REWARD_KINDS
+from asyncrl.config.rollout import REWARD_KINDS
 from asyncrl.config.tree import Config
 from asyncrl.rundir.store import ObjectPath, StorageError, run_path
 

@@ -9,14 +9,9 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.algo import AlgoConfig
 from asyncrl.config.base import ADVANTAGE_ESTIMATORS, GROUP_BASELINE_ESTIMATORS, ConfigError, Section
-from asyncrl.config.sections import (
-    ControlConfig,
-    LearnerConfig,
-    MonitorConfig,
-    QueueConfig,
-    RolloutConfig,
-    SyncConfig,
-)
+from asyncrl.config.rollout import RolloutConfig
+from asyncrl.config.services import MonitorConfig, QueueConfig
+from asyncrl.config.training import ControlConfig, LearnerConfig, SyncConfig
 
 log = logging.getLogger("asyncrl.config")
 

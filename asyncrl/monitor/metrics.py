@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config.sections import RolloutConfig
+from asyncrl.config.rollout import RolloutConfig
 from asyncrl.types import MetricValue
 
 REDUCTIONS = ("mean", "sum", "max", "min")
@@ -152,8 +152,8 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     # Evaluation (control.eval_every): the held-out set, greedy unless control.eval_temperature.
     _m("eval/reward_mean", "mean", "mean reward on the held-out prompts"),
     _m("eval/reward_std", "mean", "std of rewards on the held-out prompts"),
-    _m("eval/response_length_mean", "mean", "mean response length on the held-out prompts", "tokens"),
-    _m("eval/reward_errors", "sum", "held-out samples whose reward failed"),
+    _m("eval/response_length_mean", "mean", "mean sampled tokens per held-out prompt (all turns)", "tokens"),
+    _m("eval/reward_errors", "sum", "held-out samples whose reward (or episode) failed"),
     _m("eval/prompts", "max", "held-out prompts evaluated"),
     # Loss terms (already weighted by the per-token reduction weights: parts add up).
     _m("loss/policy", "sum", "policy-gradient loss"),

@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 import redis
 
-from asyncrl.config.sections import loopback_only
+from asyncrl.config.services import loopback_only
 from asyncrl.infra import free_port
 
 log = logging.getLogger("asyncrl.queue")
