@@ -1,5 +1,6 @@
 """Two GeneratorActors on two fresh runs of one config: same prompts, same tokens; pinned cores;
-multi-turn step-wise groups; in-flight weight updates with sync.inflight="keep".
+multi-turn step-wise groups; evaluation (control.eval_every) of the multi-turn environment;
+in-flight weight updates with sync.inflight="keep".
 
     .venv/bin/python -m pytest tests/integration/test_rollout_reproducible.py -x -q
 
