@@ -221,14 +221,13 @@ def test_ignore_eos_in_a_prompts_metadata_runs_each_sample_to_its_budget(loop, e
     controlled-length case) gets exactly its ``max_tokens`` budget in every sample, EOS sampled
     or not; the same prompt without it stops at EOS (the tiny model's near-uniform next token
     makes one of 8 x 40 tokens an EOS), so the flag, not chance, made the lengths."""
-    import dataclasses
-
     from asyncrl.rollout.envs import make_env
     from asyncrl.rollout.groups import GroupMaker
 
     tok = tokenizers[False]
     cfg = Config()
-    cfg.rollout = dataclasses.replace(rollout_config(False), env="copy", env_kwargs={}, n_samples=8)
+    cfg.rollout = rollout_config(False)
+    cfg.rollout.env, cfg.rollout.env_kwargs, cfg.rollout.n_samples = "copy", {}, 8
     maker = GroupMaker(cfg, make_env("copy", {}), tok, engine, "g")
     ids = encode_prompt(tok, "abc=", False)
     budget = {"target": "abc", "max_tokens": 40}
