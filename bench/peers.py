@@ -1,6 +1,6 @@
 """Peers: Hugging Face TRL's GRPOTrainer and asyncrl on the same job, one invocation, same machine.
 
-    python bench/peers.py --quick          # < 10 min on a 2-core CPU box (all 4 trainers, both workloads)
+    python bench/peers.py --quick          # ~25 min on a 2-core CPU box (all trainers, all three workloads)
     python bench/peers.py --out bench/results     # full: demo 60 steps, realistic 20 (hours on 2 cores)
     asyncrl bench peers --quick                   # the same through the CLI
     python bench/peers.py --smoke --out /tmp/p    # asyncrl async on the demo, 3 steps, no TRL (the test suite's)
@@ -61,6 +61,13 @@ Workloads:
              the reward reads (TRL: each completion's tokens up to its prompt's budget; asyncrl:
              all of them), the realistic workload's headline next to completions/s. Raw
              generated tokens/s is reported too; it rewards TRL for tokens nobody reads.
+  realistic_exact  the controlled-length case: the realistic workload (same shape, model,
+             prompts) with every completion generated to its budget, so the work per step is
+             the same by construction and useful tokens/s is system throughput, not where
+             each policy's completion length drifts. asyncrl: prompt metadata "ignore_eos"
+             (its generator samples exactly the prompt's budget); TRL: generation_kwargs
+             min_new_tokens (HF) / min_tokens (vLLM) = max_completion_length (the long
+             budget; TRL has one per run), so the reward reads each prompt's budget of it.
 
 Per trainer run: start-up seconds (process launch to the end of the first optimizer step),
 steps/s, completions/s, useful and generated tokens/s (steady: from the end of step 1 to the
@@ -71,8 +78,14 @@ a trainer's figures are the mean over its finished runs, and every run is report
 whose runs all fail is reported with its error and left out of the best peer.
 
   <workload>_<metric>_ratio = asyncrl_async's <metric> / the best TRL peer's (by that metric)
-  headline: realistic_useful_tokens_per_s_ratio and realistic_completions_per_s_ratio;
+  headline: realistic_useful_tokens_per_s_ratio and realistic_completions_per_s_ratio (learned
+            lengths), realistic_exact_useful_tokens_per_s_ratio and
+            realistic_exact_completions_per_s_ratio (controlled length: system throughput);
             demo_completions_per_s_ratio is the engine-overhead case
+
+asyncrl's runs also record where each step's time goes (bench/peers_run.PROFILE: wait for
+data, train, forward+backward, optimizer, weight publish, the engines' load, generated
+tokens/s, staleness), reported per trainer as steady-step means under "profile".
 
 Writes peers.json and peers.png to --out and the plot to docs/peers.png; one line per finished
 trainer run while running; the last line on stdout is JSON with the headline ratios, each
@@ -84,9 +97,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -112,47 +123,9 @@ from bench.peers_report import (  # noqa: E402
     rnd,
     summarize,
 )
+from bench.peers_run import QUICK, VENV, WORKLOADS, asyncrl_child, prepare, run_trainer  # noqa: E402
 
-VENV = ROOT / ".venv-peers"
 TORCH, TRL = "2.13.0", "1.16.0"
-N_PROMPTS = 2048
-
-WORKLOADS = {
-    "demo": dict(
-        model={},
-        env="copy",
-        env_kwargs={"alphabet": "abc", "min_len": 3, "max_len": 3},
-        budget=8,
-        long_budget=None,
-        prompts_per_step=16,
-        max_prompt_tokens=32,
-        threshold=0.5,
-        steps=60,
-    ),
-    "realistic": dict(
-        model=dict(
-            hidden_size=512,
-            num_layers=10,
-            num_heads=8,
-            num_kv_heads=8,
-            intermediate_size=1408,
-            max_position_embeddings=1024,
-        ),
-        env="copy",
-        env_kwargs={"alphabet": "abcde", "min_len": 3, "max_len": 8},
-        budget=128,
-        long_budget=768,
-        prompts_per_step=16,
-        max_prompt_tokens=16,
-        threshold=0.5,
-        steps=20,
-    ),
-}
-# The realistic quick run: 12 measured steps after the first (the warm-up the steady rates leave out).
-QUICK = {"demo": dict(steps=20), "realistic": dict(steps=13, budget=16, long_budget=96, prompts_per_step=4)}
-COMMON = dict(
-    n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28, tis_cap=2.0, seed=0
-)
 
 
 # ---------------------------------------------------------------- the peers venv
@@ -198,182 +171,6 @@ def ensure_venv(log) -> dict:
     return {"installed": True, "install_s": time.perf_counter() - t0}
 
 
-# ---------------------------------------------------------------- workloads
-
-
-def prepare(name: str, wl: dict, workdir: Path) -> dict:
-    """Write the workload's model directory and prompt file once; return the spec both sides read."""
-    from asyncrl.rollout.envs import make_env
-    from asyncrl.rollout.tiny import write_tiny_model
-
-    d = workdir / name
-    model = write_tiny_model(d / "model", seed=COMMON["seed"], **wl["model"])
-    env = make_env(wl["env"], wl["env_kwargs"])
-    rng = random.Random(COMMON["seed"])
-    lines = []
-    for _ in range(N_PROMPTS):
-        text, meta = env.make_prompt(rng)
-        rec = {"prompt": text, "target": meta["target"]}
-        if wl["long_budget"]:
-            rec["max_tokens"] = wl["long_budget"] if rng.random() < 0.1 else wl["budget"]
-        lines.append(json.dumps(rec))
-    prompts = d / "prompts.jsonl"
-    prompts.write_text("\n".join(lines) + "\n")
-    max_tokens = wl["long_budget"] or wl["budget"]
-    return {
-        **COMMON,
-        "model": str(model),
-        "prompts": str(prompts),
-        "env": wl["env"],
-        "env_kwargs": wl["env_kwargs"],
-        "steps": wl["steps"],
-        "prompts_per_step": wl["prompts_per_step"],
-        "max_tokens": max_tokens,
-        "max_prompt_tokens": wl["max_prompt_tokens"],
-        "max_model_len": wl["max_prompt_tokens"] + max_tokens,
-        "threshold": wl["threshold"],
-        "workdir": str(d),
-    }
-
-
-# ---------------------------------------------------------------- asyncrl side (child process)
-
-
-def asyncrl_child(spec_path: str, result_path: str) -> None:
-    """Run in a subprocess of asyncrl's python: one train() with the spec, per-step wall times out."""
-    from asyncrl.config import load_config
-    from asyncrl.control.train import train
-
-    spec = json.loads(Path(spec_path).read_text())
-    result: dict = {
-        "steps": [],
-        "rewards": [],
-        "completions": [],
-        "tokens": [],
-        "useful_tokens": [],
-        "padding": [],
-        "error": None,
-    }
-    kw = ", ".join(f"{k}: {v}" for k, v in spec["env_kwargs"].items())
-    run_dir = Path(spec["workdir"]) / f"run-{spec['mode']}"
-    overrides = [
-        f"control.mode={spec['mode']}",
-        f"control.total_steps={spec['steps']}",
-        f"control.run_name=peers-{spec['mode']}",
-        f"control.run_dir={run_dir}",
-        f"control.checkpoint_every={spec['steps']}",
-        f"control.seed={spec['seed']}",
-        "monitor.console=false",
-        "monitor.dashboard=false",
-        f"rollout.model={spec['model']}",
-        f"rollout.prompts={spec['prompts']}",
-        f"rollout.env={spec['env']}",
-        f"rollout.env_kwargs={{{kw}}}",
-        f"rollout.n_samples={spec['n_samples']}",
-        f"rollout.max_tokens={spec['max_tokens']}",
-        f"rollout.max_prompt_tokens={spec['max_prompt_tokens']}",
-        f"rollout.engine_max_model_len={spec['max_model_len']}",
-        f"rollout.temperature={spec['temperature']}",
-        f"control.groups_per_step={spec['prompts_per_step']}",
-        f"learner.lr={spec['lr']}",
-        f"learner.grad_clip={spec['grad_clip']}",
-        f"algo.policy_loss.eps_clip_low={spec['eps_clip_low']}",
-        f"algo.policy_loss.eps_clip_high={spec['eps_clip_high']}",
-        *spec.get("asyncrl_set", []),
-    ]
-
-    def on_step(loop, m):
-        result["steps"].append(time.time())
-        result["rewards"].append(m.get("reward/mean", float("nan")))
-        result["completions"].append(round(m["throughput/samples_per_s"] * m["time/step"]))
-        result["tokens"].append(round(m["throughput/step_tokens_per_s"] * m["time/step"]))
-        # Every generated token is one the reward reads: the generator stops each prompt at its budget.
-        result["useful_tokens"].append(result["tokens"][-1])
-        result["padding"].append(m.get("learner/padding_frac"))
-
-    try:
-        train(load_config(ROOT / "configs" / "demo.yaml", overrides), on_step=on_step)
-    except BaseException as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        Path(result_path).write_text(json.dumps(result))
-
-
-# ---------------------------------------------------------------- running one trainer
-
-
-def run_trainer(trainer: str, spec: dict, out: Path, timeout: float, rep: int = 0) -> dict:
-    """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time.
-    Each repetition gets its own work dir: an asyncrl run dir left by the first would be resumed."""
-    tag = f"{Path(spec['workdir']).name}-{trainer}-run{rep + 1}"
-    spec = {
-        **spec,
-        "backend": "vllm" if trainer == "trl_vllm" else "hf",
-        "mode": trainer.split("_")[-1],
-        "workdir": str(Path(spec["workdir"]) / f"{trainer}-run{rep + 1}"),
-    }
-    Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
-    spec_path, result_path = Path(spec["workdir"]) / "spec.json", Path(spec["workdir"]) / "result.json"
-    spec_path.write_text(json.dumps(spec))
-    if trainer.startswith("trl"):
-        cmd = [str(VENV / "bin" / "python"), str(ROOT / "bench" / "peers_trl.py"), str(spec_path), str(result_path)]
-    else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--asyncrl-child", str(spec_path), str(result_path)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    log_path = out / "logs" / f"{tag}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    with open(log_path, "w") as logf:
-        try:
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        except OSError as e:  # e.g. the peers venv could not be made
-            return {
-                "t0": t0,
-                "wall_s": 0.0,
-                "error": f"could not start {cmd[0]}: {e}",
-                "log": str(log_path),
-                "steps": [],
-                "rewards": [],
-                "completions": [],
-                "tokens": [],
-                "useful_tokens": [],
-            }
-        error = None
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {timeout:.0f} s"
-            os.killpg(proc.pid, signal.SIGTERM)  # asyncrl shuts its Ray workers and engines down on SIGTERM
-            try:
-                rc = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
-    wall = time.time() - t0
-    raw = json.loads(result_path.read_text()) if result_path.exists() else {}
-    if error is None and rc != 0:
-        error = raw.get("error") or f"exit code {rc}"
-    if error is None and len(raw.get("steps", [])) < spec["steps"]:
-        error = f"{len(raw.get('steps', []))} of {spec['steps']} steps"
-    if error:
-        error += f" (log: {log_path})"
-    return {
-        "t0": t0,
-        "wall_s": wall,
-        "error": error,
-        "log": str(log_path),
-        **{k: raw.get(k, []) for k in ("steps", "rewards", "completions", "tokens", "useful_tokens", "padding")},
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--asyncrl-child"]:
@@ -387,7 +184,7 @@ def run(argv: list[str]) -> dict:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="demo 20 steps, realistic 6 steps at budget 16/96 and 4 prompts x 8; < 10 min",
+        help="demo 20 steps, realistic (both cases) 13 steps at budget 16/96 and 4 prompts x 8; ~25 min",
     )
     p.add_argument(
         "--steps", type=int, default=None, help="steps per trainer (full run; default: demo 60, realistic 20)"
@@ -503,6 +300,12 @@ def run(argv: list[str]) -> dict:
                     k: {
                         **{m: rnd(v[m]) for m in (*FIGURES[:-1], "error")},
                         "runs": [{m: rnd(r[m]) for m in ("startup_s", *METRICS, "error")} for r in v["runs"]],
+                        # asyncrl's step profile (steady means, seconds): where its time goes.
+                        **(
+                            {"profile": {m: rnd(x["mean"]) for m, x in v["profile"].items()}}
+                            if v.get("profile")
+                            else {}
+                        ),
                     }
                     for k, v in e["trainers"].items()
                 },
@@ -528,9 +331,28 @@ def run(argv: list[str]) -> dict:
                 for k, v in e["trainers"].items()
                 if k.startswith("asyncrl")
             },
+            **exact_checks(report),
         },
     }
     return summary
+
+
+def exact_checks(report: dict) -> dict:
+    """The controlled-length case did fix the lengths: every TRL completion is its one budget
+    long, and asyncrl's mean completion lies between the short and the long budget (each its own)."""
+    e = report["workloads"].get("realistic_exact")
+    if e is None:
+        return {}
+    spec, out = e["spec"], {}
+    for k, v in e["trainers"].items():
+        if v["error"]:
+            continue
+        per = v["tokens_per_s"] / v["completions_per_s"]
+        ok = (
+            abs(per - spec["max_tokens"]) < 1e-6 if k.startswith("trl") else spec["budget"] <= per <= spec["max_tokens"]
+        )
+        out[f"realistic_exact_{k}_lengths_fixed"] = ok
+    return out
 
 
 if __name__ == "__main__":

@@ -9,7 +9,14 @@ from pathlib import Path
 
 TRAINERS = ("trl_hf", "trl_vllm", "asyncrl_async", "asyncrl_sync")
 # What each workload stands for in the report: the demo's step is mostly the engine's fixed cost.
-ROLE = {"demo": "engine overhead", "realistic": "realistic"}
+# The controlled-length case runs every completion to its budget: pure system throughput.
+ROLE = {"demo": "engine overhead", "realistic": "realistic", "realistic_exact": "controlled length"}
+# Headline ratios: the realistic workloads' useful tokens/s and completions/s, the demo's completions/s.
+HEADLINE = {
+    "realistic": ("useful_tokens_per_s", "completions_per_s"),
+    "realistic_exact": ("useful_tokens_per_s", "completions_per_s"),
+    "demo": ("completions_per_s",),
+}
 
 
 def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
@@ -46,6 +53,10 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
             out["useful_tokens_per_s"] = sum(raw["useful_tokens"][1:]) / span
         # Robust to a few slow steps (another process on the box): 1 / the median step time.
         out["steps_per_s_median"] = 1 / max(statistics.median(b - a for a, b in pairwise(steps)), 1e-9)
+    steady = raw.get("profile", [])[1:]
+    out["profile"] = profile(steady)
+    # Per step as well: bench/simulate.py --from-peers draws a step's generation time from them.
+    out["profile_steps"] = {k: [st.get(k) for st in steady] for k in out["profile"]}
     padding = [p for p in raw.get("padding", []) if p is not None]  # asyncrl's learner/padding_frac
     if padding:
         out["learner_padding"] = statistics.fmean(padding)
@@ -55,6 +66,17 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
             out["time_to_threshold_s"] = steps[i] - raw["t0"]
             break
     return out
+
+
+def profile(steps: list[dict]) -> dict:
+    """asyncrl's per-step timings (bench/peers_run.PROFILE), steady steps: each one's mean and
+    its median (one slow step on a shared box skews a mean)."""
+    keys = sorted({k for st in steps for k in st})
+    return {
+        k: {"mean": statistics.fmean(v), "median": statistics.median(v)}
+        for k in keys
+        if (v := [st[k] for st in steps if isinstance(st.get(k), (int, float))])
+    }
 
 
 def rnd(x):
@@ -111,6 +133,11 @@ def combine(runs: list[dict]) -> dict:
     for k in FIGURES:
         vals = [r[k] for r in good if r[k] is not None]
         out[k] = statistics.fmean(vals) if vals else None
+    keys = {k for r in good for k in r.get("profile", {})}
+    out["profile"] = {
+        k: {s: statistics.fmean(r["profile"][k][s] for r in good if k in r["profile"]) for s in ("mean", "median")}
+        for k in sorted(keys)
+    }
     return out
 
 
@@ -139,10 +166,7 @@ def add_ratios(report: dict) -> None:
             }
     wls = report["workloads"]
     report["headline"] = {
-        f"{wl}_{m}_ratio": wls[wl]["ratios"][m]["ratio"]
-        for wl, ms in (("realistic", METRICS[:2]), ("demo", METRICS[1:2]))
-        if wl in wls
-        for m in ms
+        f"{wl}_{m}_ratio": wls[wl]["ratios"][m]["ratio"] for wl, ms in HEADLINE.items() if wl in wls for m in ms
     }
 
 
@@ -160,7 +184,7 @@ def plot(report: dict, paths: list[Path]) -> None:
         # The realistic workload's headline is useful tokens/s; the demo's (engine overhead) completions/s.
         metric, unit = (
             ("useful_tokens_per_s", "useful tokens / s")
-            if wl == "realistic"
+            if wl.startswith("realistic")
             else ("completions_per_s", "completions / s")
         )
         vals = [trainers[tr].get(metric) or 0.0 for tr in names]

@@ -155,6 +155,12 @@ def run(spec: dict, result: dict) -> None:
         remove_unused_columns=False,
         dataloader_num_workers=0,
         seed=spec["seed"],
+        # The controlled-length case: no EOS before the budget, so every completion is max_completion_length.
+        **(
+            {"generation_kwargs": {"min_tokens" if vllm else "min_new_tokens": spec["min_tokens"]}}
+            if spec.get("min_tokens")
+            else {}
+        ),
         use_vllm=vllm,
         **(
             dict(

@@ -2,6 +2,7 @@
 
     python bench/simulate.py --quick                      # demo-like and 7B-like scenarios
     python bench/simulate.py --smoke                      # the same scenarios, few steps (the test suite's)
+    python bench/simulate.py --from-peers bench/results/peers.json   # bench/peers.py's measured costs
     python bench/simulate.py --generators 64 --slots 32 --gen-mean 40 --gen-cv 0.8 \\
         --train-step 30 --sync 4 --groups-per-step 512 --max-staleness 2
 
@@ -20,6 +21,11 @@ Model (the same rules as asyncrl.control):
     load them. As in asyncrl.control.loop, the async learner goes on while they load; the
     synchronous one waits for it.
   * max_staleness = 0 is the synchronous trainer.
+
+--from-peers: each realistic workload of a bench/peers.py report, with the costs asyncrl's runs
+measured (see `from_peers`), simulated once as the sync trainer (checked against the measured
+sync run) and once as async with the learner on its own device; the projected useful tokens/s
+is set against the best TRL peer's measured figure.
 
 Last line printed: JSON with the key figures. bench/e2e.py validates the model against
 real runs on this machine (`validate_simulator`, in the same run as the measurements).
@@ -235,6 +241,70 @@ def speedup_table(base: Scenario, bounds=(1, 2, 4)) -> dict[str, dict]:
     return out
 
 
+def from_peers(report: dict, workload: str, slots: int = 16, max_staleness: int = 2, steps: int = 400) -> dict:
+    """Project asyncrl async with its learner on its own device from one bench/peers.py workload.
+
+    The costs come from the sync run, where each phase has the box to itself: a step's
+    generation (`time/wait_data`: the learner idles meanwhile; one measured value per steady
+    step, drawn as that step's group time), the learner's train plus the step's own overhead
+    (`time/step` - wait - `time/sync`), the export (`time/sync` - load) and the engines' load
+    (`sync/apply_s`). Generation is modelled conservatively: a step's groups run together in the
+    measured time and more groups in flight only share it (`parallel` = groups per step), so
+    the engine makes groups no faster than sync measured. Async overlaps the two phases, as a
+    learner with its own device would; on a shared box they take each other's cores. Useful
+    tokens per step: sync's and, where the async run's policy emits a different length, async's
+    own (its per-step cost from sync's longer completions makes that a lower bound)."""
+    e = report["workloads"][workload]
+    tr = e["trainers"]
+    sync, ours = tr["asyncrl_sync"], tr["asyncrl_async"]
+    prof = sync["profile"]
+    gpst = e["spec"]["prompts_per_step"]
+    waits = [
+        w
+        for r in sync["runs"]
+        if not r["error"]
+        for w in r.get("profile_steps", {}).get("time/wait_data", [])
+        if w is not None
+    ] or [prof["time/wait_data"]["mean"]]
+    # Sync's time/sync is the export and the engines' load (it waits for them); async goes on
+    # while they load, so the simulator takes them apart.
+    load = prof.get("sync/apply_s", {"mean": 0.0})["mean"]
+    publish = max(prof["time/sync"]["mean"] - load, 0.0)
+    train = prof["time/step"]["mean"] - prof["time/wait_data"]["mean"] - prof["time/sync"]["mean"]
+    base = Scenario(
+        generators=1,
+        slots=slots,
+        parallel=float(gpst),
+        gen_samples=waits,
+        train_step=train,
+        sync=publish,
+        sync_pause=load,
+        groups_per_step=gpst,
+        steps=steps,
+    )
+    as_sync = simulate(replace(base, max_staleness=0))
+    own = simulate(replace(base, max_staleness=max_staleness))
+    trl = {k: v["useful_tokens_per_s"] for k, v in tr.items() if k.startswith("trl") and not v["error"]}
+    best = max(trl, key=lambda k: trl[k]) if trl else None
+    out = {
+        "costs_s": {"generation": statistics.fmean(waits), "train": train, "publish": publish, "load": base.sync_pause},
+        "sync_measured_steps_per_s": sync["steps_per_s"],
+        "sync_simulated_steps_per_s": as_sync.steps_per_s,
+        "async_measured_steps_per_s": ours["steps_per_s"],
+        "async_own_device_steps_per_s": own.steps_per_s,
+        "async_own_device_learner_busy": own.learner_busy_frac,
+        "best_trl": best,
+        "best_trl_useful_tokens_per_s": trl[best] if best else None,
+    }
+    for who, t in (("sync", sync), ("async", ours)):
+        per_step = t["useful_tokens_per_s"] / t["steps_per_s"]
+        out[f"useful_tokens_per_step_{who}"] = per_step
+        out[f"async_own_device_useful_tokens_per_s_at_{who}_lengths"] = own.steps_per_s * per_step
+        if best:
+            out[f"ratio_vs_best_trl_at_{who}_lengths"] = own.steps_per_s * per_step / trl[best]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the built-in scenarios, a few seconds")
@@ -244,7 +314,19 @@ def main(argv: list[str] | None = None) -> None:
             continue
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.add_argument("--gen-samples", metavar="FILE", help="JSON list of measured group times (s)")
+    p.add_argument("--from-peers", metavar="PEERS_JSON", help="project bench/peers.py's realistic workloads")
     args = p.parse_args(argv)
+    if args.from_peers:
+        with open(args.from_peers) as f:
+            report = json.load(f)
+        names = [n for n in report["workloads"] if n.startswith("realistic")]
+        proj = {
+            n: {k: round(v, 3) if isinstance(v, float) else v for k, v in from_peers(report, n).items()} for n in names
+        }
+        for n, r in proj.items():
+            print(f"{n}: {json.dumps(r)}", file=sys.stderr)
+        print(json.dumps(proj))
+        return
 
     if args.quick or args.smoke:
         scenarios = {

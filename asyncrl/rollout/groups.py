@@ -73,8 +73,15 @@ class GroupMaker:
                 max_tokens = max(1, min(max_tokens, self.rollout.engine_max_model_len - len(item.ids)))
             else:
                 max_tokens = None
+            # metadata "ignore_eos": true runs every sample to the budget (EOS sampled or not), so
+            # a benchmark can fix the work per prompt whatever lengths the policy drifts to.
             completions = await self.engine.generate(
-                item.ids, n, item.prompt_id, max_tokens=max_tokens, temperature=temperature
+                item.ids,
+                n,
+                item.prompt_id,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                ignore_eos=item.metadata.get("ignore_eos") is True,
             )
             # Scored concurrently: one slow reward holds up its own group only, never the loop.
             samples = list(await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions)))

@@ -11,7 +11,8 @@ tiny model) with a Llama-style tokenizer (a BOS on every plain ``encode``) and a
 template (tests.support.chat). Every context the engine is given is recorded on its way in.
 Then ``build_minibatches`` makes the learner's sequences and the learner's log-prob code
 scores them with the same weights (a float32 HF forward): on every trained token it must
-match the engine's log-prob.
+match the engine's log-prob. One single-turn check shares the engine: a prompt's
+``ignore_eos`` metadata.
 """
 
 from __future__ import annotations
@@ -213,6 +214,28 @@ def test_learner_sees_and_scores_what_the_engine_sampled(
     variant = f"{'chat' if chat_template else 'plain'}/{'stepwise' if stepwise else 'interleaved'}"
     print(f"\n{variant}: {trained} trained tokens, max |learner - engine| = {diffs.max():.2e}, mean {diffs.mean():.2e}")
     assert diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF, (variant, diffs.max(), diffs.mean())
+
+
+def test_ignore_eos_in_a_prompts_metadata_runs_each_sample_to_its_budget(loop, engine, tokenizers):
+    """A single-turn prompt whose metadata carries ``ignore_eos: true`` (bench/peers.py's
+    controlled-length case) gets exactly its ``max_tokens`` budget in every sample, EOS sampled
+    or not; the same prompt without it stops at EOS (the tiny model's near-uniform next token
+    makes one of 8 x 40 tokens an EOS), so the flag, not chance, made the lengths."""
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.groups import GroupMaker
+
+    tok = tokenizers[False]
+    cfg = Config()
+    cfg.rollout = rollout_config(False)
+    cfg.rollout.env, cfg.rollout.env_kwargs, cfg.rollout.n_samples = "copy", {}, 8
+    maker = GroupMaker(cfg, make_env("copy", {}), tok, engine, "g")
+    ids = encode_prompt(tok, "abc=", False)
+    budget = {"target": "abc", "max_tokens": 40}
+    exact = loop.run_until_complete(maker.make(PromptItem("eos:exact", "abc=", {**budget, "ignore_eos": True}, ids)))
+    free = loop.run_until_complete(maker.make(PromptItem("eos:free", "abc=", budget, ids)))
+    assert [len(s.response_ids) for s in exact.samples] == [40] * 8
+    assert {s.stop_reason for s in exact.samples} == {"length"}
+    assert "stop" in {s.stop_reason for s in free.samples} and min(len(s.response_ids) for s in free.samples) < 40
 
 
 TOOL_KWARGS = {

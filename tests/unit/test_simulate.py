@@ -69,3 +69,39 @@ def test_staleness_never_exceeds_the_bound_with_long_tails(seed):
     assert sum(r.staleness_hist.values()) == pytest.approx(1.0)
     slower = sim.simulate(replace(sc, max_staleness=0))
     assert r.steps_per_s > slower.steps_per_s  # async beats the synchronous trainer here
+
+
+def peers_report(step: float, wait: float, sync: float, load: float) -> dict:
+    """A bench/peers.py report's realistic workload, as much of it as from_peers reads."""
+    sync_profile = {
+        "time/step": {"mean": step},
+        "time/wait_data": {"mean": wait},
+        "time/sync": {"mean": sync},
+        "sync/apply_s": {"mean": load},
+    }
+    trainers = {
+        "asyncrl_sync": {
+            "error": None,
+            "profile": sync_profile,
+            "steps_per_s": 1 / step,
+            "useful_tokens_per_s": 150 / step,
+            "runs": [{"error": None, "profile_steps": {"time/wait_data": [wait, wait]}}],
+        },
+        "asyncrl_async": {"error": None, "steps_per_s": 0.4, "useful_tokens_per_s": 40.0},
+        "trl_hf": {"error": None, "useful_tokens_per_s": 60.0},
+        "trl_vllm": {"error": "failed", "useful_tokens_per_s": None},
+    }
+    return {"workloads": {"realistic": {"spec": {"prompts_per_step": 4}, "trainers": trainers}}}
+
+
+def test_from_peers_rebuilds_the_sync_step_and_overlaps_it_for_an_own_learner_device():
+    # Sync's 3 s step = 1 s generation + 1.85 s learner + 0.15 s publish (0.05 of it the engines' load).
+    r = sim.from_peers(peers_report(step=3.0, wait=1.0, sync=0.15, load=0.05), "realistic", steps=120)
+    assert r["sync_simulated_steps_per_s"] == pytest.approx(1 / 3.0, rel=0.01)
+    assert r["costs_s"] == pytest.approx({"generation": 1.0, "train": 1.85, "publish": 0.1, "load": 0.05})
+    # Learner-bound once generation overlaps it: the learner's step plus its export.
+    assert r["async_own_device_steps_per_s"] == pytest.approx(1 / 1.95, rel=0.02)
+    assert r["best_trl"] == "trl_hf"  # the failed peer is left out
+    assert r["useful_tokens_per_step_async"] == pytest.approx(100.0)
+    assert r["ratio_vs_best_trl_at_async_lengths"] == pytest.approx(100 / 1.95 / 60, rel=0.02)
+    assert r["ratio_vs_best_trl_at_sync_lengths"] == pytest.approx(150 / 1.95 / 60, rel=0.02)
