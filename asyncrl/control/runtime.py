@@ -4,9 +4,8 @@
         rt.queue, rt.run_state, rt.learner, rt.weight_sync, rt.generators ...
 
 Order matters only where one part needs another: Redis first (everything reports there),
-then Ray, with the tiny model written meanwhile; then the generator actors are created
-(their engines take the longest to come up: a vLLM import and an engine process) *while*
-the learner group loads, instead of after it.
+then Ray; then the generator actors are created (their engines take the longest to come up:
+a vLLM import and an engine process) *while* the learner group loads, instead of after it.
 Generators only sample once `launch_generators()` starts them, after the trainer has
 opened admission, so an engine that is ready early just waits. Right after Redis is up, the
 weights a predecessor announced are retired and admission is closed (asyncrl.control.restart),
@@ -23,7 +22,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,13 +104,9 @@ class Runtime:
         # would have them load discarded weights and start work against its budget.
         highest_version = run_state.retire_weights()
         mark("redis")
-        # The tiny model is written (torch and transformers imported) while Ray's processes
-        # start: the driver only waits on those, and every engine and learner waits on the model.
-        with ThreadPoolExecutor(1, thread_name_prefix="asyncrl-model") as pool:
-            model = pool.submit(resolve_model, cfg, local_dir)
-            bringup.start_ray(cfg, local_dir, stack)
-            mark("ray")
-            model_path = model.result()
+        bringup.start_ray(cfg, local_dir, stack)
+        mark("ray")
+        model_path = resolve_model(cfg, local_dir)
         mark("model")
         bringup.check_prompts(cfg, model_path)
 
