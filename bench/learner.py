@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -288,28 +287,20 @@ def ac_child(model_dir: str, checkpointing: bool, *, seqs: int, seq_len: int, st
 
 def run_ac(args) -> dict:
     """Case `ac`: activation checkpointing off, then on, each in a fresh process."""
+    import subprocess
+
     from asyncrl.rollout.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = SMOKE_MODEL if args.smoke else AC_MODEL
         model_dir = str(write_tiny_model(f"{tmp}/ac", max_position_embeddings=args.seq_len, **model))
-        cmds = {}
+        sides = {}
         for name, flag in (("off", "0"), ("on", "1")):
             cmd = [sys.executable, os.path.abspath(__file__), "--ac-child", flag, "--model-dir", model_dir]
             cmd += ["--seqs", str(args.seqs), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
-            cmds[name] = [*cmd, "--threads", str(args.threads)]
-        # Each side's peak RSS is its own process's either way; their step times are compared
-        # only outside --smoke, so only the smoke runs them side by side (the start-ups overlap).
-        side_by_side = args.smoke
-        procs = {}
-        sides = {}
-        for name, cmd in cmds.items():
-            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            if not side_by_side:
-                sides[name] = _child_result(procs[name], cmd)
-        for name, proc in procs.items():
-            if name not in sides:
-                sides[name] = _child_result(proc, cmds[name])
+            cmd += ["--threads", str(args.threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            sides[name] = json.loads(out.strip().splitlines()[-1])
     off, on = sides["off"], sides["on"]
     mib = 1024 * 1024
     return {
@@ -324,14 +315,6 @@ def run_ac(args) -> dict:
         "step_time_ratio": round(on["step_s_median"] / off["step_s_median"], 3),
         "step_s_median": {k: round(v["step_s_median"], 3) for k, v in sides.items()},
     }
-
-
-def _child_result(proc, cmd: list[str]) -> dict:
-    """The last stdout line of a finished `--ac-child` process, parsed."""
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> dict:
