@@ -107,6 +107,7 @@ class Runtime:
         bringup.start_ray(cfg, local_dir, stack)
         mark("ray")
         model_path = resolve_model(cfg, local_dir)
+        mark("model")
         bringup.check_prompts(cfg, model_path)
 
         # Other nodes get a local model directory through Ray, as weights "version 0".
