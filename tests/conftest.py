@@ -178,15 +178,29 @@ def mesh():
 
 @pytest.fixture(autouse=True)
 def _sigint_handler_restored(request):
-    """A test that leaves its own SIGINT handler behind would change what Ctrl-C does in every
-    later test (and whether the tests of the trainer's own handler mean anything): put Python's
-    back and name the test, as a warning in the summary."""
+    """A test that leaves SIGINT changed would change what Ctrl-C does in every later test (and
+    whether the tests of the trainer's own handler mean anything), and a user's process after
+    the same calls. Checked at both levels: the handler Python reports, and below it the
+    C-level disposition and the main thread's signal mask, which a C extension can change
+    while signal.getsignal() still names Python's handler. Whatever changed is put back and the
+    test named, as a warning in the summary."""
     import signal
     import warnings
 
-    before = signal.getsignal(signal.SIGINT)
+    from tests.support.sigint import sigint_state
+
+    before, below = signal.getsignal(signal.SIGINT), sigint_state()
     yield
-    after = signal.getsignal(signal.SIGINT)
+    after, now = signal.getsignal(signal.SIGINT), sigint_state()
     if after is not before:
         signal.signal(signal.SIGINT, before)
         warnings.warn(f"{request.node.nodeid} left SIGINT handled by {after!r}; restored", stacklevel=1)
+    elif now != below:
+        if now.disposition != below.disposition and before is not None:
+            signal.signal(signal.SIGINT, before)  # Python's view re-installed at C level
+        if now.blocked and not below.blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        warnings.warn(
+            f"{request.node.nodeid} left SIGINT with {now.describe()} (was {below.describe()}); restored",
+            stacklevel=1,
+        )
