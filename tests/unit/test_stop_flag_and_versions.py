@@ -38,22 +38,28 @@ def test_a_stop_flag_installed_twice_hands_the_second_signal_on_and_restores_on_
 
 
 def test_after_train_returns_sigint_no_longer_belongs_to_the_flag():
-    original = signal.getsignal(signal.SIGINT)
-    stop = StopFlag()
-    stop.install()
-    stop.install()
-    assert signal.getsignal(signal.SIGINT) == stop._handle
-    stop.restore()
-    assert signal.getsignal(signal.SIGINT) == stop._handle  # the inner restore leaves it installed
-    stop.restore()
-    assert signal.getsignal(signal.SIGINT) is original
-    stop.restore()  # one too many: nothing to undo
-    assert signal.getsignal(signal.SIGINT) is original
-    # Below Python too: the kernel calls Python's handler and this thread takes the signal (the
-    # suite's guard in conftest puts both back after any test that changed them).
-    assert sigint_state() == ("python", False), sigint_state().describe()
-    with pytest.raises(KeyboardInterrupt):  # Python's own handler is back
-        os.kill(os.getpid(), signal.SIGINT)
+    """From the handler an interactive Python has: a suite started in the background by a
+    non-interactive shell (`pytest ... &`) inherits SIGINT ignored, and restoring that is right
+    but would not show Ctrl-C working again."""
+    user = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        stop = StopFlag()
+        stop.install()
+        stop.install()
+        assert signal.getsignal(signal.SIGINT) == stop._handle
+        stop.restore()
+        assert signal.getsignal(signal.SIGINT) == stop._handle  # the inner restore leaves it installed
+        stop.restore()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        stop.restore()  # one too many: nothing to undo
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # Below Python too: the kernel calls Python's handler and this thread takes the signal
+        # (the suite's guard in conftest puts both back after any test that changed them).
+        assert sigint_state() == ("python", False), sigint_state().describe()
+        with pytest.raises(KeyboardInterrupt):  # Python's own handler is back
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, user)
 
 
 def test_a_resume_continues_versions_past_every_announced_one_and_keeps_the_offset():
