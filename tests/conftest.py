@@ -176,6 +176,18 @@ def mesh():
         dist.destroy_process_group()
 
 
+def pytest_report_header(config):
+    """Say so when the suite did not start with Python's own SIGINT handler (a run started in
+    the background by a non-interactive shell inherits SIGINT ignored): Ctrl-C checks made
+    without setting the handler first would then test the launch, not the code."""
+    from tests.support.sigint import sigint_state
+
+    state = sigint_state()
+    if state != ("python", False):
+        return f"SIGINT at start: {state.describe()}"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _sigint_handler_restored(request):
     """A test that leaves SIGINT changed would change what Ctrl-C does in every later test (and
