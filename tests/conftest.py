@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.support.sigint import AT_IMPORT, sigint_state  # read before any test module is imported
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -176,16 +178,12 @@ def mesh():
         dist.destroy_process_group()
 
 
-def pytest_report_header(config):
+def pytest_terminal_summary(terminalreporter):
     """Say so when the suite did not start with Python's own SIGINT handler (a run started in
-    the background by a non-interactive shell inherits SIGINT ignored): Ctrl-C checks made
-    without setting the handler first would then test the launch, not the code."""
-    from tests.support.sigint import sigint_state
-
-    state = sigint_state()
-    if state != ("python", False):
-        return f"SIGINT at start: {state.describe()}"
-    return None
+    the background by a non-interactive shell inherits SIGINT ignored): a Ctrl-C check that
+    does not set the handler first would then test the launch, not the code."""
+    if AT_IMPORT != ("python", False):
+        terminalreporter.write_line(f"SIGINT when the suite started: {AT_IMPORT.describe()}")
 
 
 @pytest.fixture(autouse=True)
@@ -199,20 +197,18 @@ def _sigint_handler_restored(request):
     import signal
     import warnings
 
-    from tests.support.sigint import sigint_state
-
     before, below = signal.getsignal(signal.SIGINT), sigint_state()
     yield
     after, now = signal.getsignal(signal.SIGINT), sigint_state()
+    left = []
     if after is not before:
-        signal.signal(signal.SIGINT, before)
-        warnings.warn(f"{request.node.nodeid} left SIGINT handled by {after!r}; restored", stacklevel=1)
-    elif now != below:
-        if now.disposition != below.disposition and before is not None:
-            signal.signal(signal.SIGINT, before)  # Python's view re-installed at C level
-        if now.blocked and not below.blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-        warnings.warn(
-            f"{request.node.nodeid} left SIGINT with {now.describe()} (was {below.describe()}); restored",
-            stacklevel=1,
-        )
+        left.append(f"handled by {after!r}")
+    elif now.disposition != below.disposition:
+        left.append(f"with the C-level handler {now.disposition} (was {below.disposition})")
+    if left and before is not None:
+        signal.signal(signal.SIGINT, before)  # also re-installs Python's view at C level
+    if now.blocked and not below.blocked:
+        left.append("blocked in the main thread")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    if left:
+        warnings.warn(f"{request.node.nodeid} left SIGINT {', '.join(left)}; restored", stacklevel=1)

@@ -73,3 +73,7 @@ def sigint_state() -> SigintState:
     else:
         disposition = f"foreign {address:#x}"
     return SigintState(disposition, signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+AT_IMPORT = sigint_state()
+"""The state when the suite's conftest was loaded (before any test)."""
