@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.support.sigint import AT_IMPORT, sigint_state  # read before any test module is imported
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -176,17 +178,37 @@ def mesh():
         dist.destroy_process_group()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Say so when the suite did not start with Python's own SIGINT handler (a run started in
+    the background by a non-interactive shell inherits SIGINT ignored): a Ctrl-C check that
+    does not set the handler first would then test the launch, not the code."""
+    if AT_IMPORT != ("python", False):
+        terminalreporter.write_line(f"SIGINT when the suite started: {AT_IMPORT.describe()}")
+
+
 @pytest.fixture(autouse=True)
 def _sigint_handler_restored(request):
-    """A test that leaves its own SIGINT handler behind would change what Ctrl-C does in every
-    later test (and whether the tests of the trainer's own handler mean anything): put Python's
-    back and name the test, as a warning in the summary."""
+    """A test that leaves SIGINT changed would change what Ctrl-C does in every later test (and
+    whether the tests of the trainer's own handler mean anything), and a user's process after
+    the same calls. Checked at both levels: the handler Python reports, and below it the
+    C-level disposition and the main thread's signal mask, which a C extension can change
+    while signal.getsignal() still names Python's handler. Whatever changed is put back and the
+    test named, as a warning in the summary."""
     import signal
     import warnings
 
-    before = signal.getsignal(signal.SIGINT)
+    before, below = signal.getsignal(signal.SIGINT), sigint_state()
     yield
-    after = signal.getsignal(signal.SIGINT)
+    after, now = signal.getsignal(signal.SIGINT), sigint_state()
+    left = []
     if after is not before:
-        signal.signal(signal.SIGINT, before)
-        warnings.warn(f"{request.node.nodeid} left SIGINT handled by {after!r}; restored", stacklevel=1)
+        left.append(f"handled by {after!r}")
+    elif now.disposition != below.disposition:
+        left.append(f"with the C-level handler {now.disposition} (was {below.disposition})")
+    if left and before is not None:
+        signal.signal(signal.SIGINT, before)  # also re-installs Python's view at C level
+    if now.blocked and not below.blocked:
+        left.append("blocked in the main thread")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    if left:
+        warnings.warn(f"{request.node.nodeid} left SIGINT {', '.join(left)}; restored", stacklevel=1)
