@@ -16,8 +16,8 @@ so the matrix is folded):
 | A | async, top_p 0.9, top_k 20, temperature 0.7, chat template, mini_batches_per_step 2, inflight recompute |
 | B | sync mode, temperature 1.3, no template, multi-turn step-wise, a model with dropout in its config |
 | C | async, multi-turn interleaved, chat template, inflight keep, crash + resume mid-run, elastic generator |
-| D | the tools env (tool results in the context), LoRA with adapter publishes, sync mode |
-| E | a verifiers env (multi-turn), LoRA with merged publishes, async held on-policy |
+| D | the tools env (tool results in the context), LoRA with adapter publishes, async held on-policy |
+| E | a verifiers env (multi-turn), LoRA with merged publishes, sync mode |
 
 D and E train (lr 1e-2) on-policy instead of running at lr=0: a LoRA adapter starts as the
 base model, so at lr=0 an engine without the adapter would pass too (see `LORA` below).
@@ -248,7 +248,7 @@ LORA = (
     "control.max_staleness=0",
     "learner.mini_batches_per_step=1",
     "control.total_steps=4",
-    "control.checkpoint_every=1000",
+    "control.checkpoint_every=4",
     "rollout.engine_max_model_len=256",
     "rollout.max_tokens=4",
     "rollout.chat_template=true",
@@ -273,7 +273,6 @@ def check_lora(parity_report, variant: str, covers: str, run_dir: Path, log_text
 
 
 TOOLS = {
-    "type": "tools",
     "tools": ["asyncrl.rollout.envs.calculator:calculator"],
     "reward": "tests.support.tools:final_number",
     "parser": "tests.support.tools:every_reply_calls",  # every reply calls calculator(TINY_CALL)
@@ -281,21 +280,22 @@ TOOLS = {
 }
 
 
-def test_parity_lora_adapter_publish_tool_env(ray_session, tmp_path, chat_model, parity_report, caplog):
+def test_parity_lora_adapter_publish_tool_env(ray_session, tmp_path, tools_model, parity_report, caplog):
     """D: tool episodes (each reply calls the calculator, its result comes back as a tool turn in
-    the context, loss mask 0) trained as LoRA adapters that every publish sends alone; the
-    synchronous loop."""
+    the context, loss mask 0) trained as LoRA adapters that every publish sends alone; the async
+    loop held on-policy (max_staleness 0)."""
     prompts = tmp_path / "calc.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in (("1+1=", 2), ("2+2=", 4))))
     cfg = parity_config(
         tmp_path,
         "parity-d",
-        chat_model,
+        tools_model,
         *LORA,
         lora("adapter"),
-        "control.mode=sync",
+        "control.mode=async",
         f"rollout.prompts={prompts}",
-        f"rollout.env={json.dumps(TOOLS)}",
+        "rollout.env=tools",
+        f"rollout.env_kwargs={json.dumps(TOOLS)}",
     )
     with caplog.at_level("INFO", logger="asyncrl.control.bringup"):
         state, stalled = train_within(STALL_S, cfg)
@@ -305,25 +305,25 @@ def test_parity_lora_adapter_publish_tool_env(ray_session, tmp_path, chat_model,
     calls = 2 * cfg.control.groups_per_step * cfg.rollout.n_samples
     counts = [(r.get("rollout/tool_calls"), r.get("rollout/tool_errors")) for r in rows]
     assert counts == [(calls, 0)] * 4, counts
-    covers = "tools env (3 turns, tool results in context), LoRA adapter publish, sync, lr 1e-2 on-policy"
+    covers = "tools env (3 turns, tool results in context), LoRA adapter publish, async staleness 0, lr 1e-2"
     check_lora(parity_report, "D", covers, tmp_path / "parity-d", caplog.text, "adapter")
 
 
 def test_parity_lora_merged_publish_verifiers_env(ray_session, tmp_path, chat_model, parity_report, caplog):
     """E: a verifiers environment that answers each reply (two turns), trained as LoRA adapters
-    published merged into full weights; the async loop held on-policy (max_staleness 0)."""
-    env = {"type": "verifiers", "id": "tests.support.vf_copy_task", "args": {"turns": 2}}
+    published merged into full weights; the synchronous loop."""
     cfg = parity_config(
         tmp_path,
         "parity-e",
         chat_model,
         *LORA,
         lora("merged"),
-        "control.mode=async",
-        f"rollout.env={json.dumps(env)}",
+        "control.mode=sync",
+        "rollout.env=verifiers",
+        "rollout.env_kwargs={id: tests.support.vf_copy_task, args: {turns: 2}}",  # the taskset's prompts
     )
     with caplog.at_level("INFO", logger="asyncrl.control.bringup"):
         state, stalled = train_within(STALL_S, cfg)
     assert not stalled and state.step == 4
-    covers = "verifiers env (2 turns), LoRA merged publish, async max_staleness 0, lr 1e-2 on-policy"
+    covers = "verifiers env (2 turns), LoRA merged publish, sync, lr 1e-2 on-policy"
     check_lora(parity_report, "E", covers, tmp_path / "parity-e", caplog.text, "merged")
