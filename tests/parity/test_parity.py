@@ -265,8 +265,8 @@ def lora(publish: str) -> str:
 def check_lora(parity_report, variant: str, covers: str, run_dir: Path, log_text: str, publish: str):
     """The parity rules, the publish mode the run announced, and an adapter that moved every step."""
     result = check(parity_report, variant, covers, run_dir)
-    announced = {"adapter": "each publish sends the adapter alone", "merged": "with the adapter merged in"}[publish]
-    assert f"LoRA: {announced}" in log_text
+    announced = {"adapter": "the adapter alone", "merged": "the weights with the adapter merged in"}[publish]
+    assert f"LoRA: each publish sends {announced}" in log_text
     norms = [row.get("learner/grad_norm") for row in read_metrics(run_dir)]
     assert len(norms) == result.steps == 4 and all(n and n > 0 for n in norms), norms
     return result
