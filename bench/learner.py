@@ -381,12 +381,13 @@ def run(argv: list[str] | None) -> dict:
 
 
 def smoke_checks(result: dict) -> dict:
-    """What --smoke asserts: each case ran a step, and packing removed padding (never added it)."""
+    """What --smoke asserts: each case ran a step, and the packed side computed no pad (one row
+    per micro-batch, its attention per sequence: asyncrl.learner.attention)."""
     pk, ac = result["packing"], result["ac"]
     return {
         "baseline_trained": result["tokens_per_s"] > 0 and result["baseline_tokens_per_s"] > 0,
         "packing_trained": pk["packed_tokens_per_s"] > 0 and pk["padded_tokens_per_s"] > 0,
-        "packing_pads_less": bool(pk["padding_frac_packed"] <= pk["padding_frac_padded"]),
+        "packing_pads_nothing": pk["padding_frac_packed"] == 0.0,
         "ac_ran": all(v > 0 for v in ac["peak_rss_mib"].values()),
     }
 

@@ -4,7 +4,7 @@
     plans = [split_by_token_budget([lengths[i] for i in share], budget=4096) for share in shares]
     count = max(len(p) for p in plans)                                            # same on all ranks
     mb = collate([seq_fields(s) for s in seqs], pad_token_id=0)                   # dict of [B, L]
-    mb = collate_packed([seq_fields(s) for s in seqs], pad_token_id=0)            # the same + packed [R, W] rows
+    mb = collate_packed([seq_fields(s) for s in seqs], pad_token_id=0)            # the same + one packed [1, T] row
     pad = padding_microbatch(field_dtypes(mb), pad_token_id=0)                    # zero loss mask
 
 Two layouts of one micro-batch; the per-token fields (loss mask, rollout logprobs,
@@ -16,15 +16,14 @@ is the same for both:
   positions do not depend on the padding. The planner picks the cut into micro-batches with
   the least padded compute, each micro-batch charged a fixed cost (`split_by_token_budget`);
   what padding is left is reported as `learner/padding_frac`.
-- *packed* (``learner.packing``, the default): the model runs on rows holding several
-  sequences back to back (PACKED_IDS, [R, W]: one row of all of them for flash attention,
-  else the rows with the least compute under a dense mask, see `row_layout`) with POSITION_IDS restarting at
-  0 for each sequence, from which the attention keeps every token inside its own sequence
-  (asyncrl.learner.step.forward_logits). Next to no pad is computed; the budget bounds the
-  real tokens (`pack_by_token_budget`). Anything computed per position on those rows
-  (log-probs, entropy) comes back to the [B, L] layout through UNPACK_INDEX (`unpack`), with
-  0 at each sequence's position 0 and on padding, as the padded path has at position 0; the
-  loss never reads padding positions.
+- *packed* (``learner.packing``, the default): the model runs on one row holding the
+  sequences back to back (PACKED_IDS, [1, T]) with POSITION_IDS restarting at 0 for each
+  sequence, from which the attention keeps every token inside its own sequence and computes
+  nothing between sequences (asyncrl.learner.step.forward_logits, asyncrl.learner.attention).
+  No pad is computed; the budget bounds the real tokens (`pack_by_token_budget`). Anything
+  computed per position on that row (log-probs, entropy) comes back to the [B, L] layout
+  through UNPACK_INDEX (`unpack`), with 0 at each sequence's position 0 and on padding, as
+  the padded path has at position 0; the loss never reads padding positions.
 
 All ranks run the same number of micro-batches, because every FSDP forward/backward is a
 collective. A rank with less data runs *padding micro-batches*: one pad-token row that
@@ -48,8 +47,8 @@ from asyncrl.types import TrainSequence
 SEQUENCE_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
 INTEGER_FIELDS = ("input_ids", "token_versions")
 PADDING_KEY = "is_padding"
-# The packed layout's extra fields (module docstring): the forward's input rows, their
-# per-sequence positions, and where each [B, L] slot's value sits in those rows (-1: none).
+# The packed layout's extra fields (module docstring): the forward's input row, its
+# per-sequence positions, and where each [B, L] slot's value sits in that row (-1: none).
 PACKED_IDS = "packed_input_ids"
 POSITION_IDS = "position_ids"
 UNPACK_INDEX = "unpack_index"
@@ -182,84 +181,41 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
     return out
 
 
-def row_layout(lengths: list[int], *, one_row: bool = False, attention_per_token: float = 0.0) -> list[list[int]]:
-    """Packed rows for one micro-batch: lists of indices into `lengths`, all rows as wide as
-    the widest, which fits the longest sequence.
-
-    one_row: everything in one row, for flash attention's varlen kernel (which needs a batch
-    of one and computes nothing the mask drops). Otherwise the attention applies a dense
-    [W, W] mask per row, so a slot costs 1 + attention_per_token * W (the linear layers, plus
-    the attention over W keys, relative to them; ``asyncrl.learner.step.dense_attention_cost``):
-    wide rows leave the least padding (none in one row) but pay for attention between
-    sequences that the mask then drops. The layout chosen has the least total cost over the
-    row counts R that can hold the batch: each R with the narrowest width W >= longest that
-    first-fit (longest first) fits into R rows.
-    """
-    total = sum(lengths)
-    if one_row or not lengths:
-        return [sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))]
-
-    def cost(plan: list[list[int]]) -> float:
-        width = max(sum(lengths[k] for k in row) for row in plan)
-        return len(plan) * width * (1 + attention_per_token * width)
-
-    longest = max(lengths)
-    best = pack_by_token_budget(lengths, longest)
-    best_cost = cost(best)
-    for rows in range(len(best) - 1, 0, -1):
-        width = max(longest, -(-total // rows))
-        if total * (1 + attention_per_token * width) >= best_cost:
-            break  # fewer rows are only wider: no cheaper layout is left
-        while len(plan := pack_by_token_budget(lengths, width)) > rows:
-            width += max(1, width // 64)
-        if cost(plan) < best_cost:
-            best, best_cost = plan, cost(plan)
-    return best
-
-
-def collate_packed(
-    seqs: list[dict[str, np.ndarray]], *, pad_token_id: int, one_row: bool = False, attention_per_token: float = 0.0
-) -> dict[str, torch.Tensor]:
-    """`collate`'s [B, L] fields plus the packed rows the model runs on (module docstring):
-    PACKED_IDS and POSITION_IDS [R, W] (rows from `row_layout`) and UNPACK_INDEX [B, L], the
-    flat position in those rows of each slot's value, -1 at each sequence's position 0 (it
-    has no predecessor) and on padding. A row's pad tail is a sequence of its own (positions
-    from 0), so no real token attends to it.
+def collate_packed(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """`collate`'s [B, L] fields plus the packed row the model runs on (module docstring):
+    PACKED_IDS and POSITION_IDS [1, T] (the sequences back to back in their order, T their
+    total length) and UNPACK_INDEX [B, L], the position in that row of each slot's value, -1
+    at each sequence's position 0 (it has no predecessor) and on padding.
     """
     out = collate(seqs, pad_token_id=pad_token_id)
     lengths = [len(s["input_ids"]) for s in seqs]
-    rows = row_layout(lengths, one_row=one_row, attention_per_token=attention_per_token)
-    width = max(sum(lengths[k] for k in members) for members in rows)
-    ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
-    positions = np.zeros((len(rows), width), dtype=np.int64)
+    ids = np.empty(sum(lengths), dtype=np.int64)
+    positions = np.empty(sum(lengths), dtype=np.int64)
     index = np.full(tuple(out["input_ids"].shape), -1, dtype=np.int64)
-    for r, members in enumerate(rows):
-        start = 0
-        for k in members:
-            n = lengths[k]
-            ids[r, start : start + n] = seqs[k]["input_ids"]
-            positions[r, start : start + n] = np.arange(n)
-            index[k, 1:n] = r * width + np.arange(start + 1, start + n)
-            start += n
-        positions[r, start:] = np.arange(width - start)
-    out[PACKED_IDS] = torch.from_numpy(ids).to(out["input_ids"].dtype)
-    out[POSITION_IDS] = torch.from_numpy(positions)
+    start = 0
+    for k, n in enumerate(lengths):
+        ids[start : start + n] = seqs[k]["input_ids"]
+        positions[start : start + n] = np.arange(n)
+        index[k, 1:n] = np.arange(start + 1, start + n)
+        start += n
+    out[PACKED_IDS] = torch.from_numpy(ids).to(out["input_ids"].dtype).unsqueeze(0)
+    out[POSITION_IDS] = torch.from_numpy(positions).unsqueeze(0)
     out[UNPACK_INDEX] = torch.from_numpy(index)
     return out
 
 
 def is_packed(mb: dict[str, Any]) -> bool:
-    """Whether the model runs on this micro-batch's packed rows rather than its [B, L] rows."""
+    """Whether the model runs on this micro-batch's packed row rather than its [B, L] rows."""
     return PACKED_IDS in mb
 
 
 def forward_ids(mb: dict[str, Any]) -> torch.Tensor:
-    """The token ids the model runs on: the packed rows, or the [B, L] rows."""
+    """The token ids the model runs on: the packed row, or the [B, L] rows."""
     return mb[PACKED_IDS] if is_packed(mb) else mb["input_ids"]
 
 
 def unpack(values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
-    """Per-position values over a packed micro-batch's rows ([R, W]) in the [B, L] layout of its
+    """Per-position values over a packed micro-batch's row ([1, T]) in the [B, L] layout of its
     other fields: 0 at each sequence's position 0 and on padding. Differentiable."""
     index = mb[UNPACK_INDEX].to(values.device)
     picked = values.reshape(-1)[index.clamp(min=0)]
@@ -312,18 +268,16 @@ def build_rank_microbatches(
     *,
     pad_token_id: int,
     packing: bool = False,
-    one_row: bool = False,
-    attention_per_token: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Collate (packing: `collate_packed`, with `one_row` and `attention_per_token`) one
-    rank's micro-batches per `plan`, then add padding ones up to `count`."""
+    """Collate (packing: `collate_packed`) one rank's micro-batches per `plan`, then add
+    padding ones up to `count`."""
     if len(plan) > count:
         raise ValueError(f"plan has {len(plan)} micro-batches, more than the common count {count}")
     mbs: list[dict[str, Any]] = []
     for idx in plan:
         members = [seqs[i] for i in idx]
         mb: dict[str, Any] = (
-            collate_packed(members, pad_token_id=pad_token_id, one_row=one_row, attention_per_token=attention_per_token)
+            collate_packed(members, pad_token_id=pad_token_id)
             if packing
             else collate(members, pad_token_id=pad_token_id)
         )

@@ -157,8 +157,6 @@ class LearnerActor:
             dtypes,
             pad_token_id=self.pad_token_id,
             packing=self.cfg.learner.packing,
-            one_row=step.packs_into_one_row(self.model),
-            attention_per_token=step.dense_attention_cost(self.model),
         )
 
     # ------------------------------------------------------------------ endpoints

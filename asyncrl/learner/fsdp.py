@@ -73,16 +73,23 @@ def mixed_precision(dtype: str, device: torch.device) -> MixedPrecisionPolicy | 
     return None
 
 
-def attention_implementation(device: torch.device, dtype: str) -> str:
+def attention_implementation(device: torch.device, dtype: str, config: Any = None) -> str:
     """flash_attention_2 where it can run (CUDA, bf16 compute, the flash_attn package
-    installed), else sdpa. On a packed row both keep attention inside each sequence
-    (asyncrl.learner.step.forward_logits), but SDPA applies a dense [T, T] mask, computing
-    the blocks it then masks, where flash attention's varlen kernel skips them."""
+    installed), else the varlen SDPA of asyncrl.learner.attention; both run each sequence of a
+    packed row alone and compute no attention between sequences. A model whose attention
+    rules the varlen SDPA cannot honour (`attention.supports` on its Hugging Face `config`)
+    gets transformers' SDPA, which keeps a packed row's sequences apart with a dense
+    block-diagonal mask: exact, but it computes the attention between them."""
     from transformers.utils import is_flash_attn_2_available  # transformers: heavy at import
+
+    from asyncrl.learner import attention
 
     if device.type == "cuda" and dtype == "bfloat16" and is_flash_attn_2_available():
         return "flash_attention_2"
-    return "sdpa"
+    if config is not None and not attention.supports(config):
+        return "sdpa"
+    attention.register()
+    return attention.VARLEN_SDPA
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -190,11 +197,10 @@ def load_sharded_model(
     checkpoints its blocks itself, see CheckpointedForward, and only a trainable model's:
     a frozen one keeps no activations for a backward.)
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation=attention_implementation(device, dtype)
-    )
+    attn = attention_implementation(device, dtype, AutoConfig.from_pretrained(model_path))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
     model.requires_grad_(trainable)
     model.train(False)

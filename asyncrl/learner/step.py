@@ -4,7 +4,7 @@
     stats = train_step(model, optimizer, scheduler, microbatches, loss_fn, grad_clip=1.0)
 
 `loss_fn(logits, mb) -> (loss, metrics)` (logits in the micro-batch's forward layout:
-padded [B, L, V] or packed [R, W, V], see forward_logits) returns the micro-batch's share of
+padded [B, L, V] or packed [1, T, V], see forward_logits) returns the micro-batch's share of
 the mini-batch loss, sum_t w_t * term_t, with the reduction weights w computed over the whole mini-batch
 (all ranks). Summed over micro-batches (gradient accumulation) and ranks, that is the
 mini-batch loss, and FSDP sums the ranks' gradients (``fsdp.shard_model`` sets its divide
@@ -79,38 +79,16 @@ def policy_logits(
     return logits if disallowed is None else logits.masked_fill(disallowed, MASKED_LOGIT)
 
 
-def packs_into_one_row(model: nn.Module) -> bool:
-    """Whether packed micro-batches go in one row for this model (asyncrl.data.microbatch.collate_packed):
-    for flash attention, whose varlen kernel needs a batch of one and computes no masked
-    block; SDPA and eager apply a dense mask per row, so they get the rows that cost least
-    under it (dense_attention_cost)."""
-    return "flash" in str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
-
-
-def dense_attention_cost(model: nn.Module) -> float:
-    """What one more key costs a token under a dense attention mask, relative to the token's
-    linear layers (asyncrl.data.microbatch.row_layout): ~4h multiply-adds for QK^T and AV
-    against ~8h^2 + 6hi for the projections and MLP (h hidden, i intermediate size)."""
-    config = getattr(model, "config", None)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    if hidden <= 0:
-        return 0.0
-    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    return 1.0 / (2 * hidden + 1.5 * inter)
-
-
 def forward_logits(model: nn.Module, mb: dict[str, Any], disallowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits over the micro-batch's forward layout: its [B, L] rows, or its packed [R, W] rows.
+    """Logits over the micro-batch's forward layout: its [B, L] rows, or its packed [1, T] row.
 
-    Packed rows carry only `position_ids`, restarting at 0 for each sequence: Hugging Face
-    transformers (>= 5.16, the pinned range) finds the sequence boundaries in them where no
-    attention mask is passed (masking_utils.find_packed_sequence_indices) and keeps each
-    token's attention inside its own sequence, with every attention implementation, composed
-    with the model's own sliding-window or chunked rules: under SDPA (the CPU default) as a
-    4D boolean block-diagonal causal mask; under flash_attention_2/3 (CUDA, see
-    asyncrl.learner.fsdp.attention_implementation) as the cu_seqlens of the varlen kernel,
-    which computes no masked block at all. Rotary (or learned) positions come from the same
-    `position_ids`, so each sequence's logits are those of its own padded row.
+    The packed row carries only `position_ids`, restarting at 0 for each sequence; the
+    model's attention implementation (asyncrl.learner.fsdp.attention_implementation) finds
+    the sequence boundaries in them and runs each sequence alone: flash attention's varlen
+    kernel on CUDA (cu_seqlens from the positions), asyncrl.learner.attention's per-sequence
+    SDPA elsewhere; neither computes attention between sequences. Rotary (or learned)
+    positions come from the same `position_ids`, so each sequence's logits are those of its
+    own padded row.
     """
     if mbatch.is_packed(mb):
         return policy_logits(model, mb[mbatch.PACKED_IDS], disallowed, position_ids=mb[mbatch.POSITION_IDS])

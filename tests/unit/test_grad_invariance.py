@@ -267,12 +267,12 @@ def row_lengths(mb: dict) -> list[int]:
     return [int((row != 0).nonzero().max()) + 1 for row in mb["input_ids"]]
 
 
-def packed(mb: dict, idx, one_row: bool = False) -> dict:
-    """These rows as one packed micro-batch, built from their unpadded fields as the learner
-    does: one row, or (a dense mask's layout) several rows about as wide as the longest."""
+def packed(mb: dict, idx) -> dict:
+    """These rows as one packed micro-batch (one row), built from their unpadded fields as the
+    learner does."""
     n = row_lengths(mb)
     seqs = [{k: v[i, : n[i]].numpy() for k, v in mb.items()} for i in idx]
-    return mbatch.collate_packed(seqs, pad_token_id=0, one_row=one_row, attention_per_token=1.0)
+    return mbatch.collate_packed(seqs, pad_token_id=0)
 
 
 def llama_grad(model, algo, micro: list[dict], **kw) -> tuple[torch.Tensor, dict]:
@@ -296,16 +296,14 @@ def assert_same_metrics(got: dict, want: dict, what: str) -> None:
 
 
 def check_packed_like_padded(model, algo, mb: dict, split: str, *, ranks: bool = False, **kw) -> None:
-    """One padded micro-batch against one packed row and against packed rows, and against
-    packed micro-batches cut by `split` (and with `ranks`, two DP ranks, one running a
-    padding micro-batch)."""
+    """One padded micro-batch against one packed row, and against packed micro-batches cut by
+    `split` (and with `ranks`, two DP ranks, one running a padding micro-batch)."""
     n = mb["input_ids"].shape[0]
     padded, padded_metrics = llama_grad(model, algo, [mb], **kw)
     assert padded.abs().max() > 1e-5, "the loss must produce a gradient for the test to mean anything"
-    for one_row in (True, False):
-        whole, whole_metrics = llama_grad(model, algo, [packed(mb, range(n), one_row)], **kw)
-        assert rel_diff(whole, padded) <= 1e-6, f"packing (one_row={one_row}) changed the gradient"
-        assert_same_metrics(whole_metrics, padded_metrics, f"packed, one_row={one_row}")
+    whole, whole_metrics = llama_grad(model, algo, [packed(mb, range(n))], **kw)
+    assert rel_diff(whole, padded) <= 1e-6, "packing changed the gradient"
+    assert_same_metrics(whole_metrics, padded_metrics, "packed")
     if split:
         got, _ = llama_grad(model, algo, [packed(mb, p) for p in splits(n)[split]], **kw)
         assert rel_diff(got, padded) <= 1e-6, f"packed split {split} changed the gradient"
@@ -348,12 +346,10 @@ def test_packed_logprobs_equal_padded_and_computes_no_pad(groups, llama):
     kw = dict(temperature=TEMP, logprob_fn=token_logprobs, device=torch.device("cpu"))
     with torch.no_grad():
         want = microbatch_logprobs(llama, mb, **kw)
-        pk = packed(mb, range(n), one_row=True)
+        pk = packed(mb, range(n))
         got = microbatch_logprobs(llama, pk, **kw)
-        in_rows = microbatch_logprobs(llama, packed(mb, range(n)), **kw)
     real = torch.arange(mb["input_ids"].shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     assert (got[real] - want[real]).abs().max() <= 1e-12 and (got[~real] == 0).all()
-    assert (in_rows[real] - want[real]).abs().max() <= 1e-12 and (in_rows[~real] == 0).all()
     assert mbatch.computed_tokens(pk) == sum(lengths) < mbatch.computed_tokens(mb)
     # Negative control: positions that do not restart make one long sequence; it must show.
     broken = dict(pk, **{mbatch.POSITION_IDS: torch.arange(sum(lengths)).unsqueeze(0)})

@@ -130,56 +130,32 @@ def test_pack_by_token_budget_fills_micro_batches_by_real_tokens():
     assert plans == [[[0, 1], [2]], [[0]]] and count == 2
 
 
-def test_collate_packed_adds_rows_with_per_sequence_positions():
+def test_collate_packed_adds_one_row_with_per_sequence_positions():
     a, b, c, d = (mbatch.seq_fields(_seq(ids)) for ids in ([5, 6, 7], [9, 8], [4], [3, 2]))
     padded = mbatch.collate([a, b, c, d], pad_token_id=0)
-    one = mbatch.collate_packed([a, b, c, d], pad_token_id=0, one_row=True)
+    one = mbatch.collate_packed([a, b, c, d], pad_token_id=0)
     assert set(one) == set(padded) | set(mbatch.PACKING_FIELDS)
     assert all(torch.equal(one[k], v) for k, v in padded.items())  # the [B, L] fields are unchanged
-    # Longest first (the rows' order for every layout): a, b, d, c.
-    assert one[mbatch.PACKED_IDS].tolist() == [[5, 6, 7, 9, 8, 3, 2, 4]]
-    assert one[mbatch.POSITION_IDS].tolist() == [[0, 1, 2, 0, 1, 0, 1, 0]]
-    assert one[mbatch.UNPACK_INDEX].tolist() == [[-1, 1, 2], [-1, 4, -1], [-1, -1, -1], [-1, 6, -1]]
-    # Attention that costs a lot per key: rows as wide as the longest (3), first-fit longest
-    # first: [a] [b c] [d + a pad of its own] (9 slots of width 3 beat 8 of width 8).
-    rows = mbatch.collate_packed([a, b, c, d], pad_token_id=0, attention_per_token=0.5)
-    assert rows[mbatch.PACKED_IDS].tolist() == [[5, 6, 7], [9, 8, 4], [3, 2, 0]]
-    assert rows[mbatch.POSITION_IDS].tolist() == [[0, 1, 2], [0, 1, 0], [0, 1, 0]]
-    assert rows[mbatch.UNPACK_INDEX].tolist() == [[-1, 1, 2], [-1, 4, -1], [-1, -1, -1], [-1, 7, -1]]
-    assert mbatch.is_packed(rows) and not mbatch.is_packed(padded)
-    assert mbatch.forward_ids(rows) is rows[mbatch.PACKED_IDS] and mbatch.forward_ids(padded) is padded["input_ids"]
-    assert [mbatch.computed_tokens(m) for m in (one, rows, padded)] == [8, 9, 12]
+    # One row, the sequences in their order, no pad at all.
+    assert one[mbatch.PACKED_IDS].tolist() == [[5, 6, 7, 9, 8, 4, 3, 2]]
+    assert one[mbatch.PACKED_IDS].dtype == torch.int64
+    assert one[mbatch.POSITION_IDS].tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+    assert one[mbatch.UNPACK_INDEX].tolist() == [[-1, 1, 2], [-1, 4, -1], [-1, -1, -1], [-1, 7, -1]]
+    assert mbatch.is_packed(one) and not mbatch.is_packed(padded)
+    assert mbatch.forward_ids(one) is one[mbatch.PACKED_IDS] and mbatch.forward_ids(padded) is padded["input_ids"]
+    assert [mbatch.computed_tokens(m) for m in (one, padded)] == [8, 12]
     # Values per packed position come back per row, 0 at each position 0 and on padding.
-    values = torch.tensor([[0.0, 10, 20], [30, 40, 50], [60, 70, 80]], requires_grad=True)
-    got = mbatch.unpack(values, rows)
+    values = torch.arange(8, dtype=torch.float64).mul(10).unsqueeze(0).requires_grad_()
+    got = mbatch.unpack(values, one)
     assert got.tolist() == [[0, 10, 20], [0, 40, 0], [0, 0, 0], [0, 70, 0]]
     got.sum().backward()  # only the positions read get a gradient
-    assert values.grad.tolist() == [[0, 1, 1], [0, 1, 0], [0, 1, 0]]
-
-
-def test_row_layout_weighs_padding_against_dense_attention():
-    lengths = [112, 90, 60, 40, 30, 30, 25, 20, 20, 15, 12, 10, 9]
-    total = sum(lengths)  # 473
-
-    def shape(rows):
-        width = max(sum(lengths[k] for k in row) for row in rows)
-        assert sorted(k for row in rows for k in row) == list(range(len(lengths)))
-        return len(rows), width
-
-    # Free attention: the least padding, i.e. one row; so too for flash attention's varlen.
-    assert shape(mbatch.row_layout(lengths)) == (1, total)
-    assert shape(mbatch.row_layout(lengths, one_row=True, attention_per_token=1.0)) == (1, total)
-    # Costly attention: rows about as narrow as the longest sequence (4 x 121 beats 5 x 112).
-    assert shape(mbatch.row_layout(lengths, attention_per_token=1.0)) == (4, 121)
-    # In between (a 32M Llama: 1 / (2 * 512 + 1.5 * 1408)): a few rows, little padding.
-    rows, width = shape(mbatch.row_layout(lengths, attention_per_token=1 / 3136))
-    assert rows > 1 and rows * width - total < 0.05 * total
+    assert values.grad.tolist() == [[0, 1, 1, 0, 1, 0, 0, 1]]
 
 
 def test_rank_microbatches_packed_except_the_padding_ones():
     seqs = [mbatch.seq_fields(_seq([5, 6, 7])), mbatch.seq_fields(_seq([9, 8]))]
     fields = {n: (torch.int64 if n in mbatch.INTEGER_FIELDS else torch.float32) for n in mbatch.SEQUENCE_FIELDS}
-    mbs = mbatch.build_rank_microbatches(seqs, [[0, 1]], 2, fields, pad_token_id=0, packing=True, one_row=True)
+    mbs = mbatch.build_rank_microbatches(seqs, [[0, 1]], 2, fields, pad_token_id=0, packing=True)
     assert [mbatch.is_packed(mb) for mb in mbs] == [True, False]
     assert mbs[0][mbatch.PACKED_IDS].tolist() == [[5, 6, 7, 9, 8]]
     assert set(mbs[1]) - {mbatch.PADDING_KEY} == set(fields)
