@@ -114,11 +114,20 @@ def test_concurrent_samples_are_scored_in_batches_as_a_direct_forward_and_weight
 
 
 def test_a_crashed_reward_model_is_restarted_and_its_pending_request_retried(ray_session, reward_actor, tiny_rm):
+    from ray._private.state import actors  # no public call reads restarts without the dashboard
+
     ray, (_, handle) = ray_session, reward_actor
-    requests = ray.get(handle.stats.remote()).requests
+
+    def restarts() -> int:
+        return actors(actor_id=handle._actor_id.hex())["NumRestarts"]
+
+    requests, before = ray.get(handle.stats.remote()).requests, restarts()
     pending = handle.score.remote(["abc="], ["abc"])  # waits in the actor for 7 more samples
     wait_for(lambda: ray.get(handle.stats.remote()).requests > requests, 60, "the request to reach the actor")
     ray.kill(handle, no_restart=False)  # a crash: Ray restarts the actor
+    # ray.kill returns before the kill lands: requests sent before the restart began could
+    # still reach the old actor and fill its batch there.
+    wait_for(lambda: restarts() > before, 60, "the actor to restart")
     completions = ["c", "ca", "cab", "cabc", "b", "bb", "bbb"]
     others = [handle.score.remote(["cab="], [c]) for c in completions]
     values = ray.get([pending, *others], timeout=120)
