@@ -199,8 +199,11 @@ def load_sharded_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    attn = attention_implementation(device, dtype, AutoConfig.from_pretrained(model_path))
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn)
+    config = AutoConfig.from_pretrained(model_path)  # read once: it picks the attention, then builds the model
+    attn = attention_implementation(device, dtype, config)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, config=config, dtype=torch.float32, attn_implementation=attn
+    )
     model.config.use_cache = False
     model.requires_grad_(trainable)
     model.train(False)
