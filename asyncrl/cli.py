@@ -28,12 +28,13 @@ import runpy
 import sys
 from pathlib import Path
 
-from asyncrl.config import load_config, redact_config, schema_text
+from asyncrl.config import ConfigError, load_config, redact_config, schema_text
 from asyncrl.control.allowlist import ImportAllowList
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
 from asyncrl.control.train import train
 from asyncrl.infra import run_command
+from asyncrl.queue.signing import normalise_fingerprint
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
 
@@ -88,6 +89,27 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="CONFIG",
         help="a config file on this host (e.g. the job's own YAML): every import path it names is allowed",
+    )
+    g.add_argument(
+        "--allow-engine-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a vLLM engine setting (rollout.engine_kwargs) taken with any value beyond the safe ones "
+        "(docs/security.md); repeatable",
+    )
+    g.add_argument(
+        "--allow-prompts",
+        action="append",
+        default=[],
+        metavar="SOURCE",
+        help="a prompt source (file, dataset directory or hub id) the job's rollout.prompts may name; repeatable",
+    )
+    g.add_argument(
+        "--trust-key",
+        default=None,
+        metavar="FINGERPRINT",
+        help="the trainer key's fingerprint (the trainer logs it): refuse a job config it did not sign",
     )
     g.add_argument(
         "--trust-remote-code",
@@ -162,7 +184,17 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    allowed = ImportAllowList.build(args.allow_import, args.allow_imports_from, args.trust_remote_code)
+    allowed = ImportAllowList.build(
+        args.allow_import,
+        args.allow_imports_from,
+        args.trust_remote_code,
+        engine_keys=args.allow_engine_key,
+        prompt_sources=args.allow_prompts,
+    )
+    try:
+        trust_key = normalise_fingerprint(args.trust_key) if args.trust_key is not None else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     run_elastic_generator(
         args.redis,
         args.run,
@@ -172,6 +204,7 @@ def _cmd_generate(args) -> int:
         ray_address=args.ray_address,
         connect_timeout_s=args.connect_timeout,
         allowed=allowed,
+        trust_key=trust_key,
     )
     return 0
 

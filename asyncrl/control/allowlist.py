@@ -1,24 +1,33 @@
-"""Which code an elastic generator may load: only what its own host allowed.
+"""What an elastic generator may take from the job's published config: only what its own host
+allowed.
 
     allow = ImportAllowList.build(["my_pkg.rewards:exact_match"], config_files=["job.yaml"])
     allow.check(named_imports(data))     # the raw config from Redis, before it is parsed
+    allow.check_inputs(data)             # engine settings and prompt sources
     cfg = config_from_dict(data)
     allow.check(typed_imports(cfg))      # the parsed config names nothing else
 
-`asyncrl generate` builds its config from what the trainer published in Redis, and an import
-path in it is imported and called. A config in Redis is data that any process that reached
-Redis may have written, so the generator loads a path only if it was given that path itself:
-``--allow-import PATH`` or a config file of its own (``--allow-imports-from``). Built-in names
-(``rollout.env: copy``, ``policy_loss: ppo``) are not import paths and are always allowed.
+`asyncrl generate` builds its config from what the trainer published in Redis. A config in Redis
+is data that any process that reached Redis may have written, so the generator
 
-The check runs before the config is parsed: parsing looks each module up, and
+- loads an import path only if it was given that path itself: ``--allow-import PATH`` or a
+  config file of its own (``--allow-imports-from``). Built-in names (``rollout.env: copy``,
+  ``policy_loss: ppo``) are not import paths and are always allowed. vLLM engine settings that
+  name code (worker classes, logits processors) count as import paths; ``trust_remote_code``
+  (the model folder's own Python) needs ``--trust-remote-code``;
+- takes only the vLLM engine settings that cannot name code or files (asyncrl.control.engine_keys),
+  any other only with ``--allow-engine-key KEY`` (or the same setting in its own config file);
+- reads prompts only from a source its host named: ``--allow-prompts SOURCE`` (or the same
+  ``rollout.prompts`` in its own config file). Without one it reads no file at all.
+
+The checks run before the config is parsed: parsing looks each module up, and
 ``importlib.util.find_spec`` imports a dotted path's parent packages (their code runs).
-vLLM engine settings that name code (worker classes, logits processors) count as import
-paths; ``trust_remote_code`` (the model folder's own Python) needs ``--trust-remote-code``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +38,7 @@ import yaml
 from asyncrl.algo.params import is_import_path
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.tool_env import TOOLS_ENV
+from asyncrl.control.engine_keys import refused_engine_keys
 
 CODE_ENGINE_KWARGS = ("worker_cls", "worker_extension_cls", "logits_processors")
 """vLLM engine arguments whose values vLLM imports by qualified name."""
@@ -108,23 +118,45 @@ def _engine_imports(kwargs: Any) -> list[ImportPath]:
 
 @dataclass(frozen=True)
 class ImportAllowList:
-    """The import paths this host allows, and whether it trusts a model folder's own code."""
+    """What this host allows the job's config: import paths, whether a model folder's own code
+    may run, engine settings beyond the safe ones, and prompt sources."""
 
     paths: frozenset[str] = frozenset()
     remote_code: bool = False
+    engine_keys: frozenset[str] = frozenset()
+    """Engine settings taken with any value (``--allow-engine-key``)."""
+    engine_values: frozenset[tuple[str, str]] = frozenset()
+    """(key, value as canonical JSON): settings taken with exactly the value a config file of
+    this host gives them."""
+    prompt_sources: frozenset[str] = frozenset()
+    """Prompt sources as this host names them (``--allow-prompts``); compared by resolved path."""
 
     @classmethod
     def build(
-        cls, paths: Sequence[str] = (), config_files: Sequence[str | Path] = (), remote_code: bool = False
+        cls,
+        paths: Sequence[str] = (),
+        config_files: Sequence[str | Path] = (),
+        remote_code: bool = False,
+        *,
+        engine_keys: Sequence[str] = (),
+        prompt_sources: Sequence[str] = (),
     ) -> ImportAllowList:
-        """`paths` as given (``--allow-import``) plus every import path named in each config
-        file (YAML or JSON, as `asyncrl train` reads it; ConfigError if unreadable)."""
-        allowed = set(paths)
+        """`paths` as given (``--allow-import``) plus every import path, engine setting and
+        prompt source named in each config file (YAML or JSON, as `asyncrl train` reads it;
+        ConfigError if unreadable)."""
+        allowed, sources = set(paths), set(prompt_sources)
+        values: set[tuple[str, str]] = set()
         for file in config_files:
             data = _read_config(Path(file))
             allowed.update(p.path for p in named_imports(data))
             remote_code = remote_code or wants_remote_code(data)
-        return cls(frozenset(allowed), remote_code)
+            rollout = _section(data, "rollout")
+            kwargs = rollout.get("engine_kwargs")
+            if isinstance(kwargs, Mapping):
+                values.update((str(k), canonical(v)) for k, v in kwargs.items())
+            if isinstance(rollout.get("prompts"), str):
+                sources.add(rollout["prompts"])
+        return cls(frozenset(allowed), remote_code, frozenset(engine_keys), frozenset(values), frozenset(sources))
 
     def check(self, found: Iterable[ImportPath], *, remote_code: bool = False) -> None:
         """ConfigError naming the first path not allowed, and how to allow it."""
@@ -140,6 +172,48 @@ class ImportAllowList:
                 f"the job's config sets rollout.engine_kwargs.{REMOTE_CODE}=true, which runs the model "
                 f"folder's own Python code: if you trust it, run asyncrl generate --trust-remote-code"
             )
+
+    def check_inputs(self, data: Any) -> None:
+        """ConfigError naming the first engine setting or prompt source of the raw config `data`
+        this host does not take, and how to allow it."""
+        rollout = _section(data, "rollout")
+        refused = refused_engine_keys(
+            rollout.get("engine_kwargs"),
+            allowed_keys=self.engine_keys | {REMOTE_CODE},  # --trust-remote-code decides that one
+            allowed_values=self.engine_values,
+            canonical=canonical,
+        )
+        if refused:
+            where = "rollout.engine_kwargs" + (f".{refused[0].key}" if refused[0].key else "")
+            raise ConfigError(
+                f"the job's config sets {where}, which {refused[0].why}: vLLM may load code or read files "
+                f"through engine settings; if you trust it, run asyncrl generate --allow-engine-key "
+                f"{refused[0].key or 'KEY'} (or --allow-imports-from CONFIG)"
+            )
+        self.check_prompts(rollout.get("prompts"))
+
+    def check_prompts(self, source: Any) -> None:
+        if source is None:
+            return  # the environment makes the prompts: no file is read
+        if not isinstance(source, str):
+            raise ConfigError(f"the job's config sets rollout.prompts to a {type(source).__name__}, not a source")
+        if _resolved(source) not in {_resolved(s) for s in self.prompt_sources}:
+            raise ConfigError(
+                f"the job's config names rollout.prompts={source!r}, a prompt source this generator was not "
+                f"given: it reads prompts only from sources allowed on its own host; if you trust it, run "
+                f"asyncrl generate --allow-prompts {source} (or --allow-imports-from CONFIG)"
+            )
+
+
+def canonical(value: Any) -> str:
+    """A JSON value as one text, so two spellings of the same value compare equal."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+
+
+def _resolved(source: str) -> str:
+    # The same file by any spelling (relative, ./, a symlink) compares equal; a hub id, or a path
+    # not there, is compared as written.
+    return os.path.realpath(source) if os.path.exists(source) else source
 
 
 def _read_config(path: Path) -> Any:

@@ -22,12 +22,15 @@ that cannot load the announced weights stops admitting work and says why
 (``stats()["weights_blocked"]``) instead of generating groups that would only be dropped as
 stale.
 
-The config from Redis is not trusted as code: with a queue password it must carry its
-trainer's signature (asyncrl.queue.signing), and every import path in it (environment,
-reward functions, custom losses) must be allowed on this host (asyncrl.control.allowlist):
+The config from Redis is not trusted: given the trainer key's fingerprint (``--trust-key``, the
+trainer logs it) it must carry that key's signature, with a queue password it must carry the
+password signature (asyncrl.queue.signing), and every import path (environment, reward
+functions, custom losses), engine setting beyond the safe ones and prompt source in it must be
+allowed on this host (asyncrl.control.allowlist):
 
-    asyncrl generate --redis URL --run demo --allow-import my_pkg.rewards:exact_match
-    asyncrl generate --redis URL --run demo --allow-imports-from job.yaml
+    asyncrl generate --redis URL --run demo --trust-key FINGERPRINT --allow-imports-from job.yaml
+    asyncrl generate --redis URL --run demo --allow-import my_pkg.rewards:exact_match \
+        --allow-prompts data/train.jsonl --allow-engine-key speculative_config
 """
 
 from __future__ import annotations
@@ -50,41 +53,107 @@ from asyncrl.sync.objstore import open_store
 log = logging.getLogger(__name__)
 
 
+MAX_CONFIG_DEPTH = 32
+"""Nesting a published config may have (the real one is a few levels deep): deeper JSON is
+refused before anything walks it, so no recursion limit is met on the way."""
+
+
 def job_config(
-    run_state: RunState, allowed: ImportAllowList, *, redis_url: str, password: str | None
+    run_state: RunState,
+    allowed: ImportAllowList,
+    *,
+    redis_url: str,
+    password: str | None,
+    trust_key: str | None = None,
 ) -> tuple[Config, str]:
     """The running job's config and model path, read from its state hash and trusted only as
-    far as this host says: with a queue password, its trainer's signature must hold; with or
-    without one, every import path it names must be in `allowed`. Both are checked before the
-    config is parsed (parsing looks modules up). The job publishes it without secrets: the
-    Redis URL and password this generator connected with take their place. ConfigError saying
-    why, otherwise."""
+    far as this host says: with `trust_key` (the trainer key's fingerprint) the trainer's
+    signature must hold; with a queue password, the password signature must hold; with or
+    without either, every import path, engine setting and prompt source it names must be in
+    `allowed`. All are checked before the config is parsed (parsing looks modules up). The job
+    publishes it without secrets: the Redis URL and password this generator connected with take
+    their place. ConfigError saying why, otherwise."""
+    run = run_state.run
     job = run_state.published_job()
     if job is None:
-        raise ConfigError(
-            f"run {run_state.run!r} has no config in Redis: is its trainer running (asyncrl train) on this Redis?"
-        )
+        raise ConfigError(f"run {run!r} has no config in Redis: is its trainer running (asyncrl train) on this Redis?")
     password = run_state.password
-    if password is not None and not job.signed_for(run_state.run, password):
+    if password is not None and not job.signed_for(run, password):
         why = "carries no signature" if job.signature is None else "has a signature that does not match it"
         raise ConfigError(
-            f"run {run_state.run!r}: the job's config in Redis {why} under this queue password, so its "
+            f"run {run!r}: the job's config in Redis {why} under this queue password, so its "
             f"trainer did not write it as it is (or signs with another password): refusing to run it"
         )
-    if password is None:
+    seen = job.trainer_fingerprint
+    if trust_key is not None:
+        if seen != trust_key or not job.trainer_signed(run):
+            why = (
+                "carries no trainer signature"
+                if seen is None
+                else f"is signed by trainer key {seen}"
+                if seen != trust_key
+                else "has a trainer signature that does not match it"
+            )
+            raise ConfigError(
+                f"run {run!r}: the job's config in Redis {why}, not by the trainer key this generator "
+                f"trusts (--trust-key {trust_key}): refusing to run it"
+            )
+    elif seen is not None and job.trainer_signed(run):
         log.warning(
-            "no queue password: the job's config in Redis is not signed; only built-in names and "
-            "the import paths this generator allows (--allow-import) are loaded from it"
+            "the job's config is signed by trainer key %s, which this generator does not pin: a holder "
+            "of the queue's credentials could have written it; pin it with --trust-key %s",
+            seen,
+            seen,
         )
+    elif password is None:
+        log.warning(
+            "the job's config in Redis is not signed (no queue password, no --trust-key); only built-in "
+            "names and what this generator allows (--allow-import, ...) are taken from it"
+        )
+    data = _parse(run, job.config)
     try:
-        data = json.loads(job.config)
         model_path = job.model_path.decode()
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"run {run_state.run!r}: the job's config in Redis is not JSON text: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"run {run!r}: the job's model path in Redis is not UTF-8 text") from None
     allowed.check(named_imports(data), remote_code=wants_remote_code(data))
+    allowed.check_inputs(data)
     cfg = config_from_dict(rejoin_config(data, redis_url=redis_url, password=password))
     allowed.check(typed_imports(cfg), remote_code=bool(cfg.rollout.engine_kwargs.get("trust_remote_code")))
+    allowed.check_inputs(cfg.to_dict())
     return cfg, model_path
+
+
+def _parse(run: str, text: bytes) -> dict:
+    """The published config as a JSON object; ConfigError for anything else (not JSON, another
+    JSON type, nested past MAX_CONFIG_DEPTH)."""
+    too_deep = ConfigError(f"run {run!r}: the job's config in Redis nests deeper than {MAX_CONFIG_DEPTH} levels")
+    try:
+        data = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"run {run!r}: the job's config in Redis is not JSON text: {e}") from None
+    except RecursionError:  # nested past the parser's own limit
+        raise too_deep from None
+    if _depth(data) > MAX_CONFIG_DEPTH:
+        raise too_deep
+    if not isinstance(data, dict):
+        kind = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}.get(type(data), "null")
+        raise ConfigError(f"run {run!r}: the job's config in Redis is a JSON {kind}, not an object of config sections")
+    return data
+
+
+def _depth(value: object) -> int:
+    """How deep lists and objects nest in a JSON value (iterative: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_CONFIG_DEPTH:
+            break
+        if isinstance(node, dict):
+            stack += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1) for v in node]
+    return deepest
 
 
 def run_elastic_generator(
@@ -98,13 +167,17 @@ def run_elastic_generator(
     ray_address: str | None = None,
     allowed: ImportAllowList | None = None,
     connect_timeout_s: float = 30.0,
+    trust_key: str | None = None,
 ) -> dict:
     """Generate for `run` until stopped (or `max_groups` produced); return the final stats.
-    `allowed`: the import paths this host lets the job's config load (none: built-ins only).
+    `allowed`: what this host lets the job's config load and read (none: built-ins only);
+    `trust_key`: the fingerprint of the trainer key the config must be signed by.
     QueueUnavailable if the job's Redis does not answer within `connect_timeout_s`."""
     run_state = RunState.connect(redis_url, run, password=password, retry_deadline_s=connect_timeout_s)
     try:
-        cfg, model_path = job_config(run_state, allowed or ImportAllowList(), redis_url=redis_url, password=password)
+        cfg, model_path = job_config(
+            run_state, allowed or ImportAllowList(), redis_url=redis_url, password=password, trust_key=trust_key
+        )
     finally:
         run_state.close()
     model_package = _attach_ray(ray_address, run) if ray_address else None

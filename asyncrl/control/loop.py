@@ -46,6 +46,7 @@ from asyncrl.control.state import LoopState, StopFlag
 from asyncrl.control.step_metrics import StepTimes, step_metrics
 from asyncrl.control.watchdog import GeneratorWatchdog
 from asyncrl.queue import QueueUnavailable
+from asyncrl.queue.signing import JobSigner
 from asyncrl.rundir import CHECKPOINTS_DIR
 from asyncrl.rundir.store import RunPath
 
@@ -120,7 +121,17 @@ class TrainLoop:
         """Align Redis with the loop's state (fresh start or resume) and publish weights.
         Call before the generators start, then `run()`."""
         c = self.cfg.control
+        # The run's own key signs the job it publishes (kept in the run dir, so a resume keeps
+        # it): a generator given its fingerprint refuses a config anyone else wrote.
+        signer = JobSigner.for_run_dir(self.rt.run_dir)
+        log.info(
+            "the job's config is signed by this run's key; elastic generators pin it with: "
+            "asyncrl generate --redis URL --run %s --trust-key %s",
+            self.run_state.run,
+            signer.fingerprint,
+        )
         self.run_state.set_state(
+            signer=signer,
             status="running",
             started_at=time.time(),
             alert_rollout_kl=self.cfg.monitor.alert_rollout_kl,

@@ -15,7 +15,8 @@ back by `state()`: text that reads as an int becomes an int, then float, else it
 Heartbeats and metrics records are msgpack (decoded with ext types refused, never pickle);
 both codecs are in records.py. The announced weights' location is a typed WeightLocation
 here and text only inside Redis. The job a trainer publishes for `asyncrl generate` (config
-and model path) is signed under the queue password as it is written (signing.py).
+and model path) is signed as it is written: by the trainer's key and under the queue
+password (signing.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -42,27 +42,10 @@ from asyncrl.queue.scripts import (
     RETIRE_WEIGHTS,
     TRY_ADMIT,
 )
-from asyncrl.queue.signing import config_key, job_signature_ok, sign_job
+from asyncrl.queue.signing import JOB_FIELDS, SIGNATURE_FIELDS, JobSigner, PublishedJob, signature_fields
 from asyncrl.types import WeightLocation, format_location, parse_location
 
 log = logging.getLogger("asyncrl.queue")
-
-JOB_FIELDS = ("config", "model_path", "config_sig")
-"""The state hash's published job: the trainer's config (JSON), its model path, and their
-signature (asyncrl.queue.signing; absent when the queue has no password)."""
-
-
-@dataclass(frozen=True)
-class PublishedJob:
-    """The job as its trainer published it, the exact bytes read from Redis."""
-
-    config: bytes
-    model_path: bytes
-    signature: bytes | None
-
-    def signed_for(self, run: str, password: str) -> bool:
-        """Whether a holder of `password` signed exactly these bytes for `run`."""
-        return job_signature_ok(config_key(password), run, self.config, self.model_path, self.signature)
 
 
 class RunState:
@@ -124,25 +107,23 @@ class RunState:
         """The password this connection authenticates with (from the URL or the argument)."""
         return self._r.connection_pool.connection_kwargs.get("password")
 
-    def set_state(self, **fields: Any) -> None:
+    def set_state(self, *, signer: JobSigner | None = None, **fields: Any) -> None:
         """Set fields of the run's state hash; a None value deletes the field.
 
         `config` and `model_path` (the published job) go together, and with them their
-        signature under the connection's password, in the same transaction: what is signed is
-        exactly what is written."""
-        if "config_sig" in fields:
-            raise ValueError("config_sig is written with config and model_path, never on its own")
+        signatures (by `signer`, the trainer's key, and under the connection's password) in the
+        same transaction: what is signed is exactly what is written."""
+        if any(k in fields for k in SIGNATURE_FIELDS):
+            raise ValueError("a job's signatures are written with config and model_path, never on their own")
         drop = [k for k, v in fields.items() if v is None]
         put: dict[FieldT, EncodableT] = {k: to_text(k, v) for k, v in fields.items() if v is not None}
         if "config" in fields or "model_path" in fields:
             config, model_path = put.get("config"), put.get("model_path")
             if not isinstance(config, str) or not isinstance(model_path, str):
                 raise ValueError("set_state: config and model_path are published together, both set")
-            password = self.password
-            if password is None:
-                drop.append("config_sig")  # an earlier trainer's signature must not outlive its config
-            else:
-                put["config_sig"] = sign_job(config_key(password), self.run, config.encode(), model_path.encode())
+            signed = signature_fields(self.run, config, model_path, password=self.password, signer=signer)
+            put.update(signed)
+            drop += [k for k in SIGNATURE_FIELDS if k not in signed]  # an earlier trainer's must not outlive it
 
         def build(pipe: redis.client.Pipeline) -> None:
             if put:
@@ -158,10 +139,10 @@ class RunState:
 
     def published_job(self) -> PublishedJob | None:
         """The job its trainer published (None before it has), unparsed and unverified."""
-        config, model_path, signature = self._retry(self._r.hmget, self._k_state, list(JOB_FIELDS))
-        if config is None or model_path is None:
+        values = self._retry(self._r.hmget, self._k_state, list(JOB_FIELDS))
+        if values[0] is None or values[1] is None:
             return None
-        return PublishedJob(config=config, model_path=model_path, signature=signature)
+        return PublishedJob(*values)
 
     def set_policy_version(self, version: int) -> None:
         """The learner's current version v (optimizer steps taken); admission reads it."""

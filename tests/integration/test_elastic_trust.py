@@ -7,6 +7,7 @@ happen before any engine would start, so no vLLM and no training job here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,11 +17,14 @@ from pathlib import Path
 import pytest
 import redis
 
+from asyncrl.cli import main as cli_main
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.allowlist import ImportAllowList, ImportPath, named_imports, typed_imports
 from asyncrl.control.elastic import job_config
+from asyncrl.control.engine_keys import SAFE_ENGINE_KEYS
 from asyncrl.queue import RolloutQueue, RunState, keys
 from asyncrl.queue.server import EmbeddedRedis
+from asyncrl.queue.signing import JobSigner, password_signature, signature_fields
 from tests.support.job import elastic_generator_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,3 +193,204 @@ def test_every_field_that_names_code_is_found_before_and_after_parsing():
     with pytest.raises(ConfigError, match="--trust-remote-code"):
         ImportAllowList().check([], remote_code=True)
     ImportAllowList.build(remote_code=True).check(named_imports(remote), remote_code=True)
+
+
+def _publish_raw(url: str, run: str, config: str | bytes, model_path: str = "/models/tiny") -> None:
+    """A config written into the state hash as it is (by a writer that holds the credentials)."""
+    _tamper(url, run, config=config, model_path=model_path)
+
+
+def _everything_in(url: str) -> bytes:
+    """Every key and value in the Redis at `url`, as one text to search."""
+    client = redis.Redis.from_url(url)
+    out = []
+    for key in client.scan_iter():
+        kind = client.type(key)
+        if kind == b"string":
+            value: object = client.get(key)
+        elif kind == b"hash":
+            value = client.hgetall(key)
+        elif kind == b"list":
+            value = client.lrange(key, 0, -1)
+        elif kind == b"set":
+            value = client.smembers(key)
+        elif kind == b"zset":
+            value = client.zrange(key, 0, -1)
+        else:
+            value = client.xrange(key)
+        out.append(repr((key, value)).encode())
+    client.close()
+    return b"".join(out)
+
+
+def _cli_generate(capsys, url: str, run: str, *options: str) -> tuple[int, str]:
+    """`asyncrl generate` in this process: (exit code, stderr)."""
+    rc = cli_main(["generate", "--redis", url, "--run", run, "--connect-timeout", "5", *options])
+    return rc, capsys.readouterr().err
+
+
+def test_engine_settings_that_can_name_code_need_the_hosts_allow(redis_url, tmp_path, capsys):
+    """vLLM executes a reasoning-parser plugin file at engine start, and imports the classes and
+    module paths other settings name: an elastic generator takes from the published config only
+    the engine settings that are plain numbers, switches or fixed words."""
+    ran = tmp_path / "plugin-ran"
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(f"from pathlib import Path\nPath({str(ran)!r}).touch()\n")
+    rs = _publish(redis_url, "engine", _job(engine_kwargs={"max_num_seqs": 4, "reasoning_parser_plugin": str(plugin)}))
+    with pytest.raises(ConfigError) as refused:
+        job_config(rs, ImportAllowList(), redis_url=redis_url, password=None)
+    assert "rollout.engine_kwargs.reasoning_parser_plugin" in str(refused.value)
+    assert "--allow-engine-key reasoning_parser_plugin" in str(refused.value)
+    rc, err = _cli_generate(capsys, redis_url, "engine")
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and "--allow-engine-key reasoning_parser_plugin" in err, err
+    assert not ran.exists()
+
+    hostile = {
+        "scheduler_cls": "pkg.sched:Evil",
+        "distributed_executor_backend": "pkg.executors.Evil",  # a qualified name vLLM would import
+        "compilation_config": {"backend": "pkg.compile:evil"},
+        "kv_transfer_config": {"kv_connector_module_path": "pkg.kv"},
+        "tokenizer": "/etc",  # a directory vLLM would read
+        "max_num_seqs": "4",  # a listed key, but not of its shape
+        "some_key_vllm_adds_later": 1,
+    }
+    for key, value in hostile.items():
+        rs.set_state(config=json.dumps(_job(engine_kwargs={key: value})), model_path="/models/tiny")
+        with pytest.raises(ConfigError, match=f"rollout.engine_kwargs.{key}, which"):
+            job_config(rs, ImportAllowList(), redis_url=redis_url, password=None)
+
+    # The host's allow: a key with any value, or the exact setting in its own config file.
+    safe = {"max_num_seqs": 4, "enable_prefix_caching": True, "distributed_executor_backend": "mp", "dtype": "auto"}
+    nested = {**safe, "compilation_config": {"mode": 0}}
+    rs.set_state(config=json.dumps(_job(engine_kwargs=nested)), model_path="/models/tiny")
+    with pytest.raises(ConfigError, match="compilation_config"):
+        job_config(rs, ImportAllowList(), redis_url=redis_url, password=None)
+    cfg, _ = job_config(
+        rs, ImportAllowList.build(engine_keys=["compilation_config"]), redis_url=redis_url, password=None
+    )
+    assert cfg.rollout.engine_kwargs == nested
+    own = tmp_path / "job.yaml"
+    own.write_text("rollout:\n  engine_kwargs:\n    compilation_config: {mode: 0}\n")
+    assert job_config(rs, ImportAllowList.build(config_files=[own]), redis_url=redis_url, password=None)[0]
+    own.write_text("rollout:\n  engine_kwargs:\n    compilation_config: {mode: 3}\n")  # another value
+    with pytest.raises(ConfigError, match="compilation_config"):
+        job_config(rs, ImportAllowList.build(config_files=[own]), redis_url=redis_url, password=None)
+    rs.close()
+
+
+def test_every_engine_key_a_generator_takes_is_one_of_vllms():
+    """The safe list names real engine arguments (a key vLLM renamed would be silently inert)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    assert set(SAFE_ENGINE_KEYS) <= fields, set(SAFE_ENGINE_KEYS) - fields
+
+
+def test_prompts_are_read_only_from_a_source_the_host_allowed(redis_url, tmp_path, capsys):
+    """rollout.prompts from Redis naming a credentials file of the generator's host: refused
+    before anything is read, and nothing of it reaches Redis."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    secret = private / "credentials.jsonl"
+    secret.write_text(json.dumps({"prompt": "hello", "answer": "x", "token": "SECRET-7f3a9c"}) + "\n")
+    secret.chmod(0o600)
+    rs = _publish(redis_url, "prompts", _job(prompts=str(secret), prompt_field="token"))
+    rc, err = _cli_generate(capsys, redis_url, "prompts")
+    assert rc == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert f"rollout.prompts={str(secret)!r}" in last and f"--allow-prompts {secret}" in last, last
+    assert b"SECRET-7f3a9c" not in _everything_in(redis_url)
+    with pytest.raises(ConfigError, match="--allow-prompts"):
+        job_config(
+            rs,
+            ImportAllowList.build(prompt_sources=[str(tmp_path / "other.jsonl")]),
+            redis_url=redis_url,
+            password=None,
+        )
+
+    # Allowed by the host, under any spelling of the same file, or by its own config file.
+    linked = tmp_path / "link.jsonl"
+    linked.symlink_to(secret)
+    cfg, _ = job_config(rs, ImportAllowList.build(prompt_sources=[str(linked)]), redis_url=redis_url, password=None)
+    assert cfg.rollout.prompts == str(secret)
+    own = tmp_path / "job.yaml"
+    own.write_text(f"rollout:\n  prompts: {secret}\n")
+    assert job_config(rs, ImportAllowList.build(config_files=[own]), redis_url=redis_url, password=None)[0]
+    # The environment's own prompts read no file: no allow needed.
+    rs.set_state(config=json.dumps(_job()), model_path="/models/tiny")
+    assert job_config(rs, ImportAllowList(), redis_url=redis_url, password=None)[0].rollout.prompts is None
+    rs.close()
+
+
+def test_a_password_holder_cannot_forge_the_trainers_config(password_redis, marker, capsys):
+    """Every generator holds the queue password, so the password signature proves nothing about
+    who wrote the config: a generator given the trainer key's fingerprint refuses any config
+    that key did not sign, however it was re-signed."""
+    trainer_key = JobSigner.generate()
+    trainer = RunState.connect(password_redis.url, "pinned")
+    trainer.set_state(signer=trainer_key, config=json.dumps(_job()), model_path="/models/tiny")
+    fp = trainer_key.fingerprint
+    allow = ImportAllowList.build([MARKER_ENV])
+    cfg, _ = job_config(trainer, allow, redis_url=password_redis.url, password=None, trust_key=fp)
+    assert cfg.rollout.env == "copy"
+    signed = trainer.published_job()
+    assert signed is not None and signed.trainer_fingerprint == fp
+
+    forged = json.dumps(_job(env=MARKER_ENV))
+    forger = RunState.connect(password_redis.url, "pinned")  # the generator credential: the password
+    forger.set_state(config=forged, model_path="/models/tiny")  # re-signed with the password HMAC
+    assert forger.published_job().signed_for("pinned", PASSWORD)
+    with pytest.raises(ConfigError, match="carries no trainer signature"):
+        job_config(forger, allow, redis_url=password_redis.url, password=None, trust_key=fp)
+    forger.set_state(signer=JobSigner.generate(), config=forged, model_path="/models/tiny")  # its own key
+    with pytest.raises(ConfigError, match=r"is signed by trainer key [0-9a-f]{64}, not by the trainer key"):
+        job_config(forger, allow, redis_url=password_redis.url, password=None, trust_key=fp)
+    # The trainer's key and signature kept, the config changed and the password HMAC made anew.
+    fields = signature_fields("pinned", forged, "/models/tiny", password=PASSWORD, signer=None)
+    salt = bytes.fromhex(fields["config_salt"])
+    hmac_sig = password_signature(PASSWORD, salt, "pinned", forged.encode(), b"/models/tiny", trainer_key.public_key)
+    assert signed.trainer_key is not None and signed.trainer_sig is not None
+    _tamper(
+        password_redis.url,
+        "pinned",
+        config=forged,
+        config_salt=salt.hex(),
+        config_sig=hmac_sig,
+        trainer_key=signed.trainer_key,
+        trainer_sig=signed.trainer_sig,
+    )
+    assert forger.published_job().signed_for("pinned", PASSWORD)
+    with pytest.raises(ConfigError, match="has a trainer signature that does not match it"):
+        job_config(forger, allow, redis_url=password_redis.url, password=None, trust_key=fp)
+
+    plain_url = password_redis.url.replace(f":{PASSWORD}@", "")
+    rc, err = _cli_generate(
+        capsys, plain_url, "pinned", "--password", PASSWORD, "--allow-import", MARKER_ENV, "--trust-key", fp
+    )
+    assert rc == 2 and "Traceback" not in err and "--trust-key" in err.strip().splitlines()[-1], err
+    assert not marker.exists()
+    rc, err = _cli_generate(capsys, plain_url, "pinned", "--password", PASSWORD, "--trust-key", "abc")
+    assert rc == 2 and "64 hex digits" in err, err
+    trainer.close()
+    forger.close()
+
+
+def _nested(depth: int) -> dict:
+    node: dict = {}
+    for _ in range(depth):
+        node = {"a": node}
+    return node
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["42", '"abc"', "null", "[1, 2]", "[" * 100_000 + "]" * 100_000, json.dumps({"rollout": _nested(40)})],
+    ids=["int", "string", "null", "list", "deep-list", "deep-object"],
+)
+def test_asyncrl_generate_refuses_a_config_of_the_wrong_shape(redis_url, config, capsys):
+    _publish_raw(redis_url, "shape", config)
+    rc, err = _cli_generate(capsys, redis_url, "shape")
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.strip()
+    assert "\n" not in line and line.startswith("asyncrl generate: config error: run 'shape': the job's config"), line
