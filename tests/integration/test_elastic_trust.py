@@ -24,6 +24,7 @@ from asyncrl.queue import RolloutQueue, RunState, keys
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.queue.signing import JobSigner, password_signature, signature_fields
 from tests.support.job import elastic_generator_argv
+from tests.support.leaks import assert_no_secret, redis_values
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "asyncrl_elastic_marker"
@@ -198,29 +199,6 @@ def _publish_raw(url: str, run: str, config: str | bytes, model_path: str = "/mo
     _tamper(url, run, config=config, model_path=model_path)
 
 
-def _everything_in(url: str) -> bytes:
-    """Every key and value in the Redis at `url`, as one text to search."""
-    client = redis.Redis.from_url(url)
-    out = []
-    for key in client.scan_iter():
-        kind = client.type(key)
-        if kind == b"string":
-            value: object = client.get(key)
-        elif kind == b"hash":
-            value = client.hgetall(key)
-        elif kind == b"list":
-            value = client.lrange(key, 0, -1)
-        elif kind == b"set":
-            value = client.smembers(key)
-        elif kind == b"zset":
-            value = client.zrange(key, 0, -1)
-        else:
-            value = client.xrange(key)
-        out.append(repr((key, value)).encode())
-    client.close()
-    return b"".join(out)
-
-
 def _cli_generate(capsys, url: str, run: str, *options: str) -> tuple[int, str]:
     """`asyncrl generate` in this process: (exit code, stderr)."""
     rc = cli_main(["generate", "--redis", url, "--run", run, "--connect-timeout", "5", *options])
@@ -290,7 +268,10 @@ def test_prompts_are_read_only_from_a_source_the_host_allowed(redis_url, tmp_pat
     assert rc == 2 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert f"rollout.prompts={str(secret)!r}" in last and f"--allow-prompts {secret}" in last, last
-    assert b"SECRET-7f3a9c" not in _everything_in(redis_url)
+    with redis.Redis.from_url(redis_url) as client:
+        values = redis_values(client)
+    assert any(b"credentials.jsonl" in v for v in values)  # the scan saw the published config
+    assert_no_secret(b"\n".join(values), "Redis", ("SECRET-7f3a9c",))
     with pytest.raises(ConfigError, match="--allow-prompts"):
         job_config(
             rs,

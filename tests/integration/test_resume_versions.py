@@ -75,6 +75,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
 
     from asyncrl.queue import RunState
     from asyncrl.queue.server import EmbeddedRedis
+    from asyncrl.queue.signing import JobSigner
 
     run_dir = tmp_path / "rv"
     crashed: dict = {}
@@ -82,8 +83,11 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
 
     def crash_on_step(loop, metrics):
         if loop.state.step == 1 and "proc" not in elastic:
+            # Pinned to the trainer's key (its fingerprint, as the trainer logs it), which the
+            # resumed trainer must keep: the same generator runs on through the resume.
+            elastic["key"] = JobSigner.for_run_dir(run_dir).fingerprint
             elastic["proc"] = subprocess.Popen(
-                elastic_generator_argv(loop.rt.redis_url, "rv", "elastic-1"),
+                elastic_generator_argv(loop.rt.redis_url, "rv", "elastic-1", "--trust-key", elastic["key"]),
                 stdout=(tmp_path / "elastic.log").open("w"),
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
@@ -117,6 +121,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
         def check_on_step(loop, metrics):
             if "first" not in seen:
                 seen["first"] = loop.state.version - 1  # the version the resumed learner published first
+                seen["key"] = loop.run_state.published_job().trainer_fingerprint
             before = loop.state.version - 1
             seen["trained"] += [(g.generator_id, before - g.staleness, g.staleness) for g in loop.last_trained]
             if not seen["checked"]:
@@ -162,6 +167,7 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
                 os.unlink(crashed[key])
 
     assert state.step == CKPT + RESUMED_STEPS
+    assert seen["key"] == elastic["key"], "the resumed trainer signs with another key"
     assert len(seen["trained"]) == RESUMED_STEPS * 4
     assert seen["elastic_first"][0] == seen["elastic_first"][1], seen["elastic_first"]
     # Every trained group is labelled with a version the resumed learner had already published
