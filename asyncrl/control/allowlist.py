@@ -179,7 +179,8 @@ class ImportAllowList:
         rollout = _section(data, "rollout")
         refused = refused_engine_keys(
             rollout.get("engine_kwargs"),
-            allowed_keys=self.engine_keys | {REMOTE_CODE},  # --trust-remote-code decides that one
+            # --trust-remote-code decides that one; the import allow-list (check) those naming code.
+            allowed_keys=self.engine_keys | {REMOTE_CODE, *CODE_ENGINE_KWARGS},
             allowed_values=self.engine_values,
             canonical=canonical,
         )

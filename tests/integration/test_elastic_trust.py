@@ -236,6 +236,10 @@ def test_engine_settings_that_can_name_code_need_the_hosts_allow(redis_url, tmp_
         with pytest.raises(ConfigError, match=f"rollout.engine_kwargs.{key}, which"):
             job_config(rs, ImportAllowList(), redis_url=redis_url, password=None)
 
+    # A worker class needs its import path allowed, as before, and nothing more.
+    rs.set_state(config=json.dumps(_job(engine_kwargs={"worker_extension_cls": "pkg.ext.Ext"})), model_path="/m")
+    assert job_config(rs, ImportAllowList.build(["pkg.ext.Ext"]), redis_url=redis_url, password=None)[0]
+
     # The host's allow: a key with any value, or the exact setting in its own config file.
     safe = {"max_num_seqs": 4, "enable_prefix_caching": True, "distributed_executor_backend": "mp", "dtype": "auto"}
     nested = {**safe, "compilation_config": {"mode": 0}}
