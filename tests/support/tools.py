@@ -73,6 +73,16 @@ def stats(values: list[float], scale: int = 1) -> dict:
     return {"sum": sum(values) * scale, "max": max(values) * scale}
 
 
+def rounded(value: float, digits: int | None = None) -> str:
+    """A number rounded to some digits (to a whole number when none are given).
+
+    Args:
+        value: The number.
+        digits: How many digits after the point, or null for a whole number.
+    """
+    return str(round(value, digits))
+
+
 def nap(seconds: float) -> str:
     """Sleep, then say so.
 

@@ -99,6 +99,8 @@ class Tool:
         if unknown:
             return f"unknown argument(s) {', '.join(unknown)}; {self.name} takes {', '.join(props) or 'none'}"
         for arg, value in args.items():
+            if value is None and props[arg].get("nullable"):
+                continue  # an Optional parameter: the schema the model was shown says null is fine
             want = props[arg].get("type")
             types = [want] if isinstance(want, str) else list(want or [])
             if types and not any(_is_json_type(value, t) for t in types):
