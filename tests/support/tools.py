@@ -131,3 +131,14 @@ def every_reply_calls(text: str):
     from asyncrl.rollout.envs.tool_calls import ParsedReply, ToolCall
 
     return ParsedReply(text, (ToolCall("calculator", {"expression": TINY_CALL}),))
+
+
+def signed_number(prompts, completions, answer, **columns):
+    """1.0 for the right final number, -1.0 for anything else (a wrong answer scores below 0)."""
+    return [1.0 if final_number(prompts, completions, answer)[0] == 1.0 else -1.0]
+
+
+def slow_reward(prompts, completions, **columns):
+    """A verifier that does not answer in time."""
+    time.sleep(30)
+    return [1.0]
