@@ -262,7 +262,8 @@ def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_token
     items = [PromptItem(f"tools:{q}", q, {"answer": 2}, encode_prompt(tok, q, True)) for q in ("1+1=", "2+2=")]
     groups, seen = make_groups(loop, engine, cfg, env, tok, items)
     for g in groups:
-        assert g.metadata[EPISODE_COUNTS_KEY] == {"tool_calls": 2 * N, "tool_errors": 0, "tool_timeouts": 0}
+        expected = {"tool_calls": 2 * N, "tool_errors": 0, "tool_timeouts": 0, "context_full": 0}
+        assert g.metadata[EPISODE_COUNTS_KEY] == expected
         for t, s in enumerate(g.samples):
             replies = turns_of(g, False)[t]
             assert len(replies) == 3  # max_turns; the last reply's call is not run
