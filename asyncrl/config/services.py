@@ -124,6 +124,11 @@ class MonitorConfig(Section):
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0
     """Alert when max staleness reaches this fraction of max_staleness."""
+    alert_reward_failure_rate: float = Field(0.5, gt=0, le=1)
+    """Alert (console and dashboard, naming the reward) when more than this share of a
+    generator's latest reward scorings failed (rollout/scoring.py: raised, timed out or not a
+    number; rollout.reward_on_failure stand-ins included): a verifier or reward model that is
+    down looks, without it, like a task whose every group ties."""
     alert_logprob_diff_max: float = Field(0.5, gt=0)
     """Alert when drift/logprob_abs_diff_max (max over a step's loss tokens of |learner old
     logprob - engine logprob|, nats) exceeds this on a step that trained only fresh data

@@ -77,6 +77,8 @@ class BatchCollector:
             if time.monotonic() > next_check:
                 self.learner.check_alive()  # a rank lost meanwhile (its node died) ends the wait
                 self.watchdog.check()  # a hung generator is killed, and Ray restarts it
+                for news in self.watchdog.news(self.run_state.generators()):  # e.g. a reward outage
+                    log.warning(news)
                 next_check = time.monotonic() + LEARNER_CHECK_S
             if time.monotonic() > deadline:
                 # Wait on while any generator can still produce (alive, or being restarted by
@@ -95,7 +97,7 @@ class BatchCollector:
                     len(items),
                     want,
                     ", ".join(runnable),
-                    # all-tie groups (a solved or hopeless task) starve the step by design: say so
+                    # all-tie groups starve the step by design (failed rewards never make a tie): say so
                     f"; {self.dropped_uniform} groups dropped meanwhile as uniform (rollout.drop_uniform_groups)"
                     if self.dropped_uniform
                     else "",

@@ -103,7 +103,12 @@ class TrainLoop:
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
         self._evaluator: Evaluator | None = None
 
-        self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
+        self.watchdog = GeneratorWatchdog(
+            runtime.generators,
+            self.run_state,
+            cfg.rollout.heartbeat_timeout_s,
+            reward_failure_alert=cfg.monitor.alert_reward_failure_rate,
+        )
         self.collector = BatchCollector(cfg, self.queue, self.run_state, self.learner, self.watchdog, self.stop)
         self.publisher = Publisher(
             self.learner,
@@ -138,6 +143,7 @@ class TrainLoop:
             alert_masked_frac=self.cfg.monitor.alert_masked_frac,
             alert_staleness_frac=self.cfg.monitor.alert_staleness_frac,
             alert_logprob_diff_max=self.cfg.monitor.alert_logprob_diff_max,
+            alert_reward_failure_rate=self.cfg.monitor.alert_reward_failure_rate,
             # What `asyncrl generate` needs to join this job from another process; without
             # secrets, which it brings itself (anyone who reads Redis or the dashboard sees this).
             config=json.dumps(redact_config(self.cfg)),

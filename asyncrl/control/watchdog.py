@@ -30,10 +30,12 @@ log = logging.getLogger(__name__)
 
 
 class GeneratorWatchdog:
-    def __init__(self, generators: list, run_state: RunState, timeout_s: float):
+    def __init__(self, generators: list, run_state: RunState, timeout_s: float, reward_failure_alert: float = 0.5):
         self.generators = generators  # the run's own actors, gen-0 .. gen-N-1 (a live list)
         self.run_state = run_state
         self.timeout_s = timeout_s
+        self.reward_failure_alert = reward_failure_alert
+        self._rewards_failing: dict[str, bool] = {}
         self.restarts: dict[str, int] = {}
         self._starting_at: dict[str, float] = {}
         self._blocked: dict[str, str | None] = {}
@@ -76,10 +78,12 @@ class GeneratorWatchdog:
 
     def news(self, beats: dict[str, dict]) -> list[str]:
         """Warnings the user needs from the generators' heartbeats, each said once: a generator
-        that stopped admitting work (weights it cannot load), and when it admits again. Their
-        own logs stay in Ray's worker logs, out of the console."""
+        that stopped admitting work (weights it cannot load), one whose rewards mostly fail
+        (above monitor.alert_reward_failure_rate), and when either is over. Their own logs stay
+        in Ray's worker logs, out of the console."""
         out = []
         for gid, info in beats.items():
+            out += self._reward_news(gid, info)
             blocked = info.get("blocked")
             if blocked != self._blocked.get(gid):
                 if blocked:
@@ -88,6 +92,22 @@ class GeneratorWatchdog:
                     out.append(f"{gid} admits work again")
                 self._blocked[gid] = blocked
         return out
+
+    def _reward_news(self, gid: str, info: dict) -> list[str]:
+        rate = info.get("reward_failure_rate")
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool):
+            return []
+        failing = rate > self.reward_failure_alert
+        if failing == self._rewards_failing.get(gid, False):
+            return []
+        self._rewards_failing[gid] = failing
+        if not failing:
+            return [f"{gid}: rewards score again ({rate:.0%} of the latest failed)"]
+        last = str(info.get("reward_last_failure") or "")[:300]
+        return [
+            f"{gid}: {rate:.0%} of its latest reward scorings failed (> monitor.alert_reward_failure_rate="
+            f"{self.reward_failure_alert:g}); the last: {last} (is the verifier or reward model down?)"
+        ]
 
     def runnable(self) -> list[str]:
         """Generators that can still produce data, each with why: own actors alive or being

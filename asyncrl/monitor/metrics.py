@@ -145,6 +145,12 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
         "calls",
     ),
     _m("rollout/tool_timeouts", "sum", "of those, calls that ran past rollout.env_kwargs.tool_timeout_s", "calls"),
+    _m(
+        "rollout/context_full",
+        "sum",
+        "multi-turn episodes cut by the context budget (scored on their last reply, stop reason 'length')",
+        "episodes",
+    ),
     # Task.
     _m("reward/mean", "mean", "mean reward of trained samples"),
     _m("reward/std", "mean", "std of rewards of trained samples (mean across parts)"),
@@ -280,6 +286,7 @@ class Thresholds:
     masked_frac: float = 0.2
     staleness_frac: float = 1.0
     logprob_diff_max: float = 0.5
+    reward_failure_rate: float = 0.5
 
 
 def evaluate_alerts(
@@ -304,6 +311,8 @@ def evaluate_alerts(
     generator_lag: policy_version - generator version > max_staleness (its groups would all be dropped)
     generator_heartbeat: now - heartbeat > heartbeat_timeout_s (crashed, hung, or removed): the
                   run's rollout.heartbeat_timeout_s, after which the trainer's watchdog kills it
+    reward_failures: a generator's reward_failure_rate > thresholds.reward_failure_rate (the
+                  message names the reward through its last failure)
     """
     alerts: list[dict[str, Any]] = []
 
@@ -358,6 +367,16 @@ def evaluate_alerts(
         if heartbeat is not None and now - float(heartbeat) > heartbeat_timeout_s:
             age = now - float(heartbeat)
             add("generator_heartbeat", age, heartbeat_timeout_s, f"generator {gid}: no heartbeat for {age:.0f} s", gid)
+        rate = gen.get("reward_failure_rate")
+        if isinstance(rate, (int, float)) and rate > thresholds.reward_failure_rate:
+            last = str(gen.get("reward_last_failure") or "")[:300]
+            add(
+                "reward_failures",
+                float(rate),
+                thresholds.reward_failure_rate,
+                f"generator {gid}: {rate:.0%} of its latest reward scorings failed; the last: {last}",
+                gid,
+            )
     return alerts
 
 

@@ -41,7 +41,7 @@ class EvalOutcome:
 
 
 def failed_so_far(maker: GroupMaker) -> int:
-    return maker.scorer.errors + maker.scorer.timeouts + maker.episode_errors
+    return maker.scorer.errors + maker.scorer.timeouts
 
 
 def reward_of(group: RolloutGroup) -> tuple[float, int]:

@@ -3,9 +3,13 @@ trajectories through the environment (multi-turn), each scored as the reward see
 
     maker = GroupMaker(cfg, env, tokenizer, engine, "gen-0")
     group = await maker.make(PromptItem("gen-0.1:7", "abc=", {...}, ids))
-    maker.scorer.errors, maker.scorer.timeouts   # rewards that raised / timed out, so far
-    maker.episode_errors                    # multi-turn episodes whose scoring failed, so far
+    maker.scorer.errors, maker.scorer.timeouts   # rewards (and episode scorings) that raised / timed out, so far
     maker.uniform(group)                    # its rewards all tie: no gradient (rollout.drop_uniform_groups)
+
+A failed reward, single-turn or an episode's (the tools env's reward, a verifiers environment's
+scoring), goes through the scorer's rules (rollout/scoring.py) and its sample's index is noted
+in the group's metadata (``REWARD_FAILED_KEY``), so dynamic sampling can tell a failure that
+rollout.reward_on_failure stood in for from a reward the task gave.
 
 Request ids come from the prompt id (unique in a run): ``prompt_id`` for a single-turn group,
 ``prompt_id/t{k}/{turn}`` per trajectory and turn, so every request's seed, and with it the
@@ -15,26 +19,42 @@ group, is fixed by (rollout.seed, prompt id, sample index) and the weights that 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
 from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, penalised_rewards, rewards_tie
 from asyncrl.config import Config, ConfigError
 from asyncrl.rollout.engine import RolloutEngine
-from asyncrl.rollout.envs import make_env
+from asyncrl.rollout.envs import RewardError, make_env
 from asyncrl.rollout.envs.multiturn import (
     EPISODE_COUNTS_KEY,
     MultiTurnEnvironment,
+    Trajectory,
     Turn,
     run_trajectory,
     to_interleaved_sample,
     to_step_samples,
 )
 from asyncrl.rollout.prompts import PromptItem
-from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+from asyncrl.rollout.scoring import RewardLimits, RewardScorer, Score
 from asyncrl.types import RolloutGroup, Sample
+
+REWARD_FAILED_KEY = "reward_failed"
+"""Group metadata: the indices of the samples whose reward failed (NaN, or rollout.reward_on_failure
+in its place); absent when none did."""
+CONTEXT_FULL = "context_full"
+"""A multi-turn group's episode count (rollout/context_full): episodes cut by the context budget."""
+
+
+def failed_samples(group: RolloutGroup) -> set[int]:
+    """The sample indices ``REWARD_FAILED_KEY`` notes (anything else in it is ignored)."""
+    noted = group.metadata.get(REWARD_FAILED_KEY)
+    if not isinstance(noted, list):
+        return set()
+    return {i for i in noted if isinstance(i, int) and not isinstance(i, bool)}
 
 
 class GroupMaker:
@@ -49,8 +69,6 @@ class GroupMaker:
         # Multi-turn contexts: built (and a chat template that cannot grow turn by turn refused) once.
         chat = cfg.rollout.chat_template
         self.codec = cast(MultiTurnEnvironment, env).turn_codec(tokenizer, chat) if env.multi_turn else None
-        self.episode_errors = 0
-        """Multi-turn episodes whose scoring failed (their reward NaN, or reward_on_failure)."""
         self.soft_penalty = cfg.algo.overlong.soft_penalty
         if self.soft_penalty is not None and env.multi_turn:
             # The config rule knows the built-in environments; an import path is known only here.
@@ -65,8 +83,9 @@ class GroupMaker:
         t0 = time.time()
         n = self.rollout.n_samples if n is None else n
         counts: dict[str, int] = {}
+        failed: list[int] = []
         if self.env.multi_turn:
-            samples, counts = await self._multi_turn_samples(item, n, temperature)
+            samples, counts, failed = await self._multi_turn_samples(item, n, temperature)
         else:
             max_tokens = item.metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
             if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
@@ -84,12 +103,16 @@ class GroupMaker:
                 ignore_eos=item.metadata.get("ignore_eos") is True,
             )
             # Scored concurrently: one slow reward holds up its own group only, never the loop.
-            samples = list(await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions)))
+            scored = await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions))
+            samples = [s for s, _ in scored]
+            failed = [i for i, (_, bad) in enumerate(scored) if bad]
         # How in-flight requests met a weight update; "keep" means later tokens may have attended
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
         if counts:
             meta[EPISODE_COUNTS_KEY] = counts  # summed per step by the trainer (rollout/<name>)
+        if failed:
+            meta[REWARD_FAILED_KEY] = failed
         if self.soft_penalty is not None and not self.env.multi_turn:
             meta[MAX_NEW_TOKENS_KEY] = max_tokens or self.rollout.max_tokens  # the penalty's L_max
         if self.cfg.sync.inflight == "keep" and any(
@@ -114,7 +137,11 @@ class GroupMaker:
         """Whether every reward the advantage estimator will see for ``group`` is the same
         (asyncrl.data.batch: failed rewards left out, algo.overlong's soft penalty added,
         step-wise the last step of each trajectory), so every group-baseline advantage is 0.
-        A group whose rewards all failed is not uniform: its failure must reach the trainer."""
+
+        Failed rewards take no part in the verdict, whether NaN or rollout.reward_on_failure
+        stood in for them: a group none of whose rewards the task gave is not uniform (its
+        failure must reach the trainer: a reward outage is not a solved task), and one with a
+        stand-in is dropped only if the rewards the task gave tie with it too."""
         soft = self.soft_penalty
         rewards = penalised_rewards(
             group,
@@ -129,11 +156,15 @@ class GroupMaker:
                 if s.trajectory_id not in last or s.step_index > last[s.trajectory_id][1].step_index:
                     last[s.trajectory_id] = (i, s)
             samples = list(last.values())
-        seen = [rewards[i] for i, s in samples if s.error is None and np.isfinite(rewards[i])]
-        return rewards_tie(seen)
+        failed = failed_samples(group)
+        seen = [(i, rewards[i]) for i, s in samples if s.error is None and np.isfinite(rewards[i])]
+        if not any(i not in failed for i, _ in seen):
+            return False
+        return rewards_tie([r for _, r in seen])
 
-    async def _sample(self, prompt: str, metadata: dict, c, t0: float) -> Sample:
-        reward, error = await self.scorer.score_completion(self.tokenizer, prompt, c.token_ids, metadata)
+    async def _sample(self, prompt: str, metadata: dict, c, t0: float) -> tuple[Sample, bool]:
+        """The sample, and whether its reward failed."""
+        score = await self.scorer.score_completion(self.tokenizer, prompt, c.token_ids, metadata)
         n = len(c.token_ids)
         versions = list(c.versions) or [self.engine.version]
         if self.cfg.sync.inflight == "keep" and c.submitted_version is not None:
@@ -141,22 +172,24 @@ class GroupMaker:
             # prefix cache of the weights it was submitted under, so those are the oldest that
             # shaped it (its tokens alone would all say the newer version).
             versions.append(c.submitted_version)
-        return Sample(
+        sample = Sample(
             response_ids=np.asarray(c.token_ids, np.int32),
             rollout_logprobs=np.asarray(c.logprobs, np.float32),
             loss_mask=np.ones(n, np.uint8),
-            reward=reward,
+            reward=score.reward,
             behavior_version=min(versions),
             stop_reason=c.finish_reason,
             token_versions=np.asarray(c.versions, np.int32),
             generator_id=self.generator_id,
             timings={"generate_s": time.time() - t0, "finished_at": time.time()},
-            error=error,
+            error=score.error,
         )
+        return sample, score.failed
 
     async def _multi_turn_samples(
         self, item: PromptItem, n: int, temperature: float | None
-    ) -> tuple[list[Sample], dict[str, int]]:
+    ) -> tuple[list[Sample], dict[str, int], list[int]]:
+        """The group's samples, its episode counts and the indices of its failed samples."""
         assert self.codec is not None
         codec = self.codec
         budget = self.rollout.engine_max_model_len - self.rollout.max_tokens
@@ -184,20 +217,32 @@ class GroupMaker:
             for t in tasks:
                 t.cancel()
             raise
-        counts: dict[str, int] = {}
+        counts: dict[str, int] = {CONTEXT_FULL: 0}
         for t in trajectories:
+            counts[CONTEXT_FULL] += int(t.context_full)
             for name, n in t.counts.items():
                 counts[name] = counts.get(name, 0) + int(n)
+        # An episode whose scoring failed: as a failed reward (rollout/scoring.py), once per episode.
+        scores = [self._episode_score(t) for t in trajectories]
         if self.cfg.algo.stepwise:
             samples = [s for k, t in enumerate(trajectories) for s in to_step_samples(t, k, self.generator_id)]
         else:
             samples = [to_interleaved_sample(t, self.generator_id) for t in trajectories]
-        for k, s in enumerate(samples):  # an episode whose scoring failed: as a failed reward (rollout/scoring.py)
-            error = getattr(trajectories[s.trajectory_id if self.cfg.algo.stepwise else k], "error", None)
-            if error is not None and (not self.cfg.algo.stepwise or s.step_index == 0):
-                self.episode_errors += 1
-            if error is not None and self.rollout.reward_on_failure is not None:
-                s.reward = self.rollout.reward_on_failure
-            elif error is not None:
-                s.error = error  # its reward is NaN already
-        return samples, counts
+        failed = []
+        for k, s in enumerate(samples):
+            score = scores[s.trajectory_id if self.cfg.algo.stepwise else k]
+            if score is not None:
+                s.reward, s.error = score.reward, score.error
+                failed.append(k)
+        return samples, counts, failed
+
+    def _episode_score(self, traj: Trajectory) -> Score | None:
+        """The shared rules' score of an episode whose scoring failed, None if it did not."""
+        failure = traj.reward_failure
+        error: Any = getattr(traj, "error", None)  # a library environment's (verifiers) scoring failure
+        if failure is None and error is not None:
+            failure = RewardError(str(error))
+        if failure is None and math.isfinite(traj.total_reward):
+            self.scorer.succeeded()
+            return None
+        return self.scorer.failed(failure or RewardError(f"the episode's return is {traj.total_reward}"))

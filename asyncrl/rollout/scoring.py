@@ -25,7 +25,13 @@ every group of the generator while it runs, and a hung one would stop them for g
   sample: ``(NaN, why)``, which the learner leaves out of the loss, or, with
   ``RewardLimits.on_failure`` set, ``(on_failure, None)`` and the sample is trained on with
   that reward (verl's and SkyRL's convention). Either way it is counted (``timeouts``,
-  ``errors``) and logged once per distinct failure, never per sample.
+  ``errors``) and logged once per distinct failure, never per sample. A multi-turn episode
+  whose reward failed inside the environment (the tools env) comes through the same rules
+  (``failed``).
+- The share of the last ``FAILURE_WINDOW`` scorings that failed is ``failure_rate`` (with the
+  reward the last failure named): the generator's heartbeat carries it, and the trainer's
+  console and the dashboard raise an alert above monitor.alert_reward_failure_rate, since a
+  reward outage otherwise looks like a task whose groups all tie.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import logging
 import math
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +55,10 @@ log = logging.getLogger(__name__)
 
 MAX_LOGGED_KINDS = 256
 """Distinct failures logged in full; past this a flood of distinct messages is only counted."""
+FAILURE_WINDOW = 100
+"""The failure rate is over this many of the latest scorings."""
+FAILURE_MIN_SCORED = 10
+"""Fewer scorings than this give no failure rate (one early failure is not an outage)."""
 
 
 class RewardTimeout(RewardError):
@@ -66,6 +77,16 @@ class RewardLimits:
     @classmethod
     def from_rollout(cls, rollout) -> RewardLimits:
         return cls(rollout.reward_timeout_s, rollout.reward_workers, rollout.reward_on_failure)
+
+
+@dataclass(frozen=True)
+class Score:
+    """One sample's scoring: its reward, why it has none (NaN), and whether the reward failed
+    (also true when rollout.reward_on_failure stood in for it: then ``error`` is None)."""
+
+    reward: float
+    error: str | None = None
+    failed: bool = False
 
 
 @dataclass(eq=False)
@@ -195,16 +216,31 @@ class RewardScorer:
         self.errors = 0
         """Reward calls that raised or returned a non-number (timeouts not included)."""
         self._logged: set[tuple[str, str]] = set()
+        self._recent: deque[bool] = deque(maxlen=FAILURE_WINDOW)
+        self.last_failure = ""
+        """The latest failure's message (it names the reward that failed), cut to 300 characters."""
+
+    @property
+    def failure_rate(self) -> float | None:
+        """Failed share of the latest FAILURE_WINDOW scorings (None before FAILURE_MIN_SCORED)."""
+        if len(self._recent) < FAILURE_MIN_SCORED:
+            return None
+        return sum(self._recent) / len(self._recent)
 
     async def score_completion(
         self, tokenizer: Any, prompt: str, token_ids: Sequence[int], metadata: dict[str, Any]
-    ) -> tuple[float, str | None]:
+    ) -> Score:
         """A sampled completion decoded the way every reward reads it (special tokens dropped),
         then scored: training and evaluation both come through here, so they judge the same text."""
-        return await self.score(prompt, tokenizer.decode(token_ids, skip_special_tokens=True), metadata)
+        return await self.judge(prompt, tokenizer.decode(token_ids, skip_special_tokens=True), metadata)
 
     async def score(self, prompt: str, response: str, metadata: dict[str, Any]) -> tuple[float, str | None]:
         """(reward, None), or for a failed call (on_failure or NaN, why) as the module says."""
+        out = await self.judge(prompt, response, metadata)
+        return out.reward, out.error
+
+    async def judge(self, prompt: str, response: str, metadata: dict[str, Any]) -> Score:
+        """``score``, telling a failure apart even when rollout.reward_on_failure stands in for it."""
         try:
             if isinstance(self.env, WeightedRewards):
                 value = await self._weighted(self.env, prompt, response, metadata)
@@ -214,8 +250,13 @@ class RewardScorer:
                 out = await self._call(name, self.env.reward, (prompt, response, metadata), {})
                 value = check_reward_value(name, out)
         except RewardError as e:
-            return self._failed(e)
-        return value, None
+            return self.failed(e)
+        self.succeeded()
+        return Score(value)
+
+    def succeeded(self) -> None:
+        """Note a scoring that worked (for the failure rate): an episode scored by its environment."""
+        self._recent.append(False)
 
     async def _weighted(self, env: WeightedRewards, prompt: str, response: str, metadata: dict[str, Any]) -> float:
         kwargs = env.call_kwargs(prompt, response, metadata)
@@ -253,7 +294,11 @@ class RewardScorer:
         except Exception as e:  # user code: any exception is the reward's failure, not ours
             raise RewardError(f"{name} raised {type(e).__name__}: {e}") from e
 
-    def _failed(self, e: RewardError) -> tuple[float, str | None]:
+    def failed(self, e: RewardError) -> Score:
+        """The shared rules for a failed reward: counted, logged once per kind, and scored
+        rollout.reward_on_failure or NaN with why."""
+        self._recent.append(True)
+        self.last_failure = str(e)[:300]
         timed_out = isinstance(e, RewardTimeout)
         if timed_out:
             self.timeouts += 1
@@ -271,8 +316,8 @@ class RewardScorer:
                 "timeouts" if timed_out else "errors",
             )
         if self.limits.on_failure is not None:
-            return self.limits.on_failure, None
-        return math.nan, str(e)
+            return Score(self.limits.on_failure, None, failed=True)
+        return Score(math.nan, str(e), failed=True)
 
     def close(self) -> None:
         self.pool.close()

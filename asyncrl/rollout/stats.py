@@ -42,6 +42,10 @@ class GeneratorStats:
     reward_timeouts: int
     """Reward calls that ran past their timeout (likewise)."""
     reward_threads_hung: int
+    reward_failure_rate: float | None
+    """Failed share of the latest reward scorings (None before there are enough)."""
+    reward_last_failure: str
+    """The latest failure's message (it names the reward), "" if none."""
     """Threads still running an abandoned (timed-out) reward call."""
     group_errors: int
     """Rollouts that failed (engine trouble) and were re-issued."""
@@ -86,6 +90,8 @@ class GeneratorStats:
             reward_errors=groups.scorer.errors,
             reward_timeouts=groups.scorer.timeouts,
             reward_threads_hung=groups.scorer.pool.hung,
+            reward_failure_rate=groups.scorer.failure_rate,
+            reward_last_failure=groups.scorer.last_failure,
             group_errors=made.group_errors,
             aborted=made.aborted,
             reissued=made.reissued,
@@ -116,6 +122,9 @@ class GeneratorStats:
             # failed rewards so far: the trainer sums them into rollout/reward_*
             "reward_errors": self.reward_errors,
             "reward_timeouts": self.reward_timeouts,
+            # the trainer's console and the dashboard alert on it (monitor.alert_reward_failure_rate)
+            "reward_failure_rate": self.reward_failure_rate,
+            "reward_last_failure": self.reward_last_failure,
         }
 
 

@@ -130,7 +130,13 @@ def test_summary_has_state_counters_and_latest(api):
     assert s["latest"]["drift/rollout_kl"] == pytest.approx(0.009)
     # The trainer's aggregate wins over a generator's own, newer, entry for the same name.
     assert s["latest"]["throughput/gen_tokens_per_s"] == 1200.0
-    assert s["thresholds"] == {"rollout_kl": 0.005, "masked_frac": 0.2, "staleness_frac": 1.0, "logprob_diff_max": 0.5}
+    assert s["thresholds"] == {
+        "rollout_kl": 0.005,
+        "masked_frac": 0.2,
+        "staleness_frac": 1.0,
+        "logprob_diff_max": 0.5,
+        "reward_failure_rate": 0.5,
+    }
     assert s["config"] == {"control": {"max_staleness": 2}}
 
 

@@ -39,7 +39,13 @@ def test_summary_is_marked_finished_with_the_run_files_facts(api, finished_run_d
     assert s["latest"]["eval/reward_mean"] == pytest.approx(0.85)
     # Step 30's NaN was written as null: the latest real value is step 29's.
     assert s["latest"]["drift/tis_ratio_max"] == pytest.approx(1.79)
-    assert s["thresholds"] == {"rollout_kl": 0.05, "masked_frac": 0.2, "staleness_frac": 1.0, "logprob_diff_max": 0.5}
+    assert s["thresholds"] == {
+        "rollout_kl": 0.05,
+        "masked_frac": 0.2,
+        "staleness_frac": 1.0,
+        "logprob_diff_max": 0.5,
+        "reward_failure_rate": 0.5,
+    }
     assert s["config"]["control"]["eval_every"] == 5
     alerts = api.get("/api/run/fin/alerts").json()["alerts"]
     assert [a["kind"] for a in alerts] == ["rollout_kl"]

@@ -262,7 +262,8 @@ def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_token
     items = [PromptItem(f"tools:{q}", q, {"answer": 2}, encode_prompt(tok, q, True)) for q in ("1+1=", "2+2=")]
     groups, seen = make_groups(loop, engine, cfg, env, tok, items)
     for g in groups:
-        assert g.metadata[EPISODE_COUNTS_KEY] == {"tool_calls": 2 * N, "tool_errors": 0, "tool_timeouts": 0}
+        expected = {"tool_calls": 2 * N, "tool_errors": 0, "tool_timeouts": 0, "context_full": 0}
+        assert g.metadata[EPISODE_COUNTS_KEY] == expected
         for t, s in enumerate(g.samples):
             replies = turns_of(g, False)[t]
             assert len(replies) == 3  # max_turns; the last reply's call is not run
@@ -287,6 +288,35 @@ def test_tool_episodes_give_the_engine_the_conversation_and_train_only_its_token
     diffs = trained_token_diffs(learner_model, seqs, tok)
     print(f"\ntools: {diffs.size} trained tokens, max |learner - engine| = {diffs.max():.2e}, mean {diffs.mean():.2e}")
     assert diffs.size >= 2 * N * 3 and diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF
+
+
+def test_tool_episodes_that_fill_the_context_are_scored_and_cut(loop, engine, learner_model, tmp_path):
+    """The same always-calling policy with room for 50 turns but a context budget of a few: every
+    episode is cut by the budget, scored by the reward on its last reply (not a free 0), marked
+    "length" for algo.overlong.mask and counted; the learner still scores its tokens as the engine did."""
+    from asyncrl.algo.overlong import is_truncated
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY
+
+    tok = llama_style_tokenizer(tmp_path, TINY_TOOLS_TEMPLATE)
+    kwargs = {**TOOL_KWARGS, "max_turns": 50, "reward": "tests.support.tools:signed_number"}
+    cfg = Config()
+    # Only the budget GroupMaker gives an episode shrinks (the engine keeps its 256 tokens).
+    cfg.rollout = rollout_config(True).model_copy(
+        update={"env": "tools", "env_kwargs": kwargs, "engine_max_model_len": 120}
+    )
+    budget = cfg.rollout.engine_max_model_len - cfg.rollout.max_tokens
+    env = make_env("tools", kwargs)
+    items = [PromptItem("cut:1+1=", "1+1=", {"answer": 2}, encode_prompt(tok, "1+1=", True))]
+    (group,), seen = make_groups(loop, engine, cfg, env, tok, items)
+    assert group.metadata[EPISODE_COUNTS_KEY]["context_full"] == N
+    for t, s in enumerate(group.samples):
+        turns = len(turns_of(group, False)[t])
+        assert 2 <= turns < 50 and len(seen[f"cut:1+1=/t{t}/{turns}"]) < budget
+        assert is_truncated(s.stop_reason) and s.error is None and s.reward in (1.0, -1.0)  # scored, never 0
+    (seqs,), _ = build_minibatches([group], cfg.algo, num_minibatches=1)
+    diffs = trained_token_diffs(learner_model, seqs, tok)
+    assert diffs.size >= 2 * N and diffs.max() < MAX_DIFF and diffs.mean() < MEAN_DIFF
 
 
 def evaluate(loop, cfg: Config, env, tok, engine, items: list[PromptItem]):

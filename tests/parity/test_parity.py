@@ -16,7 +16,7 @@ so the matrix is folded):
 | A | async, top_p 0.9, top_k 20, temperature 0.7, chat template, mini_batches_per_step 2, inflight recompute |
 | B | sync mode, temperature 1.3, no template, multi-turn step-wise, a model with dropout in its config |
 | C | async, multi-turn interleaved, chat template, inflight keep, crash + resume mid-run, elastic generator |
-| D | the tools env (tool results in the context), LoRA with adapter publishes, async held on-policy |
+| D | the tools env (tool results in context, some cut by the context), LoRA adapter publishes, async on-policy |
 | E | a verifiers env (multi-turn), LoRA with merged publishes, sync mode |
 
 D and E train (lr 1e-2) on-policy instead of running at lr=0: a LoRA adapter starts as the
@@ -280,12 +280,25 @@ TOOLS = {
 }
 
 
+# D's episodes at the context limit: a context (engine_max_model_len 160) that the short prompts'
+# three turns fit in (~110 tokens with the tools' system turn) and the long prompt's do not
+# (~130 before its first reply, ~25 a turn), so some episodes end at max_turns and the long
+# prompt's are cut by the context: scored on their last reply, stop reason "length", counted
+# in rollout/context_full, and their tokens at parity like any other.
+D_PROMPTS = (
+    ("1+1=", 2),
+    ("2+2=", 4),
+    ("3+4= (add the two numbers up and write only the sum; nothing else is asked of you here)", 7),
+)
+D_CONTEXT = ("rollout.engine_max_model_len=160", "rollout.max_prompt_tokens=120")
+
+
 def test_parity_lora_adapter_publish_tool_env(ray_session, tmp_path, tools_model, parity_report, caplog):
     """D: tool episodes (each reply calls the calculator, its result comes back as a tool turn in
-    the context, loss mask 0) trained as LoRA adapters that every publish sends alone; the async
-    loop held on-policy (max_staleness 0)."""
+    the context, loss mask 0; the long prompt's episodes cut by the context limit) trained as LoRA
+    adapters that every publish sends alone; the async loop held on-policy (max_staleness 0)."""
     prompts = tmp_path / "calc.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in (("1+1=", 2), ("2+2=", 4))))
+    prompts.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in D_PROMPTS))
     cfg = parity_config(
         tmp_path,
         "parity-d",
@@ -296,16 +309,24 @@ def test_parity_lora_adapter_publish_tool_env(ray_session, tmp_path, tools_model
         f"rollout.prompts={prompts}",
         "rollout.env=tools",
         f"rollout.env_kwargs={json.dumps(TOOLS)}",
+        *D_CONTEXT,
     )
     with caplog.at_level("INFO", logger="asyncrl.control.bringup"):
         state, stalled = train_within(STALL_S, cfg)
     assert not stalled and state.step == 4
     rows = read_metrics(tmp_path / "parity-d")
-    # Three replies per episode, the first two's calls run and answered: tool turns were in the contexts.
-    calls = 2 * cfg.control.groups_per_step * cfg.rollout.n_samples
-    counts = [(r.get("rollout/tool_calls"), r.get("rollout/tool_errors")) for r in rows]
-    assert counts == [(calls, 0)] * 4, counts
-    covers = "tools env (3 turns, tool results in context), LoRA adapter publish, async staleness 0, lr 1e-2"
+    # Three replies per episode, the first two's calls run and answered (tool turns were in the
+    # contexts), unless the context filled first (one or two replies, each call run).
+    episodes = cfg.control.groups_per_step * cfg.rollout.n_samples
+    cut = [int(r.get("rollout/context_full", -1)) for r in rows]
+    calls = [(r.get("rollout/tool_calls"), r.get("rollout/tool_errors")) for r in rows]
+    assert all(0 <= c <= episodes for c in cut) and 0 < sum(cut) < 4 * episodes, cut
+    assert all(errors == 0 and episodes <= n <= 2 * episodes for n, errors in calls), calls
+    assert [n for (n, _), c in zip(calls, cut, strict=True) if c == 0] == [2 * episodes] * cut.count(0), (calls, cut)
+    covers = (
+        "tools env (3 turns, tool results in context, some cut by the context), LoRA adapter publish, "
+        "async staleness 0, lr 1e-2"
+    )
     check_lora(parity_report, "D", covers, tmp_path / "parity-d", caplog.text, "adapter")
 
 

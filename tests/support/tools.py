@@ -73,6 +73,16 @@ def stats(values: list[float], scale: int = 1) -> dict:
     return {"sum": sum(values) * scale, "max": max(values) * scale}
 
 
+def rounded(value: float, digits: int | None = None) -> str:
+    """A number rounded to some digits (to a whole number when none are given).
+
+    Args:
+        value: The number.
+        digits: How many digits after the point, or null for a whole number.
+    """
+    return str(round(value, digits))
+
+
 def nap(seconds: float) -> str:
     """Sleep, then say so.
 
@@ -121,3 +131,14 @@ def every_reply_calls(text: str):
     from asyncrl.rollout.envs.tool_calls import ParsedReply, ToolCall
 
     return ParsedReply(text, (ToolCall("calculator", {"expression": TINY_CALL}),))
+
+
+def signed_number(prompts, completions, answer, **columns):
+    """1.0 for the right final number, -1.0 for anything else (a wrong answer scores below 0)."""
+    return [1.0 if final_number(prompts, completions, answer)[0] == 1.0 else -1.0]
+
+
+def slow_reward(prompts, completions, **columns):
+    """A verifier that does not answer in time."""
+    time.sleep(30)
+    return [1.0]

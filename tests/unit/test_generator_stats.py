@@ -14,6 +14,8 @@ STATS_KEYS = {
     "reward_errors",
     "reward_timeouts",
     "reward_threads_hung",
+    "reward_failure_rate",
+    "reward_last_failure",
     "group_errors",
     "aborted",
     "reissued",
@@ -43,6 +45,9 @@ def test_stats_dict_and_heartbeat_keep_their_keys():
         "blocked": "cannot load v3",  # the trainer's console shows why a generator admits nothing
         "reward_errors": values["reward_errors"],  # summed into rollout/reward_errors by the trainer
         "reward_timeouts": values["reward_timeouts"],
+        # the console and dashboard alert on it, naming the reward through the last failure
+        "reward_failure_rate": values["reward_failure_rate"],
+        "reward_last_failure": values["reward_last_failure"],
     }
 
 

@@ -7,6 +7,7 @@ math environments (math-verify in its worker process), the time limit, and start
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -85,7 +86,7 @@ def test_math_env_strict_needs_a_box():
     env = make_env("math", {"strict": True})
     try:
         assert env.reward("q", "The answer is 3.", {"answer": "3"}) == 0.0  # needs no worker
-        assert env.scorer._proc is None
+        assert env.scorer.processes == 0
         assert env.reward("q", "so \\boxed{3}", {"answer": "3"}) == 1.0
     finally:
         env.scorer.close()
@@ -167,3 +168,74 @@ def test_building_the_envs_imports_no_sympy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+PATHOLOGICAL = "\\boxed{10^{10^{10}}}"  # sympy spends minutes on it, holding its process's GIL
+
+
+def test_children_start_on_demand_and_are_reused():
+    """One child per comparison running at once: calls one after another share one."""
+    env = make_env("math", {"timeout_s": 30})
+    try:
+        assert env.scorer.processes == 0  # built, nothing started
+        for answer in ("2", "3", "\\frac{1}{2}"):
+            assert env.reward("q", f"\\boxed{{{answer}}}", {"answer": answer}) == 1.0
+        assert env.scorer.started == env.scorer.processes == 1
+    finally:
+        env.scorer.close()
+    assert env.scorer.processes == 0
+
+
+def test_a_pathological_answer_holds_up_no_other_comparison():
+    """While one call is stuck on a pathological answer, others are compared (on another child):
+    they finish before it, not after it has timed out."""
+    env = make_env("math", {"timeout_s": 60})
+    stuck_done = threading.Event()
+    got: list = []
+
+    def stuck():
+        try:
+            env.scorer.check("3", PATHOLOGICAL)
+        except Exception as e:  # closed below, or timed out
+            got.append(type(e).__name__)
+        stuck_done.set()
+
+    t = threading.Thread(target=stuck)
+    try:
+        t.start()
+        time.sleep(1.0)  # the pathological call is underway (its child starting or comparing)
+        verdicts = [env.scorer.check(a, f"\\boxed{{{a}}}") for a in ("2", "7", "\\frac{1}{3}")]
+        assert all(v.correct for v in verdicts)
+        assert not stuck_done.is_set(), f"the correct answers waited for the pathological one ({got})"
+    finally:
+        env.scorer.close()
+        t.join()
+
+
+def test_every_correct_answer_is_scored_among_pathological_ones():
+    """Through the generator's reward threads: pathological answers mixed with correct ones,
+    more of them (times math's timeout) than the reward's own timeout allows one after another.
+    Each pathological one times out on its own child; every correct one is scored 1.0."""
+    import asyncio
+
+    from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+
+    env = make_env("math", {"timeout_s": 4})
+    scorer = RewardScorer(env, RewardLimits(timeout_s=20.0, workers=6))
+    answers = ["5", "7", "11", "13", "17", "19"]
+    responses = [PATHOLOGICAL] * 4 + [f"\\boxed{{{a}}}" for a in answers]  # 4 x 4 s and restarts, one by one: > 20 s
+    golds = ["3"] * 4 + answers
+
+    async def run():
+        calls = [scorer.score("q", r, {"answer": g}) for r, g in zip(responses, golds, strict=True)]
+        return await asyncio.gather(*calls)
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        scorer.close()
+        env.scorer.close()
+    assert [r for r, _ in out[4:]] == [1.0] * len(answers), out[4:]
+    # Killed at math's 4 s (or, on a box too loaded to start their children in time, at the reward's 20 s).
+    assert all(math.isnan(r) for r, _ in out[:4]), out[:4]
+    assert scorer.timeouts + scorer.errors == 4

@@ -132,7 +132,7 @@ def test_catalogue_covers_the_data_contract():
     contract += ["queue/trained_response_len_mean"]
     contract += ["rollout/dropped_uniform_groups", "rollout/dropped_uniform_groups_step"]
     contract += ["rollout/reward_errors", "rollout/reward_timeouts"]
-    contract += ["rollout/tool_calls", "rollout/tool_errors", "rollout/tool_timeouts"]
+    contract += ["rollout/tool_calls", "rollout/tool_errors", "rollout/tool_timeouts", "rollout/context_full"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"

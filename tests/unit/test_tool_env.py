@@ -309,3 +309,21 @@ def test_the_example_config_checks_and_its_reward_reads_the_final_answer(monkeyp
     assert final_answer([row["prompt"]], [f"It is {int(row['answer']):,}."], [row["answer"]]) == [1.0]
     assert final_answer([row["prompt"]], ["It is 7."], [row["answer"]]) == [0.1]
     assert final_answer([row["prompt"]], ["no idea"], [row["answer"]]) == [0.0]
+
+
+def test_null_is_a_valid_argument_for_an_optional_parameter_only(tok):
+    """The schema shows ``digits: int | None`` as nullable: null must not be answered as a bad call."""
+    env = tool_env(("tests.support.tools:rounded",))
+    assert env.chat_tools()[0]["function"]["parameters"]["properties"]["digits"]["nullable"] is True
+    calls = [
+        call("rounded", value=2.71828, digits=None),  # nullable: runs
+        call("rounded", value=2.71828, digits=2),
+        call("rounded", value=None, digits=1),  # value is not nullable
+        call("rounded", value=2.5, digits="1"),  # still type-checked when not null
+    ]
+    traj, _ = episode(tok, env, "go", {"answer": 3}, [("".join(calls), "stop"), ("3", "stop")])
+    told = tool_messages(tok, traj, 0)
+    assert "<tool_response>3</tool_response><tool_response>2.72</tool_response>" in told, told
+    assert "error: bad arguments for rounded: argument 'value' is null, expected number" in told
+    assert "error: bad arguments for rounded: argument 'digits' is \"1\", expected integer" in told
+    assert traj.counts == {"tool_calls": 4, "tool_errors": 2, "tool_timeouts": 0}

@@ -170,3 +170,15 @@ def test_failed_scoring_is_the_samples_error_and_shape_errors_are_named(vf_modul
     env = make_env("verifiers", {"id": vf_module, "args": {"two": True}})
     with pytest.raises(EpisodeError, match=r"exactly one trainable agent run .* it left 2"):
         episode(env, tok, ["abc", "abc"])
+
+
+def test_a_context_that_fills_up_cuts_the_exchange_and_marks_it_length(vf_module, tok):
+    """As a native episode cut by the budget: scored, and its sample's stop reason is "length"."""
+    env = make_env("verifiers", {"id": vf_module, "args": {"turns": 30}})
+    long = "abc" * 20
+    _, _, traj, seen = episode(env, tok, [long] * 30)
+    assert 1 <= len(traj.turns) < 30 and max(map(len, seen)) < BUDGET
+    assert traj.context_full and traj.error is None and math.isfinite(traj.rewards[-1])
+    assert to_interleaved_sample(traj).stop_reason == "length"
+    _, _, short, _ = episode(make_env("verifiers", {"id": vf_module, "args": {"turns": 1}}), tok, ["ab"])
+    assert not short.context_full and to_interleaved_sample(short).stop_reason == "stop"

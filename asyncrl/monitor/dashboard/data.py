@@ -31,6 +31,7 @@ STATE_FLOAT_FIELDS = (
     "alert_masked_frac",
     "alert_staleness_frac",
     "alert_logprob_diff_max",
+    "alert_reward_failure_rate",
 )
 COUNTER_FIELDS = (
     "groups_started",
@@ -195,6 +196,8 @@ def read_generators(
                 "heartbeat_age_s": age,
                 "groups": rec.get("groups"),
                 "tokens_per_s": json_float(rec.get("tokens_per_s")),
+                "reward_failure_rate": json_float(rec.get("reward_failure_rate")),
+                "reward_last_failure": _text(rec.get("reward_last_failure") or "")[:300],
                 "status": status,
             }
         )
@@ -272,6 +275,7 @@ def thresholds_of(state: dict[str, Any]) -> Thresholds:
         masked_frac=written_or("alert_masked_frac", d.masked_frac),
         staleness_frac=written_or("alert_staleness_frac", d.staleness_frac),
         logprob_diff_max=written_or("alert_logprob_diff_max", d.logprob_diff_max),
+        reward_failure_rate=written_or("alert_reward_failure_rate", d.reward_failure_rate),
     )
 
 
@@ -319,6 +323,7 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
             "masked_frac": thresholds.masked_frac,
             "staleness_frac": thresholds.staleness_frac,
             "logprob_diff_max": thresholds.logprob_diff_max,
+            "reward_failure_rate": thresholds.reward_failure_rate,
         },
         "latest": latest,
         "config": state.get("config"),

@@ -17,6 +17,12 @@ token, so the learner conditions on exactly what the engine sampled from (the gr
 ids: the first prompt as single-turn prompts are encoded (rollout.chat_template
 respected), the engine's replies as sampled, observations as chat turns or bare text.
 
+An episode cut by the context budget (no room for another turn before the environment ended
+it) is scored by the environment's ``truncated`` (a reward called on the last reply, by an
+environment that scores only at the end) and marked ``context_full``: its samples' stop reason
+is "length", so algo.overlong.mask leaves them out of the loss as it does a reply cut at
+rollout.max_tokens, and the generator counts it (rollout/context_full).
+
 A turn the engine aborted (its request cancelled, e.g. by an engine rebuild) or that holds
 no token raises ``TurnAborted``: the episode cannot go on from a torn reply, and a
 trajectory cut there would be trained with a return the environment never gave. The
@@ -33,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.rollout.envs.base import Environment
+from asyncrl.algo.overlong import TRUNCATED
+from asyncrl.rollout.envs.base import Environment, RewardError
 from asyncrl.rollout.envs.chat import Observation, TurnCodec, turn_codec
 from asyncrl.types import Sample
 
@@ -48,6 +55,9 @@ class MultiTurnEnvironment(Environment):
     max_turns = 4
     observation_role = "user"
     """The chat role observations take with rollout.chat_template (e.g. "tool" for tool output)."""
+    reward_failure: RewardError | None = None
+    """Set by an environment whose own reward call failed (the tools env's): the generator then
+    applies the shared rules to the episode (rollout.reward_on_failure, rollout/reward_errors)."""
 
     def reset(self, prompt: str, metadata: dict[str, Any]) -> str:
         """Start an episode; return the first observation (usually the prompt itself)."""
@@ -65,6 +75,12 @@ class MultiTurnEnvironment(Environment):
     def turn_codec(self, tokenizer, chat_template: bool) -> TurnCodec:
         """How this environment's episodes become ids (one codec serves all its trajectories)."""
         return turn_codec(tokenizer, chat_template=chat_template, role=self.observation_role)
+
+    async def truncated(self, response: str) -> float:
+        """The episode was cut by the context budget right after the reply ``response``: the
+        reward to add to that last step's. 0 here (a stepped environment's rewards came with
+        each step); an environment that scores only at the end scores the episode here."""
+        return 0.0
 
     def episode_counts(self) -> dict[str, int]:
         """Counts of this episode (e.g. tool calls) that the trainer sums per step into
@@ -96,6 +112,10 @@ class Trajectory:
     observation_ids: list[list[int]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     """The environment's ``episode_counts()`` at the end."""
+    context_full: bool = False
+    """Cut by the context budget before the environment ended it: its samples are "length"."""
+    reward_failure: RewardError | None = None
+    """The environment's reward call failed (its return is NaN until the generator's rules apply)."""
 
     @property
     def total_reward(self) -> float:
@@ -139,15 +159,21 @@ async def run_trajectory(
         traj.rewards.append(float(reward))
         traj.observation_ids.append([])
         context = context + list(turn.token_ids)  # a new list: the policy may keep the one it got
-        if done or k + 1 == env.max_turns or len(context) >= max_context_tokens:
+        if done or k + 1 == env.max_turns:
             break
-        obs_ids = codec.observation(observation, turn.token_ids, turn.finish_reason)
-        traj.observation_ids[-1] = obs_ids
-        context = context + obs_ids
-        if len(context) >= max_context_tokens:  # no room for another turn: the observation was never seen
-            traj.observation_ids[-1] = []
-            break
+        if len(context) < max_context_tokens:
+            obs_ids = codec.observation(observation, turn.token_ids, turn.finish_reason)
+            if len(context) + len(obs_ids) < max_context_tokens:
+                traj.observation_ids[-1] = obs_ids
+                context = context + obs_ids
+                continue
+        # No room for another turn (the observation, if any, was never seen): the environment
+        # did not end the episode, so it is scored as cut, not left at the steps' rewards so far.
+        traj.context_full = True
+        traj.rewards[-1] += float(await env.truncated(codec.reply_text(turn.token_ids)))
+        break
     traj.counts = dict(env.episode_counts())
+    traj.reward_failure = env.reward_failure
     return traj
 
 
@@ -163,7 +189,8 @@ def to_step_samples(traj: Trajectory, trajectory_id: int, generator_id: str = ""
                 loss_mask=np.ones(n, np.uint8),
                 reward=traj.total_reward,
                 behavior_version=min(turn.versions),
-                stop_reason=turn.finish_reason,
+                # A cut episode's return is every step's: overlong masking must see each of them.
+                stop_reason=TRUNCATED if traj.context_full else turn.finish_reason,
                 token_versions=np.asarray(turn.versions, np.int32),
                 generator_id=generator_id,
                 prompt_ids=np.asarray(context, np.int32),
@@ -197,7 +224,7 @@ def to_interleaved_sample(traj: Trajectory, generator_id: str = "") -> Sample:
         loss_mask=np.asarray(mask, np.uint8),
         reward=traj.total_reward,
         behavior_version=min(v for t in traj.turns for v in t.versions),
-        stop_reason=traj.turns[-1].finish_reason,
+        stop_reason=TRUNCATED if traj.context_full else traj.turns[-1].finish_reason,
         token_versions=np.asarray(versions, np.int32),
         generator_id=generator_id,
         prompt_ids=np.asarray(traj.prompt_ids, np.int32),

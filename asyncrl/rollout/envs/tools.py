@@ -18,13 +18,17 @@ every call runs off the generator's event loop and its output, or an error, goes
 ``role: tool`` message, rendered by the template (several results of one reply together, as
 Qwen's template groups them). A reply without calls is the final answer: the reward function
 scores it and the episode ends. So does the ``max_turns``-th reply, whose calls are not run.
+An episode that fills the context first (a policy that keeps calling tools) is scored the same
+way on its last reply, and marked cut ("length", ``multiturn.run_trajectory``): looping on
+tools until the budget runs out must not earn a free 0 where a wrong answer scores below it.
 
 What the model is told instead of the generator failing: a call that cannot be read (bad
 JSON, no name, an unclosed tag), an unknown tool, arguments the schema does not allow, a tool
 that raises, and one that runs past ``tool_timeout_s``. Calls, errors and timeouts are counted
 (``episode_counts``: the trainer's ``rollout/tool_calls``, ``rollout/tool_errors``,
-``rollout/tool_timeouts``). A reward that raises or times out makes the episode's reward NaN
-(left out of the loss).
+``rollout/tool_timeouts``). A reward that raises or times out fails the episode's reward as any
+failed reward does (``rollout/scoring.py``: NaN and left out of the loss, or
+rollout.reward_on_failure; counted in rollout/reward_errors and rollout/reward_timeouts).
 
 Tool output is context, never trained: the tool messages' tokens (and the template's own)
 are observation tokens with loss mask 0; only the ids the engine sampled have mask 1
@@ -42,7 +46,6 @@ import asyncio
 import functools
 import inspect
 import json
-import logging
 import math
 import threading
 from collections.abc import Callable
@@ -56,8 +59,6 @@ from asyncrl.rollout.envs.multiturn import MultiTurnEnvironment
 from asyncrl.rollout.envs.reward_fns import WeightedRewards, resolve_function
 from asyncrl.rollout.envs.tool_calls import BadCall, ToolCall, get_parser
 from asyncrl.rollout.scoring import RewardPool, RewardTimeout
-
-log = logging.getLogger(__name__)
 
 COUNT_NAMES = ("tool_calls", "tool_errors", "tool_timeouts")
 
@@ -99,6 +100,8 @@ class Tool:
         if unknown:
             return f"unknown argument(s) {', '.join(unknown)}; {self.name} takes {', '.join(props) or 'none'}"
         for arg, value in args.items():
+            if value is None and props[arg].get("nullable"):
+                continue  # an Optional parameter: the schema the model was shown says null is fine
             want = props[arg].get("type")
             types = [want] if isinstance(want, str) else list(want or [])
             if types and not any(_is_json_type(value, t) for t in types):
@@ -214,6 +217,7 @@ class ToolEnv(MultiTurnEnvironment):
     def reset(self, prompt: str, metadata: dict[str, Any]) -> str:
         self.prompt, self.metadata, self.turn = prompt, metadata, 0
         self.counts = dict.fromkeys(COUNT_NAMES, 0)
+        self.reward_failure = None
         return prompt
 
     def step(self, response: str) -> tuple[str, float, bool]:
@@ -230,6 +234,10 @@ class ToolEnv(MultiTurnEnvironment):
             name = c.name if isinstance(c, ToolCall) else "?"
             outputs.append((name, f"error: not run: at most {limit} tool calls per reply"))
         return [{"role": "tool", "name": name, "content": text} for name, text in outputs], 0.0, False
+
+    async def truncated(self, response: str) -> float:
+        """Cut by the context budget: the last reply is the episode's answer, as at max_turns."""
+        return await self._reward(response)
 
     async def _run(self, call: ToolCall | BadCall) -> tuple[str, str]:
         """(tool name, what the model is told) for one call; never raises."""
@@ -268,25 +276,18 @@ class ToolEnv(MultiTurnEnvironment):
         return await tool_pool(self.spec.tool_workers).call(fn, (), kwargs, timeout_s)
 
     async def _reward(self, response: str) -> float:
-        """The reward function on the final reply; NaN (logged once per kind) if it fails."""
+        """The reward function on the final reply; NaN and ``reward_failure`` set if it fails
+        (the generator applies the shared rules: counts, one log line per kind, on_failure)."""
         kwargs = WeightedRewards.call_kwargs(self.prompt, response, self.metadata)
         name = self.spec.reward
         try:
             out = await self._call(self.reward_fn, kwargs, self.spec.reward_timeout_s)
             value = out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
             return check_reward_value(name, value)
+        except RewardTimeout as e:
+            self.reward_failure = RewardTimeout(f"{name} {e}")
+        except RewardError as e:
+            self.reward_failure = e
         except Exception as e:  # user code: its failure voids this episode's reward, not the generator
-            _log_reward_failure(name, e)
-            return math.nan
-
-
-_LOGGED: set[tuple[str, str]] = set()
-
-
-def _log_reward_failure(name: str, e: Exception) -> None:
-    # Once per (reward, exception type): a broken reward fails every episode.
-    kind = (name, type(e).__name__)
-    if kind not in _LOGGED:
-        _LOGGED.add(kind)
-        why = str(e) if isinstance(e, RewardError) else f"{type(e).__name__}: {e}"
-        log.warning("tools env: reward %s failed (%s); the episode's reward is NaN (others not logged)", name, why)
+            self.reward_failure = RewardError(f"{name} raised {type(e).__name__}: {e}")
+        return math.nan

@@ -179,6 +179,8 @@ class Conversation:
 
     def _end(self, condition: str) -> Any:
         self.over = True
+        if condition == "max_input_tokens" and self.traj is not None:
+            self.traj.context_full = True  # its samples are "length", as a native episode's (multiturn.py)
         self.trace.stop(condition)
         return self.vf.Segment(messages=[], terminated=True)
 
