@@ -39,6 +39,9 @@ from asyncrl.config import Config, redact_config
 from asyncrl.control.collect import BatchCollector, NoGenerators
 from asyncrl.control.evaluate import Evaluator
 from asyncrl.control.ledger import record_trained
+from asyncrl.control.loads import STATE_FIELD as UNLOADABLE_FIELD
+from asyncrl.control.loads import LoadWatch, WeightsUnloadable
+from asyncrl.control.parity_gate import ParityGate
 from asyncrl.control.publish import Publisher, WeightsUnwritable
 from asyncrl.control.restart import restart_admission
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
@@ -103,7 +106,13 @@ class TrainLoop:
         self._evaluator: Evaluator | None = None
 
         self.watchdog = GeneratorWatchdog(runtime.generators, self.run_state, cfg.rollout.heartbeat_timeout_s)
-        self.collector = BatchCollector(cfg, self.queue, self.run_state, self.learner, self.watchdog, self.stop)
+        self.load_watch = LoadWatch(
+            self.run_state, max_failures=cfg.sync.max_load_failures, deadline_s=cfg.sync.load_failure_deadline_s
+        )
+        self.gate = ParityGate(cfg, self.model_path)
+        self.collector = BatchCollector(
+            cfg, self.queue, self.run_state, self.learner, self.watchdog, self.stop, also_check=self.load_watch.check
+        )
         self.publisher = Publisher(
             self.learner,
             runtime.weight_sync,
@@ -111,8 +120,14 @@ class TrainLoop:
             self.state,
             deadline_s=cfg.sync.publish_deadline_s,
             stop=self.stop,
-            while_waiting=self.watchdog.check,
+            while_waiting=self._while_waiting,
+            on_result=self.load_watch.note,
         )
+
+    def _while_waiting(self) -> None:
+        """While a publish is in flight: hung generators restarted, unloadable weights said."""
+        self.watchdog.check()
+        self.load_watch.check()
 
     # ------------------------------------------------------------------ set-up
 
@@ -132,6 +147,8 @@ class TrainLoop:
             config=json.dumps(redact_config(self.cfg)),
             model_path=self.model_path,
             trainer_step=self.state.step,
+            parity_gate=None,  # this start's gate and load failures, not a previous one's
+            **{UNLOADABLE_FIELD: None},
         )
         # After a resume the weights are the checkpoint's: generators must run them, and
         # admission must count only what is still alive (queued or pending) on top of what
@@ -169,7 +186,19 @@ class TrainLoop:
         return 0 if self.cfg.control.mode == "sync" else self.cfg.control.max_staleness
 
     def _min_version(self) -> int:
-        return min_behavior_version(self.state.version, self.max_staleness, self.cfg.learner.mini_batches_per_step)
+        least = min_behavior_version(self.state.version, self.max_staleness, self.cfg.learner.mini_batches_per_step)
+        # The gate's batch must hold tokens the learner's own weights sampled (staleness 0);
+        # after a resume older queued groups are dropped as stale once, and re-issued.
+        return max(least, self.state.version) if self.gate.pending else least
+
+    def _gate(self, sequences: list) -> dict[str, float]:
+        """The parity gate on this batch, before any update (asyncrl.control.parity_gate)."""
+        result = self.gate.check(self.learner, sequences, self.state.version)
+        if result is None:
+            return {}
+        self.run_state.set_state(parity_gate=json.dumps(result.record()))
+        self.gate.enforce(result)
+        return result.metrics()
 
     def _train(self, groups: list[RolloutGroup]) -> tuple[StepResult, dict[str, float]]:
         """The learner's step over `groups` and the batch's own metrics (advantages, rewards)."""
@@ -185,6 +214,8 @@ class TrainLoop:
             pad_token_id=self.learner.pad_token_id,
             max_new_tokens=self.cfg.rollout.max_tokens,
         )
+        if self.gate.pending:
+            batch_metrics.update(self._gate([seq for mb in minibatches for seq in mb]))
         # Every record's staleness at the version its mini-batch trains at, checked one by one.
         for j, mb in enumerate(minibatches):
             at = self.state.version + j
@@ -356,6 +387,12 @@ class TrainLoop:
             # Past sync.publish_deadline_s: the checkpoint goes to run_dir, not to the full shm_dir.
             self.publisher.join()
             self._checkpoint_for_resume(str(e), "there is space for the weights")
+            raise
+        except WeightsUnloadable as e:
+            # Past sync.max_load_failures / load_failure_deadline_s: the learner's weights are
+            # fine, the engines cannot take them; keep them, so the run resumes from here.
+            self.publisher.join()
+            self._checkpoint_for_resume(str(e), "the engines can load the weights")
             raise
         except QueueUnavailable as e:
             # Past queue.outage_deadline_s. The weights are on local disk; Redis keeps the rest.
