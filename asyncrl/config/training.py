@@ -176,6 +176,11 @@ class ControlConfig(Section):
     umask applies (e.g. for a group that shares run dirs). Objects on an object store
     (a run_dir URL) have no mode bits: who reads them is the bucket's policy."""
 
+    @field_validator("parity_gate", mode="before")
+    @classmethod
+    def _parity_gate(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
     @field_validator("eval_prompts")
     @classmethod
     def _eval_prompts(cls, value: str | None) -> str | None:

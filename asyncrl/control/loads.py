@@ -21,6 +21,7 @@ shows, and ``weights_unloadable`` in the run's state hash says why while it last
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -144,7 +145,17 @@ class LoadWatch:
             self._next_say = now + LOG_EVERY_S
 
 
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure)\b[^:]*:")
+
+
 def _short(text: str, most: int = 400) -> str:
-    """A generator's error on one line, cut to ``most`` characters."""
-    line = " ".join(str(text).split()) or "(no message)"
+    """A generator's error on one line: its name, and the exception that ended a Ray traceback
+    (what the generator raised, not the frames), cut to ``most`` characters."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    who = lines[0].split(":", 1)[0] if lines[0].startswith("generator ") else ""
+    raised = [i for i, line in enumerate(lines) if i > 0 and _RAISED.match(line)]
+    line = " ".join(lines[raised[-1] :] if raised else lines)
+    line = f"{who}: {line}" if who and raised else line
     return line if len(line) <= most else line[: most - 3] + "..."

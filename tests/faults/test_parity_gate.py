@@ -37,6 +37,7 @@ def test_a_learner_that_disagrees_with_its_engine_is_stopped_before_any_update(t
     )
     assert found, log[-4000:]
     worst = float(found.group(3))
+    print(f"gate: max |diff| {worst} (mean {found.group(4)}) on {found.group(1)} tokens of {found.group(2)} samples")
     assert worst > 1e-2 and int(found.group(1)) > 0
     # The cause named, and what to do; said in the CLI's one line, no traceback.
     last = log.strip().splitlines()[-1]
