@@ -241,6 +241,7 @@ class TrainLoop:
     def step(self) -> dict[str, float] | None:
         c = self.cfg.control
         t0 = time.perf_counter()
+        self.load_watch.check()  # publishes no generator loaded: past the limits, the run ends here
         items = self.collector.collect(self._min_version())
         if self.stop.is_set and len(items) < c.groups_per_step:
             # Not trained: leave them un-acked so a resume redelivers them.
