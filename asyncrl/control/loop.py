@@ -14,6 +14,12 @@ Each step at policy version v:
      checkpoint covers (a crash before that redelivers them: trained exactly once; a crash
      after the checkpoint but before the ack redelivers groups a resume skips, see LoopState).
 
+The first batch of every start (and resume) holds only groups at the learner's version, and
+the parity gate (asyncrl.control.parity_gate) compares the learner's log-probs with the
+engines' on it before the first update. Publishes that no generator can load are said while
+they last and end the run past sync.max_load_failures / load_failure_deadline_s, with a
+checkpoint and the resume command (asyncrl.control.loads).
+
 Redis down: every call waits the outage out (queue.connection.Retrier) and the run goes on
 when it is back; past queue.outage_deadline_s the loop checkpoints (no ack: the entries stay
 pending for the resume) and ends, printing the resume command.
