@@ -77,7 +77,7 @@ class GateResult:
     mode: str
 
     @property
-    def passed(self) -> bool:
+    def passed(self) -> bool:  # NaN compares false: never a pass
         return self.max_abs_diff <= self.tolerance and self.outside <= OUTSIDE_FRAC * max(self.tokens, 1)
 
     def metrics(self) -> dict[str, float]:
@@ -118,13 +118,14 @@ def compare(
         used += 1
         mine = np.asarray(lp, dtype=np.float64)[keep]
         theirs = np.asarray(seq.rollout_logprobs, dtype=np.float64)[keep]
-        finite = np.isfinite(mine)
-        outside += int((~finite).sum())
-        diffs.append(np.abs(mine[finite] - theirs[finite]))
+        cut = np.isneginf(mine)  # probability 0 under the learner's cut (a NaN stays in, and fails)
+        outside += int(cut.sum())
+        diffs.append(np.abs(mine[~cut] - theirs[~cut]))
     flat = np.concatenate(diffs) if diffs else np.zeros(0)
     if flat.size == 0:
         return used, outside, math.inf, math.inf, outside
-    return used, int(flat.size) + outside, float(flat.max()), float(flat.mean()), outside
+    worst = float(np.nan) if np.isnan(flat).any() else float(flat.max())
+    return used, int(flat.size) + outside, worst, float(flat.mean()), outside
 
 
 def at_version(sequences: list[TrainSequence], version: int) -> list[TrainSequence]:

@@ -400,16 +400,19 @@ def state_alerts(parity_gate: Any = None, weights_unloadable: Any = None) -> lis
     alerts: list[dict[str, Any]] = []
     if isinstance(parity_gate, Mapping) and parity_gate.get("passed") is False:
         worst, tol = parity_gate.get("max_abs_diff"), parity_gate.get("tolerance")
-        if isinstance(worst, (int, float)) and isinstance(tol, (int, float)) and _real(worst) and _real(tol):
+        # A NaN gap reaches the dashboard as null (JSON has no NaN): still a failed gate.
+        number = isinstance(worst, (int, float)) and not isinstance(worst, bool) and math.isfinite(worst)
+        if (number or worst is None) and isinstance(tol, (int, float)) and _real(tol):
             version = parity_gate.get("version")
             then = "stopped before any update" if parity_gate.get("mode") == "stop" else "trained anyway"
+            gap = f"{worst:.3g}" if number else "not a number"
             alerts.append(
                 {
                     "kind": "parity_gate",
-                    "value": float(worst) if math.isfinite(worst) else None,
+                    "value": float(worst) if isinstance(worst, (int, float)) and number else None,
                     "threshold": float(tol),
                     "message": f"parity gate failed at v{version if isinstance(version, int) else '?'}: max "
-                    f"|learner - engine logprob| {worst:.3g} > {tol:.3g} nats at staleness 0 ({then})",
+                    f"|learner - engine logprob| {gap} > {tol:.3g} nats at staleness 0 ({then})",
                     "subject": "",
                 }
             )

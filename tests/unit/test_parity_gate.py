@@ -56,6 +56,9 @@ def test_a_token_the_learner_cuts_off_is_counted_apart():
     s = seq([0.0, -1.0, -2.0], [0, 1, 1], [0, 0, 0])
     used, tokens, worst, _mean, outside = compare([np.array([0.0, -1.0, -math.inf])], [s], 0)
     assert (used, tokens, worst, outside) == (1, 2, 0.0, 1)
+    # a NaN from the learner is no cut token: it fails the gate
+    nan = compare([np.array([0.0, math.nan, -2.0])], [s], 0)
+    assert nan[4] == 0 and math.isnan(nan[2]) and not result(nan[2]).passed
     # nothing comparable at all: the gap is unknown, never a pass
     assert compare([np.array([0.0, -math.inf])], [seq([0.0, -1.0], [0, 1], [0, 0])], 0)[2] == math.inf
 
@@ -130,6 +133,8 @@ def test_the_dashboard_alerts_on_a_failed_gate_read_as_untrusted():
     assert "stopped before any update" in alert["message"]
     assert "trained anyway" in state_alerts(result(0.39, mode="warn").record())[0]["message"]
     assert state_alerts(result(1e-6).record()) == []
+    (nan,) = state_alerts({**failed, "max_abs_diff": None})  # a NaN gap, as JSON brings it
+    assert nan["value"] is None and "not a number" in nan["message"]
     for bad in ({"passed": False, "max_abs_diff": "x", "tolerance": 1e-3}, ["passed"], "no", None):
         assert state_alerts(bad) == []
     (unloadable,) = state_alerts(None, "no generator can load the weights (v3: ...)")
