@@ -107,6 +107,13 @@ class SyncConfig(Section):
     the engines keep their weights and admission holds the staleness bound. None: wait for
     space for ever; a number: after that many seconds the trainer checkpoints, prints the
     resume command and fails (WeightsUnwritable)."""
+    max_load_failures: int | None = Field(3, ge=1)
+    """Publishes in a row that every generator fails to load (a weight name the engine's model
+    does not have, an engine that refuses the adapter) after which the trainer checkpoints,
+    prints the resume command and fails (WeightsUnloadable). None: no limit by count."""
+    load_failure_deadline_s: float | None = Field(300.0, gt=0)
+    """The same, by time since the first such publish: the generators retry the announced
+    weights on their own meanwhile, and the trainer says every 30 s what fails. None: no limit."""
 
 
 class ControlConfig(Section):
@@ -148,6 +155,14 @@ class ControlConfig(Section):
     AOF, the metrics.jsonl spool, the tiny model, logs). None: ~/.cache/asyncrl/runs/<url path>."""
     seed: int = 0
     """The run's one seed: rollout, learner and the tiny model's initial weights derive from it."""
+    parity_gate: Literal["stop", "warn", "off"] = "stop"
+    """Before the first optimizer update of every start and resume, the learner scores the first
+    batch's tokens sampled with its own current weights (staleness 0) and compares them with the
+    engines' log-probs (docs/design.md, "The parity gate"). stop: fail naming the gap and its
+    likely causes; warn: say so and train anyway; off: no check."""
+    parity_tolerance: float | None = Field(None, gt=0)
+    """Largest |learner - engine| log-prob the gate accepts. None: by the dtype both sides
+    compute in (float32 1e-3, float16 3e-2, bfloat16 1e-1)."""
     batch_timeout_s: float = 600.0
     """After this long without a full batch the trainer checks its generators: it waits on
     (saying why, once a minute) while any can run, alive or being restarted, and fails with a
@@ -160,6 +175,11 @@ class ControlConfig(Section):
     077 while the run is up, and the Redis and Ray it starts inherit it. false: the process's
     umask applies (e.g. for a group that shares run dirs). Objects on an object store
     (a run_dir URL) have no mode bits: who reads them is the bucket's policy."""
+
+    @field_validator("parity_gate", mode="before")
+    @classmethod
+    def _parity_gate(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
 
     @field_validator("eval_prompts")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
@@ -49,6 +50,7 @@ class BatchCollector:
         learner: LearnerGroup,
         watchdog: GeneratorWatchdog,
         stop: StopFlag,
+        also_check: Callable[[], object] | None = None,
     ):
         self.cfg = cfg
         self.queue = queue
@@ -56,6 +58,8 @@ class BatchCollector:
         self.learner = learner
         self.watchdog = watchdog
         self.stop = stop
+        self.also_check = also_check
+        """Run with the watchdog while waiting (the loop's LoadWatch: weights no generator can load)."""
         self._counters_seen: dict[str, int] = {}
         self.dropped_uniform = 0
         """Groups the generators dropped as uniform (rollout.drop_uniform_groups) since the
@@ -79,6 +83,8 @@ class BatchCollector:
                 self.watchdog.check()  # a hung generator is killed, and Ray restarts it
                 for news in self.watchdog.news(self.run_state.generators()):  # e.g. a reward outage
                     log.warning(news)
+                if self.also_check is not None:
+                    self.also_check()
                 next_check = time.monotonic() + LEARNER_CHECK_S
             if time.monotonic() > deadline:
                 # Wait on while any generator can still produce (alive, or being restarted by

@@ -14,6 +14,12 @@ Each step at policy version v:
      checkpoint covers (a crash before that redelivers them: trained exactly once; a crash
      after the checkpoint but before the ack redelivers groups a resume skips, see LoopState).
 
+The first batch of every start (and resume) holds only groups at the learner's version, and
+the parity gate (asyncrl.control.parity_gate) compares the learner's log-probs with the
+engines' on it before the first update. Publishes that no generator can load are said while
+they last and end the run past sync.max_load_failures / load_failure_deadline_s, with a
+checkpoint and the resume command (asyncrl.control.loads).
+
 Redis down: every call waits the outage out (queue.connection.Retrier) and the run goes on
 when it is back; past queue.outage_deadline_s the loop checkpoints (no ack: the entries stay
 pending for the resume) and ends, printing the resume command.
@@ -39,6 +45,9 @@ from asyncrl.config import Config, redact_config
 from asyncrl.control.collect import BatchCollector, NoGenerators
 from asyncrl.control.evaluate import Evaluator
 from asyncrl.control.ledger import record_trained
+from asyncrl.control.loads import STATE_FIELD as UNLOADABLE_FIELD
+from asyncrl.control.loads import LoadWatch, WeightsUnloadable
+from asyncrl.control.parity_gate import ParityGate
 from asyncrl.control.publish import Publisher, WeightsUnwritable
 from asyncrl.control.restart import restart_admission
 from asyncrl.control.staleness import check_within_bound, min_behavior_version
@@ -109,7 +118,13 @@ class TrainLoop:
             cfg.rollout.heartbeat_timeout_s,
             reward_failure_alert=cfg.monitor.alert_reward_failure_rate,
         )
-        self.collector = BatchCollector(cfg, self.queue, self.run_state, self.learner, self.watchdog, self.stop)
+        self.load_watch = LoadWatch(
+            self.run_state, max_failures=cfg.sync.max_load_failures, deadline_s=cfg.sync.load_failure_deadline_s
+        )
+        self.gate = ParityGate(cfg, self.model_path)
+        self.collector = BatchCollector(
+            cfg, self.queue, self.run_state, self.learner, self.watchdog, self.stop, also_check=self.load_watch.check
+        )
         self.publisher = Publisher(
             self.learner,
             runtime.weight_sync,
@@ -117,8 +132,14 @@ class TrainLoop:
             self.state,
             deadline_s=cfg.sync.publish_deadline_s,
             stop=self.stop,
-            while_waiting=self.watchdog.check,
+            while_waiting=self._while_waiting,
+            on_result=self.load_watch.note,
         )
+
+    def _while_waiting(self) -> None:
+        """While a publish is in flight: hung generators restarted, unloadable weights said."""
+        self.watchdog.check()
+        self.load_watch.check()
 
     # ------------------------------------------------------------------ set-up
 
@@ -149,6 +170,8 @@ class TrainLoop:
             config=json.dumps(redact_config(self.cfg)),
             model_path=self.model_path,
             trainer_step=self.state.step,
+            parity_gate=None,  # this start's gate and load failures, not a previous one's
+            **{UNLOADABLE_FIELD: None},
         )
         # After a resume the weights are the checkpoint's: generators must run them, and
         # admission must count only what is still alive (queued or pending) on top of what
@@ -186,7 +209,19 @@ class TrainLoop:
         return 0 if self.cfg.control.mode == "sync" else self.cfg.control.max_staleness
 
     def _min_version(self) -> int:
-        return min_behavior_version(self.state.version, self.max_staleness, self.cfg.learner.mini_batches_per_step)
+        least = min_behavior_version(self.state.version, self.max_staleness, self.cfg.learner.mini_batches_per_step)
+        # The gate's batch must hold tokens the learner's own weights sampled (staleness 0);
+        # after a resume older queued groups are dropped as stale once, and re-issued.
+        return max(least, self.state.version) if self.gate.pending else least
+
+    def _gate(self, sequences: list) -> dict[str, float]:
+        """The parity gate on this batch, before any update (asyncrl.control.parity_gate)."""
+        result = self.gate.check(self.learner, sequences, self.state.version)
+        if result is None:
+            return {}
+        self.run_state.set_state(parity_gate=json.dumps(result.record()))
+        self.gate.enforce(result)
+        return result.metrics()
 
     def _train(self, groups: list[RolloutGroup]) -> tuple[StepResult, dict[str, float]]:
         """The learner's step over `groups` and the batch's own metrics (advantages, rewards)."""
@@ -202,6 +237,8 @@ class TrainLoop:
             pad_token_id=self.learner.pad_token_id,
             max_new_tokens=self.cfg.rollout.max_tokens,
         )
+        if self.gate.pending:
+            batch_metrics.update(self._gate([seq for mb in minibatches for seq in mb]))
         # Every record's staleness at the version its mini-batch trains at, checked one by one.
         for j, mb in enumerate(minibatches):
             at = self.state.version + j
@@ -227,6 +264,7 @@ class TrainLoop:
     def step(self) -> dict[str, float] | None:
         c = self.cfg.control
         t0 = time.perf_counter()
+        self.load_watch.check()  # publishes no generator loaded: past the limits, the run ends here
         items = self.collector.collect(self._min_version())
         if self.stop.is_set and len(items) < c.groups_per_step:
             # Not trained: leave them un-acked so a resume redelivers them.
@@ -373,6 +411,12 @@ class TrainLoop:
             # Past sync.publish_deadline_s: the checkpoint goes to run_dir, not to the full shm_dir.
             self.publisher.join()
             self._checkpoint_for_resume(str(e), "there is space for the weights")
+            raise
+        except WeightsUnloadable as e:
+            # Past sync.max_load_failures / load_failure_deadline_s: the learner's weights are
+            # fine, the engines cannot take them; keep them, so the run resumes from here.
+            self.publisher.join()
+            self._checkpoint_for_resume(str(e), "the engines can load the weights")
             raise
         except QueueUnavailable as e:
             # Past queue.outage_deadline_s. The weights are on local disk; Redis keeps the rest.

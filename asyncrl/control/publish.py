@@ -94,6 +94,7 @@ class Publisher:
         deadline_s: float | None = None,
         stop: StopFlag | None = None,
         while_waiting: Callable[[], object] | None = None,
+        on_result: Callable[[PublishResult], object] | None = None,
     ):
         self.learner = learner
         self.weight_sync = weight_sync
@@ -110,6 +111,8 @@ class Publisher:
         the first, and for the object store, whose exports have no file to measure."""
         self.while_waiting = while_waiting
         """Run while waiting for a publish in flight (the loop's generator watchdog)."""
+        self.on_result = on_result
+        """Handed every publish's result (the loop's LoadWatch: failed loads counted and followed)."""
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -201,6 +204,8 @@ class Publisher:
                 )
             self.last_result = result
             self.last_apply_s = result.apply_s
+            if self.on_result is not None:
+                self.on_result(result)
             self.run_state.set_policy_version(version)
         except BaseException as e:  # handed to the loop's thread by finish()
             self._error = e

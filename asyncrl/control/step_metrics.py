@@ -63,6 +63,7 @@ def step_metrics(
         "queue/stale_abandoned": float(counters.get("stale_abandoned", 0)),
         "rollout/dropped_uniform_groups": float(counters.get("dropped_uniform", 0)),
         "rollout/dropped_uniform_groups_step": float(max(dropped_uniform, 0)),
+        "sync/load_failures": float(counters.get("weight_load_failures", 0)),
         "learner/version": float(version),
         "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(times.step, 1e-9),
         "throughput/step_tokens_per_s": gen_tokens / max(times.step, 1e-9),

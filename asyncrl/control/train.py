@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.control.loads import WeightsUnloadable
 from asyncrl.control.loop import TrainLoop
+from asyncrl.control.parity_gate import ParityMismatch
 from asyncrl.control.progress import StepProgress
 from asyncrl.control.runtime import Runtime
 from asyncrl.control.state import LoopState, StopFlag
@@ -107,9 +109,14 @@ def train(
                         state = loop.run()
             except Exception as e:
                 rt.report_lost_actors(e)
+                if isinstance(e, (ParityMismatch, WeightsUnloadable)):  # ended on purpose: say why in summary.json
+                    wall_s = time.perf_counter() - t0
+                    _write_summary_file(
+                        rt, run_dir, loop.state, first_step, loop.max_staleness, "failed", wall_s, loop, error=str(e)
+                    )
                 raise
             status, wall_s = "stopped" if stop.is_set else "finished", time.perf_counter() - t0
-            _write_summary_file(rt, run_dir, state, first_step, loop.max_staleness, status, wall_s)
+            _write_summary_file(rt, run_dir, state, first_step, loop.max_staleness, status, wall_s, loop)
             summary = _summary(
                 rt, run_dir, first_step, loop.max_staleness, status, dashboard_url, wall_s, target_length
             )
@@ -156,10 +163,20 @@ def _summary(
 
 
 def _write_summary_file(
-    rt: StartedRun, run_dir: RunPath, state: LoopState, first_step: int, max_staleness: int, status: str, wall_s: float
+    rt: StartedRun,
+    run_dir: RunPath,
+    state: LoopState,
+    first_step: int,
+    max_staleness: int,
+    status: str,
+    wall_s: float,
+    loop: TrainLoop,
+    error: str | None = None,
 ) -> None:
-    """run_dir/summary.json: what `asyncrl dashboard RUN_DIR` shows of a run whose Redis is gone."""
+    """run_dir/summary.json: what `asyncrl dashboard RUN_DIR` shows of a run whose Redis is gone.
+    ``parity_gate``: this start's gate (asyncrl.control.parity_gate), None if none ran."""
     ended = time.time()
+    gate = loop.gate.result
     write_summary_file(
         run_dir,
         {
@@ -174,6 +191,8 @@ def _write_summary_file(
             "started_at": round(ended - wall_s, 3),
             "ended_at": round(ended, 3),
             "counters": dict(rt.run_state.counters()),
+            "parity_gate": gate.record() if gate is not None else None,
+            **({"error": error} if error else {}),
         },
     )
 

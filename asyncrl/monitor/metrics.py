@@ -132,6 +132,27 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("time/step", "max", "wall seconds of the whole trainer step", "s"),
     _m("sync/seconds", "max", "learner seconds of this step's weight publish (same as time/sync)", "s"),
     _m("sync/apply_s", "max", "seconds the engines took to apply the last publish (pause, load, resume)", "s"),
+    _m(
+        "sync/load_failures",
+        "max",
+        "generator weight loads that failed, so far (one per generator per publish)",
+        "loads",
+        "counter",
+    ),
+    # The parity gate (asyncrl.control.parity_gate): logged once per start, in the row of the
+    # step whose batch it checked before any update.
+    _m(
+        "parity/gate_max_abs_diff",
+        "max",
+        "gate: max |learner - engine logprob| at staleness 0 before any update",
+        "nats",
+    ),
+    _m(
+        "parity/gate_mean_abs_diff", "mean", "gate: mean |learner - engine logprob| over the tokens it compared", "nats"
+    ),
+    _m("parity/gate_tolerance", "max", "gate: the largest max |diff| it accepts (control.parity_tolerance)", "nats"),
+    _m("parity/gate_tokens", "sum", "gate: tokens compared", "tokens"),
+    _m("parity/gate_passed", "min", "gate: 1 passed, 0 failed (control.parity_gate=warn trained anyway)"),
     # Rewards that failed at the generators (asyncrl.rollout.scoring): counts so far, summed
     # over the generators alive now (a restarted generator counts from 0 again).
     _m("rollout/reward_errors", "max", "reward calls that raised or returned a non-number, so far", "calls", "counter"),
@@ -389,3 +410,43 @@ _PROM_BAD = re.compile(r"[^a-zA-Z0-9_]")
 def prometheus_name(name: str, prefix: str = "asyncrl_") -> str:
     """'staleness/frac_0' -> 'asyncrl_staleness_frac_0' (Prometheus allows [a-zA-Z0-9_:])."""
     return prefix + _PROM_BAD.sub("_", name)
+
+
+def state_alerts(parity_gate: Any = None, weights_unloadable: Any = None) -> list[dict[str, Any]]:
+    """Alerts from what the trainer keeps in the run's state hash (or summary.json), read as
+    untrusted: a parity gate that failed (its record, asyncrl.control.parity_gate.GateResult),
+    and the reason no generator can load the announced weights (asyncrl.control.loads)."""
+    alerts: list[dict[str, Any]] = []
+    if isinstance(parity_gate, Mapping) and parity_gate.get("passed") is False:
+        worst, tol = parity_gate.get("max_abs_diff"), parity_gate.get("tolerance")
+        # A NaN gap reaches the dashboard as null (JSON has no NaN): still a failed gate.
+        number = isinstance(worst, (int, float)) and not isinstance(worst, bool) and math.isfinite(worst)
+        if (number or worst is None) and isinstance(tol, (int, float)) and _real(tol):
+            version = parity_gate.get("version")
+            then = "stopped before any update" if parity_gate.get("mode") == "stop" else "trained anyway"
+            gap = f"{worst:.3g}" if number else "not a number"
+            alerts.append(
+                {
+                    "kind": "parity_gate",
+                    "value": float(worst) if isinstance(worst, (int, float)) and number else None,
+                    "threshold": float(tol),
+                    "message": f"parity gate failed at v{version if isinstance(version, int) else '?'}: max "
+                    f"|learner - engine logprob| {gap} > {tol:.3g} nats at staleness 0 ({then})",
+                    "subject": "",
+                }
+            )
+    if isinstance(weights_unloadable, str) and weights_unloadable:
+        alerts.append(
+            {
+                "kind": "weights_unloadable",
+                "value": None,
+                "threshold": None,
+                "message": weights_unloadable[:400],
+                "subject": "",
+            }
+        )
+    return alerts
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

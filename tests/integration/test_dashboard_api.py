@@ -124,6 +124,7 @@ def test_summary_has_state_counters_and_latest(api):
         "dropped_stale": 3,
         "dead_lettered": 1,
         "dropped_uniform": 0,
+        "weight_load_failures": 0,
     }
     assert s["latest"]["reward/mean"] == pytest.approx(0.9)
     assert s["latest"]["queue/depth"] == 13.0
@@ -154,6 +155,30 @@ def test_alerts(api):
     kinds = {(a["kind"], a["subject"]) for a in body["alerts"]}
     # rollout KL 0.009 > 0.005; staleness max 1 < 2; masked 0.02 < 0.2; gen-1 lags 3 > 2; gen-2 silent 90 s.
     assert kinds == {("rollout_kl", ""), ("generator_lag", "gen-1"), ("generator_heartbeat", "gen-2")}
+
+
+def test_a_failed_parity_gate_and_unloadable_weights_are_alerts_read_as_untrusted(redis_url):
+    """What the trainer keeps in the state hash: the gate's record (JSON) and why no generator
+    can load the weights. A record that is not one (bad JSON, wrong types) is no alert."""
+    client = redis.Redis.from_url(redis_url)
+    gate = {"passed": False, "max_abs_diff": 0.39, "tolerance": 1e-3, "version": 0, "mode": "stop"}
+    client.hset(
+        keys.state("gated"),
+        mapping={"policy_version": 1, "parity_gate": json.dumps(gate), "weights_unloadable": "no generator can load"},
+    )
+    client.hset(keys.state("junk"), mapping={"policy_version": 1, "parity_gate": "{not json"})
+    client.hset(keys.state("typed"), mapping={"parity_gate": json.dumps({**gate, "max_abs_diff": "big"})})
+    client.hincrby(keys.counters("gated"), "weight_load_failures", 3)
+    client.sadd(keys.RUNS, "gated", "junk", "typed")
+    with TestClient(create_app(redis_url, run=None)) as c:
+        alerts = c.get("/api/run/gated/alerts").json()["alerts"]
+        summary = c.get("/api/run/gated/summary").json()
+        junk = [c.get(f"/api/run/{run}/alerts").json()["alerts"] for run in ("junk", "typed")]
+    client.close()
+    assert [a["kind"] for a in alerts] == ["parity_gate", "weights_unloadable"]
+    assert alerts[0]["value"] == 0.39 and "stopped before any update" in alerts[0]["message"]
+    assert summary["parity_gate"] == gate and summary["counters"]["weight_load_failures"] == 3
+    assert junk == [[], []]
 
 
 @pytest.mark.parametrize(("timeout_s", "status"), [(60, "ok"), (10, "gone")])

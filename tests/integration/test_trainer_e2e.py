@@ -133,6 +133,10 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     # a Hugging Face folder from the learners that `asyncrl export` rebuilds from the checkpoint.
     rows = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, state.step + 1)) and "reward/mean" in rows[-1]
+    # The parity gate checked the first batch, before its update, and passed.
+    gated = [r for r in rows if "parity/gate_max_abs_diff" in r]
+    assert [r["step"] for r in gated] == [1] and gated[0]["parity/gate_passed"] == 1, gated
+    assert gated[0]["parity/gate_max_abs_diff"] < 1e-3 and gated[0]["parity/gate_tokens"] > 0
     # Evaluation every 20 steps on 8 held-out prompts (greedy), and only then.
     evals = [r for r in rows if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == list(range(20, state.step + 1, 20)), [r["step"] for r in evals]
@@ -180,6 +184,7 @@ def assert_finished_dashboard(run_dir: Path, state, rows: list[dict]) -> None:
 
     record = json.loads((run_dir / "summary.json").read_text())
     assert record["status"] == "stopped" and record["step"] == state.step and record["policy_version"] == state.version
+    assert record["parity_gate"]["passed"] is True and record["parity_gate"]["version"] == 0
     with TestClient(create_run_dir_app(run_dir)) as api:
         s = api.get("/api/run/e2e/summary").json()
         assert s["mode"] == "finished" and s["status"] == "stopped" and s["step"] == state.step

@@ -40,7 +40,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.train import train
 from tests.support.job import elastic_generator_argv, stop_process_tree
-from tests.support.parity import PARITY_OVERRIDES, parity_of_run, read_metrics
+from tests.support.parity import PARITY_OVERRIDES, gate_problems, parity_of_run, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -86,10 +86,13 @@ def train_within(seconds: float, cfg, **kwargs):
         timer.cancel()
 
 
-def check(parity_report, variant: str, covers: str, run_dir: Path, dtype: str = "float32"):
+def check(parity_report, variant: str, covers: str, run_dir: Path, dtype: str = "float32", starts: int = 1):
+    """The parity rules on every step, and the start-up parity gate once per start (``starts``)."""
     result = parity_of_run(variant, run_dir, covers=covers, dtype=dtype)
     parity_report(result)
     assert result.ok, result.why()
+    gate = gate_problems(read_metrics(run_dir), starts, dtype=dtype)
+    assert not gate, f"variant {variant}: {gate}"
     return result
 
 
@@ -233,7 +236,7 @@ def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
 ):
     run_dir = run_c(tmp_path, chat_model)
     covers = "async, multi-turn interleaved, chat template, inflight keep, crash+resume at 3, elastic generator"
-    check(parity_report, "C", covers, run_dir)
+    check(parity_report, "C", covers, run_dir, starts=2)  # the gate ran again after the resume
 
 
 # LoRA at lr=0 would prove nothing: PEFT starts every adapter at B = 0, the base model, so an

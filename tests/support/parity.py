@@ -212,3 +212,17 @@ def format_table(results: list[ParityResult]) -> str:
         "no mask fires, no TIS weight capped)"
     )
     return "\n".join(lines)
+
+
+def gate_problems(rows: list[dict[str, Any]], starts: int, *, dtype: str = "float32") -> list[str]:
+    """The parity gate (asyncrl.control.parity_gate) on a run's rows: it ran once per start
+    (``starts``: 2 for a run resumed once), each time in the row of the start's first step,
+    passed, compared tokens, and its max |diff| is within the suite's own tolerance."""
+    tol = TOLERANCES[dtype]
+    gated = [r for r in rows if r.get("parity/gate_max_abs_diff") is not None]
+    problems = [] if len(gated) == starts else [f"the gate ran {len(gated)} times, not once per start ({starts})"]
+    for r in gated:
+        worst, step = r["parity/gate_max_abs_diff"], r.get("step")
+        if r.get("parity/gate_passed") != 1 or not worst < tol.max_abs or not r.get("parity/gate_tokens"):
+            problems.append(f"step {step}: gate max |diff| {worst:.3g}, passed {r.get('parity/gate_passed')}")
+    return problems

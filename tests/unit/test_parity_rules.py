@@ -77,3 +77,15 @@ def test_learning_rate_zero_is_a_valid_config_and_negative_is_not():
     assert load_config(None, list(PARITY_OVERRIDES)).learner.lr == 0.0
     with pytest.raises(ConfigError, match=re.escape("learner.lr")):
         load_config(None, ["learner.lr=-1e-5"])
+
+
+def test_the_gate_must_have_run_once_per_start_and_passed():
+    from tests.support.parity import gate_problems
+
+    gate = {"parity/gate_max_abs_diff": 4e-7, "parity/gate_passed": 1.0, "parity/gate_tokens": 96.0}
+    rows = [{**row(1), **gate}, row(2), row(3), {**row(3), **gate}]  # a run resumed at step 2's checkpoint
+    assert gate_problems(rows, 2) == []
+    assert gate_problems(rows, 1) == ["the gate ran 2 times, not once per start (1)"]
+    assert gate_problems([row(1)], 1) == ["the gate ran 0 times, not once per start (1)"]
+    failed = {**gate, "parity/gate_max_abs_diff": 0.39, "parity/gate_passed": 0.0}
+    assert gate_problems([{**row(1), **failed}], 1) == ["step 1: gate max |diff| 0.39, passed 0.0"]

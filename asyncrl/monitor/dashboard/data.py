@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from asyncrl.config import redact_config
-from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts
+from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts, state_alerts
 from asyncrl.queue import keys
 
 STATE_INT_FIELDS = ("policy_version", "weights_version", "max_staleness", "groups_per_step")
@@ -40,6 +40,7 @@ COUNTER_FIELDS = (
     "dropped_stale",
     "dead_lettered",
     "dropped_uniform",
+    "weight_load_failures",
 )
 LATEST_WINDOW = 500
 """Stream entries scanned (newest first) to find each metric's latest value."""
@@ -119,6 +120,12 @@ def read_state(client: Any, run: str) -> dict[str, Any]:
                 out[name] = None
         elif name in STATE_FLOAT_FIELDS:
             out[name] = json_float(value)
+        elif name == "parity_gate":
+            try:
+                gate = json.loads(value)
+            except json.JSONDecodeError:
+                gate = None
+            out[name] = json_safe(gate) if isinstance(gate, dict) else None
         elif name == "config":
             try:
                 config = json.loads(value)
@@ -305,7 +312,7 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
         generators={g["id"]: g for g in generators},
         now=now,
         heartbeat_timeout_s=heartbeat_timeout_s,
-    )
+    ) + state_alerts(state.get("parity_gate"), state.get("weights_unloadable"))
     started = state.get("started_at")
     summary = {
         "run": run,
@@ -326,6 +333,7 @@ def run_snapshot(client: Any, run: str, now: float | None = None) -> dict[str, A
             "reward_failure_rate": thresholds.reward_failure_rate,
         },
         "latest": latest,
+        "parity_gate": state.get("parity_gate"),
         "config": state.get("config"),
     }
     return {"summary": summary, "generators": generators, "alerts": alerts, "time": now}

@@ -29,7 +29,7 @@ import yaml
 from asyncrl.config import redact_config
 from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.dashboard import data
-from asyncrl.monitor.metrics import Thresholds, evaluate_alerts
+from asyncrl.monitor.metrics import Thresholds, evaluate_alerts, state_alerts
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, complete_checkpoints, read_extra
 from asyncrl.rundir.store import ObjectPath, RunPath, run_path
 
@@ -207,7 +207,7 @@ class RunDirSource:
             policy_version=version,
             generators={},
             now=now,
-        )
+        ) + state_alerts(summary_file.get("parity_gate"))
         counters = summary_file.get("counters")
         counters = counters if isinstance(counters, dict) else {}
         first_time = data.json_float(rows[0].get("time")) if rows else None
@@ -227,6 +227,7 @@ class RunDirSource:
             "counters": {name: counters.get(name) for name in data.COUNTER_FIELDS},
             "thresholds": vars(thresholds),
             "latest": latest,
+            "parity_gate": summary_file.get("parity_gate"),
             "config": self.config or None,
             "finished": {
                 "run_dir": str(self.run_dir),

@@ -27,7 +27,9 @@ const CHARTS = [
     metrics: [["drift/rollout_kl", "rollout KL (k3)"], ["drift/abs_logp_diff", "mean |Δlogp|"]],
     refLine: s => ({ y: s.thresholds.rollout_kl, label: "KL alert" }) },
   { id: "logprob-diff", title: "Learner / engine parity: max |old − rollout logprob|", yTitle: "nats",
-    metrics: [["drift/logprob_abs_diff_max", "max |Δlogp|"]],
+    // The start-up gate (once per start or resume, before any update): a marker where it ran.
+    metrics: [["drift/logprob_abs_diff_max", "max |Δlogp|"], ["parity/gate_max_abs_diff", "start-up gate"]],
+    markerMetrics: ["parity/gate_max_abs_diff"],
     refLine: s => ({ y: s.thresholds.logprob_diff_max, label: "parity alert" }) },
   { id: "tis", title: "Importance ratio exp(old − rollout)",
     metrics: [["drift/tis_ratio_mean", "mean"], ["drift/tis_ratio_max", "max"], ["drift/tis_capped_frac", "capped frac"]] },
@@ -40,6 +42,8 @@ const CHARTS = [
     metrics: [["throughput/gen_tokens_per_s", "generation"], ["throughput/train_tokens_per_s", "training"]] },
   { id: "reward-failures", title: "Failed rewards at the generators (so far)", yTitle: "calls",
     metrics: [["rollout/reward_errors", "raised"], ["rollout/reward_timeouts", "timed out"]] },
+  { id: "weight-loads", title: "Failed weight loads at the generators (so far)", yTitle: "loads",
+    metrics: [["sync/load_failures", "failed loads"]] },
   { id: "time", title: "Step time split", yTitle: "seconds", stacked: true,
     palette: ["#f59e0b", "#2563eb", "#16a34a"],
     metrics: [["time/wait_data", "wait for data"], ["time/train", "train"], ["time/sync", "weight sync"]] },
@@ -175,8 +179,11 @@ function drawChart(c) {
   const metrics = c.metricsFrom ? c.metricsFrom(Object.keys(view.series)) : c.metrics;
   let traces = [];
   const palette = c.palette || PALETTE;
+  const markerOnly = new Set(c.markerMetrics || []);
   metrics.forEach(([name, label, axis], i) => {
-    traces.push(...tracesOf(name, label, palette[i % palette.length], axis));
+    const color = palette[i % palette.length];
+    traces.push(...tracesOf(name, label, color, axis).map(t => markerOnly.has(name)
+      ? { ...t, mode: "markers", marker: { color, size: 11, symbol: "star" } } : t));
   });
   if (c.markers) traces = traces.map(t => ({ ...t, mode: "lines+markers", marker: { color: t.line.color, size: 6 } }));
   if (c.stacked) traces = traces.map(t => ({ ...t, type: "bar", mode: undefined, line: undefined,
