@@ -63,7 +63,8 @@ def test_a_sigkilled_run_leaves_nothing_it_started_and_spares_what_it_did_not(tm
     execd = forked = lifeline = 0
     try:
         execd, forked, lifeline = map(int, parent.stdout.readline().split())
-        token = open(f"/proc/{execd}/environ", "rb").read().split(b"\0")
+        with open(f"/proc/{execd}/environ", "rb") as f:
+            token = f.read().split(b"\0")
         assert any(e.startswith(f"{TOKEN_ENV}=".encode()) for e in token)
         assert psutil.Process(lifeline).is_running() and (tmp_path / "weights-v3").exists()
         parent.stdin.close()  # the parent SIGKILLs itself
