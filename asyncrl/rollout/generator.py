@@ -62,7 +62,7 @@ from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.heartbeat import Heartbeat
 from asyncrl.rollout.production import Production
 from asyncrl.rollout.prompts import open_prompts, prompt_encoder
-from asyncrl.rollout.recovery import EngineRecord, predecessor_prompts, reap_predecessor
+from asyncrl.rollout.recovery import EngineRecord, mark_engine_owner, predecessor_prompts, reap_predecessor
 from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.stats import GeneratorStats, TokenRate
 from asyncrl.rollout.watcher import WeightWatcher
@@ -177,6 +177,8 @@ class GeneratorActor:
 
     def _start_engine(self, model_path: str) -> None:
         sync = self.cfg.sync
+        # Its processes carry the mark: a successor reaps them only if they do (rollout/recovery.py).
+        mark_engine_owner(self.run, self.generator_id)
         self.engine: RolloutEngine = self._call(
             RolloutEngine.start(
                 self.rollout,
