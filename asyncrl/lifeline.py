@@ -133,14 +133,14 @@ def reap_run(
 ) -> list[int]:
     """Stop every process that carries the run's token or was registered (not `exclude`),
     delete the files `shm_globs` match, and return the pids stopped."""
-    skip = {os.getpid(), *exclude}
-    pids = sorted(set(marked_processes(TOKEN_ENV, token, skip)) | (set(_alive(registered)) - skip))
-    stopped = terminate(pids, grace_s) if pids else []
+    # The files first, at once: a resume of the same run (same file names) may start soon after.
     for pattern in shm_globs:
         for path in glob.glob(pattern):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    return stopped
+    skip = {os.getpid(), *exclude}
+    pids = sorted(set(marked_processes(TOKEN_ENV, token, skip)) | (set(_alive(registered)) - skip))
+    return terminate(pids, grace_s) if pids else []
 
 
 class Lifeline:

@@ -12,8 +12,8 @@ heartbeat goes stale and its in-flight prompts wait in Redis for a generator of 
 id. A second SIGINT/SIGTERM leaves at once, without draining (the job's Redis may be gone):
 the engine's processes, which would outlive this one, are stopped first. After SIGTERM (a
 scheduler's stop) the drain is bounded by the job's control.shutdown_grace_s, after which it
-leaves the same way; `asyncrl generate` then exits with status 143 either way. Prompts it
-admitted and never put are re-issued by the trainer once its heartbeat is stale.
+leaves the same way (handing back the admission of prompts it never produced, if Redis answers
+within seconds); `asyncrl generate` then exits with status 143 either way.
 
 Weights are read from the location the trainer announces. On one host that is a file in
 /dev/shm. On a multi-node job (sync.backend=object_store) it is an object in the job's Ray
@@ -118,6 +118,7 @@ def run_elastic_generator(
     started: list[GeneratorActor] = []
     stopped_by: list[str] = []
     grace_s = cfg.control.shutdown_grace_s
+    deadlines: list[threading.Timer] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
@@ -128,9 +129,10 @@ def run_elastic_generator(
         stop.set()
         if signum == signal.SIGTERM:  # a scheduler's stop: it kills us once its grace is over
             log.warning("received %s: draining in-flight groups for at most %.0f s", name, grace_s)
-            timer = threading.Timer(grace_s, _deadline, [started, f"{name}: shutdown grace of {grace_s:.0f} s passed"])
+            timer = threading.Timer(grace_s, _deadline, [started, f"{name}: shutdown grace of {grace_s:g} s passed"])
             timer.daemon = True
             timer.start()
+            deadlines.append(timer)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     gen = GeneratorActor(
@@ -157,6 +159,8 @@ def run_elastic_generator(
         return {**stats, "stopped_by": stopped_by[0] if stopped_by else None}
     finally:
         gen.shutdown()
+        for timer in deadlines:
+            timer.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if ray_address:

@@ -118,9 +118,7 @@ def train(
             print(summary, flush=True)
         # Out of the Runtime: everything it started is stopped by now.
         if stop.preempted:
-            raise Preempted(
-                f"stopped by SIGTERM at step {state.step} (checkpointed); resume with: asyncrl train --resume {run_dir}"
-            )
+            raise Preempted(f"stopped by SIGTERM at step {state.step}; resume with: asyncrl train --resume {run_dir}")
         return state
     finally:
         stop.restore()
