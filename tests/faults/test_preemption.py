@@ -1,7 +1,7 @@
 """A scheduler's stop, on one demo job: SIGTERM to an elastic generator and then to the trainer
-mid-run (each drains or checkpoints, stops what it started and exits 143, "requeue me"), a
-resume SIGKILLed (nothing it started outlives it: the lifeline, Ray's fate-sharing and Redis'
-parent-death signal), and a second resume that finishes with the exactly-once ledger balanced.
+mid-run (each drains or checkpoints, stops what it started and exits 143, "requeue me"), and a
+resume that finishes with the exactly-once ledger balanced. (A SIGKILLed trainer leaving no
+orphan is checked in test_faults_during_a_run.py, phase 5, on a job that is there anyway.)
 
 SIGTERM goes to the trainer's PID alone, as Kubernetes signals a container's first process and
 Slurm's ``--signal=B:TERM@120`` the batch shell (docs/guide/clusters.md). One job serves every
@@ -58,7 +58,7 @@ def test_sigterm_checkpoints_stops_everything_and_exits_143_sigkill_leaves_no_or
     train_job, tmp_path
 ):
     job = train_job(
-        "preempt", "control.total_steps=1000", "control.checkpoint_every=100", f"control.shutdown_grace_s={GRACE}"
+        "preempt", "control.total_steps=100000", "control.checkpoint_every=100", f"control.shutdown_grace_s={GRACE}"
     )
     job.start()
     job.wait_for_step(2, timeout=500)
@@ -112,26 +112,12 @@ def test_sigterm_checkpoints_stops_everything_and_exits_143_sigkill_leaves_no_or
     assert not left, left
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"asyncrl-{job.run_name}-")]
 
-    # 3. A resume, SIGKILLed (the trainer alone: no handler, no tear-down runs): nothing it
-    #    started survives it.
-    job.resume()
-    job.wait_for_step(extra["step"] + 2, timeout=500)
-    names = job.processes()
-    assert any("redis-server" in c for c in names.values()) and len(job.pids_named("ray::")) >= 2, names
-    seen = dict(job._seen)
-    os.kill(job.pid, signal.SIGKILL)
-    job.wait(30)
-    left = _left(set(seen), seen, job.pid)
-    assert not left, left
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"asyncrl-{job.run_name}-")]
-
-    # 4. The last resume finishes; every produced group is trained exactly once or accounted for.
-    killed = job.final_extra()["step"]
-    job.resume(f"control.total_steps={killed + 4}")
+    # 3. The resume finishes; every produced group is trained exactly once or accounted for.
+    job.resume(f"control.total_steps={extra['step'] + 4}")
     assert job.wait(600) == 0, job.log_tail()
     audit = job.audit().check().summary
     assert audit["lost"] == 0 and audit["double_trained"] == 0
-    assert audit["trained"] == (killed + 4) * 4  # FAST: 4 groups a step
+    assert audit["trained"] == (extra["step"] + 4) * 4  # FAST: 4 groups a step
 
 
 def _job_generators(job) -> dict:
