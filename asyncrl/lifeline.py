@@ -260,7 +260,11 @@ def _main(argv: list[str]) -> int:
             with contextlib.suppress(ValueError):
                 pid, created = line.split()
                 registered.append((int(pid), float(created)))
-    time.sleep(0.2)  # a process exec'd in the parent's last instant is in /proc by now
+    # Give what is already on its way out (multiprocessing's resource tracker, which cleans up
+    # after the parent once its pipe closes) a moment to go by itself.
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and marked_processes(TOKEN_ENV, token, {os.getpid(), parent}):
+        time.sleep(0.2)
     stopped = reap_run(token, registered=registered, shm_globs=shm_globs, exclude={parent})
     if stopped:
         print(f"asyncrl lifeline: stopped {len(stopped)} processes the run left: {stopped}", file=sys.stderr)
