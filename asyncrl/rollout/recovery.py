@@ -156,6 +156,16 @@ def _owned_by(pid: int, owner: str) -> bool:
         return False
 
 
+def _zombie(proc) -> bool:
+    """Exited, waiting to be reaped by its parent: nothing to stop (and its environ reads empty)."""
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 def parse_engine_record(generator_id: str, record: object) -> EngineRecordData | None:
     """The record as read from Redis, checked field by field; None (logged once) if malformed."""
 
@@ -229,7 +239,7 @@ def reap_predecessor(run_state: RunState, generator_id: str) -> bool:
         return False
     if record.host == socket.gethostname():
         owner = engine_owner(run_state.run, generator_id)
-        alive = live_processes([list(p) for p in record.pids])
+        alive = [p for p in live_processes([list(p) for p in record.pids]) if not _zombie(p)]
         ours = [p for p in alive if _owned_by(p.pid, owner)]
         foreign = sorted(p.pid for p in alive if p not in ours)
         if foreign:
