@@ -15,8 +15,8 @@ again on this host) can reap them; the create time guards against a recycled pid
 Redis is not proof: anyone who can write the run's keys (every generator host holds the
 password) could name any process of this user there. A successor reaps a process only if its
 own environment, as it was exec'd (``/proc/PID/environ``), says it was started for this
-generator of this run (``ENGINE_OWNER_ENV``, which the generator sets before its engine starts;
-vLLM spawns its engine processes in a Ray actor, so they carry it). A process that does not is
+generator of this run (``ENGINE_OWNER_ENV``: a generator actor's worker is exec'd with it, so
+whatever it forks or spawns carries it). A process that does not is
 left alone and named in a warning. A segment is deleted only if a reaped process mapped it or
 no process of this user maps it. The record itself is checked field by field; a malformed one
 is logged once and ignored. An engine forked rather than spawned (``asyncrl generate``) does
