@@ -54,9 +54,7 @@ def _generator_groups(job, generator_id: str) -> int:
         q.close()
 
 
-def test_sigterm_checkpoints_stops_everything_and_exits_143_sigkill_leaves_no_orphans_resume_balances(
-    train_job, tmp_path
-):
+def test_sigterm_to_generate_and_train_stops_everything_exits_143_and_the_resume_balances(train_job, tmp_path):
     job = train_job(
         "preempt", "control.total_steps=100000", "control.checkpoint_every=100", f"control.shutdown_grace_s={GRACE}"
     )
