@@ -17,6 +17,13 @@ An expected failure (a bad config or path, a Redis or Ray cluster that does not 
 every command with one line on stderr, ``asyncrl COMMAND: what failed``, and exit code 2 (bad
 input) or 3 (unreachable: try again later); --verbose shows its traceback too. Anything else
 is a bug and keeps its traceback.
+
+SIGTERM (a scheduler's preemption or time limit, `kill`) stops `train` as Ctrl-C does, within
+control.shutdown_grace_s: the step is finished or abandoned, a checkpoint written, everything
+the run started stopped, the summary and resume command printed; the exit status is then 143,
+which asks a scheduler to requeue the job (docs/guide/clusters.md). `generate` drains its
+in-flight groups and leaves with 143 too. Whatever ends either command, a lifeline process
+(asyncrl.lifeline) stops what it started (Redis, Ray, engine processes) once it is gone.
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from asyncrl.config import ConfigError, load_config, redact_config, schema_text
 from asyncrl.control.allowlist import ImportAllowList
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
+from asyncrl.control.state import PREEMPTED_EXIT
 from asyncrl.control.train import train
 from asyncrl.infra import run_command
+from asyncrl.lifeline import Lifeline
 from asyncrl.queue.signing import normalise_fingerprint
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
@@ -179,7 +188,10 @@ def _cmd_train(args) -> int:
             print(f"check: {line}")
         return 0
 
-    train(cfg, resume_dir=args.resume)
+    # The weights a killed run leaves in shm_dir go with it (a clean stop deletes them itself).
+    weights = os.path.join(cfg.sync.shm_dir, f"asyncrl-{cfg.control.run_name}-v*.safetensors*")
+    with Lifeline.start(shm_globs=[weights]):
+        train(cfg, resume_dir=args.resume)
     return 0
 
 
@@ -195,18 +207,19 @@ def _cmd_generate(args) -> int:
         trust_key = normalise_fingerprint(args.trust_key) if args.trust_key is not None else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    run_elastic_generator(
-        args.redis,
-        args.run,
-        password=args.password,
-        generator_id=args.generator_id,
-        max_groups=args.max_groups,
-        ray_address=args.ray_address,
-        connect_timeout_s=args.connect_timeout,
-        allowed=allowed,
-        trust_key=trust_key,
-    )
-    return 0
+    with Lifeline.start():
+        stats = run_elastic_generator(
+            args.redis,
+            args.run,
+            password=args.password,
+            generator_id=args.generator_id,
+            max_groups=args.max_groups,
+            ray_address=args.ray_address,
+            connect_timeout_s=args.connect_timeout,
+            allowed=allowed,
+            trust_key=trust_key,
+        )
+    return PREEMPTED_EXIT if stats.get("stopped_by") == "SIGTERM" else 0
 
 
 def _cmd_dashboard(args) -> int:

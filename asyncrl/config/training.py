@@ -167,6 +167,12 @@ class ControlConfig(Section):
     """After this long without a full batch the trainer checks its generators: it waits on
     (saying why, once a minute) while any can run, alive or being restarted, and fails with a
     checkpoint and the resume command when none can."""
+    shutdown_grace_s: float = Field(25.0, gt=0)
+    """After SIGTERM (Slurm, Kubernetes, `kill`) the run finishes or abandons its step,
+    checkpoints, stops everything it started, and exits with status 143 within this many
+    seconds; past them (or at a second SIGTERM) it exits at once, still stopping what it
+    started. 25: inside Kubernetes' default terminationGracePeriodSeconds (30) and Slurm's
+    default KillWait (30). See docs/guide/clusters.md."""
     ray_address: Annotated[str | None, CREDENTIALS_URL] = None
     ray_object_store_mb: int = 512
     private_files: bool = True

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +92,14 @@ def start_ray(cfg: Config, run_dir: Path, stack: contextlib.ExitStack) -> None:
         "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
     }
 
-    connect_ray(cfg.control, env_vars, verbose=cfg.monitor.verbose)
+    # ray.init puts in its own SIGTERM handler (a stack dump and sys.exit): the run's own
+    # (asyncrl.control.state.StopFlag: checkpoint, stop, exit 143) must stay.
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        connect_ray(cfg.control, env_vars, verbose=cfg.monitor.verbose)
+    finally:
+        if threading.current_thread() is threading.main_thread() and on_sigterm is not None:
+            signal.signal(signal.SIGTERM, on_sigterm)
     stack.callback(ray.shutdown)
     _link_ray_logs(run_dir, verbose=cfg.monitor.verbose)
 

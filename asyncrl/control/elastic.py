@@ -10,7 +10,10 @@ job past its staleness budget). The generator heartbeats while it runs and remov
 on a clean exit (SIGINT/SIGTERM or --max-groups reached); if it dies instead, its
 heartbeat goes stale and its in-flight prompts wait in Redis for a generator of the same
 id. A second SIGINT/SIGTERM leaves at once, without draining (the job's Redis may be gone):
-the engine's processes, which would outlive this one, are stopped first.
+the engine's processes, which would outlive this one, are stopped first. After SIGTERM (a
+scheduler's stop) the drain is bounded by the job's control.shutdown_grace_s, after which it
+leaves the same way (handing back the admission of prompts it never produced, if Redis answers
+within seconds); `asyncrl generate` then exits with status 143 either way.
 
 Weights are read from the location the trainer announces. On one host that is a file in
 /dev/shm. On a multi-node job (sync.backend=object_store) it is an object in the job's Ray
@@ -45,6 +48,8 @@ import threading
 from asyncrl.config import Config, ConfigError, config_from_dict, rejoin_config
 from asyncrl.control.allowlist import ImportAllowList, named_imports, typed_imports, wants_remote_code
 from asyncrl.control.cluster import ClusterUnavailable, probe, warn_if_open_cluster
+from asyncrl.control.state import PREEMPTED_EXIT
+from asyncrl.lifeline import Lifeline
 from asyncrl.queue import RunState
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.recovery import reap_processes, unlink_segments
@@ -184,12 +189,23 @@ def run_elastic_generator(
     generator_id = generator_id or f"elastic-{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
     started: list[GeneratorActor] = []
+    stopped_by: list[str] = []
+    grace_s = cfg.control.shutdown_grace_s
+    deadlines: list[threading.Timer] = []
 
     def on_signal(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
         if stop.is_set() and started:
-            _abandon(started[0], signal.Signals(signum).name)
+            _abandon(started[0], f"second {name}")
             os._exit(128 + signum)
+        stopped_by.append(name)
         stop.set()
+        if signum == signal.SIGTERM:  # a scheduler's stop: it kills us once its grace is over
+            log.warning("received %s: draining in-flight groups for at most %.0f s", name, grace_s)
+            timer = threading.Timer(grace_s, _deadline, [started, f"{name}: shutdown grace of {grace_s:g} s passed"])
+            timer.daemon = True
+            timer.start()
+            deadlines.append(timer)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     gen = GeneratorActor(
@@ -203,17 +219,21 @@ def run_elastic_generator(
         model_package=model_package,
     )
     started.append(gen)
+    lifeline = _Registered(gen)
     log.info("%s joined run %r (model %s)", generator_id, run, model_path)
     try:
         while not stop.wait(poll_s):
+            lifeline.refresh()
             stats = gen.stats()
             if max_groups is not None and stats["groups"] >= max_groups:
                 break
         stats = gen.stop()  # drain in-flight groups, then leave the job
         log.info("%s leaving run %r after %d groups", generator_id, run, stats["groups"])
-        return stats
+        return {**stats, "stopped_by": stopped_by[0] if stopped_by else None}
     finally:
         gen.shutdown()
+        for timer in deadlines:
+            timer.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if ray_address:
@@ -222,13 +242,47 @@ def run_elastic_generator(
             ray.shutdown()
 
 
+class _Registered:
+    """Keeps the lifeline (asyncrl.lifeline) told of the engine's processes: vLLM forks them
+    here, so they do not carry the lifeline's token; a rebuilt engine has new ones."""
+
+    def __init__(self, gen: GeneratorActor):
+        self.gen = gen
+        self._pids: list[list] | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        line, pids = Lifeline.current, self.gen.engine.engine_pids
+        if line is not None and pids is not self._pids:
+            line.register(pids)
+            self._pids = pids
+
+
+def _deadline(started: list[GeneratorActor], why: str) -> None:
+    """The shutdown grace ran out while draining: leave now (exit status 143)."""
+    if started:
+        _abandon(started[0], why)
+    os._exit(PREEMPTED_EXIT)
+
+
 def _abandon(gen: GeneratorActor, signame: str) -> None:
     """A second SIGINT/SIGTERM while the first one's drain waits (on a Redis that is gone when
     the job has ended: an outage is waited out, by default for ever): stop the engine's
     processes and delete its shared memory without the engine's client, which may be the part
     that waits. Left running, they outlive this process (~2 GB for the tiny demo model)."""
     engine = gen.engine
-    log.warning("second %s: leaving without draining; stopping the engine's processes", signame)
+    log.warning("%s: leaving without draining; stopping the engine's processes", signame)
+    # Hand back what it admitted (else its budget is held until the trainer restarts), but
+    # bounded: the job's Redis may be the thing that is gone.
+    run_state = gen.run_state
+
+    def release_and_leave() -> None:
+        run_state.release_inflight(gen.generator_id)
+        run_state.remove_generator(gen.generator_id)
+
+    release = threading.Thread(target=release_and_leave, daemon=True)
+    release.start()
+    release.join(timeout=3.0)
     reap_processes(engine.engine_pids, timeout_s=5)
     unlink_segments(engine.shm_segments)
     engine.drop_kept()

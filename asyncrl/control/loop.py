@@ -402,7 +402,8 @@ class TrainLoop:
                 self.checkpoint()
             if self.state.step > 0:
                 self.export_hf("final")
-            self.run_state.set_state(status="stopped" if self.stop.is_set else "finished")
+            ended = "preempted" if self.stop.preempted else "stopped"
+            self.run_state.set_state(status=ended if self.stop.is_set else "finished")
         except NoGenerators:
             # The learners are fine: keep what they trained, so the run resumes from here.
             self._checkpoint_for_resume("no generator can run", "generators can run")

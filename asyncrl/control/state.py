@@ -93,20 +93,35 @@ class LoopState:
         )
 
 
+PREEMPTED_EXIT = 128 + signal.SIGTERM
+"""The exit status after a SIGTERM (143, as a shell reports a process SIGTERM ended): the run
+stopped on a scheduler's request and resumes with `asyncrl train --resume RUN_DIR`. A clean
+stop (a checkpoint at the step it was on) and a hard exit past the grace give the same status:
+either way the job should be requeued; summary.json tells them apart."""
+
+
 class StopFlag:
-    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints and exits. The first
-    signal also puts back the handler that was there before, so a second press acts as it
-    would without us (Ctrl-C: KeyboardInterrupt).
+    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints and exits.
+
+    SIGINT (Ctrl-C): the first one also puts back the handler that was there before, so a
+    second press acts as it would without us (KeyboardInterrupt). SIGTERM (a scheduler's stop:
+    Slurm, Kubernetes, `kill`): the stop must be over within `grace_s`, after which the sender
+    kills us; when the grace runs out, or at a second SIGTERM, the process exits at once
+    (asyncrl.lifeline.hard_exit: what the run started is stopped first) with PREEMPTED_EXIT.
+    `signum` is the first SIGTERM or SIGINT received (a SIGTERM counts over an earlier SIGINT).
 
     install() and restore() nest: train() and TrainLoop.run() both install the same flag,
     and only the outermost pair touches the handlers. Installing twice used to record our
     own handler as "the previous one", so a second signal was caught again and, after
     train() returned, SIGINT still belonged to a flag nobody read."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float | None = None) -> None:
         self.event = threading.Event()
+        self.grace_s = grace_s
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
         self._depth = 0
+        self._deadline: threading.Timer | None = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -117,18 +132,48 @@ class StopFlag:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
 
+    def reclaim(self) -> None:
+        """Take SIGTERM back after a library put its own handler in (ray.init does)."""
+        if self._depth > 0 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+
     def restore(self) -> None:
         if threading.current_thread() is not threading.main_thread() or self._depth == 0:
             return
         self._depth -= 1
         if self._depth > 0:
             return
+        if self._deadline is not None:
+            self._deadline.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        log.warning("received %s: finishing this step, checkpointing and shutting down", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if signum == signal.SIGTERM:
+            if self.signum == signal.SIGTERM:
+                _hard_exit(f"a second {name}")
+            self.signum = signum
+            self.event.set()
+            if self.grace_s is not None:
+                log.warning(
+                    "received %s: finishing this step, checkpointing and shutting down within %.0f s "
+                    "(control.shutdown_grace_s; a second %s exits at once)",
+                    name,
+                    self.grace_s,
+                    name,
+                )
+                why = f"{name}: shutdown grace of {self.grace_s:g} s passed"
+                self._deadline = threading.Timer(self.grace_s, _hard_exit, [why])
+                self._deadline.daemon = True
+                self._deadline.start()
+            else:
+                log.warning("received %s: finishing this step, checkpointing and shutting down", name)
+            return
+        log.warning("received %s: finishing this step, checkpointing and shutting down", name)
+        if self.signum is None:
+            self.signum = signum
         self.event.set()
         previous = self._previous.get(signum)
         signal.signal(signum, signal.SIG_DFL if previous is None else previous)
@@ -136,3 +181,14 @@ class StopFlag:
     @property
     def is_set(self) -> bool:
         return self.event.is_set()
+
+    @property
+    def preempted(self) -> bool:
+        """Stopped by SIGTERM: the process should exit with PREEMPTED_EXIT."""
+        return self.signum == signal.SIGTERM
+
+
+def _hard_exit(why: str) -> None:
+    from asyncrl.lifeline import hard_exit
+
+    hard_exit(PREEMPTED_EXIT, why)

@@ -23,8 +23,9 @@ from asyncrl.control.loop import TrainLoop
 from asyncrl.control.parity_gate import ParityMismatch
 from asyncrl.control.progress import StepProgress
 from asyncrl.control.runtime import Runtime
-from asyncrl.control.state import LoopState, StopFlag
+from asyncrl.control.state import PREEMPTED_EXIT, LoopState, StopFlag
 from asyncrl.control.summary import run_summary, write_summary_file
+from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.sinks import build_metrics_logger
 from asyncrl.queue.connection import redact_url
 from asyncrl.rollout.envs.reward_fns import task_target_length
@@ -45,13 +46,14 @@ def train(
     resume_dir: str | Path | None = None,
     on_step: Callable[[TrainLoop, dict[str, float]], None] | None = None,
 ) -> LoopState:
-    """Run one job to `control.total_steps` (or until SIGINT/SIGTERM); return the LoopState."""
+    """Run one job to `control.total_steps` (or until SIGINT/SIGTERM); return the LoopState.
+    After SIGTERM, once everything is stopped: Preempted (exit status 143, "requeue me")."""
     t0 = time.perf_counter()
     try:
         run_dir = run_path(resume_dir or cfg.control.run_dir, cfg.control.storage_options)
     except StorageError as e:
         raise ConfigError(f"control.run_dir: {e}") from None
-    stop = StopFlag()
+    stop = StopFlag(grace_s=cfg.control.shutdown_grace_s)
     stop.install()
     target_length = task_target_length(cfg.rollout)
     try:
@@ -115,15 +117,32 @@ def train(
                         rt, run_dir, loop.state, first_step, loop.max_staleness, "failed", wall_s, loop, error=str(e)
                     )
                 raise
-            status, wall_s = "stopped" if stop.is_set else "finished", time.perf_counter() - t0
+            status, wall_s = _status(stop), time.perf_counter() - t0
             _write_summary_file(rt, run_dir, state, first_step, loop.max_staleness, status, wall_s, loop)
             summary = _summary(
                 rt, run_dir, first_step, loop.max_staleness, status, dashboard_url, wall_s, target_length
             )
             print(summary, flush=True)
-            return state
+        # Out of the Runtime: everything it started is stopped by now.
+        if stop.preempted:
+            raise Preempted(f"stopped by SIGTERM at step {state.step}; resume with: asyncrl train --resume {run_dir}")
+        return state
     finally:
         stop.restore()
+
+
+class Preempted(ExpectedFailure):
+    """The run stopped cleanly on SIGTERM (a scheduler's preemption or time limit): its exit
+    status, 143, asks for a requeue; `asyncrl train --resume RUN_DIR` goes on from here."""
+
+    exit_code = PREEMPTED_EXIT
+
+
+def _status(stop: StopFlag) -> str:
+    """summary.json's and the summary's word for how the run ended."""
+    if stop.preempted:
+        return "preempted"
+    return "stopped" if stop.is_set else "finished"
 
 
 def _summary(
@@ -193,6 +212,7 @@ def _write_summary_file(
             "counters": dict(rt.run_state.counters()),
             "parity_gate": gate.record() if gate is not None else None,
             **({"error": error} if error else {}),
+            "resume": f"asyncrl train --resume {run_dir}",
         },
     )
 

@@ -12,7 +12,9 @@ never shows up in `ps`). Protected mode stays on and the server binds 127.0.0.1 
 otherwise; a bind beyond loopback needs a password (redis-server drops protected mode under
 an explicit bind, so the password is then the only lock). With `aof=True` every write is
 fsynced before it is acknowledged (`appendfsync always`): an acknowledged XADD survives
-even a SIGKILL of the server. The process is stopped by its PID only: SIGTERM, then SIGKILL after a grace period.
+even a SIGKILL of the server. The process is stopped by its PID only: SIGTERM, then SIGKILL
+after a grace period. On Linux it also gets SIGTERM from the kernel when its starter dies,
+however (PR_SET_PDEATHSIG), so a SIGKILLed trainer leaves no server behind.
 """
 
 from __future__ import annotations
@@ -63,6 +65,31 @@ def find_redis_server() -> str:
     )
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A preexec_fn that has the kernel send the child SIGTERM when its parent dies (Linux's
+    PR_SET_PDEATHSIG), or None where that cannot hold: off Linux, and outside the main thread
+    (the signal follows the *thread* that forked, so a worker thread's exit would stop Redis).
+    libc is loaded here, before the fork: the child only makes the call."""
+    import ctypes
+    import sys
+    import threading
+
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nobody would signal us
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 class EmbeddedRedis:
     """One redis-server child process with its data in `dir`."""
 
@@ -89,6 +116,8 @@ class EmbeddedRedis:
         self.start_timeout = start_timeout
         self.binary = find_redis_server()
         self._proc: subprocess.Popen | None = None
+        self.die_with_parent = True
+        """SIGTERM (the AOF is flushed) when this process dies, even by SIGKILL (Linux only)."""
 
     # ------------------------------------------------------------------ addresses
 
@@ -189,6 +218,7 @@ class EmbeddedRedis:
                 # Its own session: a Ctrl-C to the trainer's process group must not kill Redis
                 # before the trainer has checkpointed; we stop it by PID.
                 start_new_session=True,
+                preexec_fn=_die_with_parent() if self.die_with_parent else None,
             )
             if self._wait_ready(proc, self.port):
                 self._fixed_port = True  # later starts keep the port: clients hold this URL

@@ -62,7 +62,14 @@ from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.heartbeat import Heartbeat
 from asyncrl.rollout.production import Production
 from asyncrl.rollout.prompts import open_prompts, prompt_encoder
-from asyncrl.rollout.recovery import EngineRecord, predecessor_prompts, reap_predecessor
+from asyncrl.rollout.recovery import (
+    ENGINE_OWNER_ENV,
+    EngineRecord,
+    engine_owner,
+    mark_engine_owner,
+    predecessor_prompts,
+    reap_predecessor,
+)
 from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.stats import GeneratorStats, TokenRate
 from asyncrl.rollout.watcher import WeightWatcher
@@ -177,6 +184,8 @@ class GeneratorActor:
 
     def _start_engine(self, model_path: str) -> None:
         sync = self.cfg.sync
+        # Its processes carry the mark: a successor reaps them only if they do (rollout/recovery.py).
+        mark_engine_owner(self.run, self.generator_id)
         self.engine: RolloutEngine = self._call(
             RolloutEngine.start(
                 self.rollout,
@@ -248,6 +257,9 @@ class GeneratorActor:
             max_task_retries=0,
             max_concurrency=8,
             resources=cfg.rollout.resources or None,
+            # The worker is exec'd with the mark, so every process it starts carries it, spawned
+            # or forked (a successor reaps only marked processes: rollout/recovery.py).
+            runtime_env={"env_vars": {ENGINE_OWNER_ENV: engine_owner(kwargs["run"], kwargs["generator_id"])}},
         )
         return actor.remote(cfg, exit_on_failure=True, **kwargs)
 

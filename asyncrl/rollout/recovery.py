@@ -11,17 +11,30 @@ If the process owning a vLLM engine is SIGKILLed, its EngineCore/worker processe
 holding ~420 MB of /dev/shm. Each generator records its engine's [pid, create_time] pairs and
 segments in Redis (``keys.engine_pids``), so its successor (Ray restart, or the same id started
 again on this host) can reap them; the create time guards against a recycled pid.
+
+Redis is not proof: anyone who can write the run's keys (every generator host holds the
+password) could name any process of this user there. A successor reaps a process only if its
+own environment, as it was exec'd (``/proc/PID/environ``), says it was started for this
+generator of this run (``ENGINE_OWNER_ENV``: a generator actor's worker is exec'd with it, so
+whatever it forks or spawns carries it). A process that does not is
+left alone and named in a warning. A segment is deleted only if a reaped process mapped it or
+no process of this user maps it. The record itself is checked field by field; a malformed one
+is logged once and ignored. An engine forked rather than spawned (``asyncrl generate``) does
+not show the marker: it is stopped by its own generator, or by that process's lifeline
+(asyncrl.lifeline) when the generator dies.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import signal
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from asyncrl.queue.runstate import RunState, unpack_small
@@ -110,20 +123,142 @@ def shm_segments_of(pids: list[int]) -> set[str]:
     return found
 
 
+ENGINE_OWNER_ENV = "ASYNCRL_ENGINE_OWNER"
+"""Set in a generator's environment before its engine starts: ``<run>/<generator id>``."""
+MAX_RECORD_ITEMS = 256
+"""More pids or segments than any engine has: a record past it is not one we wrote."""
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(generator_id: str, what: str, *args: object) -> None:
+    if (generator_id, what) not in _warned:
+        _warned.add((generator_id, what))
+        log.warning(f"%s: {what}", generator_id, *args)
+
+
+def engine_owner(run: str, generator_id: str) -> str:
+    """The ENGINE_OWNER_ENV value of a generator's engine processes."""
+    return f"{run}/{generator_id}"
+
+
+def mark_engine_owner(run: str, generator_id: str) -> None:
+    """Call before the engine starts: its processes inherit the mark (asyncrl.rollout.engine)."""
+    os.environ[ENGINE_OWNER_ENV] = engine_owner(run, generator_id)
+
+
+def _owned_by(pid: int, owner: str) -> bool:
+    entry = f"{ENGINE_OWNER_ENV}={owner}".encode()
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _zombie(proc) -> bool:
+    """Exited, waiting to be reaped by its parent: nothing to stop (and its environ reads empty)."""
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def parse_engine_record(generator_id: str, record: object) -> EngineRecordData | None:
+    """The record as read from Redis, checked field by field; None (logged once) if malformed."""
+
+    def bad(why: str) -> None:
+        _warn_once(generator_id, "ignoring its engine record in Redis: %s", why)
+
+    if not isinstance(record, dict):
+        bad(f"not a mapping ({type(record).__name__})")
+        return None
+    host, pids, segments, started = (record.get(k) for k in ("host", "pids", "segments", "started"))
+    if not isinstance(host, str) or not isinstance(started, bool):
+        bad("host must be text and started a bool")
+        return None
+    if not isinstance(pids, list) or len(pids) > MAX_RECORD_ITEMS:
+        bad(f"pids must be a list of at most {MAX_RECORD_ITEMS} [pid, create_time] pairs")
+        return None
+    checked: list[tuple[int, float]] = []
+    for item in pids:
+        ok = isinstance(item, (list, tuple)) and len(item) == 2
+        pid, created = item if ok else (None, None)
+        if not (
+            ok
+            and isinstance(pid, int)
+            and not isinstance(pid, bool)
+            and 1 < pid < 2**22
+            and isinstance(created, (int, float))
+            and math.isfinite(created)
+        ):
+            bad(f"pids holds {item!r:.80}, not a [pid, create_time] pair")
+            return None
+        checked.append((pid, float(created)))
+    if not isinstance(segments, list) or len(segments) > MAX_RECORD_ITEMS:
+        bad(f"segments must be a list of at most {MAX_RECORD_ITEMS} paths")
+        return None
+    if not all(isinstance(p, str) and SHM_SEGMENT.fullmatch(p) for p in segments):
+        bad("segments must be /dev/shm/psm_<hex> paths")
+        return None
+    return EngineRecordData(host, checked, list(segments), started)
+
+
+@dataclass(frozen=True)
+class EngineRecordData:
+    """A predecessor's engine record, as validated from Redis (not yet proof of anything)."""
+
+    host: str
+    pids: list[tuple[int, float]]
+    segments: list[str]
+    started: bool
+
+
+def _mapped_segments() -> set[str]:
+    """Every /dev/shm/psm_* segment some process of this user maps."""
+    uid = os.getuid()
+    pids = []
+    for d in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if d.isdigit() and os.stat(f"/proc/{d}").st_uid == uid:
+                pids.append(int(d))
+    return shm_segments_of(pids)
+
+
 def reap_predecessor(run_state: RunState, generator_id: str) -> bool:
     """Kill a crashed predecessor's orphaned engine processes and delete its leaked segments
-    (on this host only: elsewhere the pids mean nothing); return whether it was generating."""
-    record = run_state.engine_record(generator_id)
+    (on this host only: elsewhere the pids mean nothing); return whether it was generating.
+    Only processes whose environment names this generator of this run are touched."""
+    raw = run_state.engine_record(generator_id)
+    if raw is None:
+        return False
+    record = parse_engine_record(generator_id, raw)
     if record is None:
         return False
-    if record.get("host") == socket.gethostname():
-        reaped = reap_processes(record.get("pids", []))
+    if record.host == socket.gethostname():
+        owner = engine_owner(run_state.run, generator_id)
+        alive = [p for p in live_processes([list(p) for p in record.pids]) if not _zombie(p)]
+        ours = [p for p in alive if _owned_by(p.pid, owner)]
+        foreign = sorted(p.pid for p in alive if p not in ours)
+        if foreign:
+            _warn_once(
+                generator_id,
+                "not reaping processes %s named by its engine record: their environment does not say "
+                "they were started for it (a record in Redis alone proves nothing)",
+                foreign,
+            )
+        theirs = shm_segments_of([p.pid for p in ours])
+        reaped = reap_processes([[p.pid, p.create_time()] for p in ours])
         if reaped:
             log.warning("%s: reaped %d orphaned engine processes %s", generator_id, len(reaped), reaped)
-        removed = unlink_segments(record.get("segments", []))  # after the reap: nobody maps them
+        # After the reap: a segment one of them mapped, or that nobody maps any more.
+        mapped = _mapped_segments()
+        removed = unlink_segments([s for s in record.segments if s in theirs or s not in mapped])
         if removed:
             log.warning("%s: deleted %d leaked shared-memory segments %s", generator_id, len(removed), removed)
-    return bool(record.get("started", False))
+    return record.started
 
 
 class EngineProcesses(Protocol):

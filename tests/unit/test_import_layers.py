@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "asyncrl"
 LAYERS = (
     "types",  # the records passed between components (numpy only)
     "infra",  # a free port, a Ray actor's state
+    "lifeline",  # stops what a run started once its process is gone (stdlib and psutil only)
     "rundir",  # a run directory's file names and checkpoint listing
     "algo",  # the math and its parameter types
     "config",  # the typed config tree (holds algo's parameter types)

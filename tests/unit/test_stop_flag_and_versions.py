@@ -73,3 +73,42 @@ def test_a_resume_continues_versions_past_every_announced_one_and_keeps_the_offs
     assert again.version == 63 and again.version_offset == 10 and again.version - again.version_offset == 53
     assert again.continue_past(70, max_staleness=0) == 8 and again.version_offset == 18
     assert LoopState.from_extra({"step": 3, "version": 3, "trained_count": 12}).version_offset == 0  # older checkpoints
+
+
+SIGTERMED = """
+import os, signal, subprocess, sys, time
+from asyncrl.control.state import StopFlag
+stop = StopFlag(grace_s=float(sys.argv[1]))
+stop.install()
+child = subprocess.Popen(["sleep", "300"], start_new_session=True)   # its own session, as Redis
+print(child.pid, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+assert stop.is_set and stop.preempted, "the first SIGTERM only asks for a stop"
+print("stopping", flush=True)
+if sys.argv[2] == "twice":
+    os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)    # a stop that hangs: the grace must end it
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("grace", "how"), [(0.5, "once"), (300.0, "twice")])
+def test_sigterm_stops_within_the_grace_or_at_a_second_one_with_status_143_and_stops_children(grace, how):
+    """A stop that overruns control.shutdown_grace_s, or a second SIGTERM, exits at once with
+    the requeue status, and still stops what the process started (a child in its own session,
+    which neither a group signal nor our exit would reach)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERMED, str(grace), how], capture_output=True, text=True, timeout=120
+    )
+    out = proc.stdout.split()
+    assert proc.returncode == 143, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert out[1:] == ["stopping"], proc.stdout
+    reason = "a second SIGTERM" if how == "twice" else "shutdown grace of 0.5 s passed"
+    assert reason in proc.stderr, proc.stderr[-2000:]
+    child = int(out[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

@@ -1,0 +1,100 @@
+"""The lifeline (asyncrl.lifeline): once the run's process is SIGKILLed, what it started (exec'd
+with its token, or forked and registered) is stopped, and what it did not start is left alone.
+Real processes: a parent script that starts a lifeline, children, then kills itself."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+from asyncrl.lifeline import TOKEN_ENV, Lifeline, marked_processes
+
+PARENT = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    import psutil
+    from asyncrl.lifeline import Lifeline
+    line = Lifeline.start(shm_globs=[sys.argv[1] + "/weights-*"])
+    open(sys.argv[1] + "/weights-v3", "w").write("x")
+    # exec'd: carries the token; its own session, as redis-server's is
+    execd = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    # forked: keeps the parent's exec-time environment (no token): registered instead
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        time.sleep(300)
+        os._exit(0)
+    line.register([[pid, psutil.Process(pid).create_time()]])
+    print(execd.pid, pid, line.proc.pid, flush=True)
+    sys.stdin.read()             # until the test has looked
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_sigkilled_run_leaves_nothing_it_started_and_spares_what_it_did_not(tmp_path):
+    unrelated = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    execd = forked = lifeline = 0
+    try:
+        execd, forked, lifeline = map(int, parent.stdout.readline().split())
+        with open(f"/proc/{execd}/environ", "rb") as f:
+            token = f.read().split(b"\0")
+        assert any(e.startswith(f"{TOKEN_ENV}=".encode()) for e in token)
+        assert psutil.Process(lifeline).is_running() and (tmp_path / "weights-v3").exists()
+        parent.stdin.close()  # the parent SIGKILLs itself
+        parent.wait(30)
+        assert parent.returncode == -signal.SIGKILL
+        assert _gone(execd) and _gone(forked), "the lifeline left the run's processes running"
+        assert _gone(lifeline), "the lifeline did not exit after its sweep"
+        assert not (tmp_path / "weights-v3").exists()
+        assert unrelated.poll() is None, "the lifeline killed a process the run did not start"
+    finally:
+        for pid in (execd, forked, lifeline):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        unrelated.kill()
+        unrelated.wait()
+        parent.kill()
+        parent.wait()
+
+
+def test_a_clean_close_sweeps_nothing_and_restores_the_environment(tmp_path):
+    before = os.environ.get(TOKEN_ENV)
+    line = Lifeline.start()
+    try:
+        assert os.environ[TOKEN_ENV] == line.token and Lifeline.current is line
+        child = subprocess.Popen(["sleep", "300"])
+        assert marked_processes(TOKEN_ENV, line.token) == [child.pid]
+        child.kill()
+        child.wait()
+    finally:
+        line.close()
+    assert line.proc.returncode == 0 and Lifeline.current is None
+    assert os.environ.get(TOKEN_ENV) == before
