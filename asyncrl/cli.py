@@ -34,7 +34,7 @@ from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
 from asyncrl.control.train import train
 from asyncrl.infra import run_command
-from asyncrl.rollout.tiny import write_tiny_model
+from asyncrl.rollout.tiny import ARCHS, write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
 
 BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
@@ -124,8 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
-    m = sub.add_parser("tiny-model", help="write a tiny random Llama + char tokenizer")
+    m = sub.add_parser("tiny-model", help="write a tiny random model (a Llama by default) + char tokenizer")
     m.add_argument("path")
+    m.add_argument("--arch", default="llama", choices=sorted(ARCHS), help="the model family (docs/guide/models.md)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     return p
@@ -207,7 +208,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_tiny_model(args) -> int:
-    print(write_tiny_model(args.path, seed=args.seed))
+    print(write_tiny_model(args.path, arch=args.arch, seed=args.seed))
     return 0
 
 

@@ -277,9 +277,12 @@ class LearnerActor:
             return {}
         if lc is not None:
             state = lora.merged_weights(state, lora.scale(lc))
-        # In the checkpoint's names and layout (tied copies dropped, fused experts split), as
-        # every engine loader and from_pretrained read them: asyncrl.learner.hf_format.
-        return hf_format.checkpoint_format(self.model, state)
+        # In the names and layout the engines' loaders read (fused experts split back, tied
+        # copies as the engine's reload needs them), or for an export the checkpoint's, as
+        # from_pretrained reads it: asyncrl.learner.hf_format.
+        if full:
+            return hf_format.checkpoint_format(self.model, state)
+        return hf_format.engine_format(self.model, state)
 
     def write_weights(self, path: str, full: bool = False) -> int | str:
         """Collective; rank 0 writes safetensors to `path` (atomically): what a publish sends,

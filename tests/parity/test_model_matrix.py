@@ -1,0 +1,127 @@
+"""The model families users bring, each at learner/engine log-prob parity on real vLLM-CPU
+engines (asyncrl.rollout.families.TESTED; the guide's table is docs/guide/models.md).
+
+    .venv/bin/python -m pytest tests/parity/test_model_matrix.py -q
+
+Per family (a tiny random model, asyncrl.rollout.tiny.ARCHS), one engine and no trainer: a
+full job per family would cost a start-up each (Redis, Ray learners, the loop) for what is
+per family only three things: the engine runs the family, the learner computes the engine's
+log-probs, and a publish in the learner's format reaches the engine's weights. So the engine
+is a real in-process generator (GeneratorActor: its update path, its vLLM worker extension)
+started on the family's seed-0 weights; the learner side is the learner's own code on a
+seed-1 (then seed-2) model: `fsdp.attention_implementation` picks the attention the learner
+would (the varlen SDPA, soft-capped for Gemma 2), `hf_format.engine_format` turns its state
+dict into what a publish sends, published through the real `shm` backend (seed 1) and then
+the real `object_store` backend (seed 2), and the engine's samples are scored by the
+learner's `microbatch_logprobs` on one packed row. What this leaves out is FSDP itself (the
+gather of the state dict and sharded forwards), which is family-independent and covered by
+the parity suite's jobs on the Llama and by the full Gemma-2 job below.
+
+The full job (test_gemma2_job_...): the family with the most that can go wrong (tied
+embeddings that vLLM's Gemma-2 has no parameter for, attention and final-logit soft-capping,
+sliding windows) trains at lr=0 through the whole stack: at parity every step, a crash after
+its step-2 checkpoint and a resume, and the run's HF exports (the live one at its end and
+`asyncrl export` from the checkpoint) load back as the weights it started from.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import Config, RolloutConfig, SyncConfig
+from asyncrl.rollout.families import TESTED
+from asyncrl.rollout.tiny import SPECIAL_TOKENS, build_vocab, write_tiny_model
+from tests.support.parity import TOLERANCES
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+ARCHS = [arch for family in TESTED for arch in family.archs]
+TEMPERATURE = 0.7
+NOT_SAMPLED = [build_vocab()[t] for t in SPECIAL_TOKENS if t != "<eos>"]
+PROMPTS = ([1, 5, 6, 40, 7, 43, 49, 20, 21, 22, 23, 24, 25], [1, 9, 8, 7, 6])  # longer than the 4-token windows
+MAX_ABS = TOLERANCES["float32"].max_abs
+_runs = itertools.count()
+
+
+def learner_model(path: Path):
+    """The family's model as the learner loads it (float32, eval, the learner's attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.learner import fsdp
+
+    config = AutoConfig.from_pretrained(path)
+    attn = fsdp.attention_implementation(torch.device("cpu"), "float32", config)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation=attn)
+
+
+def max_logprob_diff(gen, model) -> float:
+    """Largest |engine - learner| log-prob over the engine's samples, the learner scoring them
+    packed in one row with the learner's own code (and its ban on the special tokens)."""
+    from asyncrl.data import microbatch as mbatch
+    from asyncrl.learner.loss import token_logprobs
+    from asyncrl.learner.step import microbatch_logprobs
+
+    seqs, engine = [], []
+    for prompt in PROMPTS:
+        for c in gen.sample(prompt, 2, 10, TEMPERATURE, True):
+            seqs.append({"input_ids": np.asarray(prompt + c["token_ids"], dtype=np.int64)})
+            engine.append(np.asarray(c["logprobs"]))
+    disallowed = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    disallowed[NOT_SAMPLED] = True
+    with torch.no_grad():
+        logp = microbatch_logprobs(
+            model.eval(),
+            mbatch.collate_packed(seqs, pad_token_id=0),
+            temperature=TEMPERATURE,
+            logprob_fn=token_logprobs,
+            device=torch.device("cpu"),
+            disallowed=disallowed,
+        )
+    diffs = []
+    for i, (seq, lp) in enumerate(zip(seqs, engine, strict=True)):
+        n = len(seq["input_ids"])
+        diffs.append(np.abs(logp[i, n - len(lp) : n].numpy() - lp))
+    return float(np.concatenate(diffs).max())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_family_engine_runs_the_learners_published_weights_at_parity(arch, ray_session, redis_server, tmp_path):
+    from asyncrl.learner import hf_format
+    from asyncrl.rollout.generator import GeneratorActor
+    from asyncrl.sync.objstore import ObjectStoreWeightSync
+    from asyncrl.sync.shm import ShmWeightSync
+
+    run = f"matrix-{next(_runs)}"
+    cfg = Config()
+    cfg.rollout = RolloutConfig(
+        env="copy", temperature=TEMPERATURE, max_tokens=10, engine_max_model_len=256, engine_max_num_seqs=8
+    )
+    cfg.sync.shm_dir = str(tmp_path)
+    base = write_tiny_model(tmp_path / "engine", arch=arch, seed=0)
+    gen = GeneratorActor(cfg, str(base), f"{run}-0", redis_server.url, run, autostart=False)
+    syncs = {
+        "shm": ShmWeightSync(SyncConfig(backend="shm", shm_dir=str(tmp_path)), run=run),
+        "object_store": ObjectStoreWeightSync(SyncConfig(backend="object_store", shm_dir=str(tmp_path)), run=run),
+    }
+    try:
+        for version, (backend, seed) in enumerate((("shm", 1), ("object_store", 2)), start=1):
+            model = learner_model(write_tiny_model(tmp_path / f"learner-{seed}", arch=arch, seed=seed))
+            before = max_logprob_diff(gen, model)
+            assert before > 10 * MAX_ABS, f"{arch}: the engine already runs seed {seed}'s weights"
+            sync = syncs[backend]
+            sync.register(gen)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # as full_state_dict gives it
+            result = sync.publish(hf_format.engine_format(model, state), version)
+            assert result.ok and gen.version() == version, result.errors
+            diff = max_logprob_diff(gen, model)
+            print(f"{arch} via {backend}: max |engine - learner| {before:.3g} before the publish, {diff:.2e} after")
+            assert diff < MAX_ABS, f"{arch} via {backend}: max |engine - learner logprob| {diff:.3g}"
+    finally:
+        for sync in syncs.values():
+            sync.close()
+        gen.shutdown()
