@@ -125,3 +125,67 @@ def test_family_engine_runs_the_learners_published_weights_at_parity(arch, ray_s
         for sync in syncs.values():
             sync.close()
         gen.shutdown()
+
+
+class _Crash(RuntimeError):
+    """Ends the first leg of the Gemma-2 job after its step-2 checkpoint, like a crashed trainer."""
+
+
+def assert_same_weights(folder: Path, original: Path) -> None:
+    """An HF folder loads back (config, tokenizer, weights) as the model it was trained from
+    (lr=0: training never moved it), with the file names the checkpoint format has."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert sorted(load_file(str(folder / "model.safetensors"))) == sorted(
+        load_file(str(original / "model.safetensors"))
+    )
+    got = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert (
+        AutoTokenizer.from_pretrained(folder)("1+2")["input_ids"]
+        == AutoTokenizer.from_pretrained(original)("1+2")["input_ids"]
+    )
+
+
+def test_gemma2_job_trains_at_parity_resumes_and_exports(ray_session, tmp_path, parity_report):
+    """Gemma 2 (tied embeddings vLLM has no lm_head for, attention and final-logit soft-caps
+    that bite, 4-token sliding windows) through the whole stack at lr=0: every step at parity,
+    a crash after the step-2 checkpoint and a resume from it, and both exports load back."""
+    from asyncrl.control.export import export_checkpoint
+    from tests.parity.test_parity import STALL_S, check, parity_config, train_within
+
+    model = write_tiny_model(tmp_path / "gemma2-model", arch="gemma2", seed=0)
+    run_dir = tmp_path / "matrix-gemma2"
+    cfg = parity_config(
+        tmp_path,
+        "matrix-gemma2",
+        str(model),
+        "control.mode=async",
+        "control.max_staleness=1",
+        "control.total_steps=4",
+        "control.checkpoint_every=2",
+        "rollout.temperature=0.7",
+        "rollout.max_tokens=8",
+    )
+
+    def crash_at_3(loop, metrics):
+        if loop.state.step == 3:
+            raise _Crash("simulated crash after step 3")
+
+    with pytest.raises(_Crash):
+        _, stalled = train_within(STALL_S, cfg, on_step=crash_at_3)
+        assert not stalled, "the first leg stalled before its crash (a publish vLLM cannot load hangs it)"
+    resumed_at: list[int] = []
+    state, stalled = train_within(
+        STALL_S, cfg, resume_dir=run_dir, on_step=lambda loop, m: resumed_at.append(loop.state.step)
+    )
+    assert not stalled and state.step == 4, f"stopped at step {state.step} (stalled: {stalled})"
+    assert resumed_at[0] == 3, f"resumed at step {resumed_at[0]}, not from the step-2 checkpoint"
+    covers = "Gemma 2: tied, attention + final soft-caps, sliding window 4; async; crash + resume at 2"
+    check(parity_report, "gemma2", covers, run_dir)
+    assert_same_weights(run_dir / "hf" / "final", model)  # the live export, from the learners
+    assert_same_weights(export_checkpoint(run_dir, step=4), model)  # `asyncrl export`, from the checkpoint

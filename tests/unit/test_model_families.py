@@ -9,6 +9,7 @@ The engine side of each family is tests/parity/test_model_matrix.py.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +76,21 @@ def test_a_refused_family_is_refused_with_the_reason(tmp_path):
     assert families.check_model("Qwen/Qwen2.5-0.5B-Instruct") is None  # a hub id is not read
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "somethingnew"}))
     assert families.check_model(str(tmp_path)) is None  # untested: neither refused nor vouched for
+
+
+def test_a_run_of_a_refused_family_stops_before_anything_starts(written, tmp_path):
+    """`asyncrl train` (and `--check`, through families.describe) refuse it in one line."""
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.train import train
+
+    root = Path(__file__).resolve().parents[2]
+    olmo2 = str(written["olmo2"])
+    cfg = load_config(root / "configs" / "demo.yaml", [f"rollout.model={olmo2}", f"control.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="model_type olmo2") as refused:
+        train(cfg)
+    assert isinstance(refused.value, families.ModelRefused) and "\n" not in str(refused.value)
+    assert not (tmp_path / "run" / "redis").exists()  # no Redis (nor Ray, started after it) was started
+    with pytest.raises(families.ModelRefused):
+        families.describe(olmo2)
+    assert families.describe(str(written["gemma2"])).startswith("model family: Gemma 2 (tested at parity")
+    assert "not checked" in families.describe("Qwen/Qwen2.5-0.5B-Instruct")
