@@ -6,7 +6,8 @@ at start-up with the reason.
 A family is known by its Hugging Face ``model_type`` (config.json). Every tested family runs
 in the suite as a tiny random model (``asyncrl tiny-model --arch NAME``) through the learner's
 attention and log-probs, a publish in the checkpoint format (asyncrl.learner.hf_format) and
-a vLLM-CPU engine, at parity (tests/parity/test_model_matrix.py). A family not listed is
+a vLLM-CPU engine, at parity (tests/parity/test_model_matrix.py), except where its ``gap``
+says why not. A family not listed is
 neither refused nor vouched for. A refused one would fail later, or worse train on the wrong
 thing; it is refused before anything starts, in one line that says why and what to use.
 The guide lists the same table: docs/guide/models.md.
@@ -33,6 +34,8 @@ class Family:
     """Its tiny models in the suite (asyncrl.rollout.tiny.ARCHS)."""
     needs: str
     """What the learner and the sync do for it."""
+    gap: str | None = None
+    """Where the suite does not reach parity for it (the family still loads and publishes)."""
 
 
 TESTED: tuple[Family, ...] = (
@@ -65,6 +68,10 @@ TESTED: tuple[Family, ...] = (
         ("qwen3_moe",),
         ("qwen3-moe",),
         "experts fused in memory by transformers: published split per expert, as the checkpoint holds them",
+        gap=(
+            "publishes load (the engine moves to the learner's weights), but learner and engine log-probs "
+            "differ by up to 0.036 on the tiny model, not 1e-3: expert routing is not yet at parity"
+        ),
     ),
 )
 
@@ -121,4 +128,6 @@ def describe(model: str) -> str:
         return f"model family: not checked ({model!r} is not a local model directory)"
     if family is None:
         return f"model family: {config.get('model_type')!r} is not among the tested ones (docs/guide/models.md)"
+    if family.gap is not None:
+        return f"model family: {family.name} (tested, NOT at parity: {family.gap})"
     return f"model family: {family.name} (tested at parity; needs: {family.needs})"
