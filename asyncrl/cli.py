@@ -44,7 +44,7 @@ from asyncrl.control.train import train
 from asyncrl.infra import run_command
 from asyncrl.lifeline import Lifeline
 from asyncrl.queue.signing import normalise_fingerprint
-from asyncrl.rollout.tiny import write_tiny_model
+from asyncrl.rollout.tiny import ARCHS, write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
 
 BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
@@ -155,8 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
-    m = sub.add_parser("tiny-model", help="write a tiny random Llama + char tokenizer")
+    m = sub.add_parser("tiny-model", help="write a tiny random model (a Llama by default) + char tokenizer")
     m.add_argument("path")
+    m.add_argument("--arch", default="llama", choices=sorted(ARCHS), help="the model family (docs/guide/models.md)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     return p
@@ -253,7 +254,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_tiny_model(args) -> int:
-    print(write_tiny_model(args.path, seed=args.seed))
+    print(write_tiny_model(args.path, arch=args.arch, seed=args.seed))
     return 0
 
 

@@ -146,7 +146,9 @@ def export_checkpoint(
     dcp.load({"model": state}, **dcp_storage(ckpt, reader=True))
 
     def write(file: Path) -> None:
-        _save_weights(state, file, {"step": str(n)})
+        from asyncrl.learner.hf_format import checkpoint_format
+
+        _save_weights(checkpoint_format(model, state), file, {"step": str(n)})
 
     with private_files(cfg.control.private_files):  # as private as the run's own exports
         return _assemble(target or run_dir / HF_DIR / f"step_{n}", model_path, write)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
+from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import PromptSourceError, SourceCheck, check_chat_template, check_source
@@ -69,6 +70,7 @@ def preflight(cfg: Config) -> list[str]:
             f"rollout.engine_kwargs sets weight_transfer_config={args.weight_transfer_config!r}"
         )
     lines.append(f"engine: {model}, dtype {args.dtype}, weight_transfer_config {transfer or 'none'}")
+    lines.append(families.describe(r.model))
 
     cuda = torch.cuda.is_available()
     needs = [

@@ -31,6 +31,7 @@ from asyncrl.control import bringup
 from asyncrl.control.cluster import actor_state, lost_actors
 from asyncrl.control.restart import own_generator_ids
 from asyncrl.queue import RolloutQueue, RunState
+from asyncrl.rollout import families
 from asyncrl.rollout.generator import GeneratorActor
 from asyncrl.rollout.reward_model import wait_ready
 from asyncrl.rollout.tiny import write_tiny_model
@@ -91,6 +92,8 @@ class Runtime:
         def mark(what: str) -> None:
             startup[what] = round(time.perf_counter() - t0, 1)
 
+        # A family that cannot train here is refused before anything starts (one line, the reason).
+        families.check_model(cfg.rollout.model)
         # Before anything starts: the redis-server and Ray started below keep the umask they start with.
         stack.enter_context(private_files(cfg.control.private_files))
         local_dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import torch
 from asyncrl.config import Config, LoraConfig, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.tokens import sampleable_ids
-from asyncrl.learner import checkpoint, fsdp, lora, loss, optim, step
+from asyncrl.learner import checkpoint, fsdp, hf_format, lora, loss, optim, step
 from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
@@ -270,12 +270,19 @@ class LearnerActor:
         on rank 0; {} on the others. A LoRA run publishes its adapter alone, or the merged
         weights (lora_publish); the adapter's gather leaves the frozen base where it is."""
         lc = self.lora_cfg
-        if lc is None:
-            return fsdp.full_state_dict(self.model)
-        if self.lora_publish == "adapter" and not full:
+        if lc is not None and self.lora_publish == "adapter" and not full:
             return lora.adapter_state(self.model)
         state = fsdp.full_state_dict(self.model)
-        return lora.merged_weights(state, lora.scale(lc)) if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        if lc is not None:
+            state = lora.merged_weights(state, lora.scale(lc))
+        # In the names and layout the engines' loaders read (fused experts split back, tied
+        # copies as the engine's reload needs them), or for an export the checkpoint's, as
+        # from_pretrained reads it: asyncrl.learner.hf_format.
+        if full:
+            return hf_format.checkpoint_format(self.model, state)
+        return hf_format.engine_format(self.model, state)
 
     def write_weights(self, path: str, full: bool = False) -> int | str:
         """Collective; rank 0 writes safetensors to `path` (atomically): what a publish sends,

@@ -19,9 +19,10 @@ Registered (`register`) under VARLEN_SDPA in transformers' AttentionInterface, a
 mask interface: transformers then builds no mask for the model at all (masking_utils skips an
 implementation it has no mask function for), so a rule the model would express only through
 its mask would be lost. The rules that reach the attention call are honoured (causal, a
-sliding window, GQA, dropout, the scale); a model whose mask carries others (chunked
-attention, logit soft-capping, attention sinks, position biases) is refused: `supports`
-says which at load time, and the forward raises on the arguments it cannot honour.
+sliding window, GQA, dropout, the scale, and attention-logit soft-capping as Gemma 2 applies
+it: ``softcap * tanh(scores / softcap)`` before the mask); a model whose mask carries others
+(chunked attention, a non-causal config) is refused: `supports` says which at load time, and
+the forward raises on the arguments it cannot honour (attention sinks, position biases).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ VARLEN_SDPA = "asyncrl_sdpa_varlen"
 """The attention implementation's name (it contains "sdpa": transformers then checks that the
 model supports SDPA before loading it with this)."""
 
-# Config fields whose attention rule lives in the mask or in arguments this function refuses.
-_UNSUPPORTED_CONFIG = ("attention_chunk_size", "attn_logit_softcapping")
+# Config fields whose attention rule lives in the mask, which this function never sees.
+_UNSUPPORTED_CONFIG = ("attention_chunk_size",)
 
 
 def supports(config: Any) -> bool:
@@ -74,6 +75,7 @@ def _causal_sdpa(
     scaling: float | None,
     sliding_window: int | None,
     gqa: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence (or of rows that each hold one), [B, H, n, D]."""
     n = query.shape[2]
@@ -83,6 +85,8 @@ def _causal_sdpa(
         i = torch.arange(n, device=query.device)
         gap = i.view(-1, 1) - i.view(1, -1)
         mask = (gap >= 0) & (gap < sliding_window)
+    if softcap is not None:
+        return _softcapped(query, key, value, mask=mask, dropout=dropout, scaling=scaling, softcap=softcap)
     return F.scaled_dot_product_attention(
         query,
         key,
@@ -93,6 +97,34 @@ def _causal_sdpa(
         is_causal=mask is None and n > 1,
         enable_gqa=gqa,
     )
+
+
+def _softcapped(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Causal attention with the scores soft-capped (``softcap * tanh(s / softcap)``, then the
+    mask, then softmax in float32), as transformers' eager Gemma-2 attention and the engines'
+    kernels compute it; SDPA has no such step."""
+    n = query.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value)
 
 
 def varlen_sdpa_forward(
@@ -109,7 +141,7 @@ def varlen_sdpa_forward(
     """transformers' attention-function signature: query [B, H, T, D], key/value [B, Hkv, T, D]
     -> ([B, T, H, D], no weights). Each sequence of each row (`segments` of the
     ``position_ids`` the decoder layer passes on) attends causally to itself alone."""
-    refused = [k for k in ("softcap", "s_aux", "position_bias") if kwargs.get(k) is not None]
+    refused = [k for k in ("s_aux", "position_bias") if kwargs.get(k) is not None]
     if attention_mask is not None or refused:
         what = refused or ["an attention mask"]
         raise NotImplementedError(f"{VARLEN_SDPA} ({type(module).__name__}): cannot honour {what}")
@@ -127,6 +159,7 @@ def varlen_sdpa_forward(
         scaling=scaling,
         sliding_window=sliding_window,
         gqa=getattr(module, "num_key_value_groups", 1) > 1,
+        softcap=kwargs.get("softcap"),
     )
     spans = segments(position_ids, query.shape[0])
     if all(len(row) == 1 for row in spans):

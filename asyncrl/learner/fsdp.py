@@ -78,8 +78,11 @@ def attention_implementation(device: torch.device, dtype: str, config: Any = Non
     installed), else the varlen SDPA of asyncrl.learner.attention; both run each sequence of a
     packed row alone and compute no attention between sequences. A model whose attention
     rules the varlen SDPA cannot honour (`attention.supports` on its Hugging Face `config`)
-    gets transformers' SDPA, which keeps a packed row's sequences apart with a dense
-    block-diagonal mask: exact, but it computes the attention between them."""
+    gets transformers' eager attention, which implements every rule the model's own code
+    has (its mask, soft-capping, sinks) and keeps a packed row's sequences apart with a dense
+    block-diagonal mask: exact, at the dense mask's cost. Never SDPA there: it drops the
+    arguments it has no parameter for (soft-capping, sinks) without a word, so the learner
+    would score another function than the engine samples."""
     from transformers.utils import is_flash_attn_2_available  # transformers: heavy at import
 
     from asyncrl.learner import attention
@@ -87,7 +90,7 @@ def attention_implementation(device: torch.device, dtype: str, config: Any = Non
     if device.type == "cuda" and dtype == "bfloat16" and is_flash_attn_2_available():
         return "flash_attention_2"
     if config is not None and not attention.supports(config):
-        return "sdpa"
+        return "eager"
     attention.register()
     return attention.VARLEN_SDPA
 
