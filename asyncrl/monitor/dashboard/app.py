@@ -241,9 +241,9 @@ def create_app(
     """The live dashboard. `password` is the Redis password (if not in the URL); `token` guards the app."""
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis_url={redact_url(redis_url)!r}: must start with redis://, rediss:// or unix://")
-    import redis
+    from asyncrl.queue.connection import client_from_url
 
-    client = redis.Redis.from_url(redis_url, password=password, socket_connect_timeout=2, socket_timeout=5)
+    client = client_from_url(redis_url, password=password, socket_connect_timeout=2, socket_timeout=5)
     source = RedisSource(client, redact_url(redis_url))
     return build_app(source, run=run, token=token, stream_interval=stream_interval)
 
