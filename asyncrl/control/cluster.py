@@ -20,7 +20,7 @@ import os
 import socket
 
 from asyncrl.config import ControlConfig
-from asyncrl.infra import STARTING, Unreachable, actor_state
+from asyncrl.infra import STARTING, Unreachable, actor_state, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bo
         ray.init(include_dashboard=False, runtime_env={"env_vars": env_vars}, log_to_driver=verbose, **kwargs)
     except (ConnectionError, TimeoutError, OSError) as e:
         raise ClusterUnavailable(
-            f"control.ray_address={control.ray_address!r}: no Ray cluster answers there ({e}). Start one "
+            f"control.ray_address={shown_address(control.ray_address)!r}: no Ray cluster answers there "
+            f"({redact_error(e, control.ray_address)}). Start one "
             f"(`ray start --head` on the head node, `ray start --address=HEAD:6379` on the others) or leave "
             f"control.ray_address unset for a private Ray instance on this machine"
         ) from e
@@ -64,17 +65,31 @@ def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bo
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log.info(
             "attached to Ray cluster at %s: %d node(s), resources %s",
-            control.ray_address,
+            shown_address(control.ray_address),
             len(nodes),
             ray.cluster_resources(),
         )
+
+
+def shown_address(address: str | None) -> str | None:
+    """A Ray address as logs and errors may show it: a password in it (``ray://user:pw@HEAD``,
+    a proxy's credentials) removed."""
+    if address is None or "://" not in address:
+        return None if address is None else address.rpartition("@")[2]  # HOST:PORT, no user info
+    return redact_url(address)
+
+
+def redact_error(error: BaseException, address: str | None) -> str:
+    """`error`'s text with the address in it shown as shown_address shows it."""
+    text = str(error)
+    return text.replace(address, shown_address(address) or "") if address else text
 
 
 def probe(address: str | None, timeout_s: float = 5.0) -> None:
     """Fail fast on a HOST:PORT nobody listens on: Ray's own GCS client retries for minutes."""
     if address is None or address in ("local", "auto"):
         return
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    host, sep, port = address.removeprefix("ray://").rpartition("@")[2].rpartition(":")
     if not sep or not port.isdigit():
         return  # let Ray parse (and reject) anything else
     with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
@@ -95,7 +110,7 @@ def open_cluster_warning(
     if token_sent and not tokenless_accepted:
         return None
     return (
-        f"{key}={address!r}: attached to a Ray cluster without token authentication: anyone who "
+        f"{key}={shown_address(address)!r}: attached to a Ray cluster without token authentication: anyone who "
         "can reach its ports (GCS, Ray Client, dashboard) can run code as its user. Start the "
         "cluster with RAY_AUTH_MODE=token and give this process the token (docs/multinode.md)"
     )
