@@ -170,7 +170,6 @@ class LoopbackHostOnly:
             request,
             403,
             "Host not allowed",
-            "this dashboard has no token and answers only requests to 127.0.0.1, localhost or [::1] "
-            "on its own port",
+            "this dashboard has no token and answers only requests to 127.0.0.1, localhost or [::1] on its own port",
         )
         await response(scope, receive, send)
