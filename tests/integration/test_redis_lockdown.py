@@ -127,14 +127,16 @@ def test_generators_get_a_user_limited_to_the_runs_keys(tmp_path):
         admin.close()
 
 
-def test_a_run_name_with_glob_characters_matches_only_itself(tmp_path):
-    """The generator user's key pattern is the run's name escaped: a run named `a*` does not
-    reach the run `abc`."""
-    with EmbeddedRedis(tmp_path / "r", password=PASSWORD, generator_run="a*") as server:
+@pytest.mark.parametrize("run", ["a*", 'a "quoted" [b]\\ ?'])
+def test_a_run_name_with_glob_characters_matches_only_itself(tmp_path, run):
+    """The generator user's key pattern is the run's name escaped (and quoted in redis.conf):
+    a run named `a*` does not reach the run `abc`."""
+    with EmbeddedRedis(tmp_path / "r", password=PASSWORD, generator_run=run) as server:
         admin = redis.Redis.from_url(server.url)
         admin.set("asyncrl:abc:state", "another run")
         gen = redis.Redis.from_url(server.generator_url, socket_timeout=5)
-        gen.set("asyncrl:a*:state", "mine")
+        gen.set(keys.state(run), "mine")
+        assert admin.get(keys.state(run)) == b"mine"
         with pytest.raises(redis.ResponseError, match=r"NOPERM|permission"):
             gen.get("asyncrl:abc:state")
         gen.close()
