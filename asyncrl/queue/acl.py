@@ -77,7 +77,8 @@ def generator_user_lines(run: str, password: str) -> list[str]:
 def _glob_escape(text: str) -> str:
     """`text` as a Redis glob pattern that matches it alone (a run named `a*` must not reach
     the keys of every run whose name starts with `a`)."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+    # ACL patterns cannot hold whitespace: "?" stands for it (the embedded server holds one run).
+    return "".join("\\" + c if c in "*?[]\\" else "?" if c.isspace() else c for c in text)
 
 
 def _quoted(text: str) -> str:
