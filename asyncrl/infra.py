@@ -101,27 +101,50 @@ def run_command(prog: str, command: Callable[[], int], *, verbose: bool = False)
         return code
 
 
+SECRET_QUERY_KEYS = frozenset({"password", "ssl_password"})
+"""Query parameters of a Redis URL that hold a secret (redis-py reads both)."""
+
+
 def redact_url(url: str) -> str:
     """The URL with any password removed, for logs, error messages and the dashboard: the one
-    in the user info (the user name stays, it tells which account) and a ``password=`` query
-    parameter (redis-py reads one there too, e.g. for unix:// sockets). The user info ends at
-    the last "@", so an unescaped "@" in a password does not leak the rest of it."""
+    in the user info (the user name stays, it tells which account) and the ``password=`` and
+    ``ssl_password=`` query parameters. A password is often written unescaped: the user info
+    ends at the last "@" of the URL, so "@", "/", "?" and "#" inside it (base64 passwords hold
+    "/") do not leak the rest of it. A URL that cannot be told apart from one whose query
+    password holds an "@" is shown as ``scheme://<redacted>``."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        return _redact_parts(url)
+    userinfo, at, hostpart = rest.rpartition("@")
+    if at:
+        # Read the usual way, the "@" might sit inside a query password: then no reading is safe.
+        query = urlsplit(url).query
+        if any(k in SECRET_QUERY_KEYS and "@" in v for k, v in parse_qsl(query, keep_blank_values=True)):
+            return f"{head}://<redacted>"
+        user = userinfo.partition(":")[0] if ":" in userinfo else userinfo
+        if "/" in user or "?" in user or "#" in user:  # not a user name: the "@" is past the host
+            return f"{head}://<redacted>"
+        return _redact_parts(f"{head}://{user + '@' if user else ''}{hostpart}")
+    return _redact_parts(url)
+
+
+def _redact_parts(url: str) -> str:
+    """`url` (whose user info, if any, holds no password) without its secret query parameters."""
     parts = urlsplit(url)
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    netloc = parts.netloc
-    if at and ":" in userinfo:
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}@{hostport}" if user else hostport
     query = parts.query
     if query:
         fields = parse_qsl(query, keep_blank_values=True)
-        kept = [(k, v) for k, v in fields if k != "password"]
+        kept = [(k, v) for k, v in fields if k not in SECRET_QUERY_KEYS]
         if len(kept) != len(fields):
             query = urlencode(kept)
-    if netloc == parts.netloc and query == parts.query:
+    if query == parts.query:
         return url
     # Not urlunsplit: it drops the empty host of unix:///path URLs.
     head = f"{parts.scheme}://" if "://" in url else f"{parts.scheme}:" if parts.scheme else ""
     return (
-        head + netloc + parts.path + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+        head
+        + parts.netloc
+        + parts.path
+        + (f"?{query}" if query else "")
+        + (f"#{parts.fragment}" if parts.fragment else "")
     )

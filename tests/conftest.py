@@ -22,10 +22,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """A real redis-server on a free 127.0.0.1 port, stopped by its PID at the end."""
+    """A real redis-server on a free 127.0.0.1 port, stopped by its PID at the end. Its
+    administrative commands stay on: tests read its CONFIG and script refusals with ACL
+    SETUSER (a run's server has them off: test_redis_lockdown.py)."""
     from asyncrl.queue.server import EmbeddedRedis
 
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False)
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False, admin_commands=True)
     server.start()
     yield server
     server.stop()

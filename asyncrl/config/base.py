@@ -7,7 +7,10 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from pydantic import GetCoreSchemaHandler
+from pydantic_core import PydanticCustomError, core_schema
 
 from asyncrl.algo.params import Params, is_import_path
 from asyncrl.infra import ExpectedFailure
@@ -37,9 +40,30 @@ class Secret:
     """Marks a config field whose value must not leave the run's 0600 config.yaml (put it in the
     field's type: ``Annotated[str | None, SECRET]``); asyncrl.config.secrets.redact_config reads
     the marks. ``url``: the value is a URL, shown with its credentials removed; otherwise the
-    whole value is replaced."""
+    whole value is replaced.
+
+    A text secret takes a string only: unquoted in YAML, some passwords become numbers, dates
+    or booleans (``12:30:45`` is 45045), which the sections' number-to-text rule would
+    otherwise take silently as another password. Errors about a secret never show its value
+    (asyncrl.config.load)."""
 
     url: bool = False
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        schema = handler(source)
+        if source is str or str in get_args(source):
+            return core_schema.no_info_before_validator_function(_text_only, schema)
+        return schema
+
+
+SECRET_NOT_TEXT = "secret_not_text"
+"""The error type of a text secret given as something else (asyncrl.config.load words it)."""
+
+
+def _text_only(value: Any) -> Any:
+    if value is not None and not isinstance(value, str):
+        raise PydanticCustomError(SECRET_NOT_TEXT, "a secret must be a string")
+    return value
 
 
 SECRET = Secret()

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from asyncrl.algo.params import LOSS_FIELDS, TAGS, WHERE, LossParams, ParamsError
 from asyncrl.algo.params import params_for as algo_params_for
-from asyncrl.config.base import ConfigError
+from asyncrl.config.base import SECRET_NOT_TEXT, ConfigError
 from asyncrl.config.losses import wrong_loss_field
 from asyncrl.config.rollout import REWARD_KINDS
 from asyncrl.config.tree import Config
@@ -119,6 +119,13 @@ def _message(err: Any) -> str:
         where = where if where.startswith(WHERE) else WHERE
     if kind == "invalid_key":
         return f"{where}: keys must be strings"
+    if kind == SECRET_NOT_TEXT:
+        return (
+            f"{where}: a secret must be a string, got a {type(value).__name__}; quote it in YAML "
+            "('...'): unquoted, YAML reads some passwords as numbers, dates or booleans"
+        )
+    if _is_secret(parts):
+        return f"{where}: {_EXPECTED.get(kind) or err['msg']} (the value is a secret: not shown)"
     if kind in _BOUNDS:
         bound = next(iter(ctx.values()), "?")
         bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
@@ -130,6 +137,14 @@ def _message(err: Any) -> str:
         return f"{where}={value!r}: expected a list of {size} values"
     reason = _EXPECTED.get(kind) or err["msg"]
     return f"{where}={value!r}: {reason}"
+
+
+def _is_secret(parts: tuple) -> bool:
+    """Whether a location is a secret field or inside one (storage_options' keys)."""
+    from asyncrl.config.secrets import secret_fields  # it imports the tree this module builds
+
+    names = tuple(p for p in parts if isinstance(p, str))
+    return any(names[: len(path)] == path for path in secret_fields())
 
 
 def config_error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:

@@ -53,10 +53,20 @@ def start_redis(cfg: Config, run_dir: Path, stack: contextlib.ExitStack) -> tupl
     if q.redis_url is not None:
         return q.redis_url, None
 
-    server = EmbeddedRedis(run_dir / "redis", password=q.password, aof=q.aof, bind=q.bind)
+    server = EmbeddedRedis(
+        run_dir / "redis", password=q.password, aof=q.aof, bind=q.bind, generator_run=cfg.control.run_name
+    )
     server.start()
     stack.callback(server.stop)
     return server.url, server
+
+
+def generator_connection(cfg: Config, redis_url: str, server: EmbeddedRedis | None) -> tuple[str, str | None]:
+    """The URL and password the run's generators connect with: the embedded server's generator
+    user when it has one (the run's keys and data commands only), else the trainer's own."""
+    if server is not None and server.generator_url is not None:
+        return server.generator_url, None
+    return redis_url, cfg.queue.password
 
 
 def connect_queue(cfg: Config, redis_url: str, stack: contextlib.ExitStack) -> RolloutQueue:

@@ -20,7 +20,7 @@ import os
 import socket
 
 from asyncrl.config import ControlConfig
-from asyncrl.infra import STARTING, Unreachable, actor_state
+from asyncrl.infra import STARTING, Unreachable, actor_state, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -55,26 +55,60 @@ def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bo
         ray.init(include_dashboard=False, runtime_env={"env_vars": env_vars}, log_to_driver=verbose, **kwargs)
     except (ConnectionError, TimeoutError, OSError) as e:
         raise ClusterUnavailable(
-            f"control.ray_address={control.ray_address!r}: no Ray cluster answers there ({e}). Start one "
+            f"control.ray_address={shown_address(control.ray_address)!r}: no Ray cluster answers there "
+            f"({redact_error(e, control.ray_address)}). Start one "
             f"(`ray start --head` on the head node, `ray start --address=HEAD:6379` on the others) or leave "
             f"control.ray_address unset for a private Ray instance on this machine"
         ) from e
+    if control.ray_address is None:
+        private_session_dir()
+    warn_if_open_cluster(control.ray_address)  # the private instance too: RAY_AUTH_MODE=disabled
     if control.ray_address is not None:
-        warn_if_open_cluster(control.ray_address)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log.info(
             "attached to Ray cluster at %s: %d node(s), resources %s",
-            control.ray_address,
+            shown_address(control.ray_address),
             len(nodes),
             ray.cluster_resources(),
         )
+
+
+def private_session_dir() -> None:
+    """Make the private instance's session directory (its sockets, logs, runtime envs) this
+    user's only: Ray makes every directory it creates 0777 for machines shared between users,
+    which lets them plant files in the run's runtime environments and read its logs. Ray 2.60
+    offers no way to bind its GCS, raylet and worker ports to loopback; its token (on for a
+    private instance unless RAY_AUTH_MODE says otherwise) is what guards them."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return
+    try:
+        os.chmod(node.get_session_dir_path(), 0o700)
+    except OSError as e:
+        log.warning("could not make Ray's session directory private: %s", e)
+
+
+def shown_address(address: str | None) -> str | None:
+    """A Ray address as logs and errors may show it: a password in it (``ray://user:pw@HEAD``,
+    a proxy's credentials) removed."""
+    if address is None or "://" not in address:
+        return None if address is None else address.rpartition("@")[2]  # HOST:PORT, no user info
+    return redact_url(address)
+
+
+def redact_error(error: BaseException, address: str | None) -> str:
+    """`error`'s text with the address in it shown as shown_address shows it."""
+    text = str(error)
+    return text.replace(address, shown_address(address) or "") if address else text
 
 
 def probe(address: str | None, timeout_s: float = 5.0) -> None:
     """Fail fast on a HOST:PORT nobody listens on: Ray's own GCS client retries for minutes."""
     if address is None or address in ("local", "auto"):
         return
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    host, sep, port = address.removeprefix("ray://").rpartition("@")[2].rpartition(":")
     if not sep or not port.isdigit():
         return  # let Ray parse (and reject) anything else
     with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
@@ -86,16 +120,25 @@ def open_cluster_warning(
 ) -> str | None:
     """The warning for having attached to `address` (named by `key`), or None.
 
-    None for the private instance this process starts itself (no address, or "local").
-    Otherwise the cluster is open when this process got in without sending a token (a
-    cluster that requires one refuses such a client), or when it sends one but the GCS
-    also answered a request without it (`tokenless_accepted`; None: not asked)."""
+    The private instance this process starts itself (no address, or "local") is open when
+    it was started without token authentication (``RAY_AUTH_MODE=disabled``; Ray turns it on
+    for a new local instance otherwise). Any other cluster is open when this process got in
+    without sending a token (a cluster that requires one refuses such a client), or when it
+    sends one but the GCS also answered a request without it (`tokenless_accepted`; None:
+    not asked)."""
     if address in (None, "local"):
-        return None
+        if token_sent:
+            return None
+        return (
+            "the run's private Ray instance was started without token authentication "
+            "(RAY_AUTH_MODE=disabled): any user of this machine, and anyone who can reach its ports, "
+            "can run code as its user. Unset RAY_AUTH_MODE (Ray then starts it with a token) or set "
+            "RAY_AUTH_MODE=token"
+        )
     if token_sent and not tokenless_accepted:
         return None
     return (
-        f"{key}={address!r}: attached to a Ray cluster without token authentication: anyone who "
+        f"{key}={shown_address(address)!r}: attached to a Ray cluster without token authentication: anyone who "
         "can reach its ports (GCS, Ray Client, dashboard) can run code as its user. Start the "
         "cluster with RAY_AUTH_MODE=token and give this process the token (docs/multinode.md)"
     )
@@ -154,10 +197,10 @@ def warn_if_open_cluster(
     """After ray.init: warn once per address and process when the cluster is open. The
     defaults (None) ask Ray whether this process sends a token and, if it does, ask the
     attached cluster's GCS whether it answers without one."""
-    if address in (None, "local") or str(address) in _warned_open:
+    if str(address) in _warned_open:
         return
     sent = token_auth_enabled() if token_sent is None else token_sent
-    if sent and tokenless_accepted is None:
+    if sent and tokenless_accepted is None and address not in (None, "local"):
         gcs = _attached_gcs()
         tokenless_accepted = gcs_accepts_tokenless(gcs) if gcs else None
     message = open_cluster_warning(address, sent, tokenless_accepted, key=key)

@@ -47,7 +47,7 @@ import threading
 
 from asyncrl.config import Config, ConfigError, config_from_dict, rejoin_config
 from asyncrl.control.allowlist import ImportAllowList, named_imports, typed_imports, wants_remote_code
-from asyncrl.control.cluster import ClusterUnavailable, probe, warn_if_open_cluster
+from asyncrl.control.cluster import ClusterUnavailable, probe, redact_error, shown_address, warn_if_open_cluster
 from asyncrl.control.state import PREEMPTED_EXIT
 from asyncrl.lifeline import Lifeline
 from asyncrl.queue import RunState
@@ -295,7 +295,9 @@ def _attach_ray(ray_address: str, run: str):
     try:
         probe(ray_address)
     except OSError as e:
-        raise ClusterUnavailable(f"--ray-address {ray_address}: no Ray cluster answers there ({e})") from e
+        raise ClusterUnavailable(
+            f"--ray-address {shown_address(ray_address)}: no Ray cluster answers there ({redact_error(e, ray_address)})"
+        ) from e
     if ray_address.startswith("ray://"):  # Ray Client: no raylet of its own needed on this host
         _client_init(ray_address)
     else:

@@ -119,7 +119,15 @@ class Runtime:
         reward_models = bringup.start_reward_model_actors(cfg, stack)  # they load while the rest comes up
         generators: list[Any] = []
         if self.start_generators:  # their engines load while the learners do
-            _create_generators(cfg, generators, weight_sync, stack, model_path, redis_url, model_package)
+            _create_generators(
+                cfg,
+                generators,
+                weight_sync,
+                stack,
+                model_path,
+                bringup.generator_connection(cfg, redis_url, embedded_redis),
+                model_package,
+            )
         learner = bringup.start_learner(cfg, model_path, model_package, stack)
         # The sync is built before the learners so generators can register while those
         # load; the object-store backend reads the learner's exports only at publish time.
@@ -205,7 +213,7 @@ class StartedRun:
                 self.weight_sync,
                 self.stack,
                 self.model_path,
-                self.redis_url,
+                bringup.generator_connection(self.cfg, self.redis_url, self.embedded_redis),
                 self.model_package,
             )
         ray.get([g.start.remote() for g in self.generators])
@@ -259,7 +267,7 @@ def _create_generators(
     weight_sync: WeightSync,
     stack: contextlib.ExitStack,
     model_path: str,
-    redis_url: str,
+    connection: tuple[str, str | None],
     model_package: dict | None,
 ) -> None:
     """Create cfg.rollout.num_generators Ray actors (each restarts on a crash) into `into`
@@ -270,9 +278,9 @@ def _create_generators(
             cfg,
             model_path=model_path,
             generator_id=generator_id,
-            redis_url=redis_url,
+            redis_url=connection[0],
             run=cfg.control.run_name,
-            password=cfg.queue.password,
+            password=connection[1],
             model_package=model_package,
         )
         into.append(handle)

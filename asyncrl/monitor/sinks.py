@@ -59,11 +59,9 @@ class RedisSink:
         self._source = source
         self._maxlen = maxlen
         if isinstance(redis, str):
-            import redis as redis_lib
+            from asyncrl.queue.connection import client_from_url
 
-            self._client = redis_lib.Redis.from_url(
-                redis, password=password, socket_timeout=5, socket_connect_timeout=5
-            )
+            self._client = client_from_url(redis, password=password, socket_timeout=5, socket_connect_timeout=5)
             self._owns_client = True
         else:
             self._client = redis

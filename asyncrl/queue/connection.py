@@ -68,7 +68,20 @@ def open_client(url: str, *, password: str | None = None, socket_timeout: float 
     )
     if password is not None:
         kwargs["password"] = password
-    return redis.Redis.from_url(url, **kwargs)
+    return client_from_url(url, **kwargs)
+
+
+def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
+    """``redis.Redis.from_url``, whose errors on a URL it cannot read quote the URL's pieces
+    (an unescaped "/", "?" or "#" in a password makes redis-py read its start as the port):
+    BadRedisUrl names the URL without its password instead."""
+    try:
+        return redis.Redis.from_url(url, **kwargs)
+    except ValueError:
+        raise BadRedisUrl(
+            f"Redis URL {redact_url(url)!r} cannot be read: percent-encode a password's special "
+            "characters ('/' as %2F, '?' as %3F, '#' as %23, '@' as %40, ':' as %3A)"
+        ) from None
 
 
 OUTAGE_LOG_S = 60.0

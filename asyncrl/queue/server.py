@@ -15,6 +15,9 @@ fsynced before it is acknowledged (`appendfsync always`): an acknowledged XADD s
 even a SIGKILL of the server. The process is stopped by its PID only: SIGTERM, then SIGKILL
 after a grace period. On Linux it also gets SIGTERM from the kernel when its starter dies,
 however (PR_SET_PDEATHSIG), so a SIGKILLed trainer leaves no server behind.
+The administrative commands (CONFIG, MODULE, SAVE, REPLICAOF, SHUTDOWN, ...) are renamed to
+nothing, and with a password and `generator_run` the run's generators get a Redis user of
+their own (`generator_url`), limited to the run's keys: asyncrl.queue.acl.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import redis
 
 from asyncrl.config.services import loopback_only
 from asyncrl.infra import free_port
+from asyncrl.queue.acl import GENERATOR_USER, generator_password, generator_user_lines, lockdown_lines
 
 log = logging.getLogger("asyncrl.queue")
 
@@ -102,6 +106,8 @@ class EmbeddedRedis:
         aof: bool = False,
         bind: str = "127.0.0.1",
         start_timeout: float = 15.0,
+        generator_run: str | None = None,
+        admin_commands: bool = False,
     ):
         if password is not None and (not password or any(c in password for c in '"\\\n\r')):
             raise ValueError("EmbeddedRedis password must be non-empty, without quotes, backslashes or newlines")
@@ -114,6 +120,11 @@ class EmbeddedRedis:
         self.aof = aof
         self.bind = bind
         self.start_timeout = start_timeout
+        # With a password and a run: a user for that run's generators (asyncrl.queue.acl).
+        self.generator_password = generator_password(password, generator_run) if password and generator_run else None
+        self.generator_run = generator_run
+        # Only tests that script server-side faults (ACL SETUSER, CONFIG GET) want these back.
+        self.admin_commands = admin_commands
         self.binary = find_redis_server()
         self._proc: subprocess.Popen | None = None
         self.die_with_parent = True
@@ -132,6 +143,15 @@ class EmbeddedRedis:
             raise RuntimeError("EmbeddedRedis has no port yet: call start() first")
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def generator_url(self) -> str | None:
+        """The URL generators connect with (their own user), None without a generator user."""
+        if self.generator_password is None:
+            return None
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis has no port yet: call start() first")
+        return f"redis://{GENERATOR_USER}:{self.generator_password}@{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -156,9 +176,14 @@ class EmbeddedRedis:
             lines += ["appendonly no"]
         if self.password:
             lines.append(f'requirepass "{self.password}"')
+        if not self.admin_commands:
+            lines += lockdown_lines()
+        if self.generator_password is not None and self.generator_run is not None:
+            lines += generator_user_lines(self.generator_run, self.generator_password)
         path = self.dir / "redis.conf"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # a file an older version wrote keeps its mode otherwise
             f.write("\n".join(lines) + "\n")
         return path
 

@@ -144,9 +144,15 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
         pytest.raises(redis.AuthenticationError),
     ):
         wrong.ping()
+    conf = (job.run_dir / "redis" / "redis.conf").read_text().splitlines()
+    assert "bind 127.0.0.1" in conf and "protected-mode yes" in conf
     with job.client() as r:
-        assert r.config_get("bind") == {"bind": "127.0.0.1"}
-        assert r.config_get("protected-mode") == {"protected-mode": "yes"}
+        # Even with the password, nobody reconfigures the server or has it write files.
+        for command in (("CONFIG", "SET", "dir", str(tmp_path)), ("MODULE", "LOAD", str(tmp_path / "x.so"))):
+            with pytest.raises(redis.ResponseError, match=r"(?i)unknown command"):
+                r.execute_command(*command)
+        # The generators train through their own Redis user (the run's keys only).
+        assert "asyncrl-generator" in {c["user"] for c in r.client_list()}
     listening = [
         c.laddr
         for c in psutil.Process(job.pid).net_connections(kind="inet")

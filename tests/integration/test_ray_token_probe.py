@@ -17,5 +17,5 @@ def test_gcs_probe_and_warning_follow_the_clusters_token_mode(ray_session, caplo
     monkeypatch.setattr(cluster, "_warned_open", set())
     with caplog.at_level(logging.WARNING, logger=cluster.__name__):
         cluster.warn_if_open_cluster(gcs)  # as if attached to it by address
-        cluster.warn_if_open_cluster(None)  # the private instance: never
-    assert len(caplog.records) == (0 if token else 1)
+        cluster.warn_if_open_cluster(None)  # the private instance: only without its token
+    assert len(caplog.records) == (0 if token else 2)

@@ -66,3 +66,42 @@ def test_a_bad_redis_url_is_named_without_its_password():
     with pytest.raises(ConfigError) as bad:
         load_config(None, ["queue.redis_url=http://:s3cret@cache:6379/0"])
     assert "s3cret" not in str(bad.value) and "cache:6379" in str(bad.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "yaml_value", "shown_type"),
+    [
+        ("queue.password", "12:30:45", "int"),  # YAML 1.1 sexagesimal: 45045
+        ("queue.password", "0x1F2E3D", "int"),
+        ("queue.password", "1e999", "str"),  # stays text: accepted (checked below)
+        ("queue.password", "yes", "bool"),
+        ("monitor.dashboard_token", "2031-01-01", "date"),
+        ("queue.redis_url", "[redis://:s3cret@h:1/0]", "list"),
+        ("control.ray_address", "12345.678", "float"),
+    ],
+)
+def test_a_secret_takes_only_a_string_and_is_never_shown_in_the_error(field, yaml_value, shown_type):
+    """Unquoted in YAML, some passwords become numbers, dates or booleans: the section's
+    number-to-text rule would take 45045 as the password. A secret refuses them, naming the
+    field and the fix, and the error never shows the value."""
+    import yaml
+
+    section, name = field.split(".")
+    data = yaml.safe_load(f"{section}:\n  {name}: {yaml_value}\n")
+    if shown_type == "str":
+        assert config_from_dict(data).queue.password == "1e999"
+        return
+    with pytest.raises(ConfigError) as bad:
+        config_from_dict(data)
+    message = str(bad.value)
+    assert message.startswith(f"{field}: a secret must be a string, got a {shown_type}")
+    assert "quote it" in message
+    value = data[section][name]
+    for shown in {yaml_value, str(value), repr(value), "45045", "s3cret"}:
+        assert shown not in message
+
+
+def test_no_type_error_about_a_secret_echoes_it():
+    with pytest.raises(ConfigError) as bad:
+        load_config(None, ["control.storage_options=key-Sekr1t-value"])
+    assert "Sekr1t" not in str(bad.value) and str(bad.value).startswith("control.storage_options: expected a mapping")

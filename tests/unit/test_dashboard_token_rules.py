@@ -60,3 +60,48 @@ def test_cookie_is_secure_exactly_when_served_over_tls(scheme):
     cookie = r.headers["set-cookie"]
     assert cookie.startswith(f"{TOKEN_COOKIE}={TOKEN};") and "HttpOnly" in cookie
     assert ("Secure" in cookie) == (scheme == "https")
+
+
+def test_an_empty_token_in_the_link_keeps_the_cookie():
+    """`?token=` (empty) with a valid cookie is the cookie's request: it must not set an empty
+    cookie over the valid one (a logout by link)."""
+    with TestClient(_app(), base_url="http://testserver") as c:
+        c.cookies.set(TOKEN_COOKIE, TOKEN)
+        r = c.get("/", params={"token": ""})
+        assert r.status_code == 200 and "set-cookie" not in r.headers
+        c.cookies.clear()
+        assert c.get("/", params={"token": ""}).status_code == 401  # and no cookie: no token at all
+
+
+def test_a_tokenless_dashboard_answers_only_requests_that_name_loopback_and_its_port():
+    """DNS rebinding: a page at evil.example whose name resolves to 127.0.0.1 sends Host:
+    evil.example:PORT. The real server (uvicorn on loopback) refuses it; loopback names pass."""
+    import http.client
+    import time
+
+    from asyncrl.monitor.dashboard.app import serve_in_thread
+
+    server = serve_in_thread("redis://127.0.0.1:1/0", host="127.0.0.1", port=0)  # no Redis needed
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = server.bound_port
+
+        def status(host: str, path: str = "/static/style.css") -> int:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.putrequest("GET", path, skip_host=True)
+            conn.putheader("Host", host)
+            conn.endheaders()
+            code = conn.getresponse().status
+            conn.close()
+            return code
+
+        for ok in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}", f"LOCALHOST:{port}"):
+            assert status(ok) == 200, ok
+        elsewhere = (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}", f"localhost.evil.example:{port}")
+        for bad in (*elsewhere, ""):
+            assert status(bad) == 403, bad
+        assert status(f"evil.example:{port}", "/api/runs") == 403
+    finally:
+        server.should_exit = True

@@ -13,8 +13,11 @@ from asyncrl.control.cluster import open_cluster_warning, warn_if_open_cluster
 
 
 def test_the_decision():
-    assert open_cluster_warning(None, False) is None  # the run's own private instance
-    assert open_cluster_warning("local", False) is None
+    assert open_cluster_warning(None, True) is None  # the run's own private instance, with its token
+    assert open_cluster_warning("local", True) is None
+    for private in (None, "local"):  # ... started with RAY_AUTH_MODE=disabled: open to every local user
+        msg = open_cluster_warning(private, False)
+        assert msg is not None and "RAY_AUTH_MODE=disabled" in msg and "without token authentication" in msg
     assert open_cluster_warning("10.0.0.1:6379", True) is None  # a token is sent (GCS not asked)
     assert open_cluster_warning("10.0.0.1:6379", True, False) is None  # the GCS refused a token-less call
     assert open_cluster_warning("10.0.0.1:6379", True, True) is not None  # ... or answered it: open
@@ -24,12 +27,12 @@ def test_the_decision():
     assert "--ray-address='auto'" in str(open_cluster_warning("auto", False, key="--ray-address"))
 
 
-def test_warns_once_per_address_and_never_for_the_private_instance(caplog, monkeypatch):
+def test_warns_once_per_address_and_for_the_private_instance_only_without_its_token(caplog, monkeypatch):
     monkeypatch.setattr(cluster, "_warned_open", set())
     with caplog.at_level(logging.WARNING, logger=cluster.__name__):
-        warn_if_open_cluster(None, token_sent=False)
+        warn_if_open_cluster(None, token_sent=True)
         assert caplog.records == []
-        warn_if_open_cluster("local", token_sent=False)
+        warn_if_open_cluster("local", token_sent=True)
         warn_if_open_cluster("10.0.0.1:6379", token_sent=True, tokenless_accepted=False)
         assert caplog.records == []
         for _ in range(3):
@@ -56,3 +59,28 @@ def test_token_mode_is_read_from_the_installed_ray():
         assert out.returncode == 0, out.stderr
         results[mode] = out.stdout.strip()
     assert results == {"token": "True", "disabled": "False"}
+
+
+SECRET = "s3cret-Ray-pw"
+
+
+def test_a_password_in_the_ray_address_is_in_no_message(caplog, monkeypatch):
+    """A Ray Client URL or a proxy may carry credentials: the unreachable-cluster error, the
+    "attached to" line and the open-cluster warning show the address without them."""
+    import pytest
+
+    from asyncrl.config import load_config
+    from asyncrl.control.cluster import ClusterUnavailable, connect_ray, shown_address
+
+    for address in (f"ray://alice:{SECRET}@127.0.0.1:1", f"alice:{SECRET}@127.0.0.1:1"):
+        cfg = load_config(None, [f"control.ray_address={address}"])
+        with pytest.raises(ClusterUnavailable) as bad:
+            connect_ray(cfg.control, {})  # nobody listens on port 1: refused before ray.init
+        assert SECRET not in str(bad.value) and "127.0.0.1:1" in str(bad.value)
+        assert SECRET not in str(shown_address(address)) and "127.0.0.1:1" in str(shown_address(address))
+        msg = open_cluster_warning(address, False)
+        assert msg is not None and SECRET not in msg and "127.0.0.1:1" in msg
+    monkeypatch.setattr(cluster, "_warned_open", set())
+    with caplog.at_level(logging.WARNING, logger=cluster.__name__):
+        warn_if_open_cluster(f"ray://:{SECRET}@head:10001", token_sent=False)
+    assert caplog.records and all(SECRET not in r.getMessage() for r in caplog.records)

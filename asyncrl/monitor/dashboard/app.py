@@ -44,7 +44,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from asyncrl.monitor.dashboard import data
-from asyncrl.monitor.dashboard.guard import TokenAuth, check_host, error_response
+from asyncrl.monitor.dashboard.guard import LoopbackHostOnly, TokenAuth, check_host, error_response
 from asyncrl.monitor.dashboard.prometheus import prometheus_text
 from asyncrl.monitor.dashboard.rundir import RunDirSource
 from asyncrl.monitor.dashboard.sources import RedisSource, Source
@@ -241,9 +241,9 @@ def create_app(
     """The live dashboard. `password` is the Redis password (if not in the URL); `token` guards the app."""
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis_url={redact_url(redis_url)!r}: must start with redis://, rediss:// or unix://")
-    import redis
+    from asyncrl.queue.connection import client_from_url
 
-    client = redis.Redis.from_url(redis_url, password=password, socket_connect_timeout=2, socket_timeout=5)
+    client = client_from_url(redis_url, password=password, socket_connect_timeout=2, socket_timeout=5)
     source = RedisSource(client, redact_url(redis_url))
     return build_app(source, run=run, token=token, stream_interval=stream_interval)
 
@@ -311,7 +311,7 @@ def serve(
         _wait_for_redis(app.state.source, connect_timeout_s)
         what = ""
     print(f"asyncrl dashboard: http://{host}:{port}/{what}" + (" (token required)" if token else ""), flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(app if token else LoopbackHostOnly(app), host=host, port=port, log_level="warning")
 
 
 def _wait_for_redis(source: Source, timeout_s: float) -> None:
@@ -349,7 +349,8 @@ def serve_in_thread(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     app = create_app(redis_url, run=run, password=password, token=token)
-    server = DashboardServer(uvicorn.Config(app, log_level="warning"), bound_port=sock.getsockname()[1])
+    served = app if token else LoopbackHostOnly(app)  # token-less: loopback only, so Host must say so
+    server = DashboardServer(uvicorn.Config(served, log_level="warning"), bound_port=sock.getsockname()[1])
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="dashboard")
     thread.start()
     return server

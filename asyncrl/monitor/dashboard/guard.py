@@ -2,6 +2,7 @@
 
     check_host("0.0.0.0", token=None)     # ValueError: a non-loopback bind needs a token
     app.add_middleware(TokenAuth, token="...")
+    app = LoopbackHostOnly(app)            # a token-less server: requests must name loopback
     error_response(request, 404, "Unknown run", "...")  # an HTML page, or JSON under /api/
 
 With a token every route needs it (``?token=``, ``Authorization: Bearer``, or the cookie set
@@ -9,6 +10,12 @@ after the first visit): none -> 401, wrong -> 403. Tokens are at least 16 charac
 (``monitor.dashboard_token: generate`` makes one: ``resolve_token``). The cookie is marked
 ``Secure`` when the request came over TLS (uvicorn's scheme: https behind a TLS proxy on
 this host that sends ``X-Forwarded-Proto: https``, or were uvicorn to serve TLS itself).
+
+Without a token the dashboard binds loopback only, and answers only requests whose Host
+header names loopback (127.0.0.1, localhost, [::1]) and, with a port, the port it is bound
+to: a web page elsewhere whose own name is made to resolve to 127.0.0.1 (DNS rebinding)
+sends its own name there, so the browser on this machine cannot be made to read the
+dashboard's API for it.
 """
 
 from __future__ import annotations
@@ -86,7 +93,8 @@ class TokenAuth:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        query = request.query_params.get("token")
+        # An empty ?token= is no token: it must not replace a valid cookie (a logout by link).
+        query = request.query_params.get("token") or None
         header = request.headers.get("authorization", "")
         bearer = header[7:].strip() if header.lower().startswith("bearer ") else None
         given = query or bearer or request.cookies.get(TOKEN_COOKIE)
@@ -119,3 +127,49 @@ class TokenAuth:
             await send(message)
 
         await self.app(scope, receive, send_with_cookie)
+
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def loopback_host_header(host: str, bound_port: int | None) -> bool:
+    """Whether a Host header names this loopback server: a loopback name and, if it has a port,
+    the bound one."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1] or [::1]:PORT
+        inside, _, rest = host.partition("]")
+        name, port = inside + "]", rest.removeprefix(":")
+        if rest and not rest.startswith(":"):
+            return False
+    else:
+        name, _, port = host.partition(":")
+    if name not in LOOPBACK_NAMES:
+        return False
+    return not port or bound_port is None or port == str(bound_port)
+
+
+class LoopbackHostOnly:
+    """ASGI middleware for a token-less dashboard: 403 for a request whose Host header does not
+    name loopback and the server's port (DNS rebinding)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        host = headers.get(b"host", b"").decode("latin-1")
+        server = scope.get("server")
+        if loopback_host_header(host, server[1] if server else None):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        response = error_response(
+            request,
+            403,
+            "Host not allowed",
+            "this dashboard has no token and answers only requests to 127.0.0.1, localhost or [::1] on its own port",
+        )
+        await response(scope, receive, send)
