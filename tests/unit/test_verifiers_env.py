@@ -170,3 +170,13 @@ def test_failed_scoring_is_the_samples_error_and_shape_errors_are_named(vf_modul
     env = make_env("verifiers", {"id": vf_module, "args": {"two": True}})
     with pytest.raises(EpisodeError, match=r"exactly one trainable agent run .* it left 2"):
         episode(env, tok, ["abc", "abc"])
+
+
+def test_eval_prompts_are_refused_with_a_verifiers_environment(vf_module, tmp_path):
+    """Its episodes are its taskset's tasks: a held-out prompt read from a file names none."""
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text('{"prompt": "ab", "answer": "ab"}\n')
+    env = f"rollout.env={{type: verifiers, id: {vf_module}}}"
+    with pytest.raises(ConfigError, match=re.escape(f"control.eval_prompts='{prompts}': a verifiers environment")):
+        load_config(None, [env, "control.eval_every=5", f"control.eval_prompts={prompts}"])
+    assert load_config(None, [env, "control.eval_every=5"]).control.eval_prompts is None  # drawn from the taskset
