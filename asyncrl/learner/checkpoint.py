@@ -189,6 +189,8 @@ def _revision_target(final: RunPath) -> RunPath:
     complete checkpoint (an outage checkpoint after an un-acked one), a new revision beside
     it (``step_N.rK``, K past every revision there), so the complete one stays until the new
     one is complete. Never overwritten in place: a crash mid-save would leave no step N."""
+    if not final.name.startswith("step_") or REVISION_SEP in final.name:
+        return final  # not a step's checkpoint name: saved as named
     step = step_of(final)
     saves = _saves_of(final.parent, step)
     if not any((p / COMPLETE_MARKER).exists() for p in saves):
@@ -218,11 +220,16 @@ def staging_dir(final: str | Path | RunPath) -> RunPath:
     return path
 
 
-def target_of(staging: RunPath) -> RunPath:
-    """The checkpoint name a staging directory becomes (on an object store, itself)."""
+def target_of(staging: RunPath, final: RunPath) -> RunPath:
+    """The checkpoint a staging directory becomes: on an object store itself; on disk the
+    name `staging_dir` gave it (`final` or a revision of it), else `final`."""
     if isinstance(staging, ObjectPath):
         return staging
-    return staging.parent / staging.name.removeprefix(".").rsplit(STAGING_TAG, 1)[0]
+    if staging.name.startswith(".") and STAGING_TAG in staging.name:
+        target = staging.parent / staging.name[1:].rsplit(STAGING_TAG, 1)[0]
+        if target.name == final.name or target.name.startswith(final.name + REVISION_SEP):
+            return target
+    return final
 
 
 def _fsync_dir(path: Path) -> None:
@@ -254,9 +261,7 @@ def publish(staging: RunPath, final: str | Path | RunPath, extra: dict[str, Any]
         payload = msgpack.packb(extra, use_bin_type=True)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint extra must be msgpack-able (dicts, lists, str, numbers, bytes): {e}") from None
-    target = target_of(staging)
-    if step_of(target) != step_of(run_path(final)):
-        raise ValueError(f"{staging} stages {target.name}, not a checkpoint of {run_path(final).name}")
+    target = target_of(staging, run_path(final))
     if isinstance(target, ObjectPath):
         (target / EXTRA_FILE).write_bytes(payload)
         (target / COMPLETE_MARKER).write_text("ok\n")
@@ -277,6 +282,8 @@ def _drop_superseded(target: RunPath) -> None:
     """Older saves of `target`'s step (complete or left by a crash), now that `latest` names
     `target`: marker first, as `prune` does. Best effort: the new checkpoint is complete, a
     failure here leaves only bytes for a later save of this step to clear."""
+    if not target.name.startswith("step_"):
+        return
     for path in _saves_of(target.parent, step_of(target)):
         if revision_of(path) >= revision_of(target):
             continue

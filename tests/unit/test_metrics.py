@@ -133,6 +133,7 @@ def test_catalogue_covers_the_data_contract():
     contract += ["rollout/dropped_uniform_groups", "rollout/dropped_uniform_groups_step"]
     contract += ["rollout/reward_errors", "rollout/reward_timeouts"]
     contract += ["rollout/tool_calls", "rollout/tool_errors", "rollout/tool_timeouts"]
+    contract += ["eval/timeouts", "eval/failed"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"
