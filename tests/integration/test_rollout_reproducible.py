@@ -238,7 +238,12 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
     assert spanned >= 1, seen
 
 
-class _Answers:
+class _Up:
+    def ready(self) -> bool:
+        return True
+
+
+class _Answers(_Up):
     """A generator's evaluate as the trainer calls it, answering for every prompt."""
 
     def evaluate(self, prompts, temperature, timeout_s=None):
@@ -247,14 +252,14 @@ class _Answers:
         return EvalOutcome(rewards=[1.0] * len(prompts), response_tokens=[2] * len(prompts))
 
 
-class _Hangs:
+class _Hangs(_Up):
     """A generator whose evaluate never answers (an engine holding its requests)."""
 
     def evaluate(self, prompts, temperature, timeout_s=None):
         time.sleep(3600)
 
 
-class _Dies:
+class _Dies(_Up):
     """A generator whose process dies mid-evaluation."""
 
     def evaluate(self, prompts, temperature, timeout_s=None):
@@ -270,9 +275,10 @@ def test_an_evaluation_is_bounded_and_reports_what_it_lost(ray_session, cfg):
     ray = ray_session
     ev_cfg = cfg.model_copy(deep=True)
     ev_cfg.control.eval_size = 6
-    ev_cfg.control.eval_timeout_s = 2.0
+    ev_cfg.control.eval_timeout_s = 5.0
     actors = [ray.remote(c).options(num_cpus=0, max_restarts=0).remote() for c in (_Answers, _Hangs, _Dies)]
     try:
+        assert ray.get([a.ready.remote() for a in actors], timeout=120) == [True] * 3  # started, before the clock
         out = Evaluator(ev_cfg).run(actors, step=5)
     finally:
         for actor in actors:
