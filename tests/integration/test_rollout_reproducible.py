@@ -238,45 +238,18 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
     assert spanned >= 1, seen
 
 
-class _Up:
-    def ready(self) -> bool:
-        return True
-
-
-class _Answers(_Up):
-    """A generator's evaluate as the trainer calls it, answering for every prompt."""
-
-    def evaluate(self, prompts, temperature, timeout_s=None):
-        from asyncrl.rollout.evaluation import EvalOutcome
-
-        return EvalOutcome(rewards=[1.0] * len(prompts), response_tokens=[2] * len(prompts))
-
-
-class _Hangs(_Up):
-    """A generator whose evaluate never answers (an engine holding its requests)."""
-
-    def evaluate(self, prompts, temperature, timeout_s=None):
-        time.sleep(3600)
-
-
-class _Dies(_Up):
-    """A generator whose process dies mid-evaluation."""
-
-    def evaluate(self, prompts, temperature, timeout_s=None):
-        os._exit(1)
-
-
 def test_an_evaluation_is_bounded_and_reports_what_it_lost(ray_session, cfg):
     """control.eval_timeout_s bounds an evaluation: of three generators one answers, one never
     does, one dies; the answers are scored, the rest reported as eval/timeouts and eval/failed,
     and the run (this call) goes on rather than waiting for ever or raising."""
     from asyncrl.control.evaluate import Evaluator
+    from tests.support.eval_generators import Answers, Dies, Hangs
 
     ray = ray_session
     ev_cfg = cfg.model_copy(deep=True)
     ev_cfg.control.eval_size = 6
     ev_cfg.control.eval_timeout_s = 5.0
-    actors = [ray.remote(c).options(num_cpus=0, max_restarts=0).remote() for c in (_Answers, _Hangs, _Dies)]
+    actors = [ray.remote(c).options(num_cpus=0, max_restarts=0).remote() for c in (Answers, Hangs, Dies)]
     try:
         assert ray.get([a.ready.remote() for a in actors], timeout=120) == [True] * 3  # started, before the clock
         out = Evaluator(ev_cfg).run(actors, step=5)
