@@ -10,9 +10,7 @@ added while the engine is paused, so requests already running (which name that i
 with the new adapter, as they continue with new full weights after a full-weight load (with
 ``sync.inflight=recompute`` their KV is recomputed by it). A new id per version would leave
 them on the adapter they started with while their later tokens are labelled with the newer
-version. Nothing of the base model changes: version 0 is the base model, no adapter. A
-request submitted with no adapter loaded names none and stays on the base model to its end;
-RolloutEngine.generate labels its tokens with the version it was submitted at.
+version. Nothing of the base model changes: version 0 is the base model, no adapter.
 
 vLLM reads a LoRA from a PEFT folder (adapter_config.json + adapter_model.safetensors): the
 slot keeps one in a private temp folder, the config written once from the run's config and

@@ -184,14 +184,7 @@ class RolloutEngine(WeightUpdates):
             raise RequestAborted(
                 f"request {request_id} was aborted after {max(len(c.token_ids) for c in final.outputs)} tokens"
             )
-        outs = completions(final, self.version, submitted)
-        if self.adapter is not None and lora_request is None:
-            # Submitted before the first adapter (or after a failed load dropped it): vLLM keeps
-            # the request on the base model to its end, while its spans label tokens sampled
-            # after a load with the new version. They are the base model's: label them so.
-            for c in outs:
-                c.versions = [submitted] * len(c.versions)
-        return outs
+        return completions(final, self.version, submitted)
 
     async def warm_up(self, prompt_ids: list[int], requests: int, request_prefix: str) -> None:
         """``requests`` throw-away requests of full length at once. A cold vLLM-CPU engine takes
