@@ -138,6 +138,10 @@ class ControlConfig(Section):
     """The split of eval_prompts when it is a DatasetDict directory or a hub dataset."""
     eval_temperature: float = Field(0.0, ge=0)
     """0 = greedy."""
+    eval_timeout_s: float = Field(600.0, gt=0)
+    """How long an evaluation may take: a held-out prompt not rolled out by then, and a
+    generator that has not answered, count as eval/timeouts (one that died: eval/failed), and
+    the run goes on."""
     export_every: int = Field(0, ge=0)
     """Write a Hugging Face folder to run_dir/hf/step_N every this many steps (0: only
     run_dir/hf/final, which every run writes when it ends)."""

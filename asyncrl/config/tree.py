@@ -57,6 +57,13 @@ def validate(cfg: Config) -> None:
                 why,
             )
     _dapo_rules(a, r)
+    if r.env == "verifiers" and c.eval_prompts and c.eval_every:
+        # Its episodes are its taskset's tasks, found by the index make_prompt gives them: a
+        # prompt read from a file names no task, so every held-out prompt would fail.
+        raise ConfigError(
+            f"control.eval_prompts={c.eval_prompts!r}: a verifiers environment plays the tasks of its own "
+            f"taskset, so evaluation draws control.eval_size of them from it; unset control.eval_prompts"
+        )
     if a.correction.tis_auto and not r.logprobs:
         a.correction.tis = "none"  # the default yields to engine logprobs turned off on purpose
     if (

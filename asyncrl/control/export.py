@@ -103,11 +103,11 @@ def checkpoint_dir(run_dir: str | Path | RunPath, step: int | None = None) -> Ru
         raise FileNotFoundError(f"{root}: no complete checkpoint to export")
     if step is None:
         return done[-1]
-    path = root / f"step_{step:06d}"
-    if path not in done:
+    of_step = [p for p in done if step_of(p) == step]  # the newest save of it, if it was saved again
+    if not of_step:
         have = ", ".join(str(step_of(p)) for p in done)
         raise FileNotFoundError(f"{root}: no complete checkpoint of step {step} (there are: {have})")
-    return path
+    return of_step[-1]
 
 
 def export_checkpoint(

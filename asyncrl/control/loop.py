@@ -336,12 +336,14 @@ class TrainLoop:
         """Durable checkpoint first, ack second: a crash in between only redelivers (and the
         resume skips what this checkpoint trained). Without Redis nothing is acked: the
         entries stay pending, and the resume sorts them out the same way."""
-        from asyncrl.learner.checkpoint import COMPLETE_MARKER, prune
+        from asyncrl.learner.checkpoint import prune
+        from asyncrl.rundir import complete_checkpoint_of
 
         path = self.ckpt_root / f"step_{self.state.step:06d}"
-        if not self.state.since_checkpoint and (path / COMPLETE_MARKER).exists():
-            return path  # nothing trained since (a resume, an ack that went through): rewriting drops its ids
-        self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
+        done = complete_checkpoint_of(self.ckpt_root, self.state.step)  # saved again: step_N.rK
+        if not self.state.since_checkpoint and done is not None:
+            return done  # nothing trained since (a resume, an ack that went through): rewriting drops its ids
+        path = self.learner.save_checkpoint(str(path), extra=self.state.to_extra())
         if self.cfg.queue.ledger:
             record_trained(self.rt.run_dir, self.state.step, self.state.since_checkpoint)
         if redis_up:

@@ -12,6 +12,8 @@ Ray or a device:
   records, as the output says), each record split and validated as a generator would; with
   rollout.chat_template and a local model, that its tokenizer has a usable template;
 - a run dir on an object store (control.run_dir a URL): that this host can write there;
+- rollout.model: a local directory's config, weights and tokenizer, a hub id's form (and, where
+  the hub answers, that it exists: asyncrl.control.preflight_model);
 - the weight-sync backend (``auto`` as this host would run it), the vLLM engine arguments a
   generator builds (unknown ``rollout.engine_kwargs`` are rejected here, and a nccl sync needs
   engines built with vLLM's nccl weight transfer), the sync directory.
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
+from asyncrl.control.preflight_model import check_model
 from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
@@ -58,9 +62,13 @@ def preflight(cfg: Config) -> list[str]:
     if not issubclass(cls, WeightSync):
         raise ConfigError(f"sync.backend={backend!r}: {cls.__name__} does not implement WeightSync")
 
-    model = "tiny-model" if r.model == "tiny" else r.model  # the engine reads nothing here
+    model_line = check_model(r.model)
+    model = "tiny-model" if r.model == "tiny" else r.model
+    # The engine reads nothing here, but with HF_HUB_OFFLINE vLLM's engine arguments look a
+    # model that is not a path up in the local cache: an existing stand-in keeps that out.
+    stand_in = model if os.path.exists(model) else tempfile.gettempdir()
     try:
-        args = engine_args(r, model, rollout_seed(cfg), transfer_backend(s), learner_dtype=learner.dtype)
+        args = engine_args(r, stand_in, rollout_seed(cfg), transfer_backend(s), learner_dtype=learner.dtype)
     except TypeError as e:
         raise ConfigError(f"rollout.engine_kwargs={r.engine_kwargs!r}: vLLM's AsyncEngineArgs refuses it: {e}") from e
     transfer = getattr(args.weight_transfer_config, "backend", None)
@@ -70,6 +78,7 @@ def preflight(cfg: Config) -> list[str]:
             f"rollout.engine_kwargs sets weight_transfer_config={args.weight_transfer_config!r}"
         )
     lines.append(f"engine: {model}, dtype {args.dtype}, weight_transfer_config {transfer or 'none'}")
+    lines.append(model_line)
     lines.append(families.describe(r.model))
 
     cuda = torch.cuda.is_available()

@@ -20,13 +20,20 @@ and optimizer can be restored at another world size; RNG states are per rank.
 
 On an object store (`root` an fsspec URL, asyncrl.rundir.store) there is no rename: the ranks
 write straight under the final name (DCP through its fsspec writer), and the marker, written
-last, is what makes it a checkpoint; readers ignore a prefix without one. Only a step that
-already has a complete checkpoint (an outage checkpoint at the same step) is staged, then
-copied over the old one after its marker is deleted. `latest` is one PUT (atomic).
+last, is what makes it a checkpoint; readers ignore a prefix without one. `latest` is one PUT
+(atomic).
+
+A step that already has a complete checkpoint (the outage checkpoint after an un-acked one,
+saved again at the same step) is never overwritten: the new save goes to a new revision
+beside it, ``step_000010.r1`` (on disk staged and renamed there, on an object store written
+there), and only once it is complete and `latest` names it is the older save deleted. A crash
+at any point leaves the older save complete; readers take the newest complete revision of a
+step (asyncrl.rundir.complete_checkpoints orders by step, then revision).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -39,8 +46,22 @@ import msgpack
 import numpy as np
 import torch
 
-from asyncrl.rundir import COMPLETE_MARKER, EXTRA_FILE, LATEST, complete_checkpoints, step_of
-from asyncrl.rundir.store import ObjectPath, RunPath, copy_tree, remove_tree, run_path, write_atomic
+from asyncrl.rundir import (
+    COMPLETE_MARKER,
+    EXTRA_FILE,
+    LATEST,
+    REVISION_SEP,
+    checkpoint_name,
+    complete_checkpoints,
+    revision_of,
+    step_of,
+)
+from asyncrl.rundir.store import ObjectPath, RunPath, remove_tree, run_path, write_atomic
+
+log = logging.getLogger(__name__)
+
+STAGING_TAG = ".tmp-"
+"""Staging directories are ``.<name>.tmp-<id>``: hidden from the ``step_*`` readers glob for."""
 
 
 def rank_file(directory: str | Path | RunPath, rank: int) -> RunPath:
@@ -163,20 +184,52 @@ def load_rank_state(
 # ----------------------------------------------------------------------------- driver side
 
 
+def _revision_target(final: RunPath) -> RunPath:
+    """Where a save of `final`'s step goes: `final` itself, or, when that step already has a
+    complete checkpoint (an outage checkpoint after an un-acked one), a new revision beside
+    it (``step_N.rK``, K past every revision there), so the complete one stays until the new
+    one is complete. Never overwritten in place: a crash mid-save would leave no step N."""
+    if not final.name.startswith("step_") or REVISION_SEP in final.name:
+        return final  # not a step's checkpoint name: saved as named
+    step = step_of(final)
+    saves = _saves_of(final.parent, step)
+    if not any((p / COMPLETE_MARKER).exists() for p in saves):
+        return final
+    return final.parent / checkpoint_name(step, max(revision_of(p) for p in saves) + 1)
+
+
+def _saves_of(root: RunPath, step: int) -> list[RunPath]:
+    """Every ``step_N`` and ``step_N.rK`` directory of `step` under `root`, complete or not."""
+    base = checkpoint_name(step)
+    return [p for p in root.glob(f"{base}*") if p.name == base or p.name.startswith(base + REVISION_SEP)]
+
+
 def staging_dir(final: str | Path | RunPath) -> RunPath:
-    """Where the ranks write a checkpoint that becomes `final`: a fresh sibling directory,
-    renamed into place by `publish`. On an object store, `final` itself (cleared of what a
-    crashed save left there) unless it holds a complete checkpoint: see the module doc."""
+    """Where the ranks write a checkpoint of `final`'s step: a fresh hidden sibling directory,
+    renamed into place by `publish`. On an object store the target itself (cleared of what a
+    crashed save left there): see the module doc."""
     final = run_path(final)
-    if isinstance(final, ObjectPath):
-        if not (final / COMPLETE_MARKER).exists():
-            remove_tree(final)
-            return final
-        return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    path = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    target = _revision_target(final)
+    if isinstance(target, ObjectPath):
+        remove_tree(target)
+        return target
+    assert isinstance(target, Path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path = target.parent / f".{target.name}{STAGING_TAG}{uuid.uuid4().hex[:8]}"
     path.mkdir()
     return path
+
+
+def target_of(staging: RunPath, final: RunPath) -> RunPath:
+    """The checkpoint a staging directory becomes: on an object store itself; on disk the
+    name `staging_dir` gave it (`final` or a revision of it), else `final`."""
+    if isinstance(staging, ObjectPath):
+        return staging
+    if staging.name.startswith(".") and STAGING_TAG in staging.name:
+        target = staging.parent / staging.name[1:].rsplit(STAGING_TAG, 1)[0]
+        if target.name == final.name or target.name.startswith(final.name + REVISION_SEP):
+            return target
+    return final
 
 
 def _fsync_dir(path: Path) -> None:
@@ -201,31 +254,44 @@ def replace_dir(staging: Path, final: Path) -> None:
 
 
 def publish(staging: RunPath, final: str | Path | RunPath, extra: dict[str, Any]) -> RunPath:
-    """Write `extra` and the marker into `staging`, rename it to `final`, point `latest` at it."""
-    final = run_path(final, staging.storage_options if isinstance(staging, ObjectPath) else None)
+    """Write `extra` and the marker into `staging`, make it the checkpoint of `final`'s step
+    (renamed into place; on an object store it is in place already), point `latest` at it,
+    then delete what it supersedes: older saves of the same step. Returns the checkpoint."""
     try:
         payload = msgpack.packb(extra, use_bin_type=True)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint extra must be msgpack-able (dicts, lists, str, numbers, bytes): {e}") from None
-    if isinstance(final, ObjectPath):
-        assert isinstance(staging, ObjectPath)
-        if staging != final:  # a complete checkpoint of this step is replaced: out of sight first
-            (final / COMPLETE_MARKER).unlink(missing_ok=True)
-            remove_tree(final)
-            copy_tree(staging, final)
-            remove_tree(staging)
-        (final / EXTRA_FILE).write_bytes(payload)
-        (final / COMPLETE_MARKER).write_text("ok\n")
-        (final.parent / LATEST).write_text(final.name + "\n")
-        return final
-    assert isinstance(staging, Path)
-    (staging / EXTRA_FILE).write_bytes(payload)
-    (staging / COMPLETE_MARKER).write_text("ok\n")
-    _fsync_dir(staging)
-    replace_dir(staging, final)
-    write_atomic(final.parent / LATEST, (final.name + "\n").encode())
-    _fsync_dir(final.parent)
-    return final
+    target = target_of(staging, run_path(final))
+    if isinstance(target, ObjectPath):
+        (target / EXTRA_FILE).write_bytes(payload)
+        (target / COMPLETE_MARKER).write_text("ok\n")
+        (target.parent / LATEST).write_text(target.name + "\n")
+    else:
+        assert isinstance(staging, Path) and isinstance(target, Path)
+        (staging / EXTRA_FILE).write_bytes(payload)
+        (staging / COMPLETE_MARKER).write_text("ok\n")
+        _fsync_dir(staging)
+        replace_dir(staging, target)
+        write_atomic(target.parent / LATEST, (target.name + "\n").encode())
+        _fsync_dir(target.parent)
+    _drop_superseded(target)
+    return target
+
+
+def _drop_superseded(target: RunPath) -> None:
+    """Older saves of `target`'s step (complete or left by a crash), now that `latest` names
+    `target`: marker first, as `prune` does. Best effort: the new checkpoint is complete, a
+    failure here leaves only bytes for a later save of this step to clear."""
+    if not target.name.startswith("step_"):
+        return
+    for path in _saves_of(target.parent, step_of(target)):
+        if revision_of(path) >= revision_of(target):
+            continue
+        try:
+            (path / COMPLETE_MARKER).unlink(missing_ok=True)
+            remove_tree(path)
+        except OSError as e:
+            log.warning("could not delete %s, superseded by %s: %s", path, target.name, e)
 
 
 def resolve(path: str | Path | RunPath) -> RunPath:

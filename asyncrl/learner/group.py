@@ -34,7 +34,7 @@ from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.result import RankStepResult, StepResult
 from asyncrl.learner.validate import validate_minibatches
 from asyncrl.rundir import read_extra
-from asyncrl.rundir.store import remove_tree, run_path
+from asyncrl.rundir.store import RunPath, remove_tree, run_path
 from asyncrl.types import MetricValue, TrainSequence, WeightsObject, merge_metrics
 
 log = logging.getLogger(__name__)
@@ -315,13 +315,14 @@ class LearnerGroup:
         """The Ray object ``export_to_object(location)`` made (once), or None."""
         return getattr(self, "_exports", {}).pop(location, None)
 
-    def save_checkpoint(self, dir: str, extra: dict[str, Any] | None = None) -> None:
-        """DCP model + optimizer shards, scheduler, RNG, step and version, plus `extra`; atomic."""
+    def save_checkpoint(self, dir: str, extra: dict[str, Any] | None = None) -> RunPath:
+        """DCP model + optimizer shards, scheduler, RNG, step and version, plus `extra`; atomic.
+        Returns the checkpoint: `dir`, or a new revision of it when its step was saved before."""
         final = run_path(dir, self.cfg.control.storage_options)
         staging = checkpoint.staging_dir(final)
         try:
             self._call("save", [(str(staging),)] * self.num_ranks, what="save_checkpoint")
-            checkpoint.publish(staging, final, dict(extra or {}))
+            return checkpoint.publish(staging, final, dict(extra or {}))
         except BaseException:
             if staging != final:  # on an object store a first save writes in place: its marker is missing
                 remove_tree(staging)

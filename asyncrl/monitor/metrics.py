@@ -181,6 +181,8 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("eval/reward_std", "mean", "std of rewards on the held-out prompts"),
     _m("eval/response_length_mean", "mean", "mean sampled tokens per held-out prompt (all turns)", "tokens"),
     _m("eval/reward_errors", "sum", "held-out samples whose reward (or episode) failed"),
+    _m("eval/timeouts", "sum", "held-out prompts not rolled out within control.eval_timeout_s"),
+    _m("eval/failed", "sum", "held-out prompts lost to a generator that died, raised or could not sample"),
     _m("eval/prompts", "max", "held-out prompts evaluated"),
     # Loss terms (already weighted by the per-token reduction weights: parts add up).
     _m("loss/policy", "sum", "policy-gradient loss"),

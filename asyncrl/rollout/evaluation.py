@@ -38,6 +38,11 @@ class EvalOutcome:
     failures: int = 0
     """Rewards or episode scorings that failed or timed out (reward_on_failure ones included),
     and rollouts that raised (engine trouble), which training would have run again."""
+    timeouts: int = 0
+    """Prompts not rolled out within control.eval_timeout_s (abandoned, not in ``rewards``)."""
+    not_run: int = 0
+    """Prompts not rolled out at all: the engine holds no weights it can sample (a failed load
+    it could not undo) and would wait for new ones."""
 
 
 def failed_so_far(maker: GroupMaker) -> int:
@@ -52,17 +57,27 @@ def reward_of(group: RolloutGroup) -> tuple[float, int]:
     return reward, sum(int(x.loss_mask.sum()) for x in group.samples)
 
 
-async def evaluate_items(maker: GroupMaker, items: list[PromptItem], temperature: float) -> EvalOutcome:
-    """One rollout of each of ``items`` at ``temperature``, all at once on ``maker``'s engine."""
+async def evaluate_items(
+    maker: GroupMaker, items: list[PromptItem], temperature: float, timeout_s: float | None = None
+) -> EvalOutcome:
+    """One rollout of each of ``items`` at ``temperature``, all at once on ``maker``'s engine;
+    one not done in ``timeout_s`` is cancelled (its request aborted) and counted in ``timeouts``."""
     before = failed_so_far(maker)
     groups = await asyncio.gather(
-        *(maker.make(item, n=1, temperature=temperature) for item in items), return_exceptions=True
+        *(asyncio.wait_for(maker.make(item, n=1, temperature=temperature), timeout_s) for item in items),
+        return_exceptions=True,
     )
     out = EvalOutcome()
     raised = 0
     for item, group in zip(items, groups, strict=True):
         if isinstance(group, asyncio.CancelledError):
             raise group
+        if isinstance(group, asyncio.TimeoutError):  # builtins.TimeoutError on 3.11+, not on 3.10
+            out.timeouts += 1
+            log.warning(
+                "evaluation prompt %s: not rolled out in %s s (control.eval_timeout_s)", item.prompt_id, timeout_s
+            )
+            continue
         if isinstance(group, BaseException):
             # Training would run the prompt again; a held-out set is scored once, so it counts as failed.
             raised += 1
@@ -85,11 +100,18 @@ class HeldOut:
         self.encode = encode
         self.maker: GroupMaker | None = None
 
-    async def run(self, prompts: list[tuple[str, str, dict]], temperature: float) -> EvalOutcome:
-        """(prompt id, text, metadata) -> one rollout each; the prompt id is its request id."""
+    async def run(
+        self, prompts: list[tuple[str, str, dict]], temperature: float, timeout_s: float | None = None
+    ) -> EvalOutcome:
+        """(prompt id, text, metadata) -> one rollout each; the prompt id is its request id.
+        An engine without weights it can sample (``closed``) would hold every request until new
+        weights load: its prompts are reported as not run at once instead."""
+        if self.engine.closed is not None:
+            log.warning("%s: %d evaluation prompts not run: %s", self.generator_id, len(prompts), self.engine.closed)
+            return EvalOutcome(not_run=len(prompts))
         if self.maker is None:
             self.maker = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id)
-        return await evaluate_items(self.maker, self.items(prompts), temperature)
+        return await evaluate_items(self.maker, self.items(prompts), temperature, timeout_s)
 
     def items(self, prompts: list[tuple[str, str, dict]]) -> list[PromptItem]:
         """The prompts encoded as the generator encodes its training prompts (rollout.chat_template)."""

@@ -323,9 +323,12 @@ class GeneratorActor:
         )
         return [vars(c) for c in outs]
 
-    def evaluate(self, prompts: list[tuple[str, str, dict]], temperature: float) -> EvalOutcome:
-        """Held-out (prompt id, text, metadata), each rolled out once as training would (rollout/evaluation.py)."""
-        return self._call(self.held_out.run(prompts, temperature))
+    def evaluate(
+        self, prompts: list[tuple[str, str, dict]], temperature: float, timeout_s: float | None = None
+    ) -> EvalOutcome:
+        """Held-out (prompt id, text, metadata), each rolled out once as training would, within
+        ``timeout_s`` (rollout/evaluation.py)."""
+        return self._call(self.held_out.run(prompts, temperature, timeout_s))
 
     def pid(self) -> int:
         return os.getpid()

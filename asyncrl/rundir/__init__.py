@@ -8,6 +8,7 @@ checkpointer) and its readers (the dashboard, `asyncrl export`, resume) agree on
       checkpoints/            CHECKPOINTS_DIR (asyncrl.learner.checkpoint writes them)
         step_000010/          a complete checkpoint: it holds COMPLETE_MARKER
           extra.msgpack       EXTRA_FILE: the trainer's own state (queue ids, versions)
+        step_000010.r1/       the same step saved again (an outage checkpoint): revision 1
         latest                LATEST: names the newest complete checkpoint directory
 
 Reading it needs neither torch nor Ray, so the dashboard of a finished run stays light.
@@ -39,21 +40,47 @@ LATEST = "latest"
 EXTRA_FILE = "extra.msgpack"
 
 
+REVISION_SEP = ".r"
+"""A step saved again is written beside the first under ``step_N.rK`` (K = 1, 2, ...): the
+previous one stays complete until the new one is (asyncrl.learner.checkpoint)."""
+
+
 def step_of(path: RunPath) -> int:
-    return int(path.name.removeprefix("step_"))
+    return int(path.name.removeprefix("step_").split(REVISION_SEP)[0])
+
+
+def revision_of(path: RunPath) -> int:
+    """0 for ``step_N``, K for ``step_N.rK``."""
+    _, _, revision = path.name.partition(REVISION_SEP)
+    return int(revision) if revision else 0
+
+
+def _order(path: RunPath) -> tuple[int, int]:
+    return step_of(path), revision_of(path)
+
+
+def checkpoint_name(step: int, revision: int = 0) -> str:
+    return f"step_{step:06d}" + (f"{REVISION_SEP}{revision}" if revision else "")
 
 
 def complete_checkpoints(root: str | Path | RunPath) -> list[RunPath]:
-    """The complete ``step_N`` checkpoints under `root`, oldest first (by step number)."""
+    """The complete ``step_N`` (and ``step_N.rK``) checkpoints under `root`, oldest first (by
+    step, then revision: of one step saved twice, the newer save comes last)."""
     root = run_path(root)
     if isinstance(root, ObjectPath):
         # One listing of every marker instead of a request per checkpoint (and no isdir first).
         found = root.fs.glob(f"{root.path}/step_*/{COMPLETE_MARKER}")
         steps = [ObjectPath(root.fs, str(key).rsplit("/", 1)[0], root.storage_options) for key in found]
-        return sorted(steps, key=step_of)
+        return sorted(steps, key=_order)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()), key=step_of)
+    return sorted((p for p in root.glob("step_*") if (p / COMPLETE_MARKER).exists()), key=_order)
+
+
+def complete_checkpoint_of(root: str | Path | RunPath, step: int) -> RunPath | None:
+    """The newest complete checkpoint of `step` under `root` (any revision), or None."""
+    found = [p for p in complete_checkpoints(root) if step_of(p) == step]
+    return found[-1] if found else None
 
 
 def latest_checkpoint(run_dir: str | Path | RunPath) -> RunPath | None:

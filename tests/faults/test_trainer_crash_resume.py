@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 
+from asyncrl.rundir import complete_checkpoints, step_of
 from tests.support.job import pid_running
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -63,8 +64,8 @@ def test_sigkill_between_step_and_checkpoint_then_resume_trains_each_group_exact
     assert f"resumed from {job.run_dir / 'checkpoints' / f'step_{2 * CKPT:06d}'}" in job.log_tail(200_000)
     extra = job.final_extra()
     # The SIGINT checkpoint (the resume's first): complete, past the crash.
-    ckpts = sorted((job.run_dir / "checkpoints").glob("step_*"))
-    assert ckpts[-1].name == f"step_{extra['step']:06d}" and (ckpts[-1] / ".complete").exists()
+    ckpts = complete_checkpoints(job.run_dir / "checkpoints")
+    assert step_of(ckpts[-1]) == extra["step"]
     assert extra["step"] >= killed_at + 2, (extra["step"], killed_at)
     # It had announced versions past the checkpoint: the resume numbered its weights past them.
     assert extra["version"] - extra["version_offset"] == extra["step"]

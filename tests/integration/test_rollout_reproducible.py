@@ -236,3 +236,25 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
         sync.close()
     assert ray.get(gen.version.remote()) == version
     assert spanned >= 1, seen
+
+
+def test_an_evaluation_is_bounded_and_reports_what_it_lost(ray_session, cfg):
+    """control.eval_timeout_s bounds an evaluation: of three generators one answers, one never
+    does, one dies; the answers are scored, the rest reported as eval/timeouts and eval/failed,
+    and the run (this call) goes on rather than waiting for ever or raising."""
+    from asyncrl.control.evaluate import Evaluator
+    from tests.support.eval_generators import Answers, Dies, Hangs
+
+    ray = ray_session
+    ev_cfg = cfg.model_copy(deep=True)
+    ev_cfg.control.eval_size = 6
+    ev_cfg.control.eval_timeout_s = 5.0
+    actors = [ray.remote(c).options(num_cpus=0, max_restarts=0).remote() for c in (Answers, Hangs, Dies)]
+    try:
+        assert ray.get([a.ready.remote() for a in actors], timeout=120) == [True] * 3  # started, before the clock
+        out = Evaluator(ev_cfg).run(actors, step=5)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    assert out["eval/prompts"] == 6 and out["eval/reward_mean"] == 1.0, out
+    assert out["eval/timeouts"] == 2 and out["eval/failed"] == 2 and out["eval/reward_errors"] == 0, out

@@ -108,10 +108,12 @@ def test_a_dcp_checkpoint_round_trips_through_s3_and_exports_from_there(
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert fresh_sched.state_dict() == scheduler.state_dict()
 
-    # The same step again (an outage checkpoint after an unacked one): staged, then copied over.
+    # The same step again (an outage checkpoint after an unacked one): a new revision beside
+    # it, which supersedes (and then deletes) the first once complete.
     staging, final = _save(s3_root, model, optimizer, scheduler, 10, {"ids": ["g3"]}, opts=opts)
-    assert staging != final and not staging.exists()
-    assert read_extra(checkpoint.resolve(final)) == {"ids": ["g3"]}
+    assert staging == final and final.name == "step_000010.r1"
+    assert read_extra(checkpoint.resolve(s3_root / "checkpoints")) == {"ids": ["g3"]}
+    assert not (s3_root / "checkpoints" / "step_000010").exists()
     # A save that died before its marker is no checkpoint, and the next save of it starts clean.
     (s3_root / "checkpoints" / "step_000020" / "rank_00007.msgpack").write_bytes(b"left by a crash")
     assert complete_checkpoints(s3_root / "checkpoints") == [final]
@@ -140,6 +142,70 @@ def test_a_dcp_checkpoint_round_trips_through_s3_and_exports_from_there(
         f"\ncheckpoint of the tiny model: save {save_s * 1e3:.0f} ms on s3 vs {local_save_s * 1e3:.0f} ms local, "
         f"load {load_s * 1e3:.0f} ms on s3 vs {local_load_s * 1e3:.0f} ms local"
     )
+
+
+@pytest.mark.parametrize("fault", ["tree", "marker"])
+def test_a_resave_that_dies_part_way_leaves_the_previous_checkpoint_resumable(
+    mesh, s3_root, s3_server, tiny_model_dir, monkeypatch, fault
+):
+    """The outage path saves step N again exactly when storage is least reliable. A save that
+    dies part-way (while its tree is copied into place, or before its marker lands) must leave
+    the previous complete step N for the resume, even with keep_checkpoints: 1."""
+    import torch
+
+    from asyncrl.rundir import latest_checkpoint
+    from asyncrl.rundir.store import ObjectPath
+
+    opts = s3_server.storage_options
+    model, optimizer, scheduler = _trained(tiny_model_dir, mesh, seed=0)
+    want = _full(model, optimizer)
+    _save(s3_root, model, optimizer, scheduler, 10, {"ids": ["g1"]}, opts=opts)
+
+    # "tree": the process dies while the new tree is written into its place, whether copied
+    # there from a staging prefix or written there by the ranks (DCP's shards are in, the
+    # rank's own file is not). "marker": everything is in place but the marker.
+    def copy_then_die(source, dest):
+        first = sorted(source.fs.find(source.path))[0]
+        source.fs.copy(first, dest.path + first[len(source.path) :])
+        raise ConnectionError("injected: the storage went away mid-copy")
+
+    write_bytes, write_text = ObjectPath.write_bytes, ObjectPath.write_text
+
+    def rank_file_dies(self, data):
+        if self.name.startswith("rank_") and self.parent.name.startswith("step_"):
+            raise ConnectionError("injected: the storage went away mid-write")
+        return write_bytes(self, data)
+
+    def marker_dies(self, data, encoding="utf-8"):
+        if self.name == checkpoint.COMPLETE_MARKER:
+            raise ConnectionError("injected: the storage went away before the marker")
+        return write_text(self, data, encoding)
+
+    trained_on = _trained(tiny_model_dir, mesh, seed=2)  # the re-save's own (different) state
+    with monkeypatch.context() as m:
+        if fault == "tree":
+            m.setattr(checkpoint, "copy_tree", copy_then_die, raising=False)
+            m.setattr(ObjectPath, "write_bytes", rank_file_dies)
+        else:
+            m.setattr(ObjectPath, "write_text", marker_dies)
+        with pytest.raises(ConnectionError, match="injected"):
+            _save(s3_root, *trained_on, 10, {"ids": ["g1", "g2"]}, opts=opts)
+    checkpoint.prune(s3_root / "checkpoints", keep_last=1)  # control.keep_checkpoints: 1
+
+    # What a resume takes (asyncrl.control.train: the run's latest complete checkpoint).
+    found = latest_checkpoint(s3_root)
+    assert found is not None and read_extra(found) == {"ids": ["g1"]}
+    assert checkpoint.resolve(found) == found
+    fresh, fresh_opt, fresh_sched = _trained(tiny_model_dir, mesh, seed=1)
+    step, _ = checkpoint.load_rank_state(str(found), fresh, fresh_opt, fresh_sched, rank=0, storage_options=opts)
+    got = _full(fresh, fresh_opt)
+    assert step == 10 and all(torch.equal(got[k], want[k]) for k in want)
+
+    # The storage is back: the next save of the step supersedes it and clears what the dead one left.
+    _, final = _save(s3_root, *trained_on, 10, {"ids": ["g1", "g2"]}, opts=opts)
+    assert complete_checkpoints(s3_root / "checkpoints") == [final]
+    assert read_extra(checkpoint.resolve(s3_root / "checkpoints")) == {"ids": ["g1", "g2"]}
+    assert sorted(p.name for p in (s3_root / "checkpoints").iterdir()) == [LATEST, final.name]
 
 
 def _fake_checkpoint(root, step: int) -> None:

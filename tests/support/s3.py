@@ -15,6 +15,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -61,29 +62,33 @@ class S3Server:
 @contextlib.contextmanager
 def s3_server(timeout_s: float = 60.0) -> Iterator[S3Server]:
     port = free_port("127.0.0.1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"moto server on {endpoint} did not answer in {timeout_s:.0f} s") from None
-                time.sleep(0.1)
-        yield S3Server(endpoint, proc)
-    finally:
-        proc.terminate()
+    # Its request log goes to a file: a pipe nobody drains fills after a few hundred requests
+    # (64 KiB) and the server then blocks on its next log line, every client timing out.
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        endpoint = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"moto server exited {proc.returncode}: {log.read().decode()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"moto server on {endpoint} did not answer in {timeout_s:.0f} s") from None
+                    time.sleep(0.1)
+            yield S3Server(endpoint, proc)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -8,6 +8,7 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.learner.checkpoint import COMPLETE_MARKER, LATEST, prune
+from asyncrl.rundir import complete_checkpoints
 
 
 def make(root, step: int, complete: bool = True):
@@ -71,3 +72,73 @@ def test_config_rejects_keeping_no_checkpoint(tmp_path):
         load_config(None, ["control.keep_every=-1"])
     with pytest.raises(ValueError, match="keep_last=0"):
         prune(tmp_path, keep_last=0)
+
+
+# ----------------------------------------------------------------------------- a step saved again
+
+
+def save(root, step: int, extra: dict):
+    """staging_dir + publish as LearnerGroup.save_checkpoint does, the ranks' shards faked."""
+    from asyncrl.learner import checkpoint
+
+    final = root / f"step_{step:06d}"
+    staging = checkpoint.staging_dir(final)
+    (staging / "dcp").mkdir()
+    (staging / "dcp" / "shard").write_bytes(repr(extra).encode())
+    return checkpoint.publish(staging, final, extra)
+
+
+def test_a_resave_that_dies_before_it_is_in_place_keeps_the_previous_one(tmp_path, monkeypatch):
+    """Saving a step again (the outage checkpoint after an un-acked one) must never leave that
+    step without a complete checkpoint: a process that dies while the new one is moved into
+    place leaves the previous one where a resume finds it, even with keep_checkpoints: 1."""
+    import os
+
+    from asyncrl.learner import checkpoint
+    from asyncrl.rundir import CHECKPOINTS_DIR, latest_checkpoint, read_extra
+
+    root = tmp_path / CHECKPOINTS_DIR
+    first = save(root, 10, {"ids": ["g1"]})
+    real_replace = os.replace
+
+    def dies_moving_the_new_one(src, dst):
+        if os.path.basename(src).startswith(".step_000010") and ".tmp-" in os.path.basename(src):
+            raise OSError("injected: the process died here")
+        return real_replace(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.os, "replace", dies_moving_the_new_one)
+        with pytest.raises(OSError, match="injected"):
+            save(root, 10, {"ids": ["g1", "g2"]})
+    prune(root, keep_last=1)
+    found = latest_checkpoint(tmp_path)
+    assert found == first and read_extra(found) == {"ids": ["g1"]}
+    assert checkpoint.resolve(root) == first
+
+    # Saved again for real: a new revision, `latest` names it, the older save is gone.
+    second = save(root, 10, {"ids": ["g1", "g2"]})
+    assert second.name == "step_000010.r1" and checkpoint.resolve(root) == second
+    assert latest_checkpoint(tmp_path) == second and read_extra(second) == {"ids": ["g1", "g2"]}
+    assert names(root) == ["step_000010.r1"]
+    third = save(root, 10, {"ids": ["g3"]})
+    assert third.name == "step_000010.r2" and names(root) == ["step_000010.r2"]
+    # Later steps sort after every revision of an earlier one; retention counts revisions as steps.
+    from asyncrl.rundir import complete_checkpoint_of
+
+    save(root, 20, {})
+    assert [p.name for p in complete_checkpoints(root)] == ["step_000010.r2", "step_000020"]
+    assert complete_checkpoint_of(root, 10) == third and complete_checkpoint_of(root, 30) is None
+    prune(root, keep_last=1)
+    assert names(root) == ["step_000020"]
+
+
+def test_export_finds_a_step_saved_again(tmp_path):
+    from asyncrl.control.export import checkpoint_dir
+    from asyncrl.rundir import CHECKPOINTS_DIR
+
+    root = tmp_path / CHECKPOINTS_DIR
+    save(root, 10, {})
+    again = save(root, 10, {"again": True})
+    assert checkpoint_dir(tmp_path, step=10) == again == checkpoint_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint of step 20 "):
+        checkpoint_dir(tmp_path, step=20)

@@ -133,8 +133,9 @@ def test_catalogue_covers_the_data_contract():
     contract += ["rollout/dropped_uniform_groups", "rollout/dropped_uniform_groups_step"]
     contract += ["rollout/reward_errors", "rollout/reward_timeouts"]
     contract += ["rollout/tool_calls", "rollout/tool_errors", "rollout/tool_timeouts", "rollout/context_full"]
-        contract += ["sync/load_failures"]
+    contract += ["sync/load_failures"]
     contract += [f"parity/gate_{k}" for k in ("max_abs_diff", "mean_abs_diff", "tolerance", "tokens", "passed")]
+    contract += ["eval/timeouts", "eval/failed"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"

@@ -7,12 +7,24 @@ where CUDA is needed.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
+import socket
+import threading
+
 import pytest
 import torch
 
 from asyncrl.cli import main
 
 GPU_CONFIG = "configs/gsm8k_qwen2.5_0.5b_gpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Never the network: a hub model id is "not checked" here unless a test says otherwise."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def check(capsys, *args: str) -> tuple[int, list[str], str]:
@@ -63,3 +75,120 @@ def test_a_cpu_config_needs_no_cuda(capsys):
     assert lines[0] == "check: rollout.env=copy: imported and built (makes the prompts)"
     assert lines[1] == "check: weight sync: shm" and "weight_transfer_config none" in lines[2]
     assert not any("needs CUDA" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------- rollout.model
+
+
+def test_a_model_that_does_not_exist_is_refused(capsys, tmp_path):
+    rc, _, err = check(capsys, "configs/demo.yaml", "rollout.model=/no/such/dir")
+    assert rc == 2 and "rollout.model='/no/such/dir': no such directory (nor is it a hub model id" in err
+    rc, _, err = check(capsys, "configs/demo.yaml", "rollout.model=Qwen/Qwen2.5/0.5B")
+    assert rc == 2 and "rollout.model='Qwen/Qwen2.5/0.5B': no such directory" in err
+    rc, _, err = check(capsys, "configs/demo.yaml", "rollout.model=owner/bad..name")
+    assert rc == 2 and "rollout.model='owner/bad..name': not a local directory, nor a hub model id" in err
+
+
+def test_a_local_model_dir_needs_config_weights_and_tokenizer(capsys, tmp_path, tiny_model_dir):
+    import shutil
+
+    rc, lines, err = check(capsys, "configs/demo.yaml", f"rollout.model={tiny_model_dir}")
+    assert rc == 0, err
+    assert f"check: rollout.model: {tiny_model_dir}: llama, 1 weight file(s), tokenizer loaded" in lines
+
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, broken)
+    for drop, why in (
+        ("tokenizer*", "no tokenizer in it"),
+        ("*.safetensors", "no weights in it"),
+        ("config.json", "no config.json in it"),
+    ):
+        for f in broken.glob(drop):
+            f.unlink()
+        rc, _, err = check(capsys, "configs/demo.yaml", f"rollout.model={broken}")
+        assert rc == 2 and f"rollout.model='{broken}': {why}" in err, err
+    (broken / "config.json").write_text("[1, 2")
+    rc, _, err = check(capsys, "configs/demo.yaml", f"rollout.model={broken}")
+    assert rc == 2 and "its config.json cannot be read as JSON" in err
+
+    # A sharded checkpoint whose index names a shard that is not there.
+    shutil.rmtree(broken)
+    shutil.copytree(tiny_model_dir, broken)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    (broken / "model-00001-of-00002.safetensors").write_bytes(b"")
+    rc, _, err = check(capsys, "configs/demo.yaml", f"rollout.model={broken}")
+    assert rc == 2 and "names weight files that are missing: model-00002-of-00002.safetensors" in err
+
+
+def test_a_hub_id_is_not_checked_offline_and_is_asked_of_the_hub_otherwise(capsys, monkeypatch):
+    """Offline (HF_HUB_OFFLINE) the hub is not asked; a hub that refuses connections is
+    "not checked"; one that says the repository does not exist (a stand-in hub on loopback,
+    answering as the hub does) fails the check. Nothing here reaches the network."""
+    rc, lines, err = check(capsys, "configs/demo.yaml", "rollout.model=someone/some-model")
+    assert rc == 0, err
+    assert (
+        "check: rollout.model: someone/some-model: not checked (HF_HUB_OFFLINE is set: the hub is not asked)" in lines
+    )
+
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at its import, maybe offline then
+    with closed_port() as port:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+        rc, lines, err = check(capsys, "configs/demo.yaml", "rollout.model=someone/some-model")
+    assert rc == 0, err
+    assert any(
+        line.startswith("check: rollout.model: someone/some-model: not checked (the hub is unreachable")
+        for line in lines
+    ), lines
+
+    with stand_in_hub(found={"someone/exists"}) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        rc, _, err = check(capsys, "configs/demo.yaml", "rollout.model=someone/missing")
+        assert rc == 2 and "rollout.model='someone/missing': no such model on the hub" in err
+        rc, lines, err = check(capsys, "configs/demo.yaml", "rollout.model=someone/exists")
+        assert rc == 0 and "check: rollout.model: someone/exists: found on the hub" in lines, (lines, err)
+
+
+@contextlib.contextmanager
+def closed_port():
+    """A loopback port nothing listens on (bound, never listening: connections are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def stand_in_hub(found: set[str]):
+    """GET /api/models/<id>: 200 with a model record for ``found``, else the hub's 404 with
+    its RepoNotFound error code (what huggingface_hub turns into RepositoryNotFoundError)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            repo = self.path.split("?")[0].removeprefix("/api/models/").split("/revision/")[0]
+            if repo in found:
+                body = json.dumps({"id": repo, "modelId": repo, "sha": "0" * 40, "private": False}).encode()
+                self.send_response(200)
+            else:
+                body = b'{"error": "Repository not found"}'
+                self.send_response(404)
+                self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -182,3 +182,13 @@ def test_a_context_that_fills_up_cuts_the_exchange_and_marks_it_length(vf_module
     assert to_interleaved_sample(traj).stop_reason == "length"
     _, _, short, _ = episode(make_env("verifiers", {"id": vf_module, "args": {"turns": 1}}), tok, ["ab"])
     assert not short.context_full and to_interleaved_sample(short).stop_reason == "stop"
+
+
+def test_eval_prompts_are_refused_with_a_verifiers_environment(vf_module, tmp_path):
+    """Its episodes are its taskset's tasks: a held-out prompt read from a file names none."""
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text('{"prompt": "ab", "answer": "ab"}\n')
+    env = f"rollout.env={{type: verifiers, id: {vf_module}}}"
+    with pytest.raises(ConfigError, match=re.escape(f"control.eval_prompts='{prompts}': a verifiers environment")):
+        load_config(None, [env, "control.eval_every=5", f"control.eval_prompts={prompts}"])
+    assert load_config(None, [env, "control.eval_every=5"]).control.eval_prompts is None  # drawn from the taskset
