@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from asyncrl.queue import RunState
+    from asyncrl.queue.readback import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class GeneratorWatchdog:
         beats = self.run_state.generators()
         for gid, handle in self._own().items():
             beat = self._beat(beats.get(gid))
-            if beat is None or now - float(beat) <= self.timeout_s:
+            if beat is None or now - beat <= self.timeout_s:
                 continue
             if now - self._starting_at.get(gid, float("-inf")) <= self.timeout_s:
                 continue  # a successor coming up has not had its first beat yet
@@ -60,7 +61,7 @@ class GeneratorWatchdog:
                 "%s: no heartbeat for %.0f s (rollout.heartbeat_timeout_s=%g): killing it; Ray restarts it "
                 "and the successor re-issues the prompts it had admitted",
                 gid,
-                now - float(beat),
+                now - beat,
                 self.timeout_s,
             )
             ray.kill(handle, no_restart=False)
@@ -69,18 +70,17 @@ class GeneratorWatchdog:
             killed.append(gid)
         return killed
 
-    def _beat(self, info: dict | None) -> float | None:
+    def _beat(self, info: Heartbeat | None) -> float | None:
         """A heartbeat's time, or when Redis last came back if that is later."""
-        beat = (info or {}).get("heartbeat")
-        return None if beat is None else max(float(beat), self.run_state.retry.recovered_at)
+        return None if info is None else max(info.heartbeat, self.run_state.retry.recovered_at)
 
-    def news(self, beats: dict[str, dict]) -> list[str]:
+    def news(self, beats: dict[str, Heartbeat]) -> list[str]:
         """Warnings the user needs from the generators' heartbeats, each said once: a generator
         that stopped admitting work (weights it cannot load), and when it admits again. Their
         own logs stay in Ray's worker logs, out of the console."""
         out = []
         for gid, info in beats.items():
-            blocked = info.get("blocked")
+            blocked = info.blocked
             if blocked != self._blocked.get(gid):
                 if blocked:
                     out.append(f"{gid} stopped admitting work: {blocked}")
@@ -100,6 +100,6 @@ class GeneratorWatchdog:
         own = set(self._own())
         for gid, info in self.run_state.generators().items():
             beat = self._beat(info)
-            if gid not in own and beat is not None and now - float(beat) <= self.timeout_s:
-                out.append(f"{gid} (heartbeat {now - float(beat):.0f} s ago)")
+            if gid not in own and beat is not None and now - beat <= self.timeout_s:
+                out.append(f"{gid} (heartbeat {now - beat:.0f} s ago)")
         return out
