@@ -363,9 +363,8 @@ class RunState:
             try:
                 out[gid] = parse_heartbeat(unpack_small(v))
             except Exception as e:
-                self._say(
-                    ("heartbeat", gid[:200], type(e).__name__), "generator %r: bad heartbeat (%s); skipped", gid, e
-                )
+                why = f"{type(e).__name__}: {e}"
+                self._say(("heartbeat", gid[:200], why[:80]), "generator %r: bad heartbeat (%s); skipped", gid, why)
         return out
 
     def remove_generator(self, generator_id: str) -> None:
