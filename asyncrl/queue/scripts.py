@@ -119,8 +119,9 @@ RETIRE_WEIGHTS = """
 local f = redis.call('HMGET', KEYS[1], 'weights_version', 'policy_version', 'versions_retired_upto')
 local top = 0
 for i = 1, 3 do
-  local v = tonumber(f[i] or '')
-  if v ~= nil and v > top then top = v end
+  -- only counts: text another client wrote ('1e999', 'inf') must not renumber the run's weights
+  local v = f[i] and string.match(f[i], '^%d+$') and #f[i] < 16 and tonumber(f[i])
+  if v and v > top then top = v end
 end
 redis.call('HSET', KEYS[1], 'versions_retired_upto', top)
 redis.call('HDEL', KEYS[1], 'weights_location', 'weights_version', 'max_staleness', 'groups_per_step')
