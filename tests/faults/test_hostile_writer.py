@@ -31,7 +31,7 @@ import pytest
 import redis
 
 from asyncrl.data.codec import encode_group
-from asyncrl.queue import keys
+from asyncrl.queue import RunState, keys
 from asyncrl.queue.server import free_port
 from asyncrl.types import RolloutGroup, Sample
 from tests.support.waiting import wait_for
@@ -168,9 +168,19 @@ def test_a_hostile_writer_during_a_run_and_its_resume(train_job):
     assert summary["trained"] == STEPS * 4 and summary["lost"] == 0
     assert not any(g.startswith("hostile-") for g in job.final_trained_ids())
 
+    # Between the two trainers: what the resumed run's generator reads as it starts.
+    with job.observe() as q:
+        c = q.client
+        c.hset(keys.engine_pids(run), "gen-0", msgpack.packb({"host": "h", "pids": [[1, 0.0]], "segments": ["/x"]}))
+        c.set(keys.incarnation(run, "gen-0"), "not a count")
+        c.hset(keys.inflight(run, "gen-0"), mapping={"hostile-note": b"\xc1", "hostile-list": msgpack.packb([1])})
+        c.hset(keys.generators(run), "gen-0", msgpack.packb({"version": "x", "heartbeat": "y"}))
     job.resume(f"control.total_steps={STEPS + 3}")
     assert job.wait(600) == 0, job.log_tail()
     assert job.final_extra()["step"] == STEPS + 3
     summary = job.audit().check().summary
     print("ledger after the resume:", summary)
     assert summary["trained"] == (STEPS + 3) * 4 and summary["lost"] == 0
+    with job.observe() as q:
+        counters = RunState.of(q).counters()
+    assert counters["notes_unreadable"] == 2, counters  # the predecessor's bad notes, their admission given back
