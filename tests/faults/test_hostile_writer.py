@@ -93,7 +93,7 @@ def _other_keys(c: redis.Redis, run: str, r: int) -> None:
     c.xadd(keys.metrics(run), {keys.RECORD_FIELD: b"\xc1"})
     c.xadd(keys.metrics(run), {keys.RECORD_FIELD: msgpack.packb({"step": float("inf"), "metrics": {"x": "y"}})})
     c.xadd(keys.deadletter(run), {b"junk": b"1"})
-    c.sadd(keys.RUNS, f"ghost-{r}")
+    c.sadd(keys.RUNS, f"ghost-{r}", "bad:run", "")
     c.hset(
         keys.state(run),
         mapping={

@@ -25,7 +25,7 @@ from asyncrl.control.step_metrics import StepTimes, step_metrics
 from asyncrl.control.watchdog import GeneratorWatchdog
 from asyncrl.data.codec import encode_group
 from asyncrl.data.contract import RecordContract
-from asyncrl.monitor.dashboard.data import run_snapshot
+from asyncrl.monitor.dashboard.data import list_runs, run_snapshot
 from asyncrl.queue import RolloutQueue, RunState, keys
 from asyncrl.rollout.recovery import predecessor_prompts, reap_predecessor
 from asyncrl.types import RolloutGroup, Sample
@@ -110,6 +110,8 @@ def test_garbage_read_back_from_redis_is_skipped_by_every_reader(redis_url):
     )
     assert metrics["generator/gen-0/lag"] == 1.0 and metrics["rollout/reward_errors"] == 2.0
     assert not any("strver" in k or "infver" in k for k in metrics)
+    raw.sadd(keys.RUNS, "bad:run", "")
+    assert list_runs(raw) == [RUN]
     snap = run_snapshot(raw, RUN)
     json.dumps(snap, allow_nan=False)  # what the dashboard serves: no 500, no NaN
     assert [g["id"] for g in snap["generators"]] == ["gen-0"]

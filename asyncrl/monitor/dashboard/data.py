@@ -90,7 +90,10 @@ def _decode_entry(fields: dict[bytes, bytes]) -> dict[str, Any] | None:
 
 
 def list_runs(client: Any) -> list[str]:
-    return sorted(_text(r) for r in client.smembers(keys.RUNS))
+    """The runs this Redis names; a name no run could have (empty, with ':', or past 200
+    characters: some other client added it) is left out, so no page fails on it."""
+    names = (_text(r) for r in client.smembers(keys.RUNS))
+    return sorted(n for n in names if n and ":" not in n and len(n) <= 200)
 
 
 def run_exists(client: Any, run: str) -> bool:
