@@ -7,7 +7,9 @@
 A long wait is not an error while some generator can still produce (alive, or being restarted
 by Ray); only with none left does it end the run (NoGenerators). Groups the queue drops as
 stale or dead-letters never reach the learner: their admission slots are given back here, so
-generators can replace them.
+generators can replace them (of the dead-lettered, only those a generator admitted:
+asyncrl.queue.intake). Every record is checked against the run's contract on the way in
+(`record_contract`: the model's vocabulary and length, the group size, the learner's version).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
 from asyncrl.control.state import StopFlag
+from asyncrl.data.contract import RecordContract
 
 if TYPE_CHECKING:
     from asyncrl.control.watchdog import GeneratorWatchdog
@@ -37,6 +40,19 @@ WAIT_LOG_S = 60.0
 
 class NoGenerators(TimeoutError):
     """No full batch within control.batch_timeout_s, and no generator left that could make one."""
+
+
+def record_contract(cfg: Config, learner: LearnerGroup) -> RecordContract:
+    """What a record must fit to be trained now: ids the model has, sequences both the engine
+    (rollout.engine_max_model_len) and the learner (its positions) hold, the run's group size,
+    no version newer than the learner's."""
+    return RecordContract(
+        vocab_size=learner.vocab_size,
+        max_len=min(cfg.rollout.engine_max_model_len, learner.max_positions),
+        group_size=cfg.rollout.n_samples,
+        stepwise=cfg.algo.stepwise,
+        max_version=learner.version,
+    )
 
 
 class BatchCollector:
@@ -85,6 +101,7 @@ class BatchCollector:
                     log.warning(news)
                 if self.also_check is not None:
                     self.also_check()
+                self.run_state.reassert_owned()  # a state field another client overwrote is ours again
                 next_check = time.monotonic() + LEARNER_CHECK_S
             if time.monotonic() > deadline:
                 # Wait on while any generator can still produce (alive, or being restarted by
@@ -109,14 +126,16 @@ class BatchCollector:
                     else "",
                 )
                 deadline = time.monotonic() + WAIT_LOG_S
-            items += self.queue.get_batch(want - len(items), min_version, timeout=1.0)
+            contract = record_contract(self.cfg, self.learner)
+            items += self.queue.get_batch(want - len(items), min_version, timeout=1.0, contract=contract)
             self._release_lost_admissions()
         return items
 
     def _release_lost_admissions(self) -> None:
-        """Dropped-stale and dead-lettered groups will never be trained: free their slots."""
+        """Dropped-stale and dead-lettered groups will never be trained: free their slots (a
+        dead-lettered record that no generator admitted holds none)."""
         now = self.run_state.counters()
-        lost = sum(now.get(k, 0) - self._counters_seen.get(k, 0) for k in ("dropped_stale", "dead_lettered"))
+        lost = sum(now.get(k, 0) - self._counters_seen.get(k, 0) for k in ("dropped_stale", "dead_lettered_admitted"))
         if lost > 0:
             self.run_state.release_admission(lost)
         # The generators give a uniform group's admission back themselves: only counted here.

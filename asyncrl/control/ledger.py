@@ -83,7 +83,7 @@ def _peek_group_id(raw: bytes) -> str | None:
 
 
 def _deadletter_group_ids(queue) -> set[str]:
-    ids = (_peek_group_id(entry["d"]) for entry in queue.deadletter_entries())
+    ids = (entry["group_id"] or _peek_group_id(entry["d"]) for entry in queue.deadletter_entries())
     return {g for g in ids if g is not None}
 
 

@@ -53,9 +53,7 @@ def restart_admission(
     ours = set(own_generator_ids(cfg))
     now = time.time()
     live = {
-        gid
-        for gid, info in run_state.generators().items()
-        if now - float(info.get("heartbeat", 0.0)) < cfg.rollout.heartbeat_timeout_s
+        gid for gid, beat in run_state.generators().items() if now - beat.heartbeat < cfg.rollout.heartbeat_timeout_s
     }
     noted = run_state.inflight_generators()
     reissued = [g for g in noted if g in ours or g in live]

@@ -13,6 +13,7 @@ from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY
 if TYPE_CHECKING:
     from asyncrl.control.watchdog import GeneratorWatchdog
     from asyncrl.queue import RolloutQueue, RunState
+    from asyncrl.queue.readback import Heartbeat
     from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -81,22 +82,23 @@ def step_metrics(
     gens = run_state.generators()
     for news in watchdog.news(gens):
         log.warning(news)
-    for gid, info in gens.items():
-        out[f"generator/{gid}/lag"] = float(version - int(info.get("version", 0)))
+    for gid, beat in gens.items():
+        out[f"generator/{gid}/lag"] = float(version - beat.version)
     out.update(reward_failures(gens))
     out.update(episode_counts(groups))
-    tps = [float(info.get("tokens_per_s", 0.0)) for info in gens.values()]
+    tps = [beat.tokens_per_s for beat in gens.values()]
     if tps:
         out["throughput/gen_tokens_per_s"] = sum(tps)
     return out
 
 
-def reward_failures(gens: dict[str, dict]) -> dict[str, float]:
+def reward_failures(gens: dict[str, Heartbeat]) -> dict[str, float]:
     """rollout/reward_errors and rollout/reward_timeouts: the generators' heartbeat counts so
-    far, summed over the generators alive now."""
+    far, summed over the generators alive now (heartbeats are checked as they are read:
+    asyncrl.queue.readback)."""
     return {
-        f"rollout/{name}": float(sum(_count(info.get(name)) for info in gens.values()))
-        for name in ("reward_errors", "reward_timeouts")
+        "rollout/reward_errors": float(sum(b.reward_errors for b in gens.values())),
+        "rollout/reward_timeouts": float(sum(b.reward_timeouts for b in gens.values())),
     }
 
 
@@ -112,5 +114,5 @@ def episode_counts(groups: list[RolloutGroup]) -> dict[str, float]:
 
 
 def _count(value: object) -> int:
-    """A heartbeat's count, 0 when absent or not a count (a heartbeat from an older generator)."""
+    """A metadata count, 0 when absent or not a count."""
     return value if isinstance(value, int) and not isinstance(value, bool) else 0

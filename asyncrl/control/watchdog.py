@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from asyncrl.queue import RunState
+    from asyncrl.queue.readback import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class GeneratorWatchdog:
         beats = self.run_state.generators()
         for gid, handle in self._own().items():
             beat = self._beat(beats.get(gid))
-            if beat is None or now - float(beat) <= self.timeout_s:
+            if beat is None or now - beat <= self.timeout_s:
                 continue
             if now - self._starting_at.get(gid, float("-inf")) <= self.timeout_s:
                 continue  # a successor coming up has not had its first beat yet
@@ -62,7 +63,7 @@ class GeneratorWatchdog:
                 "%s: no heartbeat for %.0f s (rollout.heartbeat_timeout_s=%g): killing it; Ray restarts it "
                 "and the successor re-issues the prompts it had admitted",
                 gid,
-                now - float(beat),
+                now - beat,
                 self.timeout_s,
             )
             ray.kill(handle, no_restart=False)
@@ -71,12 +72,11 @@ class GeneratorWatchdog:
             killed.append(gid)
         return killed
 
-    def _beat(self, info: dict | None) -> float | None:
+    def _beat(self, info: Heartbeat | None) -> float | None:
         """A heartbeat's time, or when Redis last came back if that is later."""
-        beat = (info or {}).get("heartbeat")
-        return None if beat is None else max(float(beat), self.run_state.retry.recovered_at)
+        return None if info is None else max(info.heartbeat, self.run_state.retry.recovered_at)
 
-    def news(self, beats: dict[str, dict]) -> list[str]:
+    def news(self, beats: dict[str, Heartbeat]) -> list[str]:
         """Warnings the user needs from the generators' heartbeats, each said once: a generator
         that stopped admitting work (weights it cannot load), one whose rewards mostly fail
         (above monitor.alert_reward_failure_rate), and when either is over. Their own logs stay
@@ -84,7 +84,7 @@ class GeneratorWatchdog:
         out = []
         for gid, info in beats.items():
             out += self._reward_news(gid, info)
-            blocked = info.get("blocked")
+            blocked = info.blocked
             if blocked != self._blocked.get(gid):
                 if blocked:
                     out.append(f"{gid} stopped admitting work: {blocked}")
@@ -93,9 +93,9 @@ class GeneratorWatchdog:
                 self._blocked[gid] = blocked
         return out
 
-    def _reward_news(self, gid: str, info: dict) -> list[str]:
-        rate = info.get("reward_failure_rate")
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool):
+    def _reward_news(self, gid: str, info: Heartbeat) -> list[str]:
+        rate = info.reward_failure_rate
+        if rate is None:
             return []
         failing = rate > self.reward_failure_alert
         if failing == self._rewards_failing.get(gid, False):
@@ -103,7 +103,7 @@ class GeneratorWatchdog:
         self._rewards_failing[gid] = failing
         if not failing:
             return [f"{gid}: rewards score again ({rate:.0%} of the latest failed)"]
-        last = str(info.get("reward_last_failure") or "")[:300]
+        last = info.reward_last_failure[:300]
         return [
             f"{gid}: {rate:.0%} of its latest reward scorings failed (> monitor.alert_reward_failure_rate="
             f"{self.reward_failure_alert:g}); the last: {last} (is the verifier or reward model down?)"
@@ -120,6 +120,6 @@ class GeneratorWatchdog:
         own = set(self._own())
         for gid, info in self.run_state.generators().items():
             beat = self._beat(info)
-            if gid not in own and beat is not None and now - float(beat) <= self.timeout_s:
-                out.append(f"{gid} (heartbeat {now - float(beat):.0f} s ago)")
+            if gid not in own and beat is not None and now - beat <= self.timeout_s:
+                out.append(f"{gid} (heartbeat {now - beat:.0f} s ago)")
         return out

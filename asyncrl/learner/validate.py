@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncrl.config import AlgoConfig
+from asyncrl.data.contract import LOGPROB_TOLERANCE
 from asyncrl.types import TrainSequence
 
 PER_TOKEN_FIELDS = ("loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
@@ -58,7 +59,7 @@ def _check_sequence(
         # Needed on every trained token by the rollout-KL term, every off-policy correction and the
         # losses whose ratio is to the rollout policy (rollout_is, dppo, cispo_anchor=rollout).
         rollout = np.asarray(seq.rollout_logprobs, dtype=np.float64)
-        bad = (mask > 0) & ~(np.isfinite(rollout) & (rollout <= 1e-4))
+        bad = (mask > 0) & ~(np.isfinite(rollout) & (rollout <= LOGPROB_TOLERANCE))
         if bad.any():
             raise ValueError(
                 f"{where}: field 'rollout_logprobs' is NaN/inf/positive on trained positions "

@@ -208,6 +208,9 @@ def console_line(step: int, m: Mapping[str, float], target_length: float | None 
     task's correct answer in characters (+ EOS), shown next to the mean response length."""
     stale = f"{_fmt(m.get('staleness/mean'), '.2f')}/{_fmt(m.get('staleness/max'), '.0f')}"
     target = f" (target {target_length:.3g}+EOS)" if target_length is not None else ""
+    # Records refused at intake (asyncrl.queue.intake) are rare and matter: shown once there are any.
+    dead = m.get("queue/dead_lettered") or 0.0
+    refused = f"  [red]dead-lettered {dead:.0f}[/red]" if dead > 0 else ""
     return (
         f"[bold]step {step}[/bold]  reward [green]{_fmt(m.get('reward/mean'))}[/green]"
         f"  len {_fmt(m.get('response/length_mean'), '.1f')}{target}"
@@ -215,7 +218,7 @@ def console_line(step: int, m: Mapping[str, float], target_length: float | None 
         f"  rollout_kl {_fmt(m.get('drift/rollout_kl'))}"
         f"  gen {_fmt(m.get('throughput/gen_tokens_per_s'), '.0f')} tok/s"
         f"  train {_fmt(m.get('throughput/train_tokens_per_s'), '.0f')} tok/s"
-        f"  step {_fmt(m.get('time/step'), '.2f')}s"
+        f"  step {_fmt(m.get('time/step'), '.2f')}s{refused}"
     )
 
 

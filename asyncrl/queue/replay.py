@@ -43,6 +43,7 @@ from typing import Any
 import redis
 
 from asyncrl.data.codec import DEFAULT_MAX_BYTES, RecordError, decode_group, encode_group
+from asyncrl.data.contract import RecordContract
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
 from asyncrl.queue.intake import sort_entries, text_of
@@ -103,6 +104,7 @@ class RolloutQueue:
         self._held: set[str] = set()  # handed out by this instance, not acked yet
         self._seen: OrderedDict[str, None] = OrderedDict()  # group ids handed out (bounded)
         self._seen_capacity = seen_capacity
+        self._dead_reasons_logged: set[str] = set()  # each dead-letter reason is logged once
 
     @classmethod
     def connect(
@@ -217,8 +219,11 @@ class RolloutQueue:
 
     # ------------------------------------------------------------------ consumer
 
-    def get_batch(self, n_groups: int, min_version: int, timeout: float) -> list[tuple[str, RolloutGroup]]:
-        """Up to n_groups (entry id, group) with behavior_version >= min_version.
+    def get_batch(
+        self, n_groups: int, min_version: int, timeout: float, contract: RecordContract | None = None
+    ) -> list[tuple[str, RolloutGroup]]:
+        """Up to n_groups (entry id, group) with behavior_version >= min_version, each fitting
+        `contract` (the run's: asyncrl.data.contract; None checks the codec's rules only).
 
         Returns fewer only when `timeout` seconds pass. Own pending entries (after a restart)
         and orphaned entries of dead consumers come first, then new ones.
@@ -235,7 +240,7 @@ class RolloutQueue:
                 # block=None is a non-blocking read; redis-py treats block=0 as "forever".
                 block = int(min(left, _MAX_BLOCK_S) * 1000) if left >= 0.001 else None
                 entries = self._read(">", want, block)
-            out += self._accept(entries, min_version)
+            out += self._accept(entries, min_version, contract)
             if len(out) >= n_groups or time.monotonic() >= deadline:
                 return out
 
@@ -290,9 +295,19 @@ class RolloutQueue:
                 break
         return out
 
-    def _accept(self, entries: list, min_version: int) -> list[tuple[str, RolloutGroup]]:
+    def _accept(
+        self, entries: list, min_version: int, contract: RecordContract | None
+    ) -> list[tuple[str, RolloutGroup]]:
         """Decode, filter and route entries (intake.py); every side effect of the batch in one MULTI."""
-        intake = sort_entries(entries, min_version, self._seen, self.max_record_bytes, self.stale_reissues)
+        intake = sort_entries(
+            entries,
+            min_version,
+            self._seen,
+            self.max_record_bytes,
+            self.stale_reissues,
+            contract=contract,
+            said=self._dead_reasons_logged,
+        )
         self._transaction(lambda pipe: intake.record(pipe, self.run))
         for entry_id, group in intake.out:
             self._held.add(entry_id)
@@ -352,9 +367,22 @@ class RolloutQueue:
         return {m.decode() for m in self._retry(self._r.smembers, self._k_dropped)}
 
     def deadletter_entries(self, count: int | None = None) -> list[dict]:
-        """Dead-lettered records, oldest first: {"id", "reason", "source_id", "d" (raw bytes)}."""
+        """Dead-lettered records, oldest first: {"id", "reason", "detail", "source_id", "group_id"
+        (None when unreadable), "d" (the record's first bytes)}. Fields anyone but the intake
+        wrote are read as text, missing ones as ""."""
+
+        def text(f: dict, name: bytes) -> str:
+            return f[name].decode("utf-8", "replace") if name in f else ""
+
         entries = self._retry(self._r.xrange, self._k_deadletter, count=count)
         return [
-            {"id": text_of(i), "reason": f[b"reason"].decode(), "source_id": f[b"source_id"].decode(), "d": f[b"d"]}
+            {
+                "id": text_of(i),
+                "reason": text(f, b"reason"),
+                "detail": text(f, b"detail"),
+                "source_id": text(f, b"source_id"),
+                "group_id": text(f, b"group_id") or None,
+                "d": f.get(b"d", b""),
+            }
             for i, f in entries
         ]

@@ -22,6 +22,7 @@ password (signing.py).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,10 +33,19 @@ from redis.typing import EncodableT, FieldT
 
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
+from asyncrl.queue.readback import (
+    EnginePids,
+    Heartbeat,
+    LogOnce,
+    int_text,
+    parse_engine_pids,
+    parse_heartbeat,
+)
 from asyncrl.queue.records import from_text, to_text, unpack_small
 from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
 from asyncrl.queue.scripts import (
     DROP_ADMITTED,
+    NEXT_INCARNATION,
     RELEASE_ADMISSION,
     RELEASE_INFLIGHT,
     RESTART_ADMISSION,
@@ -66,6 +76,10 @@ class RunState:
         self._drop_admitted = client.register_script(DROP_ADMITTED)
         self._retire_weights = client.register_script(RETIRE_WEIGHTS)
         self._restart_admission = client.register_script(RESTART_ADMISSION)
+        self._next_incarnation = client.register_script(NEXT_INCARNATION)
+        self._say = LogOnce(log)
+        self._owned: dict[FieldT, EncodableT] = {}  # state fields this process wrote last (reassert_owned)
+        self._owned_lock = threading.Lock()
 
     @classmethod
     def connect(
@@ -131,9 +145,26 @@ class RunState:
             if drop:
                 pipe.hdel(self._k_state, *drop)
 
-        self._transaction(build)
+        with self._owned_lock:
+            self._transaction(build)
+            self._own(put, drop)
+
+    def _own(self, put: dict[FieldT, EncodableT], drop: Sequence[FieldT] = ()) -> None:
+        self._owned.update(put)
+        for name in drop:
+            self._owned.pop(name, None)
+
+    def reassert_owned(self) -> None:
+        """Write again every state field this process set (its last value): a field another
+        client rewrote (the policy version, admission's bound, the published job) is back
+        within one call. The trainer calls it while it waits for data; a write racing it (the
+        publish thread raising the version) takes the same lock, so no field goes backwards."""
+        with self._owned_lock:
+            if self._owned:
+                self._retry(self._r.hset, self._k_state, mapping=dict(self._owned))
 
     def state(self) -> dict[str, int | float | str]:
+        """Every field, parsed as from_text does (never raises: a value that is no number stays text)."""
         raw = self._retry(self._r.hgetall, self._k_state)
         return {k.decode(): from_text(v.decode()) for k, v in raw.items()}
 
@@ -148,24 +179,41 @@ class RunState:
         """The learner's current version v (optimizer steps taken); admission reads it."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"policy version must be an int >= 0, got {version!r}")
-        self._retry(self._r.hset, self._k_state, "policy_version", version)
+        with self._owned_lock:
+            self._retry(self._r.hset, self._k_state, "policy_version", version)
+            self._own({"policy_version": version})
 
     def policy_version(self) -> int:
-        v = self._retry(self._r.hget, self._k_state, "policy_version")
-        return int(v) if v is not None else 0
+        """0 before the first write, and while the field holds no count (logged once)."""
+        try:
+            return int_text(self._retry(self._r.hget, self._k_state, "policy_version"), "policy_version") or 0
+        except ValueError as e:
+            self._say(("state", "policy_version"), "run state: %s; read as 0", e)
+            return 0
 
     def set_weights(self, location: WeightLocation, version: int) -> None:
         """Where the weights of `version` were published (a file or an object-store name), in one write."""
-        self._retry(
-            self._r.hset,
-            self._k_state,
-            mapping={"weights_location": format_location(location), "weights_version": int(version)},
-        )
+        fields: dict[FieldT, EncodableT] = {
+            "weights_location": format_location(location),
+            "weights_version": int(version),
+        }
+        with self._owned_lock:
+            self._retry(self._r.hset, self._k_state, mapping=fields)
+            self._own(fields)
 
     def weights(self) -> tuple[WeightLocation | None, int]:
-        """(location, version) of the last published weights; (None, -1) before the first."""
+        """(location, version) of the last published weights; (None, -1) before the first, and
+        while either field is unreadable (logged once: nothing is loaded from it)."""
         loc, ver = self._retry(self._r.hmget, self._k_state, ["weights_location", "weights_version"])
-        return (parse_location(loc.decode()) if loc is not None else None, int(ver) if ver is not None else -1)
+        if loc is None or ver is None:
+            return None, -1
+        try:
+            version = int_text(ver, "weights_version")
+            location = parse_location(loc.decode("utf-8", "replace"))
+        except ValueError as e:
+            self._say(("state", "weights", str(e)[:80]), "run state: announced weights unreadable (%s); ignored", e)
+            return None, -1
+        return location, -1 if version is None else version
 
     # ------------------------------------------------------------------ counters
 
@@ -197,8 +245,15 @@ class RunState:
                 return prompt
 
     def counters(self) -> dict[str, int]:
-        raw = self._retry(self._r.hgetall, self._k_counters)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        """Every counter that holds a count; one that does not is left out (logged once)."""
+        out = {}
+        for k, v in self._retry(self._r.hgetall, self._k_counters).items():
+            name = k.decode("utf-8", "replace")
+            try:
+                out[name] = int_text(v, name) or 0
+            except ValueError as e:
+                self._say(("counter", name), "run counters: %s; left out", e)
+        return out
 
     # ------------------------------------------------------------------ admission
 
@@ -235,7 +290,9 @@ class RunState:
     def retire_weights(self) -> int:
         """A trainer is starting: forget the announced weights, close admission (until
         configure_admission) and return the highest version this run ever announced."""
-        return int(self._retry(self._retire_weights, keys=[self._k_state]))
+        with self._owned_lock:
+            self._own({}, ["weights_location", "weights_version", "max_staleness", "groups_per_step"])
+            return int(self._retry(self._retire_weights, keys=[self._k_state]))
 
     def admission_open(self) -> bool:
         """Whether the trainer has configured admission (its prepare() ran) since it started."""
@@ -277,17 +334,18 @@ class RunState:
         record = {**info, "heartbeat": time.time()}
         self._retry(self._r.hset, self._k_generators, generator_id, msgpack.packb(record, use_bin_type=True))
 
-    def generators(self) -> dict[str, dict[str, Any]]:
+    def generators(self) -> dict[str, Heartbeat]:
+        """Each generator's last heartbeat; an unreadable one is skipped (logged once per
+        generator and reason): it must not take the trainer, its watchdog or a resume down."""
         raw = self._retry(self._r.hgetall, self._k_generators)
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, Heartbeat] = {}
         for k, v in raw.items():
+            gid = k.decode("utf-8", "replace")
             try:
-                info = unpack_small(v)
-            except Exception as e:  # a bad heartbeat must not take the trainer down
-                log.warning("generator %r: unreadable heartbeat (%s); skipped", k, e)
-                continue
-            if isinstance(info, dict):
-                out[k.decode()] = info
+                out[gid] = parse_heartbeat(unpack_small(v))
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+                self._say(("heartbeat", gid[:200], why[:80]), "generator %r: bad heartbeat (%s); skipped", gid, why)
         return out
 
     def remove_generator(self, generator_id: str) -> None:
@@ -297,8 +355,12 @@ class RunState:
     # of the queue: a generator must ride out a Redis restart, not lose its loop to it.
 
     def next_incarnation(self, generator_id: str) -> int:
-        """How many times `generator_id` has started in this run, counting this start."""
-        return int(self._retry(self._r.incr, keys.incarnation(self.run, generator_id)))
+        """How many times `generator_id` has started in this run, counting this start (a count
+        some other client overwrote restarts from a number no earlier start used: NEXT_INCARNATION)."""
+        n, repaired = self._retry(self._next_incarnation, keys=[keys.incarnation(self.run, generator_id)])
+        if repaired:
+            log.warning("%s: its incarnation count in Redis was not a count; went on from %d", generator_id, n)
+        return int(n)
 
     def admit_prompt(self, generator_id: str, prompt_id: str, note: bytes, weights_version: int | None = None) -> bool:
         """try_admit(1) and, if admitted, note the prompt in the generator's in-flight hash, as
@@ -342,9 +404,21 @@ class RunState:
         )
 
     def engine_record(self, generator_id: str) -> dict[str, Any] | None:
-        """What the generator's last incarnation left for a successor (see set_engine_record)."""
+        """What the generator's last incarnation left for a successor (see set_engine_record),
+        checked (readback.parse_engine_pids); None when absent or unreadable (logged)."""
+        record = self.engine_pids(generator_id)
+        return None if record is None else record.as_dict()
+
+    def engine_pids(self, generator_id: str) -> EnginePids | None:
+        """The typed engine record of `generator_id`; None when absent or unreadable (logged)."""
         raw = self._retry(self._r.hget, keys.engine_pids(self.run), generator_id)
-        return None if raw is None else unpack_small(raw)
+        if raw is None:
+            return None
+        try:
+            return parse_engine_pids(unpack_small(raw))
+        except Exception as e:
+            log.warning("%s: engine record in Redis unreadable (%s); nothing reaped from it", generator_id, e)
+            return None
 
     def set_engine_record(self, generator_id: str, record: dict[str, Any] | None) -> None:
         """{"host", "pids", "segments", "started"} of the generator's engine; None deletes it."""

@@ -61,8 +61,11 @@ local gps = tonumber(redis.call('HGET', KEYS[1], 'groups_per_step') or '')
 if ms == nil or gps == nil then return -1 end
 local m = tonumber(redis.call('HGET', KEYS[1], 'mini_batches_per_step') or '1')
 local v = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
-if ARGV[4] then v = math.min(v, tonumber(ARGV[4])) end
 local started = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0')
+-- A field some other client overwrote with text is no budget: refuse until the trainer
+-- writes it again (RunState.reassert_owned), rather than fail every generator's call.
+if m == nil or v == nil or started == nil or m < 1 then return 0 end
+if ARGV[4] then v = math.min(v, tonumber(ARGV[4])) end
 if started + n <= math.floor((v + ms + 1) / m) * gps then
   redis.call('HINCRBY', KEYS[2], 'groups_started', n)
   if KEYS[3] then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
@@ -116,8 +119,9 @@ RETIRE_WEIGHTS = """
 local f = redis.call('HMGET', KEYS[1], 'weights_version', 'policy_version', 'versions_retired_upto')
 local top = 0
 for i = 1, 3 do
-  local v = tonumber(f[i] or '')
-  if v ~= nil and v > top then top = v end
+  -- only counts: text another client wrote ('1e999', 'inf') must not renumber the run's weights
+  local v = f[i] and string.match(f[i], '^%d+$') and #f[i] < 16 and tonumber(f[i])
+  if v and v > top then top = v end
 end
 redis.call('HSET', KEYS[1], 'versions_retired_upto', top)
 redis.call('HDEL', KEYS[1], 'weights_location', 'weights_version', 'max_staleness', 'groups_per_step')
@@ -137,4 +141,18 @@ for i = 3 + counted, #KEYS do redis.call('DEL', KEYS[i]) end
 if total < 0 then total = 0 end
 redis.call('HSET', KEYS[1], 'groups_started', total)
 return total
+"""
+
+NEXT_INCARNATION = """
+-- KEYS[1] a generator's incarnation key. INCR, but a value that is not a count (some other
+-- client wrote it) is first replaced by the server's clock in seconds, larger than any
+-- count a run reaches by restarts, so no incarnation number, and with it no prompt id, is
+-- used twice. Returns {the new count, 1 if the value was replaced else 0}.
+local raw = redis.call('GET', KEYS[1])
+local repaired = 0
+if raw and not (string.match(raw, '^%d+$') and #raw < 16) then
+  redis.call('SET', KEYS[1], redis.call('TIME')[1])
+  repaired = 1
+end
+return {redis.call('INCR', KEYS[1]), repaired}
 """

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from asyncrl.queue.readback import parse_note
 from asyncrl.queue.runstate import RunState, unpack_small
 from asyncrl.rollout.prompts import PromptItem
 
@@ -314,6 +315,13 @@ def predecessor_prompts(
     run again under their own ids, without a second admission."""
     items = []
     for prompt_id, raw in run_state.inflight_prompts(generator_id).items():
-        note = unpack_small(raw)
-        items.append(PromptItem(prompt_id, note["text"], note["metadata"], encode(note["text"], note["metadata"])))
+        try:
+            note = parse_note(unpack_small(raw))
+        except Exception as e:
+            # Not a note a generator wrote: nothing to run. Its admission was counted for a
+            # successor to use; give it back (and count it) so the budget stays balanced.
+            log.warning("%s: in-flight note %r unreadable (%s); dropped", generator_id, prompt_id[:200], e)
+            run_state.drop_admitted(generator_id, prompt_id, counter="notes_unreadable")
+            continue
+        items.append(PromptItem(prompt_id, note.text, note.metadata, encode(note.text, note.metadata)))
     return items

@@ -347,7 +347,7 @@ def test_a_generator_that_cannot_load_announced_weights_admits_nothing_until_it_
     ray.get(gen.start.remote())
     holds_for(lambda: run_state.counters().get("groups_started", 0) == started, 3, "no group admitted", interval=0.2)
     # ...and says so in its heartbeat, which the trainer turns into a console warning.
-    assert "cannot load the announced weights v3" in (run_state.generators()["g0"].get("blocked") or "")
+    assert "cannot load the announced weights v3" in (run_state.generators()["g0"].blocked or "")
     path = str(tmp_path / "good.safetensors")
     save_state_dict(perturbed_state(hf_model, seed=3), path)
     ray.get(gen.update_weights.remote(WeightsFile(path), 3))

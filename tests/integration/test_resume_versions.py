@@ -133,18 +133,19 @@ def test_resume_runs_the_resumed_weights_under_versions_never_used_before(ray_se
                 # version just published; one that skipped it as "not newer" would stay behind.
                 deadline, version = time.monotonic() + 60, -1
                 while time.monotonic() < deadline and version != loop.state.version:
-                    version = int(loop.run_state.generators().get("elastic-1", {}).get("version", -1))
+                    beat = loop.run_state.generators().get("elastic-1")
+                    version = -1 if beat is None else beat.version
                     time.sleep(0.2)
                 seen["elastic_first"] = (version, loop.state.version)
                 seen["checked"] = True
             if loop.state.step == CKPT + RESUMED_STEPS:
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
-                    info = loop.run_state.generators().get("elastic-1", {})
-                    if int(info.get("version", -1)) >= seen["first"]:
+                    beat = loop.run_state.generators().get("elastic-1")
+                    if beat is not None and beat.version >= seen["first"]:
                         break
                     time.sleep(0.5)
-                seen["elastic_version"] = int(info.get("version", -1))
+                seen["elastic_version"] = -1 if beat is None else beat.version
 
         state = train(_config(run_dir, CKPT + RESUMED_STEPS), resume_dir=run_dir, on_step=check_on_step)
 

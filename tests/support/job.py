@@ -217,17 +217,25 @@ class TrainJob:
         """The run's counters (groups_trained, dead_lettered, prompts_skipped, ...); {} if unreachable."""
         return {k: int(v) for k, v in self._hash("counters").items()}
 
+    def _state_int(self, name: str) -> int:
+        """A state field as an int; 0 while absent or not a number (a test's hostile client
+        may have overwritten it; the trainer writes it again)."""
+        try:
+            return int(self.state().get(name, 0))
+        except ValueError:
+            return 0
+
     def policy_version(self) -> int:
         """The version generators are admitted against (trails the trainer while a publish is in flight)."""
-        return int(self.state().get("policy_version", 0))
+        return self._state_int("policy_version")
 
     def trainer_step(self) -> int:
         """The last step the trainer has trained (written right after the optimizer step)."""
-        return int(self.state().get("trainer_step", 0))
+        return self._state_int("trainer_step")
 
     def checkpoint_step(self) -> int:
         """The step of the last checkpoint the trainer wrote and acked."""
-        return int(self.state().get("checkpoint_step", 0))
+        return self._state_int("checkpoint_step")
 
     def wait_for_step(self, n: int, timeout: float) -> int:
         """Block until the trainer has trained step n; returns its step then. JobDied if the
@@ -338,12 +346,21 @@ class TrainJob:
         from asyncrl.control.ledger import audit
 
         trained = self.final_trained_ids()
+        with self.observe() as q:
+            return audit(q, trained)
+
+    @contextlib.contextmanager
+    def observe(self):
+        """A RolloutQueue (ledger on) on the run's Redis, running or not: for a stopped job the
+        embedded server is started on its data dir (AOF) while the block runs."""
         if self.running():
             q = self.queue()
             try:
-                return audit(q, trained)
+                yield q
             finally:
                 q.close()
+            return
+        from asyncrl.queue import RolloutQueue
         from asyncrl.queue.server import EmbeddedRedis
 
         password = None
@@ -353,11 +370,9 @@ class TrainJob:
 
             password = unquote(urlsplit(url).password or "") or None
         with EmbeddedRedis(self.run_dir / "redis", aof=True, password=password) as server:
-            from asyncrl.queue import RolloutQueue
-
             q = RolloutQueue.connect(server.url, self.run_name, ledger=True, consumer="job-observer")
             try:
-                return audit(q, trained)
+                yield q
             finally:
                 q.close()
 

@@ -4,6 +4,7 @@ bench/generate.py): its keys, and the heartbeat's, are a contract."""
 from __future__ import annotations
 
 from asyncrl.control.step_metrics import reward_failures
+from asyncrl.queue.readback import parse_heartbeat
 from asyncrl.rollout.stats import GeneratorStats
 
 STATS_KEYS = {
@@ -52,9 +53,11 @@ def test_stats_dict_and_heartbeat_keep_their_keys():
 
 
 def test_the_trainer_sums_the_generators_reward_failures_from_their_heartbeats():
-    values = {k: 0 for k in STATS_KEYS}
+    values = {k: 0 for k in STATS_KEYS} | {"weights_blocked": None, "tokens_per_s": 0.0}
     g0 = GeneratorStats(**{**values, "generator_id": "g0", "reward_errors": 3, "reward_timeouts": 1})
     g1 = GeneratorStats(**{**values, "generator_id": "g1", "reward_errors": 2, "reward_timeouts": 5})
     older = {"version": 0, "groups": 1}  # a heartbeat without the counts (a generator of an older release)
-    gens = {"g0": g0.heartbeat(), "g1": g1.heartbeat(), "g2": older}
+    # As the trainer reads them: checked (asyncrl.queue.readback), so what a generator writes must pass.
+    beats = {"g0": g0.heartbeat(), "g1": g1.heartbeat(), "g2": older}
+    gens = {gid: parse_heartbeat({**beat, "heartbeat": 1.0}) for gid, beat in beats.items()}
     assert reward_failures(gens) == {"rollout/reward_errors": 5.0, "rollout/reward_timeouts": 6.0}

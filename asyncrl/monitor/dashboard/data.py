@@ -23,6 +23,8 @@ import msgpack
 from asyncrl.config import redact_config
 from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts, state_alerts
 from asyncrl.queue import keys
+from asyncrl.queue.readback import count, parse_heartbeat
+from asyncrl.queue.records import unpack_small
 
 STATE_INT_FIELDS = ("policy_version", "weights_version", "max_staleness", "groups_per_step")
 STATE_FLOAT_FIELDS = (
@@ -90,7 +92,10 @@ def _decode_entry(fields: dict[bytes, bytes]) -> dict[str, Any] | None:
 
 
 def list_runs(client: Any) -> list[str]:
-    return sorted(_text(r) for r in client.smembers(keys.RUNS))
+    """The runs this Redis names; a name no run could have (empty, with ':', or past 200
+    characters: some other client added it) is left out, so no page fails on it."""
+    names = (_text(r) for r in client.smembers(keys.RUNS))
+    return sorted(n for n in names if n and ":" not in n and len(n) <= 200)
 
 
 def run_exists(client: Any, run: str) -> bool:
@@ -115,7 +120,7 @@ def read_state(client: Any, run: str) -> dict[str, Any]:
     for name, value in raw.items():
         if name in STATE_INT_FIELDS:
             try:
-                out[name] = int(value)
+                out[name] = count(int(value), name)
             except ValueError:
                 out[name] = None
         elif name in STATE_FLOAT_FIELDS:
@@ -127,13 +132,14 @@ def read_state(client: Any, run: str) -> dict[str, Any]:
                 gate = None
             out[name] = json_safe(gate) if isinstance(gate, dict) else None
         elif name == "config":
+            # The trainer publishes it redacted; redacted here too, so that no viewer sees a
+            # secret an older trainer (or anyone who can write to Redis) put there. Too deep
+            # to parse or copy is as unreadable as not JSON.
             try:
                 config = json.loads(value)
-            except json.JSONDecodeError:
-                config = None
-            # The trainer publishes it redacted; redacted here too, so that no viewer sees a
-            # secret an older trainer (or anyone who can write to Redis) put there.
-            out[name] = json_safe(redact_config(config)) if isinstance(config, dict) else None
+                out[name] = json_safe(redact_config(config)) if isinstance(config, dict) else None
+            except (ValueError, RecursionError):
+                out[name] = None
         else:
             out[name] = value
     return out
@@ -144,8 +150,8 @@ def read_counters(client: Any, run: str) -> dict[str, int]:
     out = {name: 0 for name in COUNTER_FIELDS}
     for name, value in raw.items():
         try:
-            out[name] = int(float(value))
-        except ValueError:
+            out[name] = count(int(value), name)
+        except ValueError:  # not a count: some other client wrote it
             continue
     return out
 
@@ -177,18 +183,14 @@ def read_generators(
     """
     out = []
     for gid, raw in client.hgetall(keys.generators(run)).items():
-        try:
-            rec = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, TypeError):
+        try:  # checked as the trainer checks it (asyncrl.queue.readback); a bad one is not shown
+            beat = parse_heartbeat(unpack_small(raw))
+        except Exception:
             continue
-        if not isinstance(rec, dict):
-            continue
-        version = rec.get("version")
-        version = int(version) if isinstance(version, (int, float)) else None
-        heartbeat = json_float(rec.get("heartbeat"))
-        lag = policy_version - version if policy_version is not None and version is not None else None
-        age = now - heartbeat if heartbeat is not None else None
-        if age is None or age > heartbeat_timeout_s:
+        version, heartbeat = beat.version, beat.heartbeat
+        lag = policy_version - version if policy_version is not None else None
+        age = now - heartbeat
+        if age > heartbeat_timeout_s:
             status = "gone"
         elif lag is not None and max_staleness is not None and lag > max_staleness:
             status = "lagging"
@@ -201,10 +203,10 @@ def read_generators(
                 "lag": lag,
                 "heartbeat": heartbeat,
                 "heartbeat_age_s": age,
-                "groups": rec.get("groups"),
-                "tokens_per_s": json_float(rec.get("tokens_per_s")),
-                "reward_failure_rate": json_float(rec.get("reward_failure_rate")),
-                "reward_last_failure": _text(rec.get("reward_last_failure") or "")[:300],
+                "groups": beat.groups,
+                "tokens_per_s": beat.tokens_per_s,
+                "reward_failure_rate": beat.reward_failure_rate,
+                "reward_last_failure": beat.reward_last_failure[:300],
                 "status": status,
             }
         )
@@ -221,8 +223,8 @@ def latest_metrics(client: Any, run: str, window: int = LATEST_WINDOW) -> tuple[
         if entry is None:
             continue
         is_trainer = entry.get("source", "trainer") == "trainer"
-        if is_trainer and step is None:
-            step = entry.get("step")
+        if is_trainer and step is None and isinstance(entry.get("step"), int):
+            step = entry["step"]
         for name, value in entry["metrics"].items():
             name = _text(name)
             if name in from_trainer or (name in latest and not is_trainer):
@@ -262,7 +264,8 @@ def read_series(
             if not matches_names(name, wanted):
                 continue
             s = series.setdefault(name, {"step": [], "time": [], "value": [], "source": []})
-            s["step"].append(entry.get("step"))
+            step = entry.get("step")
+            s["step"].append(step if isinstance(step, int) and not isinstance(step, bool) else None)
             s["time"].append(json_float(entry.get("time")))
             s["value"].append(json_float(value))
             s["source"].append(_text(entry.get("source", "trainer")))
