@@ -95,7 +95,7 @@ class LoadWatch:
             result.engines,
             cause,
         )
-        self.run_state.set_state(**{STATE_FIELD: self.failing.describe(now)})
+        self.run_state.set_state(weights_unloadable=self.failing.describe(now))  # STATE_FIELD
         self._next_say = 0.0  # said at the next check
 
     def _clear(self, why: str) -> None:
@@ -103,15 +103,11 @@ class LoadWatch:
             return
         log.warning("the generators load weights again (%s): training goes on", why)
         self.failing = None
-        self.run_state.set_state(**{STATE_FIELD: None})
+        self.run_state.set_state(weights_unloadable=None)  # STATE_FIELD
 
     def _recovered(self, failing: FailingLoad) -> bool:
         """A generator (own or elastic) reports the failing version or a newer one."""
-        for info in self.run_state.generators().values():
-            version = info.get("version")
-            if isinstance(version, int) and not isinstance(version, bool) and version >= failing.version:
-                return True
-        return False
+        return any(beat.version >= failing.version for beat in self.run_state.generators().values())
 
     def check(self) -> None:
         """Say what is failing (every LOG_EVERY_S); raise WeightsUnloadable past the limits."""

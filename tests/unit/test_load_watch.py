@@ -11,6 +11,7 @@ import pytest
 from asyncrl.control import loads
 from asyncrl.control.loads import LoadWatch, WeightsUnloadable
 from asyncrl.infra import ExpectedFailure
+from asyncrl.queue.readback import Heartbeat
 from asyncrl.sync import PublishResult
 
 RAY_ERROR = (
@@ -28,7 +29,7 @@ class RunState:
     def __init__(self) -> None:
         self.counters: dict[str, int] = {}
         self.state: dict[str, str] = {}
-        self.beats: dict[str, dict] = {"gen-0": {"version": 0}, "gen-1": {"version": 0}}
+        self.beats = {"gen-0": Heartbeat(heartbeat=1.0), "gen-1": Heartbeat(heartbeat=1.0)}
 
     def incr_many(self, counts: dict[str, int]) -> None:
         for k, n in counts.items():
@@ -41,7 +42,7 @@ class RunState:
             else:
                 self.state[k] = v
 
-    def generators(self) -> dict[str, dict]:
+    def generators(self) -> dict[str, Heartbeat]:
         return self.beats
 
 
@@ -119,7 +120,7 @@ def test_a_generator_that_loads_the_version_on_its_own_ends_the_streak(clock, ca
     rs = RunState()
     watch = LoadWatch(rs, max_failures=2, deadline_s=10.0)
     watch.note(failed(4))
-    rs.beats["gen-1"]["version"] = 4  # its retry loaded v4
+    rs.beats["gen-1"] = Heartbeat(heartbeat=2.0, version=4)  # its retry loaded v4
     with caplog.at_level(logging.WARNING, logger="asyncrl.control.loads"):
         clock.now += 50
         watch.check()
