@@ -23,6 +23,7 @@ from asyncrl.control.watchdog import GeneratorWatchdog
 from asyncrl.data.batch import build_minibatches
 from asyncrl.monitor.dashboard.data import thresholds_of
 from asyncrl.monitor.metrics import Thresholds, evaluate_alerts
+from asyncrl.queue.readback import Heartbeat, parse_heartbeat
 from asyncrl.rollout.completions import Completion
 from asyncrl.rollout.envs import make_env
 from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY
@@ -206,13 +207,17 @@ def test_a_failure_rate_above_the_threshold_is_announced_naming_the_reward(tok):
     assert "DownVerifier.reward raised ConnectionError" in beat["reward_last_failure"]
 
     dog = GeneratorWatchdog([], None, 60.0, reward_failure_alert=0.5)  # type: ignore[arg-type]
-    (news,) = dog.news({"gen-0": beat})
+
+    def hb(record: dict) -> Heartbeat:  # as the trainer reads it back from Redis
+        return parse_heartbeat({"heartbeat": 1.0, **record})
+
+    (news,) = dog.news({"gen-0": hb(beat)})
     assert "gen-0: 100% of its latest reward scorings failed" in news and "DownVerifier.reward raised" in news
-    assert dog.news({"gen-0": beat}) == []  # said once
-    assert dog.news({"gen-0": {**beat, "reward_failure_rate": 0.1}}) == [
+    assert dog.news({"gen-0": hb(beat)}) == []  # said once
+    assert dog.news({"gen-0": hb({**beat, "reward_failure_rate": 0.1})}) == [
         "gen-0: rewards score again (10% of the latest failed)"
     ]
-    assert dog.news({"gen-0": {"version": 1}}) == []  # an older generator's heartbeat: nothing to say
+    assert dog.news({"gen-0": hb({"version": 1})}) == []  # an older generator's heartbeat: nothing to say
 
     alerts = evaluate_alerts(
         {},

@@ -53,7 +53,12 @@ def test_stats_dict_and_heartbeat_keep_their_keys():
 
 
 def test_the_trainer_sums_the_generators_reward_failures_from_their_heartbeats():
-    values = {k: 0 for k in STATS_KEYS} | {"weights_blocked": None, "tokens_per_s": 0.0}
+    values = {k: 0 for k in STATS_KEYS} | {
+        "weights_blocked": None,
+        "tokens_per_s": 0.0,
+        "reward_failure_rate": None,
+        "reward_last_failure": "",
+    }
     g0 = GeneratorStats(**{**values, "generator_id": "g0", "reward_errors": 3, "reward_timeouts": 1})
     g1 = GeneratorStats(**{**values, "generator_id": "g1", "reward_errors": 2, "reward_timeouts": 5})
     older = {"version": 0, "groups": 1}  # a heartbeat without the counts (a generator of an older release)

@@ -49,14 +49,24 @@ def test_shm_writer_ignores_a_planted_symlink_and_writes_0600(tmp_path):
 
 
 def test_learner_writer_ignores_a_planted_symlink_and_writes_0600(tmp_path):
-    # Rank 0's write path alone, on a plain module (no process group needed for one rank).
+    # Rank 0's write path alone, on an unsharded model (no process group needed for one rank).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=4,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
     actor = LearnerActor.__new__(LearnerActor)
-    actor.rank, actor.version, actor.model = 0, 7, torch.nn.Linear(2, 3)
+    actor.rank, actor.version, actor.model = 0, 7, LlamaForCausalLM(config)
     path = str(tmp_path / "asyncrl-run-v7.safetensors")
     victim = tmp_path / "victim"
     planted = _plant(path, victim)
     assert actor.write_weights(path) == 7
     assert victim.read_text() == "do not touch" and os.path.islink(planted)
     assert _mode(path) == 0o600
-    assert load_file(path)["weight"].shape == (3, 2)
+    assert load_file(path)["lm_head.weight"].shape == (8, 4)
     assert len(os.listdir(tmp_path)) == 3  # no temp file left behind
