@@ -39,6 +39,7 @@ from asyncrl.data.contract import MAX_ID_CHARS, RecordContract, check_group
 from asyncrl.queue import keys
 from asyncrl.queue.records import MAX_SMALL_RECORD, unpack_small
 from asyncrl.queue.reissue import StaleDrops, note_of
+from asyncrl.queue.scripts import INCR_MANY
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger("asyncrl.queue")
@@ -89,9 +90,9 @@ class Intake:
             "dropped_stale": len(self.dropped),
             "duplicates": self.duplicates,
         }
-        for name, n in {**counts, **self.stale.counts}.items():
-            if n:
-                pipe.hincrby(keys.counters(run), name, n)
+        args = [x for name, n in {**counts, **self.stale.counts}.items() if n for x in (name, n)]
+        if args:  # a counter another client overwrote with text must not fail the MULTI
+            pipe.register_script(INCR_MANY)(keys=[keys.counters(run)], args=args, client=pipe)
 
 
 def _peek_group_id(data: bytes) -> str | None:

@@ -45,6 +45,7 @@ from asyncrl.queue.records import from_text, to_text, unpack_small
 from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
 from asyncrl.queue.scripts import (
     DROP_ADMITTED,
+    INCR_MANY,
     NEXT_INCARNATION,
     RELEASE_ADMISSION,
     RELEASE_INFLIGHT,
@@ -77,6 +78,7 @@ class RunState:
         self._retire_weights = client.register_script(RETIRE_WEIGHTS)
         self._restart_admission = client.register_script(RESTART_ADMISSION)
         self._next_incarnation = client.register_script(NEXT_INCARNATION)
+        self._incr_many = client.register_script(INCR_MANY)
         self._say = LogOnce(log)
         self._owned: dict[FieldT, EncodableT] = {}  # state fields this process wrote last (reassert_owned)
         self._owned_lock = threading.Lock()
@@ -218,16 +220,14 @@ class RunState:
     # ------------------------------------------------------------------ counters
 
     def incr(self, name: str, n: int = 1) -> int:
-        return int(self._retry(self._r.hincrby, self._k_counters, name, n))
+        """Add to a counter; returns its new value (a field overwritten with text restarts at 0)."""
+        return int(self._retry(self._incr_many, keys=[self._k_counters], args=[name, n]))
 
     def incr_many(self, counts: dict[str, int]) -> None:
-        """Add to several counters in one transaction."""
-
-        def build(pipe: redis.client.Pipeline) -> None:
-            for name, n in counts.items():
-                pipe.hincrby(self._k_counters, name, n)
-
-        self._transaction(build)
+        """Add to several counters in one step (scripts.INCR_MANY)."""
+        if counts:
+            args = [x for name, n in counts.items() for x in (name, n)]
+            self._retry(self._incr_many, keys=[self._k_counters], args=args)
 
     def pop_reissued(self) -> ReissuedPrompt | None:
         """A prompt whose group was dropped as stale, to run again (asyncrl.queue.reissue);

@@ -8,7 +8,20 @@ Redis runs a script without interleaving other commands, so concurrent producers
 overshoot `maxlen` and concurrent generators cannot overshoot the admission budget.
 """
 
-PUT_BOUNDED = """
+INCR = """
+-- HINCRBY, but a field another client overwrote with text (or a number past 64 bits) is first
+-- set back to 0: a bad counter costs its own count, never every caller's call (HINCRBY on
+-- text is an error, which would end the trainer or stop every generator's admission).
+local function incr(key, field, n)
+  local cur = redis.call('HGET', key, field)
+  if cur and not (string.match(cur, '^%-?%d+$') and #cur < 19) then redis.call('HSET', key, field, 0) end
+  return redis.call('HINCRBY', key, field, n)
+end
+"""
+
+PUT_BOUNDED = (
+    INCR
+    + """
 -- KEYS[1] rollouts stream, KEYS[2] counters hash, KEYS[3] produced-ids set (the ledger),
 -- KEYS[4] (optional) the producing generator's in-flight hash;
 -- ARGV[1] maxlen, ARGV[2] '1' to record group ids in the ledger, ARGV[3] n, then n records,
@@ -34,11 +47,14 @@ for i = 1, n do
   if KEYS[4] then redis.call('HDEL', KEYS[4], ARGV[3 + 2 * n + i]) end
   room = room - 1
 end
-if #ids > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', #ids) end
+if #ids > 0 then incr(KEYS[2], 'groups_produced', #ids) end
 return ids
 """
+)
 
-TRY_ADMIT = """
+TRY_ADMIT = (
+    INCR
+    + """
 -- KEYS[1] state hash, KEYS[2] counters hash, KEYS[3] (optional) a generator's in-flight hash;
 -- ARGV[1] n, and with KEYS[3]: ARGV[2] prompt id, ARGV[3] its note (n must be 1), and
 -- optionally ARGV[4] the version of the weights the group will be sampled with.
@@ -61,43 +77,52 @@ local gps = tonumber(redis.call('HGET', KEYS[1], 'groups_per_step') or '')
 if ms == nil or gps == nil then return -1 end
 local m = tonumber(redis.call('HGET', KEYS[1], 'mini_batches_per_step') or '1')
 local v = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
-local started = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0')
--- A field some other client overwrote with text is no budget: refuse until the trainer
+local started = incr(KEYS[2], 'groups_started', 0)  -- text another client wrote counts as 0
+-- A state field some other client overwrote with text is no budget: refuse until the trainer
 -- writes it again (RunState.reassert_owned), rather than fail every generator's call.
-if m == nil or v == nil or started == nil or m < 1 then return 0 end
+if m == nil or v == nil or m < 1 then return 0 end
 if ARGV[4] then v = math.min(v, tonumber(ARGV[4])) end
 if started + n <= math.floor((v + ms + 1) / m) * gps then
-  redis.call('HINCRBY', KEYS[2], 'groups_started', n)
+  incr(KEYS[2], 'groups_started', n)
   if KEYS[3] then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
   return 1
 end
 return 0
 """
+)
 
-RELEASE_ADMISSION = """
+RELEASE_ADMISSION = (
+    INCR
+    + """
 -- KEYS[1] counters hash; ARGV[1] n. groups_started -= n, never below 0; returns the new value.
-local left = redis.call('HINCRBY', KEYS[1], 'groups_started', -tonumber(ARGV[1]))
+local left = incr(KEYS[1], 'groups_started', -tonumber(ARGV[1]))
 if left < 0 then
   redis.call('HSET', KEYS[1], 'groups_started', 0)
   left = 0
 end
 return left
 """
+)
 
-RELEASE_INFLIGHT = """
+RELEASE_INFLIGHT = (
+    INCR
+    + """
 -- KEYS[1] counters hash, KEYS[2] a generator's in-flight hash. Hands back the admission of
 -- every prompt still noted there (groups_started -= count, never below 0) and deletes the
 -- notes, in one step, so a retry after a lost reply releases nothing twice. Returns the count.
 local n = redis.call('HLEN', KEYS[2])
 if n > 0 then
-  local left = redis.call('HINCRBY', KEYS[1], 'groups_started', -n)
+  local left = incr(KEYS[1], 'groups_started', -n)
   if left < 0 then redis.call('HSET', KEYS[1], 'groups_started', 0) end
   redis.call('DEL', KEYS[2])
 end
 return n
 """
+)
 
-DROP_ADMITTED = """
+DROP_ADMITTED = (
+    INCR
+    + """
 -- KEYS[1] counters hash, KEYS[2] a generator's in-flight hash; ARGV[1] prompt id, ARGV[2] the
 -- counter to raise. A finished group the generator will not put (rollout.drop_uniform_groups):
 -- its note is deleted, its admission handed back (groups_started -= 1, never below 0) and the
@@ -105,11 +130,12 @@ DROP_ADMITTED = """
 -- reply counts nothing twice and a prompt is never both dropped and re-issued by a successor.
 -- Returns 1 if dropped now, 0 if the note was already gone.
 if redis.call('HDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
-local left = redis.call('HINCRBY', KEYS[1], 'groups_started', -1)
+local left = incr(KEYS[1], 'groups_started', -1)
 if left < 0 then redis.call('HSET', KEYS[1], 'groups_started', 0) end
-redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+incr(KEYS[1], ARGV[2], 1)
 return 1
 """
+)
 
 RETIRE_WEIGHTS = """
 -- KEYS[1] state hash. A trainer starting on this run (fresh or resumed): forget the announced
@@ -156,3 +182,14 @@ if raw and not (string.match(raw, '^%d+$') and #raw < 16) then
 end
 return {redis.call('INCR', KEYS[1]), repaired}
 """
+
+INCR_MANY = (
+    INCR
+    + """
+-- KEYS[1] counters hash; ARGV: field, n, field, n, ... Adds each n to its field by incr's rule
+-- (a field overwritten with text restarts from 0). Returns the last field's new value.
+local v = 0
+for i = 1, #ARGV, 2 do v = incr(KEYS[1], ARGV[i], tonumber(ARGV[i + 1])) end
+return v
+"""
+)

@@ -14,9 +14,10 @@ of rounds), then the run must finish, and so must a resume:
   dashboard (polled throughout) keep going;
 - the ledger of the real groups balances (queue.ledger=true) after the run and after the resume.
 
-Not written: the counters hash (the Lua scripts and HINCRBY of the run's own counters refuse a
-non-integer field) and the ledger's own sets (the produced and dropped ids are this test's
-instrument, not the run's input). To cover a new key, add a writer to `ROUND`.
+Also the counters hash: a count rewritten with text or past 64 bits restarts at 0 (admission
+included, whose budget the trainer's drops and re-issues then bound). Not written: the
+ledger's own sets (the produced and dropped ids are this test's instrument, not the run's
+input). To cover a new key, add a writer to `ROUND`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def _other_keys(c: redis.Redis, run: str, r: int) -> None:
     c.xadd(keys.metrics(run), {keys.RECORD_FIELD: b"\xc1"})
     c.xadd(keys.metrics(run), {keys.RECORD_FIELD: msgpack.packb({"step": float("inf"), "metrics": {"x": "y"}})})
     c.xadd(keys.deadletter(run), {b"junk": b"1"})
+    c.hset(keys.counters(run), mapping={"groups_started": "many", "dropped_stale": "1e999", "duplicates": "9" * 30})
     c.sadd(keys.RUNS, f"ghost-{r}", "bad:run", "")
     c.hset(
         keys.state(run),

@@ -121,9 +121,18 @@ def test_garbage_read_back_from_redis_is_skipped_by_every_reader(redis_url):
     raw.hset(state, mapping={"policy_version": "x", "weights_location": "/x", "weights_version": "1e999"})
     assert rs.policy_version() == 0 and rs.weights() == (None, -1)
     assert rs.try_admit() is False
+    # A counter rewritten with text (or past 64 bits) restarts at 0 for every writer: no
+    # generator's admission and no trainer's count fails on it.
     raw.hset(keys.counters(RUN), "groups_started", "many")
     raw.hset(state, "policy_version", 3)
-    assert rs.try_admit() is False
+    assert rs.try_admit() is True and rs.counters()["groups_started"] == 1  # text counted as 0
+    raw.hset(keys.counters(RUN), mapping={"dropped_stale": "lots", "dead_lettered": "99999999999999999999"})
+    rs.incr_many({"dropped_stale": 2, "dead_lettered": 1})
+    assert rs.incr("duplicates") == 1
+    raw.hset(keys.counters(RUN), "duplicates", "x")
+    assert rs.incr("duplicates", 3) == 3
+    c = rs.counters()
+    assert c["dropped_stale"] == 2 and c["dead_lettered"] == 1 and c["groups_started"] == 1
     raw.hset(keys.counters(RUN), "groups_started", 0)
     json.dumps(run_snapshot(raw, RUN), allow_nan=False)
     # ... until the trainer writes its own fields again.
