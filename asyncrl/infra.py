@@ -1,5 +1,5 @@
-"""Host and Ray helpers every layer may use: a free port, a Ray actor's state, a URL with its
-password removed, and the one base class of the failures a command reports as one line
+"""Host and Ray helpers every layer may use: a free port, a Ray actor's state, stopping
+processes, a URL with its password removed, and the one base class of the failures a command reports as one line
 (`ExpectedFailure`).
 
 Imports nothing from asyncrl (and Ray only inside ``actor_state``), so the queue, the weight
@@ -8,6 +8,8 @@ sync, the learner and the driver all take them from here instead of from each ot
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import sys
 import traceback
@@ -22,6 +24,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def stop_processes(procs: list, grace_s: float) -> None:
+    """SIGTERM each psutil.Process, then SIGKILL those still alive after `grace_s`.
+
+    SIGTERM first: vLLM's engine processes unlink their /dev/shm segments when terminated,
+    not when killed. SIGCONT after it: a stopped (hung, SIGSTOPped) process would otherwise
+    hold the SIGTERM pending until the SIGKILL."""
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)
+    _, still = psutil.wait_procs(procs, timeout=grace_s)
+    for p in still:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(still, timeout=grace_s)
 
 
 STARTING = ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY")

@@ -41,6 +41,8 @@ import sys
 import time
 from collections.abc import Iterable
 
+from asyncrl.infra import stop_processes
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
@@ -97,15 +99,7 @@ def terminate(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
         with contextlib.suppress(psutil.Error):
             procs.append(psutil.Process(pid))
     segments = _shm_segments(p.pid for p in procs)
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)
-    _, still = psutil.wait_procs(procs, timeout=grace_s)
-    for p in still:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(still, timeout=grace_s)
+    stop_processes(procs, grace_s)
     for path in segments:
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -417,7 +417,8 @@ class RunState:
         try:
             return parse_engine_pids(unpack_small(raw))
         except Exception as e:
-            log.warning("%s: engine record in Redis unreadable (%s); nothing reaped from it", generator_id, e)
+            why = str(e)[:200]
+            self._say((generator_id, "engine", why), "%s: ignoring its engine record in Redis: %s", generator_id, why)
             return None
 
     def set_engine_record(self, generator_id: str, record: dict[str, Any] | None) -> None:

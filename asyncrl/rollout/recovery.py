@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import re
-import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
-from asyncrl.queue.readback import parse_note
+from asyncrl.infra import stop_processes
+from asyncrl.queue.readback import SHM_SEGMENT, parse_note
 from asyncrl.queue.runstate import RunState, unpack_small
 from asyncrl.rollout.prompts import PromptItem
 
@@ -59,24 +56,10 @@ def live_processes(records: list[list]) -> list:
 
 
 def reap_processes(records: list[list], timeout_s: float = 10.0) -> list[int]:
-    """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped.
-
-    SIGTERM first: vLLM's engine processes unlink their /dev/shm segments when terminated,
-    not when killed. SIGCONT after it: a stopped (hung, SIGSTOPped) process would otherwise
-    hold the SIGTERM pending until the SIGKILL.
-    """
-    import psutil
-
+    """SIGTERM (then SIGKILL) each still-living [pid, create_time]; return the pids reaped
+    (infra.stop_processes)."""
     alive = live_processes(records)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)
-    _, still = psutil.wait_procs(alive, timeout=timeout_s)
-    for p in still:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(still, timeout=timeout_s)
+    stop_processes(alive, timeout_s)
     return [p.pid for p in alive]
 
 
@@ -90,10 +73,6 @@ def is_resource_tracker(proc) -> bool:
         return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
     except psutil.Error:
         return False
-
-
-SHM_SEGMENT = re.compile(r"/dev/shm/psm_[0-9a-f]{1,32}")
-"""The only paths ``unlink_segments`` will delete (names come back from Redis: never trust them)."""
 
 
 def unlink_segments(paths: list[str]) -> list[str]:
@@ -126,8 +105,6 @@ def shm_segments_of(pids: list[int]) -> set[str]:
 
 ENGINE_OWNER_ENV = "ASYNCRL_ENGINE_OWNER"
 """Set in a generator's environment before its engine starts: ``<run>/<generator id>``."""
-MAX_RECORD_ITEMS = 256
-"""More pids or segments than any engine has: a record past it is not one we wrote."""
 
 _warned: set[tuple[str, str]] = set()
 
@@ -167,56 +144,6 @@ def _zombie(proc) -> bool:
         return True
 
 
-def parse_engine_record(generator_id: str, record: object) -> EngineRecordData | None:
-    """The record as read from Redis, checked field by field; None (logged once) if malformed."""
-
-    def bad(why: str) -> None:
-        _warn_once(generator_id, "ignoring its engine record in Redis: %s", why)
-
-    if not isinstance(record, dict):
-        bad(f"not a mapping ({type(record).__name__})")
-        return None
-    host, pids, segments, started = (record.get(k) for k in ("host", "pids", "segments", "started"))
-    if not isinstance(host, str) or not isinstance(started, bool):
-        bad("host must be text and started a bool")
-        return None
-    if not isinstance(pids, list) or len(pids) > MAX_RECORD_ITEMS:
-        bad(f"pids must be a list of at most {MAX_RECORD_ITEMS} [pid, create_time] pairs")
-        return None
-    checked: list[tuple[int, float]] = []
-    for item in pids:
-        ok = isinstance(item, (list, tuple)) and len(item) == 2
-        pid, created = item if ok else (None, None)
-        if not (
-            ok
-            and isinstance(pid, int)
-            and not isinstance(pid, bool)
-            and 1 < pid < 2**22
-            and isinstance(created, (int, float))
-            and math.isfinite(created)
-        ):
-            bad(f"pids holds {item!r:.80}, not a [pid, create_time] pair")
-            return None
-        checked.append((pid, float(created)))
-    if not isinstance(segments, list) or len(segments) > MAX_RECORD_ITEMS:
-        bad(f"segments must be a list of at most {MAX_RECORD_ITEMS} paths")
-        return None
-    if not all(isinstance(p, str) and SHM_SEGMENT.fullmatch(p) for p in segments):
-        bad("segments must be /dev/shm/psm_<hex> paths")
-        return None
-    return EngineRecordData(host, checked, list(segments), started)
-
-
-@dataclass(frozen=True)
-class EngineRecordData:
-    """A predecessor's engine record, as validated from Redis (not yet proof of anything)."""
-
-    host: str
-    pids: list[tuple[int, float]]
-    segments: list[str]
-    started: bool
-
-
 def _mapped_segments() -> set[str]:
     """Every /dev/shm/psm_* segment some process of this user maps."""
     uid = os.getuid()
@@ -232,15 +159,12 @@ def reap_predecessor(run_state: RunState, generator_id: str) -> bool:
     """Kill a crashed predecessor's orphaned engine processes and delete its leaked segments
     (on this host only: elsewhere the pids mean nothing); return whether it was generating.
     Only processes whose environment names this generator of this run are touched."""
-    raw = run_state.engine_record(generator_id)
-    if raw is None:
-        return False
-    record = parse_engine_record(generator_id, raw)
+    record = run_state.engine_pids(generator_id)  # checked (readback.parse_engine_pids); None if bad
     if record is None:
         return False
     if record.host == socket.gethostname():
         owner = engine_owner(run_state.run, generator_id)
-        alive = [p for p in live_processes([list(p) for p in record.pids]) if not _zombie(p)]
+        alive = [p for p in live_processes(record.pids) if not _zombie(p)]
         ours = [p for p in alive if _owned_by(p.pid, owner)]
         foreign = sorted(p.pid for p in alive if p not in ours)
         if foreign:
