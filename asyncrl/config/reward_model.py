@@ -68,6 +68,19 @@ class RewardModelInfo:
         return f"{self.architecture}, reward = P({self.labels[self.label_index]!r}) over {len(self.labels)} labels"
 
 
+def read_config_json(path: Path, key: str) -> dict:
+    """A model directory's config.json as a JSON object; ConfigError naming ``key`` otherwise."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: no config.json in it (not a Hugging Face model directory)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{key}: its config.json cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}: its config.json is not a JSON object")
+    return config
+
+
 def read_reward_model(where: str, spec: RewardModelConfig) -> RewardModelInfo:
     """``spec.model``'s config.json as a sequence classifier whose output ``spec.label`` picks;
     ConfigError naming ``where`` (e.g. 'rollout.rewards[1]') and the path otherwise."""
@@ -79,14 +92,7 @@ def read_reward_model(where: str, spec: RewardModelConfig) -> RewardModelInfo:
             f"{key}: {what}; a reward model is a local directory written by save_pretrained "
             f"(download a hub model first, e.g. `hf download ID --local-dir DIR`)"
         )
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{key}: no config.json in it (not a Hugging Face model directory)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{key}: its config.json cannot be read as JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{key}: its config.json is not a JSON object")
+    config = read_config_json(path, key)
     architectures = config.get("architectures") or []
     classifiers = [a for a in architectures if isinstance(a, str) and a.endswith("ForSequenceClassification")]
     if not classifiers:

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 from asyncrl.config import ConfigError
+from asyncrl.config.reward_model import read_config_json
 
 HUB_TIMEOUT_S = 5.0
 """How long --check waits for the hub to say whether a model id exists."""
@@ -62,13 +63,8 @@ def check_model_dir(path: Path, key: str) -> str:
     """config.json, weights and a tokenizer in a local directory (ConfigError naming what is missing)."""
     if not path.is_dir():
         raise ConfigError(f"{key}: not a directory (a model is a directory written by save_pretrained)")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{key}: no config.json in it (not a Hugging Face model directory)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{key}: its config.json cannot be read as JSON: {e}") from None
-    if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
+    config = read_config_json(path, key)
+    if not (config.get("model_type") or config.get("architectures")):
         raise ConfigError(f"{key}: its config.json names no model_type or architectures")
     weights = sorted({p.name for pattern in WEIGHT_PATTERNS for p in path.glob(pattern) if p.is_file()})
     for index in WEIGHT_INDEXES:
