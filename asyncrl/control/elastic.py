@@ -83,12 +83,6 @@ def job_config(
     if job is None:
         raise ConfigError(f"run {run!r} has no config in Redis: is its trainer running (asyncrl train) on this Redis?")
     password = run_state.password
-    if password is not None and not job.signed_for(run, password):
-        why = "carries no signature" if job.signature is None else "has a signature that does not match it"
-        raise ConfigError(
-            f"run {run!r}: the job's config in Redis {why} under this queue password, so its "
-            f"trainer did not write it as it is (or signs with another password): refusing to run it"
-        )
     seen = job.trainer_fingerprint
     if trust_key is not None:
         if seen != trust_key or not job.trainer_signed(run):
@@ -103,6 +97,17 @@ def job_config(
                 f"run {run!r}: the job's config in Redis {why}, not by the trainer key this generator "
                 f"trusts (--trust-key {trust_key}): refusing to run it"
             )
+    elif password is not None and not job.signed_for(run, password):
+        # Checked only when the trainer's key is not pinned: the pinned key's signature proves
+        # more, and a generator holding the run's generator credential (a Redis user of its own,
+        # not the queue password) cannot check this one.
+        why = "carries no signature" if job.signature is None else "has a signature that does not match it"
+        raise ConfigError(
+            f"run {run!r}: the job's config in Redis {why} under this queue password, so its "
+            f"trainer did not write it as it is (or signs with another password): refusing to run it; "
+            f"a generator connected with the run's generator credential pins the trainer key instead "
+            f"(--trust-key, which the trainer logs)"
+        )
     elif seen is not None and job.trainer_signed(run):
         log.warning(
             "the job's config is signed by trainer key %s, which this generator does not pin: a holder "

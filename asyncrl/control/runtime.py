@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from asyncrl.queue.server import EmbeddedRedis
     from asyncrl.sync import WeightSync
 
+GENERATOR_CREDENTIAL = "generator_url"
+"""In control.local_dir (0600): the Redis URL of the run's generator user."""
+
 log = logging.getLogger(__name__)
 
 
@@ -101,6 +104,12 @@ class Runtime:
             check_writable(run_dir)
             log.info("run dir %s; local files (Redis, metrics spool, logs) in %s", run_dir, local_dir)
         redis_url, embedded_redis = bringup.start_redis(cfg, local_dir, stack)
+        if embedded_redis is not None and embedded_redis.generator_url is not None:
+            # The run's generator user (its keys and data commands only), for elastic generators:
+            # a host given this URL and the trainer key's fingerprint never needs the queue password.
+            cred = local_dir / GENERATOR_CREDENTIAL
+            write_atomic(cred, embedded_redis.generator_url.encode(), private=True)
+            log.info("elastic generators can join as the run's generator user: --redis \"$(cat %s)\"", cred)
         queue = bringup.connect_queue(cfg, redis_url, stack)
         run_state = RunState.of(queue)
         # Before any generator exists: a predecessor's announced weights and open admission

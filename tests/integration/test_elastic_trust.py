@@ -369,3 +369,30 @@ def test_asyncrl_generate_refuses_a_config_of_the_wrong_shape(redis_url, config,
     assert rc == 2 and "Traceback" not in err, err
     line = err.strip()
     assert "\n" not in line and line.startswith("asyncrl generate: config error: run 'shape': the job's config"), line
+
+
+def test_an_elastic_generator_joins_as_the_runs_generator_user_with_the_trainer_key_pinned(tmp_path):
+    """The generator credential (a Redis user limited to the run's keys) cannot check the
+    password signature; with the trainer key pinned it needs to, and it never holds the password."""
+    server = EmbeddedRedis(tmp_path / "redis", aof=False, password=PASSWORD, generator_run="gen-user")
+    server.start()
+    try:
+        trainer_key = JobSigner.generate()
+        trainer = RunState.connect(server.url, "gen-user")
+        trainer.set_state(signer=trainer_key, config=json.dumps(_job()), model_path="/models/tiny")
+        url = server.generator_url
+        assert url is not None and PASSWORD not in url
+        gen = RunState.connect(url, "gen-user")
+        allow = ImportAllowList()
+        cfg, _ = job_config(gen, allow, redis_url=url, password=None, trust_key=trainer_key.fingerprint)
+        assert cfg.rollout.env == "copy"
+        with pytest.raises(ConfigError, match=r"pins the trainer key instead \(--trust-key"):
+            job_config(gen, allow, redis_url=url, password=None)
+        gen.close()
+        client = redis.Redis.from_url(url)
+        with pytest.raises(redis.exceptions.NoPermissionError):  # and it cannot reach another run
+            client.hset(keys.state("other-run"), "config", "{}")
+        client.close()
+        trainer.close()
+    finally:
+        server.stop()
