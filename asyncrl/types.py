@@ -18,6 +18,11 @@ import numpy as np
 
 SCHEMA_VERSION = 1
 
+MAX_ABS_REWARD = 1e6
+"""Largest |reward| a sample may carry. Far past any task's scale, yet small enough that a
+group's advantages (differences, variances: squares of rewards) stay finite in float32; a
+larger one is a bug (or a hostile record) that would end the run at the next step."""
+
 
 @dataclass
 class Sample:

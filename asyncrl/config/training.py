@@ -138,7 +138,7 @@ class ControlConfig(Section):
     """The split of eval_prompts when it is a DatasetDict directory or a hub dataset."""
     eval_temperature: float = Field(0.0, ge=0)
     """0 = greedy."""
-    eval_timeout_s: float = Field(600.0, gt=0)
+    eval_timeout_s: float = Field(600.0, gt=0, le=7 * 86400)
     """How long an evaluation may take: a held-out prompt not rolled out by then, and a
     generator that has not answered, count as eval/timeouts (one that died: eval/failed), and
     the run goes on."""
@@ -171,7 +171,7 @@ class ControlConfig(Section):
     """After this long without a full batch the trainer checks its generators: it waits on
     (saying why, once a minute) while any can run, alive or being restarted, and fails with a
     checkpoint and the resume command when none can."""
-    shutdown_grace_s: float = Field(25.0, gt=0)
+    shutdown_grace_s: float = Field(25.0, gt=0, le=86400)
     """After SIGTERM (Slurm, Kubernetes, `kill`) the run finishes or abandons its step,
     checkpoints, stops everything it started, and exits with status 143 within this many
     seconds; past them (or at a second SIGTERM) it exits at once, still stopping what it

@@ -67,8 +67,16 @@ class FailingLoad:
 class LoadWatch:
     """Follows publishes that every generator failed; see the module docstring."""
 
-    def __init__(self, run_state: RunState, *, max_failures: int | None, deadline_s: float | None):
+    def __init__(
+        self,
+        run_state: RunState,
+        *,
+        max_failures: int | None,
+        deadline_s: float | None,
+        heartbeat_timeout_s: float = 60.0,
+    ):
         self.run_state = run_state
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_failures = max_failures
         self.deadline_s = deadline_s
         self.failing: FailingLoad | None = None
@@ -106,8 +114,13 @@ class LoadWatch:
         self.run_state.set_state(weights_unloadable=None)  # STATE_FIELD
 
     def _recovered(self, failing: FailingLoad) -> bool:
-        """A generator (own or elastic) reports the failing version or a newer one."""
-        return any(beat.version >= failing.version for beat in self.run_state.generators().values())
+        """A generator (own or elastic) reports, in a fresh heartbeat, the failing version or a
+        newer one the trainer announced (a version past that is no proof: anyone can write it)."""
+        fresh_since, announced = time.time() - self.heartbeat_timeout_s, self.run_state.policy_version()
+        return any(
+            failing.version <= beat.version <= announced and beat.heartbeat >= fresh_since
+            for beat in self.run_state.generators().values()
+        )
 
     def check(self) -> None:
         """Say what is failing (every LOG_EVERY_S); raise WeightsUnloadable past the limits."""

@@ -119,7 +119,10 @@ class TrainLoop:
             reward_failure_alert=cfg.monitor.alert_reward_failure_rate,
         )
         self.load_watch = LoadWatch(
-            self.run_state, max_failures=cfg.sync.max_load_failures, deadline_s=cfg.sync.load_failure_deadline_s
+            self.run_state,
+            max_failures=cfg.sync.max_load_failures,
+            deadline_s=cfg.sync.load_failure_deadline_s,
+            heartbeat_timeout_s=cfg.rollout.heartbeat_timeout_s,
         )
         self.gate = ParityGate(cfg, self.model_path)
         self.collector = BatchCollector(

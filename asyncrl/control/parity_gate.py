@@ -55,6 +55,8 @@ TOLERANCES: dict[str, float] = {
 max |diff| bounds)."""
 OUTSIDE_FRAC = 0.01
 MAX_SEQUENCES = 64
+MAX_NAMED = 5
+"""Group ids a gate line names at most."""
 """The gate scores at most this many sequences of its batch: one forward, once per start."""
 
 
@@ -75,9 +77,20 @@ class GateResult:
     tolerance: float
     dtype: str
     mode: str
+    groups: int = 1
+    """Groups compared."""
+    disagreeing: tuple[str, ...] = ()
+    """Ids of the groups that on their own are outside the tolerance."""
 
     @property
-    def passed(self) -> bool:  # NaN compares false: never a pass
+    def passed(self) -> bool:
+        """A mismatch of the learner against the engines shows in (nearly) every group; one in a
+        minority of groups is their records' (a writer with the queue's credentials, an elastic
+        generator set up differently), named by ``line`` and not a reason to stop the run."""
+        return self.within if not self.disagreeing else 2 * len(self.disagreeing) < self.groups
+
+    @property
+    def within(self) -> bool:  # NaN compares false: never within
         return self.max_abs_diff <= self.tolerance and self.outside <= OUTSIDE_FRAC * max(self.tokens, 1)
 
     def metrics(self) -> dict[str, float]:
@@ -97,10 +110,14 @@ class GateResult:
     def line(self) -> str:
         """The console's one line."""
         outside = f", {self.outside} sampled token(s) outside the learner's top-k/top-p cut" if self.outside else ""
+        odd = ""
+        if self.disagreeing:
+            shown = ", ".join(self.disagreeing[:MAX_NAMED])
+            odd = f"; {len(self.disagreeing)} of {self.groups} groups disagree on their own ({shown})"
         return (
             f"parity gate {'passed' if self.passed else 'FAILED'} at v{self.version}: learner vs engine "
             f"log-probs on {self.tokens} tokens of {self.sequences} samples: max |diff| {self.max_abs_diff:.3g} "
-            f"(mean {self.mean_abs_diff:.3g}; tolerance {self.tolerance:g}, {self.dtype}){outside}"
+            f"(mean {self.mean_abs_diff:.3g}; tolerance {self.tolerance:g}, {self.dtype}){outside}{odd}"
         )
 
 
@@ -224,9 +241,23 @@ class ParityGate:
         logprobs = learner.compute_logprobs(chosen, self.cfg.rollout.temperature)
         used, tokens, worst, mean, outside = compare(logprobs, chosen, version)
         tol, dtype = self.tolerance(str(learner.rank_info[0].get("device", "cpu")))
-        result = GateResult(version, used, tokens, worst, mean, outside, tol, dtype, self.mode)
+        by_group: dict[str, list[int]] = {}
+        for i, seq in enumerate(chosen):
+            by_group.setdefault(seq.group_id, []).append(i)
+        disagreeing = []
+        for gid, idx in by_group.items():
+            _, g_tokens, g_worst, g_mean, g_outside = compare(
+                [logprobs[i] for i in idx], [chosen[i] for i in idx], version
+            )
+            if not GateResult(version, len(idx), g_tokens, g_worst, g_mean, g_outside, tol, dtype, self.mode).within:
+                disagreeing.append(gid[:80])
+        result = GateResult(
+            version, used, tokens, worst, mean, outside, tol, dtype, self.mode, len(by_group), tuple(disagreeing)
+        )
         self.result, self.pending = result, False
-        if result.passed:
+        if result.passed and result.disagreeing:
+            log.warning("%s: their records disagree with this run's engines; training goes on", result.line())
+        elif result.passed:
             log.info("%s", result.line())
         return result
 

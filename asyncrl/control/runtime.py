@@ -109,7 +109,7 @@ class Runtime:
             # a host given this URL and the trainer key's fingerprint never needs the queue password.
             cred = local_dir / GENERATOR_CREDENTIAL
             write_atomic(cred, embedded_redis.generator_url.encode(), private=True)
-            log.info("elastic generators can join as the run's generator user: --redis \"$(cat %s)\"", cred)
+            log.info('elastic generators can join as the run\'s generator user: --redis "$(cat %s)"', cred)
         queue = bringup.connect_queue(cfg, redis_url, stack)
         run_state = RunState.of(queue)
         # Before any generator exists: a predecessor's announced weights and open admission

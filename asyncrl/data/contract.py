@@ -13,9 +13,9 @@ writer holding the queue's password cannot end the run at the next train step.
 Rules, each a `RecordError.reason`:
 
 - ``token_out_of_range``: a prompt or response id outside [0, vocab_size).
-- ``too_long`` / ``empty_sequence``: prompt + response (the sample's own prompt when it has one)
+- ``too_long`` / ``empty_prompt``: prompt + response (the sample's own prompt when it has one)
   longer than ``max_len`` (the engine's max model length, capped by the learner's positions),
-  or no token at all.
+  or no prompt token (the first response token would be scored without context).
 - ``positive_logprob``: a rollout log-prob above ``LOGPROB_TOLERANCE``. A log-probability is
   <= 0; vLLM's float32 log-softmax can round a near-certain token to a hair above 0, so the
   tolerance is the one the learner's own check allows (asyncrl.learner.validate).
@@ -26,6 +26,8 @@ Rules, each a `RecordError.reason`:
 - ``bad_token_version``: a negative per-token version.
 - ``group_size``: not ``group_size`` samples (step-wise multi-turn: not exactly the trajectories
   0..group_size-1, or one step twice).
+- ``reward_out_of_range``: |reward| or a per-token |reward| above ``types.MAX_ABS_REWARD`` (finite,
+  yet its group's advantages would not be).
 - ``nonfinite_reward``: a NaN per-token reward on a sample whose reward succeeded (NaN is the
   failure marker only together with a failed outcome: ``error`` set or the reward NaN).
 - ``bad_id``: a group, prompt or generator id longer than ``MAX_ID_CHARS``.
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncrl.data.codec import RecordError
-from asyncrl.types import RolloutGroup, Sample
+from asyncrl.types import MAX_ABS_REWARD, RolloutGroup, Sample
 
 LOGPROB_TOLERANCE = 1e-4
 """Largest rollout log-prob accepted (float32 rounding of log-softmax near probability 1)."""
@@ -77,8 +79,10 @@ def _check_sample(group: RolloutGroup, s: Sample, c: RecordContract, where: str)
         _check_ids(s.prompt_ids, c.vocab_size, f"{where}.prompt_ids")
     _check_ids(s.response_ids, c.vocab_size, f"{where}.response_ids")
     total = int(prompt.shape[0]) + s.num_tokens
-    if total == 0:
-        raise RecordError("empty_sequence", f"{where}: no prompt and no response token")
+    if prompt.shape[0] == 0:
+        # Its first response token would be scored without context (in a packed row: from the
+        # previous sequence's last logits).
+        raise RecordError("empty_prompt", f"{where}: no prompt token ({s.num_tokens} response tokens)")
     if total > c.max_len:
         raise RecordError(
             "too_long", f"{where}: {prompt.shape[0]} prompt + {s.num_tokens} response tokens > {c.max_len}"
@@ -102,6 +106,12 @@ def _check_sample(group: RolloutGroup, s: Sample, c: RecordContract, where: str)
     succeeded = s.error is None and math.isfinite(s.reward)
     if succeeded and s.token_rewards is not None and not np.isfinite(s.token_rewards).all():
         raise RecordError("nonfinite_reward", f"{where}.token_rewards: NaN on a sample whose reward succeeded")
+    if math.isfinite(s.reward) and abs(s.reward) > MAX_ABS_REWARD:
+        raise RecordError("reward_out_of_range", f"{where}.reward {s.reward:.3g}: |reward| > {MAX_ABS_REWARD:g}")
+    if s.token_rewards is not None and s.token_rewards.size:
+        big = float(np.nanmax(np.abs(s.token_rewards))) if not np.isnan(s.token_rewards).all() else 0.0
+        if big > MAX_ABS_REWARD:
+            raise RecordError("reward_out_of_range", f"{where}.token_rewards up to {big:.3g} > {MAX_ABS_REWARD:g}")
 
 
 def _check_group_size(group: RolloutGroup, c: RecordContract) -> None:

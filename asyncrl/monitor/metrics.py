@@ -420,18 +420,19 @@ def state_alerts(parity_gate: Any = None, weights_unloadable: Any = None) -> lis
     and the reason no generator can load the announced weights (asyncrl.control.loads)."""
     alerts: list[dict[str, Any]] = []
     if isinstance(parity_gate, Mapping) and parity_gate.get("passed") is False:
-        worst, tol = parity_gate.get("max_abs_diff"), parity_gate.get("tolerance")
+        # Numbers as floats first: a JSON integer too large for a float is not a number here.
+        worst, tol = _float(parity_gate.get("max_abs_diff")), _float(parity_gate.get("tolerance"))
         # A NaN gap reaches the dashboard as null (JSON has no NaN): still a failed gate.
-        number = isinstance(worst, (int, float)) and not isinstance(worst, bool) and math.isfinite(worst)
-        if (number or worst is None) and isinstance(tol, (int, float)) and _real(tol):
+        number = worst is not None and math.isfinite(worst)
+        if (number or parity_gate.get("max_abs_diff") is None) and tol is not None and math.isfinite(tol):
             version = parity_gate.get("version")
             then = "stopped before any update" if parity_gate.get("mode") == "stop" else "trained anyway"
             gap = f"{worst:.3g}" if number else "not a number"
             alerts.append(
                 {
                     "kind": "parity_gate",
-                    "value": float(worst) if isinstance(worst, (int, float)) and number else None,
-                    "threshold": float(tol),
+                    "value": worst if number else None,
+                    "threshold": tol,
                     "message": f"parity gate failed at v{version if isinstance(version, int) else '?'}: max "
                     f"|learner - engine logprob| {gap} > {tol:.3g} nats at staleness 0 ({then})",
                     "subject": "",
@@ -448,6 +449,17 @@ def state_alerts(parity_gate: Any = None, weights_unloadable: Any = None) -> lis
             }
         )
     return alerts
+
+
+def _float(value: Any) -> float | None:
+    """``value`` as a float if it is a non-NaN number a float can hold, else None."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return None if math.isnan(f) else f
 
 
 def _real(value: Any) -> bool:

@@ -96,8 +96,11 @@ def read_config(model: str) -> dict | None:
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"{path}: not readable as a JSON object ({e})") from None
     return data if isinstance(data, dict) else None
 
 

@@ -168,17 +168,20 @@ def test_a_failed_parity_gate_and_unloadable_weights_are_alerts_read_as_untruste
     )
     client.hset(keys.state("junk"), mapping={"policy_version": 1, "parity_gate": "{not json"})
     client.hset(keys.state("typed"), mapping={"parity_gate": json.dumps({**gate, "max_abs_diff": "big"})})
+    client.hset(keys.state("deep"), mapping={"parity_gate": '{"a":' * 5000 + "1" + "}" * 5000})
+    client.hset(keys.state("huge"), mapping={"parity_gate": json.dumps({**gate, "tolerance": 10**400})})
     client.hincrby(keys.counters("gated"), "weight_load_failures", 3)
-    client.sadd(keys.RUNS, "gated", "junk", "typed")
+    client.sadd(keys.RUNS, "gated", "junk", "typed", "deep", "huge")
     with TestClient(create_app(redis_url, run=None)) as c:
         alerts = c.get("/api/run/gated/alerts").json()["alerts"]
         summary = c.get("/api/run/gated/summary").json()
-        junk = [c.get(f"/api/run/{run}/alerts").json()["alerts"] for run in ("junk", "typed")]
+        junk = [c.get(f"/api/run/{run}/alerts").json()["alerts"] for run in ("junk", "typed", "deep", "huge")]
+        assert all(c.get(f"/api/run/{run}/summary").status_code == 200 for run in ("deep", "huge"))
     client.close()
     assert [a["kind"] for a in alerts] == ["parity_gate", "weights_unloadable"]
     assert alerts[0]["value"] == 0.39 and "stopped before any update" in alerts[0]["message"]
     assert summary["parity_gate"] == gate and summary["counters"]["weight_load_failures"] == 3
-    assert junk == [[], []]
+    assert junk == [[], [], [], []]
 
 
 @pytest.mark.parametrize(("timeout_s", "status"), [(60, "ok"), (10, "gone")])

@@ -5,6 +5,7 @@ loads (a later publish, or its own retry seen in its heartbeat) ends the streak.
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -41,6 +42,9 @@ class RunState:
                 self.state.pop(k, None)
             else:
                 self.state[k] = v
+
+    def policy_version(self) -> int:
+        return 4
 
     def generators(self) -> dict[str, Heartbeat]:
         return self.beats
@@ -120,7 +124,11 @@ def test_a_generator_that_loads_the_version_on_its_own_ends_the_streak(clock, ca
     rs = RunState()
     watch = LoadWatch(rs, max_failures=2, deadline_s=10.0)
     watch.note(failed(4))
-    rs.beats["gen-1"] = Heartbeat(heartbeat=2.0, version=4)  # its retry loaded v4
+    rs.beats["gen-0"] = Heartbeat(heartbeat=time.time() - 3600, version=4)  # stale: no proof
+    rs.beats["gen-1"] = Heartbeat(heartbeat=time.time(), version=99)  # never announced: no proof
+    watch.check()
+    assert watch.failing is not None
+    rs.beats["gen-1"] = Heartbeat(heartbeat=time.time(), version=4)  # its retry loaded v4
     with caplog.at_level(logging.WARNING, logger="asyncrl.control.loads"):
         clock.now += 50
         watch.check()

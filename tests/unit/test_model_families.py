@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.config import ConfigError
 from asyncrl.learner import hf_format
 from asyncrl.rollout import families
 from asyncrl.rollout.tiny import ARCHS, write_tiny_model
@@ -94,3 +95,9 @@ def test_a_run_of_a_refused_family_stops_before_anything_starts(written, tmp_pat
         families.describe(olmo2)
     assert families.describe(str(written["gemma2"])).startswith("model family: Gemma 2 (tested at parity")
     assert "not checked" in families.describe("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_a_config_json_that_is_not_json_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"{not json\xff")
+    with pytest.raises(ConfigError, match=r"config\.json: not readable as a JSON object"):
+        families.check_model(str(tmp_path))

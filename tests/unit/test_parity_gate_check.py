@@ -137,5 +137,45 @@ def test_the_dashboard_alerts_on_a_failed_gate_read_as_untrusted():
     assert nan["value"] is None and "not a number" in nan["message"]
     for bad in ({"passed": False, "max_abs_diff": "x", "tolerance": 1e-3}, ["passed"], "no", None):
         assert state_alerts(bad) == []
+    huge = 10**400  # JSON integers a float cannot hold: no OverflowError on the dashboard's page
+    assert state_alerts({**failed, "tolerance": huge}) == []
+    assert state_alerts({**failed, "max_abs_diff": huge}) == []  # not what a trainer writes: no alert
     (unloadable,) = state_alerts(None, "no generator can load the weights (v3: ...)")
     assert unloadable["kind"] == "weights_unloadable"
+
+
+class ScriptedLearner:
+    """The two things ParityGate.check asks of a LearnerGroup: log-probs, and its device."""
+
+    rank_info = ({"device": "cpu"},)
+
+    def __init__(self, logprobs: dict[str, list[float]]):
+        self.logprobs = logprobs
+
+    def compute_logprobs(self, sequences, temperature):
+        return [np.asarray(self.logprobs[s.group_id], dtype=np.float32) for s in sequences]
+
+
+def test_one_odd_group_is_named_and_does_not_stop_the_run_a_mismatch_everywhere_does(caplog):
+    """A record another writer put at the learner's version (or an elastic generator set up
+    differently) disagrees on its own; the run's engines agree: named, not a reason to stop."""
+    gate = ParityGate(load_config(None, []), "/nonexistent")
+    honest = [-0.5, -1.0, -0.25]
+    seqs = []
+    for gid in ("g0", "g1", "g2", "odd"):
+        s = seq([-20.0] * 3 if gid == "odd" else honest, [1, 1, 1], [0, 0, 0])
+        s.group_id = gid
+        seqs.append(s)
+    learner = ScriptedLearner({gid: honest for gid in ("g0", "g1", "g2", "odd")})
+    with caplog.at_level(logging.WARNING, logger="asyncrl.control.parity_gate"):
+        r = gate.check(learner, seqs, 0)  # type: ignore[arg-type]
+    assert r is not None and r.passed and r.disagreeing == ("odd",) and r.max_abs_diff > 19
+    assert "1 of 4 groups disagree on their own (odd)" in caplog.text
+    gate.enforce(r)  # passes: nothing raised
+
+    everywhere = ParityGate(load_config(None, []), "/nonexistent")
+    shifted = ScriptedLearner({gid: [x - 0.1 for x in honest] for gid in ("g0", "g1", "g2", "odd")})
+    r = everywhere.check(shifted, seqs[:3], 0)  # type: ignore[arg-type]
+    assert r is not None and not r.passed and len(r.disagreeing) == 3
+    with pytest.raises(ParityMismatch):
+        everywhere.enforce(r)

@@ -13,7 +13,7 @@ from asyncrl.data.codec import RecordError, decode_group, encode_group
 from asyncrl.data.contract import LOGPROB_TOLERANCE, RecordContract, check_group
 from asyncrl.queue import keys
 from asyncrl.queue.intake import DEADLETTER_KEEP_BYTES, sort_entries
-from asyncrl.types import RolloutGroup, Sample
+from asyncrl.types import MAX_ABS_REWARD, RolloutGroup, Sample
 
 CONTRACT = RecordContract(vocab_size=16, max_len=12, group_size=2, stepwise=False, max_version=5)
 
@@ -51,6 +51,12 @@ def _broken(how: str) -> RolloutGroup:
         s.token_rewards = np.array([0, np.nan, 0, 1], np.float32)
     elif how == "long_id":
         g.group_id = "x" * 5000
+    elif how == "empty_prompt":
+        g.prompt_ids = np.zeros(0, np.int32)  # an empty dataset line, a tokenizer that adds no BOS
+    elif how == "huge_reward":
+        s.reward = 1e308  # finite, but its group's advantages are not: used to end the run
+    elif how == "huge_token_reward":
+        s.token_rewards = np.array([0, 0, 0, 3e38], np.float32)
     elif how == "empty":
         g.prompt_ids = np.zeros(0, np.int32)
         for x in g.samples:
@@ -71,7 +77,10 @@ CASES = {
     "group_size": "group_size",
     "nan_token_reward": "nonfinite_reward",
     "long_id": "bad_id",
-    "empty": "empty_sequence",
+    "empty": "empty_prompt",
+    "empty_prompt": "empty_prompt",
+    "huge_reward": "reward_out_of_range",
+    "huge_token_reward": "reward_out_of_range",
 }
 
 
@@ -91,6 +100,8 @@ def test_what_an_honest_generator_makes_passes():
     g.samples[0].reward, g.samples[0].error = float("nan"), "reward raised"  # ... is the failure marker
     check_group(g, CONTRACT)
     g.prompt_ids = np.arange(8, dtype=np.int32)  # 8 + 4 = max_len exactly
+    check_group(g, CONTRACT)
+    g.samples[1].reward = -MAX_ABS_REWARD  # the bound itself is a reward
     check_group(g, CONTRACT)
 
 

@@ -126,11 +126,11 @@ def read_state(client: Any, run: str) -> dict[str, Any]:
         elif name in STATE_FLOAT_FIELDS:
             out[name] = json_float(value)
         elif name == "parity_gate":
-            try:
+            try:  # too deep to parse or to copy is as unreadable as not JSON
                 gate = json.loads(value)
-            except json.JSONDecodeError:
-                gate = None
-            out[name] = json_safe(gate) if isinstance(gate, dict) else None
+                out[name] = json_safe(gate) if isinstance(gate, dict) else None
+            except (ValueError, RecursionError):
+                out[name] = None
         elif name == "config":
             # The trainer publishes it redacted; redacted here too, so that no viewer sees a
             # secret an older trainer (or anyone who can write to Redis) put there. Too deep

@@ -21,6 +21,7 @@ import random
 from typing import Any
 
 from asyncrl.data.tokens import sampleable_ids
+from asyncrl.types import MAX_ABS_REWARD
 
 BUILTIN = {
     "copy": "asyncrl.rollout.envs.synthetic:CopyEnv",
@@ -88,6 +89,8 @@ def check_reward_value(name: str, value: Any) -> float:
         raise RewardError(f"{name} returned {value!r}, expected a float")
     if not math.isfinite(value):
         raise RewardError(f"{name} returned {value!r}, expected a finite float")
+    if abs(value) > MAX_ABS_REWARD:
+        raise RewardError(f"{name} returned {value!r}, beyond the bound |reward| <= {MAX_ABS_REWARD:g}")
     return float(value)
 
 
