@@ -13,7 +13,7 @@ from pydantic import GetCoreSchemaHandler
 from pydantic_core import PydanticCustomError, core_schema
 
 from asyncrl.algo.params import Params, is_import_path
-from asyncrl.infra import ExpectedFailure
+from asyncrl.infra import ExpectedFailure, redact_url
 
 # Names the registries in asyncrl.algo ship with, kept here so that validating a config never
 # imports torch; tests/unit check they equal the registries' keys. The policy losses' names
@@ -74,6 +74,17 @@ class Section(Params):
     """A config section: unknown keys are errors, the docstring under a field is its description
     (`asyncrl train --help-config`), a number given for a text field is its text (`run_name=1`);
     the same model settings as the algo layer's parameter types, which the config holds."""
+
+    def __repr_args__(self) -> Any:
+        # repr() and str() of a section (a debug log line, a traceback's locals) keep its
+        # secrets out as config.yaml's readers alone see them (asyncrl.config.secrets).
+        for name, value in super().__repr_args__():
+            field = type(self).model_fields.get(name) if name else None
+            mark = next((m for m in field.metadata if isinstance(m, Secret)), None) if field else None
+            if mark is None or value is None:
+                yield name, value
+            else:
+                yield name, redact_url(value) if mark.url and isinstance(value, str) else "<redacted>"
 
 
 def check_import_path(field_name: str, path: str) -> None:

@@ -105,3 +105,11 @@ def test_no_type_error_about_a_secret_echoes_it():
     with pytest.raises(ConfigError) as bad:
         load_config(None, ["control.storage_options=key-Sekr1t-value"])
     assert "Sekr1t" not in str(bad.value) and str(bad.value).startswith("control.storage_options: expected a mapping")
+
+
+def test_repr_and_str_of_a_section_never_show_a_secret():
+    cfg = load_config(None, ["queue.password=s3cretPW", "queue.redis_url=redis://:s3cretURL@h:6379/0"])
+    for shown in (repr(cfg.queue), str(cfg.queue), repr(cfg)):
+        assert "s3cret" not in shown and "<redacted>" in shown, shown
+    assert "redis://h:6379/0" in repr(cfg.queue)  # a URL keeps what is not its credential
+    assert cfg.queue.password == "s3cretPW"  # the value itself is untouched
