@@ -237,11 +237,14 @@ def padding_microbatch(fields: dict[str, torch.dtype], *, pad_token_id: int, len
 
     input_ids are pad tokens; every other field is 0, so loss_mask and reduction_weights are
     0 and each loss term contributes exactly 0 while the forward/backward collectives still
-    run. Flagged with PADDING_KEY so its metrics are not counted.
+    run. Flagged with PADDING_KEY so its metrics are not counted. A forward-only field list
+    (the learner's log-probs: input_ids alone) pads with input_ids alone.
     """
-    for required in ("input_ids", "loss_mask", "reduction_weights"):
-        if required not in fields:
-            raise ValueError(f"padding_microbatch: the field list lacks {required!r}; got {sorted(fields)}")
+    loss_fields = ("loss_mask", "reduction_weights")
+    required = ("input_ids", *loss_fields) if any(f in fields for f in loss_fields) else ("input_ids",)
+    for name in required:
+        if name not in fields:
+            raise ValueError(f"padding_microbatch: the field list lacks {name!r}; got {sorted(fields)}")
     out: dict[str, Any] = {}
     for name, dtype in fields.items():
         fill = pad_token_id if name == "input_ids" else 0

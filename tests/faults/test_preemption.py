@@ -49,7 +49,8 @@ def _generator_groups(job, generator_id: str) -> int:
 
     q = job.queue()
     try:
-        return int(RunState.of(q).generators().get(generator_id, {}).get("groups", 0))
+        beat = RunState.of(q).generators().get(generator_id)
+        return 0 if beat is None else beat.groups
     finally:
         q.close()
 

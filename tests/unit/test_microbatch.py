@@ -193,6 +193,9 @@ def test_padding_microbatches_carry_every_field_with_zero_mask():
     assert pad["loss_mask"].sum() == 0 and pad["reduction_weights"].sum() == 0
     with pytest.raises(ValueError, match="lacks 'loss_mask'"):
         mbatch.padding_microbatch({"input_ids": torch.int64, "reduction_weights": torch.float32}, pad_token_id=0)
+    # Forward only (the learner's log-probs, e.g. the parity gate on a rank with fewer sequences).
+    forward = mbatch.padding_microbatch({"input_ids": torch.int64}, pad_token_id=2)
+    assert forward["input_ids"].tolist() == [[2]] and set(forward) == {"input_ids", mbatch.PADDING_KEY}
 
 
 def test_rank_microbatches_padded_up_to_the_common_count():
