@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -24,6 +24,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def shm_segments_of(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm/psm_* segments (vLLM's) these processes map, from /proc/PID/maps. A maps
+    line's path is its sixth field, which may hold spaces and a " (deleted)" suffix."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                path = line.split(None, 5)[-1].strip() if line.count(" ") >= 5 else ""
+                if path.startswith("/dev/shm/psm_"):
+                    found.add(path.removesuffix(" (deleted)"))
+    return found
 
 
 def stop_processes(procs: list, grace_s: float) -> None:

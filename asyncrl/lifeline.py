@@ -41,13 +41,12 @@ import sys
 import time
 from collections.abc import Iterable
 
-from asyncrl.infra import stop_processes
+from asyncrl.infra import shm_segments_of, stop_processes
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
 """The environment variable every process a run starts carries (its value: the run's token)."""
-_SHM_SEGMENT_PREFIX = "/dev/shm/psm_"
 
 
 def _environ_has(pid: int, entry: bytes) -> bool:
@@ -77,17 +76,6 @@ def marked_processes(name: str, value: str, exclude: Iterable[int] = ()) -> list
     return found
 
 
-def _shm_segments(pids: Iterable[int]) -> set[str]:
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                path = line.split(None, 5)[-1].strip() if line.count(" ") >= 5 else ""
-                if path.startswith(_SHM_SEGMENT_PREFIX):
-                    found.add(path.replace(" (deleted)", ""))
-    return found
-
-
 def terminate(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
     """SIGTERM (and SIGCONT, for a stopped one) each process, SIGKILL those still alive after
     `grace_s`; return the pids that were alive. The /dev/shm/psm_* segments they mapped and
@@ -98,7 +86,7 @@ def terminate(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             procs.append(psutil.Process(pid))
-    segments = _shm_segments(p.pid for p in procs)
+    segments = shm_segments_of(p.pid for p in procs)
     stop_processes(procs, grace_s)
     for path in segments:
         with contextlib.suppress(OSError):

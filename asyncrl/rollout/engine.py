@@ -33,6 +33,7 @@ import os
 import time
 
 from asyncrl.config import LoraConfig, RolloutConfig
+from asyncrl.infra import shm_segments_of
 from asyncrl.rollout.adapters import AdapterSlot
 from asyncrl.rollout.completions import Completion, completions
 from asyncrl.rollout.engine_weights import WeightLoadError, WeightUpdates
@@ -40,7 +41,6 @@ from asyncrl.rollout.recovery import (
     is_resource_tracker,
     live_processes,
     reap_processes,
-    shm_segments_of,
     unlink_segments,
 )
 from asyncrl.rollout.sampling import engine_args, sampling_params

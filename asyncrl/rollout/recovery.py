@@ -33,7 +33,7 @@ import socket
 from collections.abc import Callable
 from typing import Protocol
 
-from asyncrl.infra import stop_processes
+from asyncrl.infra import shm_segments_of, stop_processes
 from asyncrl.queue.readback import SHM_SEGMENT, parse_note
 from asyncrl.queue.runstate import RunState, unpack_small
 from asyncrl.rollout.prompts import PromptItem
@@ -90,17 +90,6 @@ def unlink_segments(paths: list[str]) -> list[str]:
             os.unlink(path)
             removed.append(path)
     return removed
-
-
-def shm_segments_of(pids: list[int]) -> set[str]:
-    """The /dev/shm/psm_* segments mapped by these processes (from /proc/PID/maps)."""
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                if "/dev/shm/psm_" in line:
-                    found.add(line.split()[-1].replace(" (deleted)", ""))
-    return found
 
 
 ENGINE_OWNER_ENV = "ASYNCRL_ENGINE_OWNER"

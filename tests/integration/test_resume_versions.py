@@ -27,7 +27,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
-from asyncrl.rollout.recovery import shm_segments_of
+from asyncrl.infra import shm_segments_of
 from asyncrl.types import WeightsFile
 from tests.support.job import elastic_generator_argv, stop_process_tree
 
