@@ -6,6 +6,7 @@ gone, however it went (a clean exit, an exception, SIGTERM past its grace, SIGKI
     # run's token in its environment: redis-server, Ray's GCS, raylet, agents and workers,
     # vLLM's spawned EngineCore ...
     line.register([[pid, create_time], ...])       # forked children, which do not show it
+    # (the run's own descendants are registered as they appear, every WATCH_S seconds)
     reap_run(line.token, exclude={os.getpid()})     # the same sweep, now (a hard exit)
 
 The lifeline holds the read end of a pipe whose write end only the run's process has; when
@@ -16,6 +17,12 @@ the run's token, and every registered [pid, create_time] still alive, gets SIGTE
 engine processes unlink their shared memory when terminated, not when killed; redis-server
 flushes its AOF), then SIGKILL after a few seconds; the /dev/shm segments they mapped and the
 files the run registered are deleted. After a clean exit it finds nothing and leaves at once.
+
+The token alone is not enough: a process that retitles itself (setproctitle, as Ray's dashboard
+and runtime-env agents do) overwrites the memory /proc/PID/environ shows, and once the driver is
+gone its children are orphans no tree walk finds. So the run's process also registers every
+descendant it has, as they appear (a thread, every WATCH_S seconds): a process that lived that
+long is swept by its [pid, create_time] whatever it did to its environment.
 
 What it cannot cover: a process that cleared its environment before exec'ing and was never
 registered; a process that left this user (setuid); another host's processes (Ray's other
@@ -38,6 +45,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 
@@ -47,6 +55,9 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
 """The environment variable every process a run starts carries (its value: the run's token)."""
+
+WATCH_S = 2.0
+"""How often the run's process registers its new descendants with the lifeline."""
 
 
 def _environ_has(pid: int, entry: bytes) -> bool:
@@ -135,6 +146,8 @@ class Lifeline:
         self.proc, self._fd, self.token, self.shm_globs = proc, write_fd, token, shm_globs
         self.registered: list[tuple[int, float]] = []
         self._previous_token: str | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
 
     @classmethod
     def start(cls, shm_globs: Iterable[str] = ()) -> Lifeline:
@@ -160,23 +173,42 @@ class Lifeline:
         line._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = token
         Lifeline.current = line
+        threading.Thread(target=line._watch_descendants, name="lifeline-watch", daemon=True).start()
         return line
+
+    def _watch_descendants(self) -> None:
+        import psutil
+
+        known: set[tuple[int, float]] = set()
+        while not self._closed.wait(WATCH_S):
+            now = set()
+            with contextlib.suppress(psutil.Error):
+                for p in psutil.Process().children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if p.pid != self.proc.pid:
+                            now.add((p.pid, p.create_time()))
+            if new := now - known:
+                self.register(sorted(new))
+            known = now
 
     def register(self, records: Iterable[Iterable]) -> None:
         """Also sweep these [pid, create_time] processes (forked ones: they keep the
         environment their parent was exec'd with, without the token)."""
         new = [(int(pid), float(created)) for pid, created in records]
-        self.registered += new
         lines = "".join(f"{pid} {created!r}\n" for pid, created in new)
-        if lines and self._fd >= 0:
-            with contextlib.suppress(OSError):
-                os.write(self._fd, lines.encode())
+        with self._lock:  # the watcher thread registers too; one writer at a time on the pipe
+            self.registered += new
+            if lines and self._fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(self._fd, lines.encode())
 
     def close(self, wait_s: float = 30.0) -> None:
         """Let the lifeline sweep now (after a clean stop it finds nothing) and wait for it."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._closed.set()
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
         if Lifeline.current is self:
             Lifeline.current = None
         if self._previous_token is None:
@@ -226,7 +258,7 @@ def _main(argv: list[str]) -> int:
     # lifeline before it has swept up after the run.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    registered: list[tuple[int, float]] = []
+    registered: set[tuple[int, float]] = set()
     buffer = b""
     # EOF: the run's process closed its end or is gone. A child it forked keeps a copy of that
     # end (fork keeps every descriptor), so its death is also seen as our reparenting.
@@ -241,7 +273,7 @@ def _main(argv: list[str]) -> int:
         for line in lines:
             with contextlib.suppress(ValueError):
                 pid, created = line.split()
-                registered.append((int(pid), float(created)))
+                registered.add((int(pid), float(created)))
     # Give what is already on its way out (multiprocessing's resource tracker, which cleans up
     # after the parent once its pipe closes) a moment to go by itself.
     deadline = time.monotonic() + 2.0

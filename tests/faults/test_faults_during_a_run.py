@@ -98,7 +98,8 @@ def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_p
     deadline = time.monotonic() + 60
     while (left := {p: c for p, c in job.leftovers().items() if p not in restarted}) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, left
+    lifeline = [ln for ln in job.log_tail(1_000_000).splitlines() if "lifeline" in ln]
+    assert not left, (left, lifeline)
     assert killed_at % CKPT != 0 and killed_at < STEPS, killed_at
     resumed_from = killed_at // CKPT * CKPT
     assert job.checkpoint_step() == resumed_from  # the steps after it died with the trainer

@@ -32,7 +32,13 @@ PARENT = textwrap.dedent(
         time.sleep(300)
         os._exit(0)
     line.register([[pid, psutil.Process(pid).create_time()]])
-    print(execd.pid, pid, line.proc.pid, flush=True)
+    # exec'd with its environment wiped (as a setproctitle wipes what /proc shows): no token,
+    # never registered by hand; the lifeline's watcher must register it as a descendant
+    blank = subprocess.Popen(["sleep", "300"], env={}, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while blank.pid not in [p for p, _ in line.registered] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print(execd.pid, pid, line.proc.pid, blank.pid, flush=True)
     sys.stdin.read()             # until the test has looked
     os.kill(os.getpid(), signal.SIGKILL)
     """
@@ -60,9 +66,9 @@ def test_a_sigkilled_run_leaves_nothing_it_started_and_spares_what_it_did_not(tm
         text=True,
         start_new_session=True,
     )
-    execd = forked = lifeline = 0
+    execd = forked = lifeline = blank = 0
     try:
-        execd, forked, lifeline = map(int, parent.stdout.readline().split())
+        execd, forked, lifeline, blank = map(int, parent.stdout.readline().split())
         with open(f"/proc/{execd}/environ", "rb") as f:
             token = f.read().split(b"\0")
         assert any(e.startswith(f"{TOKEN_ENV}=".encode()) for e in token)
@@ -71,11 +77,12 @@ def test_a_sigkilled_run_leaves_nothing_it_started_and_spares_what_it_did_not(tm
         parent.wait(30)
         assert parent.returncode == -signal.SIGKILL
         assert _gone(execd) and _gone(forked), "the lifeline left the run's processes running"
+        assert _gone(blank), "a descendant without the token (a retitled process) outlived the run"
         assert _gone(lifeline), "the lifeline did not exit after its sweep"
         assert not (tmp_path / "weights-v3").exists()
         assert unrelated.poll() is None, "the lifeline killed a process the run did not start"
     finally:
-        for pid in (execd, forked, lifeline):
+        for pid in (execd, forked, lifeline, blank):
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
