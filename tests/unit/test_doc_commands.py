@@ -39,7 +39,7 @@ from asyncrl.monitor.dashboard.__main__ import _parser as dashboard_parser
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 GUIDE = ROOT / "docs" / "guide"
-DOCS = [README, *sorted(GUIDE.glob("*.md"))]
+DOCS = [README, ROOT / "docs" / "results.md", *sorted(GUIDE.glob("*.md"))]
 README_MAX_CHARS = 10_000
 
 # A config the docs name that another change adds; once it exists it is checked like the rest.
