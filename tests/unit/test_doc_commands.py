@@ -27,13 +27,13 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from asyncrl.cli import _parser, main
 from asyncrl.config import Config, ConfigError, load_config
+from asyncrl.config.help import _section_type
 from asyncrl.monitor.dashboard.__main__ import _parser as dashboard_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,11 +233,12 @@ def test_external_train_commands_name_real_configs_and_fields(command):
     if config is not None and not (config in LANDS_SEPARATELY and not (ROOT / config).exists()):
         assert (ROOT / config).exists(), f"{command}: no config {config}"
     for override in overrides:
-        model: Any = Config
+        model: type[BaseModel] | None = Config
         for part in override.partition("=")[0].split("."):
-            fields = model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
-            assert part in fields, f"{command}: {override.partition('=')[0]} is not a config field"
-            model = fields[part].annotation
+            if model is None:
+                break  # a value inside a field (a dict, a loss's settings): the field itself exists
+            assert part in model.model_fields, f"{command}: {override.partition('=')[0]} is not a config field"
+            model = _section_type(model.model_fields[part].annotation)
 
 
 def _run_in_process(command: Command, capsys) -> tuple[int, str]:
