@@ -15,7 +15,11 @@ dict into what a publish sends, published through the real `shm` backend (seed 1
 the real `object_store` backend (seed 2), and the engine's samples are scored by the
 learner's `microbatch_logprobs` on one packed row. What this leaves out is FSDP itself (the
 gather of the state dict and sharded forwards), which is family-independent and covered by
-the parity suite's jobs on the Llama and by the full Gemma-2 job below.
+the parity suite's jobs on the Llama and by the full Gemma-2 job below; each family's
+checkpoint, resume and exports through the learner's code are tests/unit/test_family_checkpoints.py.
+An MoE family (REPACKED) first takes a publish that fails after most layers loaded: the engine
+must be back on its original checkpoint at parity (vLLM-CPU repacks its experts on that
+reload too, asyncrl.rollout.cpu_moe_reload).
 
 The full job (test_gemma2_job_...): the family with the most that can go wrong (tied
 embeddings that vLLM's Gemma-2 has no parameter for, attention and final-logit soft-capping,
