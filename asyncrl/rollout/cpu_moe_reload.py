@@ -32,20 +32,22 @@ PATCHED = "_asyncrl_repacks_on_reload"
 
 def cpu_moe_methods(model: Any) -> list[Any]:
     """The quant methods of ``model``'s unquantized MoE layers run by the CPU experts kernel."""
+    with_kernels = [
+        method
+        for module in model.modules()
+        if getattr(method := getattr(module, "quant_method", None), "moe_kernel", None) is not None
+    ]
+    if not with_kernels:  # a dense model: nothing to import
+        return []
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    methods = []
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "moe_kernel", None)
-        if (
-            isinstance(method, UnquantizedFusedMoEMethod)
-            and kernel is not None
-            and isinstance(kernel.fused_experts, CPUUnquantizedExperts)
-        ):
-            methods.append(method)
-    return methods
+    return [
+        method
+        for method in with_kernels
+        if isinstance(method, UnquantizedFusedMoEMethod)
+        and isinstance(getattr(method.moe_kernel, "fused_experts", None), CPUUnquantizedExperts)
+    ]
 
 
 def repack_cpu_moe_on_reload(model: Any) -> int:
