@@ -175,7 +175,7 @@ class WeightUpdates:
             if self.adapter is not None:  # the base weights never changed: drop the adapter
                 await self.adapter.unload(self.llm)
             else:
-                await self.llm.collective_rpc("reload_weights")  # the original checkpoint
+                await self.llm.collective_rpc("asyncrl_reload_checkpoint")  # the original checkpoint
             if self.version != self.base_version:
                 self.closed = f"version {self.version}'s weights are gone; it holds version {self.base_version}'s"
             return

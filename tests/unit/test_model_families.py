@@ -101,3 +101,16 @@ def test_a_config_json_that_is_not_json_is_one_line(tmp_path):
     (tmp_path / "config.json").write_bytes(b"{not json\xff")
     with pytest.raises(ConfigError, match=r"config\.json: not readable as a JSON object"):
         families.check_model(str(tmp_path))
+
+
+def test_the_cli_refuses_a_refused_family_in_one_line(written, tmp_path, capsys):
+    """`asyncrl train` and `asyncrl train --check` print the reason as one line and exit 2."""
+    from asyncrl.cli import main
+
+    demo = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    olmo2 = f"rollout.model={written['olmo2']}"
+    for extra in (["--check"], [f"control.run_dir={tmp_path / 'run'}"]):
+        assert main(["train", demo, olmo2, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "(model_type olmo2): vLLM 0.32 has no OLMo-2 model" in err, err
+    assert not (tmp_path / "run" / "redis").exists()
