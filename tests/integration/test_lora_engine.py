@@ -58,7 +58,14 @@ def logprobs(model, response: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0].numpy()
 
 
-async def sample_across_first_load(engine, adapter_path: str):
+async def sample_across_first_load(engine, adapter_path: str, bad_path: str):
+    from asyncrl.rollout.engine import WeightLoadError
+
+    # A first load that fails puts the zero adapter back: still version 0, every request
+    # still naming the slot.
+    with pytest.raises(WeightLoadError):
+        await engine.load_weights(bad_path, 1)
+    assert engine.version == 0 and engine.closed is None and engine.adapter.request is not None
     before = await engine.generate(PROMPT, 1, "v0", max_tokens=16, ignore_eos=True)
     running = asyncio.create_task(engine.generate(PROMPT, 1, "inflight", max_tokens=LONG, ignore_eos=True))
     while not engine._requests:
@@ -76,13 +83,15 @@ def test_a_request_in_flight_at_the_first_adapter_load_continues_with_the_adapte
     with_adapter, state = adapted(tiny_model_dir)
     path = str(tmp_path / "v1.safetensors")
     save_file(state, path)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
     rollout = RolloutConfig(
         env="copy", max_tokens=LONG, max_prompt_tokens=64, temperature=1.0, engine_max_model_len=256, seed=5
     )
     loop = asyncio.new_event_loop()
     engine = loop.run_until_complete(RolloutEngine.start(rollout, tiny_model_dir, seed=5, lora=LORA))
     try:
-        before, info, kept = loop.run_until_complete(sample_across_first_load(engine, path))
+        before, info, kept = loop.run_until_complete(sample_across_first_load(engine, path, str(bad)))
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
