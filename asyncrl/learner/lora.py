@@ -159,3 +159,16 @@ def merged_weights(state: dict[str, torch.Tensor], lora_scale: float) -> dict[st
             tensor = tensor + lora_scale * (b.to(tensor.dtype) @ a.to(tensor.dtype))
         out[f"{prefix}.{leaf}"] = tensor
     return out
+
+
+def zero_adapter(cfg: LoraConfig, base_model: str) -> dict[str, torch.Tensor]:
+    """The adapter ``cfg`` puts on ``base_model`` with every tensor zero, in PEFT's saved format:
+    the base model's outputs exactly. Shaped on the meta device, so no weight is read."""
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_model)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = get_peft_model_state_dict(get_peft_model(model, peft_config(cfg, base_model)))
+    return {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in state.items()}

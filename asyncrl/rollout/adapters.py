@@ -2,6 +2,7 @@
 publish replaces.
 
     slot = AdapterSlot(cfg.learner.lora, model_path)   # engine built with enable_lora (lora_engine_args)
+    await slot.load_base(llm)                          # version 0: an adapter of zeros
     await slot.load(llm, "/dev/shm/asyncrl-demo-v3.safetensors")   # the adapter alone, PEFT names
     llm.generate(prompt, params, request_id, lora_request=slot.request)
 
@@ -10,7 +11,11 @@ added while the engine is paused, so requests already running (which name that i
 with the new adapter, as they continue with new full weights after a full-weight load (with
 ``sync.inflight=recompute`` their KV is recomputed by it). A new id per version would leave
 them on the adapter they started with while their later tokens are labelled with the newer
-version. Nothing of the base model changes: version 0 is the base model, no adapter.
+version. A request names its LoRA (or none) once, when it is submitted: one submitted with
+none runs on the base model to its end. So version 0, the base model, is not "no adapter"
+but the slot holding an adapter of zeros (the base model's outputs exactly; vLLM refuses one
+with no tensors) under the same id: a request submitted before the first publish names the
+slot too, and continues with the first adapter as any request does with each later one.
 
 vLLM reads a LoRA from a PEFT folder (adapter_config.json + adapter_model.safetensors): the
 slot keeps one in a private temp folder, the config written once from the run's config and
@@ -31,6 +36,8 @@ from asyncrl.config import LoraConfig
 LORA_ID = 1
 LORA_NAME = "asyncrl"
 ADAPTER_FILE = "adapter_model.safetensors"
+BASE_DIR = "base"
+"""The zero adapter's PEFT folder (version 0), inside the slot's."""
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ranks vLLM sizes its LoRA buffers for (vllm/config/lora.py, MaxLoRARanks)."""
 
@@ -47,15 +54,24 @@ def lora_engine_args(lora: LoraConfig) -> dict[str, Any]:
 
 
 class AdapterSlot:
-    """The engine's one LoRA: its PEFT folder and the request that names it (None: base model)."""
+    """The engine's one LoRA: its PEFT folder, version 0's zero adapter (a PEFT folder of its
+    own, rank 1, so an engine that cannot take the run's adapters still starts and fails at
+    the first load, where that failure is reported) and the request that names the slot."""
 
     def __init__(self, lora: LoraConfig, base_model: str) -> None:
-        from asyncrl.learner.lora import peft_config  # peft: heavy at import
+        from safetensors.torch import save_file
+
+        from asyncrl.learner.lora import peft_config, zero_adapter  # peft: heavy at import
 
         self.dir = tempfile.mkdtemp(prefix="asyncrl-lora-")
         peft_config(lora, base_model).save_pretrained(self.dir)
+        self.base_dir = os.path.join(self.dir, BASE_DIR)  # vLLM reads the folder's own two files only
+        zero = lora.model_copy(update={"r": 1, "alpha": 1.0})
+        peft_config(zero, base_model).save_pretrained(self.base_dir)
+        save_file(zero_adapter(zero, base_model), os.path.join(self.base_dir, ADAPTER_FILE))
         self.request: Any = None
-        """The LoRARequest every new request carries, or None before the first adapter."""
+        """The LoRARequest every new request carries; None only before ``load_base`` and after
+        a failed load (the engine then takes no requests until it is whole again)."""
 
     def _stage(self, path: str) -> None:
         tmp = os.path.join(self.dir, f".{ADAPTER_FILE}.tmp")
@@ -70,20 +86,29 @@ class AdapterSlot:
     async def load(self, llm: Any, path: str) -> None:
         """Make the adapter in ``path`` (safetensors, PEFT names) the one every request uses.
         Call with the engine paused. On failure no adapter is loaded (``request`` is None)."""
-        from vllm.lora.request import LoRARequest
-
         if not os.path.isfile(path):
             raise FileNotFoundError(f"adapter file {path} does not exist")
         self._stage(path)
+        await self._add(llm, self.dir, f"the adapter {path}")
+
+    async def load_base(self, llm: Any) -> None:
+        """Put the base model (the zero adapter) in the slot: version 0, at start and when no
+        published adapter is left to restore. Call with the engine paused or idle."""
+        await self._add(llm, self.base_dir, "the base model's zero adapter")
+
+    async def _add(self, llm: Any, folder: str, what: str) -> None:
+        from vllm.lora.request import LoRARequest
+
         await self.unload(llm)
-        request = LoRARequest(LORA_NAME, LORA_ID, self.dir)
+        # Same id whatever the folder: vLLM maps running requests to their adapter by id.
+        request = LoRARequest(LORA_NAME, LORA_ID, folder)
         if not await llm.add_lora(request):
-            raise RuntimeError(f"the engine did not take the adapter {path}")
+            raise RuntimeError(f"the engine did not take {what}")
         self.request = request
 
     async def unload(self, llm: Any) -> None:
-        """Back to the base model's weights (no adapter). Asked of the engine even with no
-        request set: an add that failed part-way may have left the id behind."""
+        """Remove the slot's adapter. Asked of the engine even with no request set: an add that
+        failed part-way may have left the id behind."""
         self.request = None
         await llm.remove_lora(LORA_ID)
 

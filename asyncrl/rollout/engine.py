@@ -123,7 +123,14 @@ class RolloutEngine(WeightUpdates):
         engine.weight_transfer = weight_transfer
         engine.learner_dtype = learner_dtype
         engine.lora = lora
-        engine.adapter = AdapterSlot(lora, model_path) if lora is not None else None
+        if lora is not None:  # every request names the slot from the first (rollout/adapters.py)
+            engine.adapter = AdapterSlot(lora, model_path)
+            try:
+                await engine.adapter.load_base(llm)
+            except BaseException:
+                engine.adapter.close()
+                llm.shutdown()
+                raise
         # The engine's shared-memory message queues exist once it is ready; a successor
         # deletes them if we die without shutting down (see unlink_segments).
         engine.shm_segments = sorted(shm_segments_of([pid for pid, _ in pids] + [os.getpid()]))
@@ -231,7 +238,7 @@ class RolloutEngine(WeightUpdates):
             learner_dtype=self.learner_dtype,
             lora=self.lora,
         )
-        if fresh.adapter is not None:  # ours (its folder) stays; the fresh engine holds no adapter yet
+        if fresh.adapter is not None:  # ours (its folder) stays and is loaded by _load_last_good
             fresh.adapter.close()
             if self.adapter is not None:
                 self.adapter.request = None

@@ -172,8 +172,8 @@ class WeightUpdates:
                 await self._rpc_load(path)
                 self.closed = None
                 return
-            if self.adapter is not None:  # the base weights never changed: drop the adapter
-                await self.adapter.unload(self.llm)
+            if self.adapter is not None:  # the base weights never changed: the zero adapter
+                await self.adapter.load_base(self.llm)
             else:
                 await self.llm.collective_rpc("asyncrl_reload_checkpoint")  # the original checkpoint
             if self.version != self.base_version:
@@ -186,6 +186,11 @@ class WeightUpdates:
     async def _load_last_good(self) -> str | None:
         """Bring a fresh engine to ``version``'s weights; why it could not, or None."""
         if self.version == self.base_version:  # what a fresh engine holds already
+            if self.adapter is not None:  # in the slot's own folder, which outlives the fresh one's
+                try:
+                    await self.adapter.load_base(self.llm)
+                except Exception as e:
+                    return f"rebuilt, but the base model's zero adapter did not load: {e}"
             return None
         path = self._last_good()
         try:

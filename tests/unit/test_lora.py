@@ -179,3 +179,23 @@ def test_engine_lora_rank_fits_vllms_buffers():
     }
     with pytest.raises(ValueError, match=r"learner\.lora\.r=600: vLLM takes adapters up to rank 512"):
         lora_engine_args(LoraConfig(r=600))
+
+
+def test_the_engines_version_0_adapter_is_zeros_in_the_runs_format(tiny):
+    """An engine of an adapter-publishing run holds this from the start (rollout/adapters.py):
+    PEFT's names for every target module (so vLLM takes it), every tensor zero (the base model)."""
+    from peft import PeftModel
+
+    from asyncrl.rollout.adapters import BASE_DIR, AdapterSlot
+
+    zero = lora.zero_adapter(LORA, tiny)
+    real = peft_with(tiny, zero)
+    assert set(zero) == {lora.peft_name(n) for n, _ in real.base_model.model.named_parameters() if lora.is_adapter(n)}
+    assert all(not t.any() for t in zero.values())
+    slot = AdapterSlot(LORA, tiny)
+    try:
+        as_loaded = PeftModel.from_pretrained(base_model(tiny), f"{slot.dir}/{BASE_DIR}").train(False)
+        assert as_loaded.peft_config["default"].r == 1  # any engine's max_lora_rank takes it
+        torch.testing.assert_close(logits_of(as_loaded), logits_of(base_model(tiny)), rtol=0, atol=0)
+    finally:
+        slot.close()
