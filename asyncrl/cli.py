@@ -46,6 +46,7 @@ from asyncrl.lifeline import Lifeline
 from asyncrl.queue.signing import normalise_fingerprint
 from asyncrl.rollout.tiny import ARCHS, write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
+from asyncrl.rundir.store import is_url
 
 BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
 
@@ -171,6 +172,7 @@ def _cmd_train(args) -> int:
     if args.resume:
         # With --resume the positional CONFIG slot holds the first override, if any.
         overrides = ([args.config] if args.config else []) + args.overrides
+        _check_run_dir(args.resume)
         # Joined as text: RUN_DIR may be a URL (s3://...), which pathlib would mangle.
         cfg = load_config(f"{args.resume.rstrip('/')}/{CONFIG_FILE}", overrides)
     else:
@@ -194,6 +196,16 @@ def _cmd_train(args) -> int:
     with Lifeline.start(shm_globs=[weights]):
         train(cfg, resume_dir=args.resume)
     return 0
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """A local --resume RUN_DIR exists and holds a run's config (a URL is read by load_config)."""
+    if is_url(run_dir):
+        return
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"--resume {run_dir!r}: the run directory does not exist")
+    if not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
+        raise ConfigError(f"--resume {run_dir!r}: not a run directory (no {CONFIG_FILE})")
 
 
 def _cmd_generate(args) -> int:

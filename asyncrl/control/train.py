@@ -28,7 +28,7 @@ from asyncrl.control.summary import run_summary, write_summary_file
 from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.sinks import build_metrics_logger
 from asyncrl.queue.connection import redact_url
-from asyncrl.rollout.envs.reward_fns import task_target_length
+from asyncrl.rollout.envs.reward_fns import check_rollout_code, task_target_length
 from asyncrl.rundir import METRICS_FILE, latest_checkpoint
 from asyncrl.rundir.store import RunPath, StorageError, run_path
 
@@ -53,6 +53,10 @@ def train(
         run_dir = run_path(resume_dir or cfg.control.run_dir, cfg.control.storage_options)
     except StorageError as e:
         raise ConfigError(f"control.run_dir: {e}") from None
+    try:  # the user's code and env_kwargs: refused here in one line, not by a generator after Ray's start-up
+        check_rollout_code(cfg.rollout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     stop = StopFlag(grace_s=cfg.control.shutdown_grace_s)
     stop.install()
     target_length = task_target_length(cfg.rollout)

@@ -27,12 +27,12 @@ USER_CODE = {
     [
         (
             "rollout.rewards=[{fn: exploding_rewards:exact}]",
-            "reward function 'exploding_rewards:exact': cannot import module 'exploding_rewards': "
-            "RuntimeError: reward module exploded at import",
+            "rollout.rewards[0].fn: reward function 'exploding_rewards:exact': cannot import module "
+            "'exploding_rewards': RuntimeError: reward module exploded at import",
         ),
         (
             "rollout.rewards=[{fn: user_code:missing}]",
-            "reward function 'user_code:missing': module 'user_code' has no attribute 'missing'",
+            "rollout.rewards[0].fn: reward function 'user_code:missing': module 'user_code' has no attribute 'missing'",
         ),
         (
             "algo.policy_loss={type: user_code:no_loss}",

@@ -1,0 +1,111 @@
+"""A mistake in what a user types is one line at config load (exit 2), naming the field and
+what to do, before Redis, Ray or an engine starts.
+
+    .venv/bin/python -m pytest tests/unit/test_start_messages.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import asyncrl.control.train as train_module
+from asyncrl.cli import main
+from asyncrl.config import ConfigError, load_config
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """A run that got past its checks would build its Runtime (Redis, Ray): that is the failure."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run started before refusing its config")
+
+    monkeypatch.setattr(train_module, "Runtime", started)
+
+
+def _refused(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_switching_the_env_keeps_the_old_env_kwargs_and_is_refused_before_anything_starts(capsys, nothing_starts):
+    err = _refused(capsys, "train", "configs/demo.yaml", "rollout.env=countdown_chat")
+    assert err.startswith("asyncrl train: config error: environment 'countdown_chat': bad rollout.env_kwargs")
+    assert "does not take 'alphabet', 'min_len', 'max_len'" in err
+    assert "(it takes: start_min, start_max, max_turns)" in err and "rollout.env_kwargs={}" in err
+
+
+def test_a_misspelled_reward_function_names_the_field_and_the_likely_name(capsys, nothing_starts):
+    bad = "rollout.rewards=[{fn: examples.custom_reward:exact_cpy}]"
+    for argv in (["train", "configs/demo.yaml", bad], ["train", "configs/demo.yaml", bad, "--check"]):
+        err = _refused(capsys, *argv)
+        assert "rollout.rewards[0].fn: reward function 'examples.custom_reward:exact_cpy'" in err
+        assert "has no attribute 'exact_cpy'; did you mean 'exact_copy'?" in err
+
+
+def test_a_misspelled_environment_class_gets_the_likely_name(capsys, nothing_starts):
+    err = _refused(capsys, "train", "configs/demo.yaml", "rollout.env=asyncrl.rollout.envs.synthetic:CopyEn")
+    assert "has no attribute 'CopyEn'; did you mean 'CopyEnv'?" in err
+
+
+def test_resume_from_a_run_dir_that_does_not_exist(capsys, tmp_path):
+    err = _refused(capsys, "train", "--resume", str(tmp_path / "notarun"))
+    assert (
+        err == f"asyncrl train: config error: --resume {str(tmp_path / 'notarun')!r}: the run directory does not exist"
+    )
+    err = _refused(capsys, "train", "--resume", str(tmp_path))
+    assert err.endswith("not a run directory (no config.yaml)")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "rollout.rewards=[{fn: examples.custom_reward:exact_copy}",
+        "rollout.env_kwargs={alphabet: abc",
+        'control.run_name="demo',
+    ],
+)
+def test_a_yaml_error_inside_an_override_is_reported_as_one(override):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/demo.yaml", [override])
+    assert str(e.value).startswith(f"override {override!r}: the value is not valid YAML: ")
+    assert "expected a" not in str(e.value).partition("YAML: ")[0]
+
+
+def test_plain_text_that_is_not_yaml_stays_a_string():
+    assert load_config("configs/demo.yaml", ["control.run_name=@demo"]).control.run_name == "@demo"
+
+
+def test_a_module_not_on_the_path_says_how_to_put_it_there(capsys):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/demo.yaml", ["rollout.rewards=[{fn: my_rewards.scoring:exact}]"])
+    assert "module 'my_rewards.scoring' cannot be found on the Python path" in str(e.value)
+    assert "PYTHONPATH=." in str(e.value) and "install the package" in str(e.value)
+
+
+def test_a_config_files_paths_resolve_against_its_directory(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "train.jsonl").write_text('{"prompt": "ab="}\n')
+    (project / "run.yaml").write_text(
+        "rollout: {prompts: data/train.jsonl}\ncontrol: {eval_prompts: data/train.jsonl}\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(project / "run.yaml")
+    assert cfg.rollout.prompts == cfg.control.eval_prompts == str(project / "data" / "train.jsonl")
+    # an override is the user's typing: relative to the working directory
+    with pytest.raises(ConfigError, match=r"rollout\.prompts='data/train\.jsonl': no such file"):
+        load_config(project / "run.yaml", ["rollout.prompts=data/train.jsonl"])
+
+
+@pytest.mark.parametrize("name", ["math_qwen2.5_0.5b_gpu", "tools_calculator_qwen2.5_0.5b_gpu"])
+def test_the_shipped_configs_prompts_resolve_from_any_directory(tmp_path, monkeypatch, name):
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert Path(load_config(config).rollout.prompts).is_file()
