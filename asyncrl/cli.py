@@ -73,9 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     g = sub.add_parser("generate", help="join a running job as an elastic generator")
-    g.add_argument("--redis", required=True, help="the job's Redis URL")
-    g.add_argument("--run", required=True, help="the job's run name")
-    g.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+    g.add_argument("--redis", required=True, metavar="URL", help="the job's Redis URL (the trainer logs it)")
+    g.add_argument("--run", required=True, metavar="NAME", help="the job's run name (control.run_name)")
+    g.add_argument(
+        "--password",
+        default=os.environ.get("ASYNCRL_REDIS_PASSWORD"),
+        help="the Redis password when the URL has none (default: $ASYNCRL_REDIS_PASSWORD)",
+    )
     g.add_argument("--id", dest="generator_id", default=None, help="generator id (default: host-pid)")
     g.add_argument("--max-groups", type=int, default=None, help="leave after producing this many groups")
     g.add_argument(
@@ -142,7 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     b = sub.add_parser("bench", help=f"run a benchmark from bench/ ({', '.join(BENCHES)})")
-    b.add_argument("name", choices=BENCHES)
+    b.add_argument(
+        "name", choices=BENCHES, help="the benchmark (bench/NAME.py; bench/README.md says what each measures)"
+    )
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
 
     e = sub.add_parser("export", help="write a Hugging Face folder (save_pretrained) from a run's checkpoint")
@@ -157,9 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     m = sub.add_parser("tiny-model", help="write a tiny random model (a Llama by default) + char tokenizer")
-    m.add_argument("path")
+    m.add_argument("path", help="the directory to write it to")
     m.add_argument("--arch", default="llama", choices=sorted(ARCHS), help="the model family (docs/guide/models.md)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
     m.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     return p
 

@@ -109,3 +109,23 @@ def test_the_shipped_configs_prompts_resolve_from_any_directory(tmp_path, monkey
     config = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
     monkeypatch.chdir(tmp_path)
     assert Path(load_config(config).rollout.prompts).is_file()
+
+
+def test_every_option_of_every_command_is_described():
+    """`asyncrl COMMAND --help` says what each option does (argparse shows an undescribed one bare)."""
+    import argparse
+
+    from asyncrl.cli import _parser
+    from asyncrl.monitor.dashboard.__main__ import _parser as dashboard_parser
+
+    root = _parser()
+    commands = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction)).choices
+    parsers = {f"asyncrl {name}": p for name, p in commands.items() if name != "dashboard"}
+    parsers["asyncrl dashboard"] = dashboard_parser()
+    bare = [
+        f"{prog} {action.option_strings or action.dest}"
+        for prog, parser in parsers.items()
+        for action in parser._actions
+        if not action.help and not isinstance(action, argparse._HelpAction)
+    ]
+    assert bare == []
