@@ -129,3 +129,22 @@ def test_every_option_of_every_command_is_described():
         if not action.help and not isinstance(action, argparse._HelpAction)
     ]
     assert bare == []
+
+
+def test_a_run_prints_neither_rays_token_notice_nor_a_shard_progress_bar(tmp_path, capfd):
+    """Ray's notice that the private instance has a token (our default) and transformers' bar
+    for the tiny model's one shard are noise in every run's output; Ray's warning for a cluster
+    WITHOUT a token stays."""
+    from ray._private.authentication import authentication_token_setup as ray_token
+
+    from asyncrl.control.cluster import mute_ray_token_notice
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    write_tiny_model(tmp_path / "tiny")
+    mute_ray_token_notice()
+    ray_token._warn_token_auth_enabled()
+    ray_token._warn_token_auth_disabled()
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err
+    assert "Token authentication is enabled" not in out + err
+    assert "Token authentication is disabled" in out + err
