@@ -123,9 +123,7 @@ def train(
                 raise
             status, wall_s = _status(stop), time.perf_counter() - t0
             _write_summary_file(rt, run_dir, state, first_step, loop.max_staleness, status, wall_s, loop)
-            summary = _summary(
-                rt, run_dir, first_step, loop.max_staleness, status, dashboard_url, wall_s, target_length
-            )
+            summary = _summary(rt, run_dir, first_step, loop.max_staleness, status, wall_s, target_length)
             print(summary, flush=True)
         # Out of the Runtime: everything it started is stopped by now.
         if stop.preempted:
@@ -155,7 +153,6 @@ def _summary(
     first_step: int,
     max_staleness: int,
     status: str,
-    dashboard_url: str | None,
     wall_s: float,
     target_length: float | None,
 ) -> str:
@@ -178,7 +175,6 @@ def _summary(
         metrics=run_dir / METRICS_FILE,
         checkpoint=latest_checkpoint(run_dir),
         hf_dir=hf if hf.is_dir() else None,
-        dashboard_url=dashboard_url,
         resume_cmd=f"asyncrl train --resume {run_dir}",
         dashboard_cmd=f"asyncrl dashboard {run_dir}",
         target_length=target_length,

@@ -209,7 +209,9 @@ class RunDirSource:
             now=now,
         ) + state_alerts(summary_file.get("parity_gate"))
         counters = summary_file.get("counters")
-        counters = counters if isinstance(counters, dict) else {}
+        # A summary.json's counters omit the ones never counted (before every counter was
+        # written): 0, not unknown. No summary.json (a killed run): unknown.
+        counters = {name: 0 for name in data.COUNTER_FIELDS} | counters if isinstance(counters, dict) else {}
         first_time = data.json_float(rows[0].get("time")) if rows else None
         last_time = data.json_float(rows[-1].get("time")) if rows else None
         summary = {
