@@ -6,6 +6,8 @@ what to do, before Redis, Ray or an engine starts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import asyncrl.control.train as train_module
@@ -102,13 +104,19 @@ def test_a_config_files_paths_resolve_against_its_directory(tmp_path, monkeypatc
         load_config(project / "run.yaml", ["rollout.prompts=data/train.jsonl"])
 
 
-@pytest.mark.parametrize("name", ["math_qwen2.5_0.5b_gpu", "tools_calculator_qwen2.5_0.5b_gpu"])
-def test_the_shipped_configs_prompts_resolve_from_any_directory(tmp_path, monkeypatch, name):
-    from pathlib import Path
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
-    config = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_loads_from_any_directory(tmp_path, monkeypatch, config):
     monkeypatch.chdir(tmp_path)
-    assert Path(load_config(config).rollout.prompts).is_file()
+    if config.stem == "reward_model":  # its reward model is written by a command run first (its header)
+        with pytest.raises(ConfigError, match="runs/tiny-reward-model"):
+            load_config(config)
+        return
+    cfg = load_config(config)
+    if cfg.rollout.prompts and not cfg.rollout.prompts.count(":"):
+        assert Path(cfg.rollout.prompts).is_file()  # a prompt file next to the repo, found from elsewhere
 
 
 def test_every_option_of_every_command_is_described():
