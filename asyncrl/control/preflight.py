@@ -23,6 +23,7 @@ passes up to that point and says so (a hub dataset this host cannot reach, likew
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import tempfile
@@ -50,6 +51,11 @@ HUB_SAMPLE = 1000
 
 
 def preflight(cfg: Config) -> list[str]:
+    # vLLM's own INFO lines (its Triton probing on a CPU host) are not --check's business: muted
+    # as in a run's workers (asyncrl.control.bringup), unless debug logging is on.
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)  # "no CPU backend": expected
     # A host that cannot reach the hub is checked offline: one line, not a minute of retries.
     offline = hub_offline_if_unreachable(hub_ids(cfg))
     # The user's inputs first: they need no torch (a custom loss aside) and fail in a second.
