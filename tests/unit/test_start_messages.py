@@ -139,20 +139,35 @@ def test_every_option_of_every_command_is_described():
     assert bare == []
 
 
-def test_a_run_prints_neither_rays_token_notice_nor_a_shard_progress_bar(tmp_path, capfd):
+def test_a_run_prints_neither_rays_token_notice_nor_a_shard_progress_bar(tmp_path, capfd, monkeypatch):
     """Ray's notice that the private instance has a token (our default) and transformers' bar
     for the tiny model's one shard are noise in every run's output; Ray's warning for a cluster
     WITHOUT a token stays."""
+    import logging
+
     from ray._private.authentication import authentication_token_setup as ray_token
 
-    from asyncrl.control.cluster import mute_ray_token_notice
+    from asyncrl.control.cluster import RAY_TOKEN_LOGGER, mute_ray_token_notice
     from asyncrl.rollout.tiny import write_tiny_model
 
     write_tiny_model(tmp_path / "tiny")
-    mute_ray_token_notice()
-    ray_token._warn_token_auth_enabled()
-    ray_token._warn_token_auth_disabled()
     out, err = capfd.readouterr()
     assert "Writing model shards" not in out + err
-    assert "Token authentication is enabled" not in out + err
-    assert "Token authentication is disabled" in out + err
+
+    # Ray's logger as a run leaves it (whatever earlier tests did to logging), with a handler
+    # that records what passes its filters.
+    logger = logging.getLogger(RAY_TOKEN_LOGGER)
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        mute_ray_token_notice()
+        ray_token._warn_token_auth_enabled()
+        ray_token._warn_token_auth_disabled()
+    finally:
+        logger.removeHandler(handler)
+    assert not any(m.startswith("Token authentication is enabled") for m in seen), seen
+    assert any(m.startswith("Token authentication is disabled") for m in seen), seen
