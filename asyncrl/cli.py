@@ -46,6 +46,7 @@ from asyncrl.lifeline import Lifeline
 from asyncrl.queue.signing import normalise_fingerprint
 from asyncrl.rollout.tiny import ARCHS, write_tiny_model
 from asyncrl.rundir import CONFIG_FILE
+from asyncrl.rundir.store import is_url
 
 BENCHES = ("queue", "learner", "sync", "generate", "e2e", "simulate", "soak", "peers")
 
@@ -72,9 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     g = sub.add_parser("generate", help="join a running job as an elastic generator")
-    g.add_argument("--redis", required=True, help="the job's Redis URL")
-    g.add_argument("--run", required=True, help="the job's run name")
-    g.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+    g.add_argument("--redis", required=True, metavar="URL", help="the job's Redis URL (the trainer logs it)")
+    g.add_argument("--run", required=True, metavar="NAME", help="the job's run name (control.run_name)")
+    g.add_argument(
+        "--password",
+        default=os.environ.get("ASYNCRL_REDIS_PASSWORD"),
+        help="the Redis password when the URL has none (default: $ASYNCRL_REDIS_PASSWORD)",
+    )
     g.add_argument("--id", dest="generator_id", default=None, help="generator id (default: host-pid)")
     g.add_argument("--max-groups", type=int, default=None, help="leave after producing this many groups")
     g.add_argument(
@@ -141,7 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     b = sub.add_parser("bench", help=f"run a benchmark from bench/ ({', '.join(BENCHES)})")
-    b.add_argument("name", choices=BENCHES)
+    b.add_argument(
+        "name", choices=BENCHES, help="the benchmark (bench/NAME.py; bench/README.md says what each measures)"
+    )
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
 
     e = sub.add_parser("export", help="write a Hugging Face folder (save_pretrained) from a run's checkpoint")
@@ -156,9 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
     m = sub.add_parser("tiny-model", help="write a tiny random model (a Llama by default) + char tokenizer")
-    m.add_argument("path")
+    m.add_argument("path", help="the directory to write it to")
     m.add_argument("--arch", default="llama", choices=sorted(ARCHS), help="the model family (docs/guide/models.md)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
     m.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     return p
 
@@ -171,6 +178,7 @@ def _cmd_train(args) -> int:
     if args.resume:
         # With --resume the positional CONFIG slot holds the first override, if any.
         overrides = ([args.config] if args.config else []) + args.overrides
+        _check_run_dir(args.resume)
         # Joined as text: RUN_DIR may be a URL (s3://...), which pathlib would mangle.
         cfg = load_config(f"{args.resume.rstrip('/')}/{CONFIG_FILE}", overrides)
     else:
@@ -194,6 +202,16 @@ def _cmd_train(args) -> int:
     with Lifeline.start(shm_globs=[weights]):
         train(cfg, resume_dir=args.resume)
     return 0
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """A local --resume RUN_DIR exists and holds a run's config (a URL is read by load_config)."""
+    if is_url(run_dir):
+        return
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"--resume {run_dir!r}: the run directory does not exist")
+    if not os.path.isfile(os.path.join(run_dir, CONFIG_FILE)):
+        raise ConfigError(f"--resume {run_dir!r}: not a run directory (no {CONFIG_FILE})")
 
 
 def _cmd_generate(args) -> int:

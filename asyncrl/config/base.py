@@ -97,7 +97,16 @@ def check_import_path(field_name: str, path: str) -> None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        raise ConfigError(f"{field_name}={path!r}: module {module!r} cannot be found on the Python path")
+        raise ConfigError(f"{field_name}={path!r}: module {module!r} {not_on_path(module)}")
+
+
+def not_on_path(module: str) -> str:
+    """The end of a message for a module Python cannot find, with how to make it findable."""
+    top = module.partition(".")[0]
+    return (
+        f"cannot be found on the Python path: run from the directory holding {top}/ (or {top}.py) "
+        f"with PYTHONPATH=. (e.g. `PYTHONPATH=. asyncrl train ...`), or install the package that provides it"
+    )
 
 
 def one_of(name: str, value: str, allowed: tuple[str, ...], import_path_ok: bool = False) -> None:

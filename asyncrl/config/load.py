@@ -7,6 +7,7 @@ line that names the field, the value and the reason.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -19,7 +20,7 @@ from asyncrl.config.base import SECRET_NOT_TEXT, ConfigError
 from asyncrl.config.losses import wrong_loss_field
 from asyncrl.config.rollout import REWARD_KINDS
 from asyncrl.config.tree import Config
-from asyncrl.rundir.store import ObjectPath, StorageError, run_path
+from asyncrl.rundir.store import ObjectPath, StorageError, is_url, run_path
 
 _EXPECTED = {
     "float_type": "expected a number",
@@ -166,11 +167,19 @@ def params_for(name_or_path: str, **fields: Any) -> LossParams:
         raise config_error(e, prefix=("algo", "policy_loss")) from None
 
 
-def _parse_scalar(text: str) -> Any:
-    """Parse the right-hand side of an `a.b.c=value` override with YAML's scalar rules."""
+_YAML_OPENERS = ("[", "{", '"', "'")
+"""A value starting with one of these is meant as YAML (a list, a mapping, a quoted string):
+one that does not parse is an error, not a string."""
+
+
+def _parse_scalar(item: str, text: str) -> Any:
+    """Parse the right-hand side of an `a.b.c=value` override with YAML's scalar rules; text
+    that is not YAML stays a string unless it opens a list, a mapping or a quote."""
     try:
         return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if text.lstrip().startswith(_YAML_OPENERS):
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         return text
 
 
@@ -190,7 +199,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = _parse_scalar(raw)
+        node[parts[-1]] = _parse_scalar(item, raw)
     return data
 
 
@@ -209,6 +218,33 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
         what = "; ".join(str(part) for part in (e.context, e.problem) if part)
         return f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}: {what}"
     return " ".join(str(e).split())
+
+
+_FILE_PATHS = (("rollout", "prompts"), ("control", "eval_prompts"), ("rollout", "model"))
+"""The fields of a config file that name an input on disk (a reward model's `model` too)."""
+
+
+def _relative_to_file(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A config file's relative input paths resolved against the file's directory when they
+    exist there (`prompts: ../data/train.jsonl` next to the config works from any working
+    directory); one that does not stays as written, relative to the working directory.
+    Overrides on the command line are not touched: they are relative to the working directory."""
+
+    def resolved(value: Any) -> Any:
+        if not isinstance(value, str) or not value or os.path.isabs(value) or "://" in value:
+            return value
+        candidate = os.path.normpath(base / value)
+        return candidate if os.path.exists(candidate) else value
+
+    for section, key in _FILE_PATHS:
+        node = data.get(section)
+        if isinstance(node, dict) and key in node:
+            node[key] = resolved(node[key])
+    rewards = data.get("rollout", {}).get("rewards") if isinstance(data.get("rollout"), dict) else None
+    for entry in rewards if isinstance(rewards, list) else []:
+        if isinstance(entry, dict) and "model" in entry:
+            entry["model"] = resolved(entry["model"])
+    return data
 
 
 def load_config(path: str | Path | ObjectPath | None = None, overrides: list[str] | None = None) -> Config:
@@ -231,6 +267,6 @@ def load_config(path: str | Path | ObjectPath | None = None, overrides: list[str
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r}: expected a mapping of sections at the top")
-        data = loaded
+        data = loaded if is_url(str(path)) else _relative_to_file(loaded, Path(str(path)).parent)
     data = apply_overrides(data, overrides or [])
     return config_from_dict(data)

@@ -42,11 +42,30 @@ def ray_init_kwargs(control: ControlConfig) -> dict:
     return {"address": control.ray_address}
 
 
+RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+"""What Ray logs on every private instance it starts with a token (our default): not news.
+Its warning for a cluster without one is kept, and warn_if_open_cluster adds ours."""
+
+
+class _DropRayTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(RAY_TOKEN_NOTICE)
+
+
+def mute_ray_token_notice() -> None:
+    """Drop Ray's "token authentication is enabled" notice from this process's log (once)."""
+    logger = logging.getLogger(RAY_TOKEN_LOGGER)
+    if not any(isinstance(f, _DropRayTokenNotice) for f in logger.filters):
+        logger.addFilter(_DropRayTokenNotice())
+
+
 def connect_ray(control: ControlConfig, env_vars: dict[str, str], *, verbose: bool = True) -> None:
     """``ray.init`` for this run; ClusterUnavailable (naming the address) if there is no cluster.
     Not `verbose`: workers' output stays in Ray's log files and Ray's own INFO lines are muted."""
     import ray
 
+    mute_ray_token_notice()
     kwargs = ray_init_kwargs(control)
     if not verbose:
         kwargs["logging_level"] = logging.WARNING

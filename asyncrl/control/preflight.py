@@ -23,14 +23,17 @@ passes up to that point and says so (a hub dataset this host cannot reach, likew
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import tempfile
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.config.base import is_hub_id
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
-from asyncrl.control.preflight_model import check_model
+from asyncrl.control.preflight_gpu import cuda_devices, gpu_fit
+from asyncrl.control.preflight_model import check_model, hub_offline_if_unreachable
 from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
@@ -48,8 +51,15 @@ HUB_SAMPLE = 1000
 
 
 def preflight(cfg: Config) -> list[str]:
+    # vLLM's own INFO lines (its Triton probing on a CPU host) are not --check's business: muted
+    # as in a run's workers (asyncrl.control.bringup), unless debug logging is on.
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)  # "no CPU backend": expected
+    # A host that cannot reach the hub is checked offline: one line, not a minute of retries.
+    offline = hub_offline_if_unreachable(hub_ids(cfg))
     # The user's inputs first: they need no torch (a custom loss aside) and fail in a second.
-    lines = [*check_prompt_sources(cfg), *check_imports(cfg), *check_run_dir(cfg)]
+    lines = [*offline, *check_prompt_sources(cfg), *check_imports(cfg), *check_run_dir(cfg)]
     import torch  # for CUDA below; loaded here, not with --check's modules
 
     s, r, learner = cfg.sync, cfg.rollout, cfg.learner
@@ -94,7 +104,18 @@ def preflight(cfg: Config) -> list[str]:
     if needs:
         state = "available" if cuda else "not available on this host: checked up to here"
         lines.append(f"needs CUDA: {', '.join(needs)} ({state})")
+    lines += gpu_fit(cfg, backend, cuda_devices())
     return lines
+
+
+def hub_ids(cfg: Config) -> list[str]:
+    """The hub models and datasets a run would download: rollout.model when it is not a local
+    directory, and every prompt source that is a hub id."""
+    ids = [source for _, source, _ in prompt_sources(cfg) if is_hub_id(source)]
+    model = cfg.rollout.model
+    if model != "tiny" and not os.path.exists(os.path.expanduser(model)):
+        ids.insert(0, model)
+    return ids
 
 
 def check_run_dir(cfg: Config) -> list[str]:

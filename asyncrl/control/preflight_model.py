@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -148,3 +149,42 @@ def hub_status(repo_id: str, key: str) -> str:
             f"and no such local directory"
         )
     return f"not checked (the hub is unreachable from this host: {type(error).__name__})"
+
+
+def hub_offline_if_unreachable(ids: list[str]) -> list[str]:
+    """Switch this process to the hub's offline mode when the config names hub models or datasets
+    (``ids``) and the hub does not answer within HUB_TIMEOUT_S: what is in this host's cache is
+    still read, the rest is "not checked", and no request is retried for a minute with each
+    retry logged. One line saying so; none when the hub answers or offline mode is already on."""
+    ids = list(dict.fromkeys(ids))
+    if not ids or _offline():
+        return []
+    from huggingface_hub import constants
+
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    result: list[BaseException | None] = []
+
+    def ask() -> None:
+        import httpx
+
+        try:
+            httpx.head(endpoint, timeout=HUB_TIMEOUT_S)
+            result.append(None)
+        except BaseException as e:  # reported by the caller's thread
+            result.append(e)
+
+    thread = threading.Thread(target=ask, name="asyncrl-hub-probe", daemon=True)
+    thread.start()
+    thread.join(HUB_TIMEOUT_S + 1)
+    if result and result[0] is None:
+        return []
+    why = type(result[0]).__name__ if result else f"no answer in {HUB_TIMEOUT_S:g} s"
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    # Both libraries read the variable once, at import: the ones already imported are told too.
+    for module in (constants, sys.modules.get("datasets.config")):
+        if module is not None:
+            setattr(module, "HF_HUB_OFFLINE", True)  # noqa: B010 (not declared in the stubs)
+    return [
+        f"hub: {endpoint} does not answer from this host ({why}): checked offline (HF_HUB_OFFLINE=1); "
+        f"{', '.join(ids)}: read from this host's cache where they are, else not checked"
+    ]

@@ -48,7 +48,6 @@ def run_summary(
     metrics: RunPath,
     checkpoint: RunPath | None,
     hf_dir: RunPath | None,
-    dashboard_url: str | None,
     resume_cmd: str,
     dashboard_cmd: str | None = None,
     target_length: float | None = None,
@@ -85,10 +84,10 @@ def run_summary(
         f"  model (HF)      {hf_dir or '-'}",
         f"  metrics         {metrics}",
     ]
-    if dashboard_url:
-        lines.append(f"  dashboard       {dashboard_url} (while this process runs)")
+    # The live dashboard stops with this process, which is about to exit: only the command
+    # that serves the finished run from its directory is worth printing.
     if dashboard_cmd:
-        lines.append(f"  dashboard       {dashboard_cmd} (any time: reads the run dir)")
+        lines.append(f"  dashboard       {dashboard_cmd}   (this finished run's charts, from the run dir)")
     lines.append(f"  resume          {resume_cmd}")
     return "\n".join(lines)
 

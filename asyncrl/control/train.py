@@ -28,7 +28,7 @@ from asyncrl.control.summary import run_summary, write_summary_file
 from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.sinks import build_metrics_logger
 from asyncrl.queue.connection import redact_url
-from asyncrl.rollout.envs.reward_fns import task_target_length
+from asyncrl.rollout.envs.reward_fns import check_rollout_code, task_target_length
 from asyncrl.rundir import METRICS_FILE, latest_checkpoint
 from asyncrl.rundir.store import RunPath, StorageError, run_path
 
@@ -53,6 +53,10 @@ def train(
         run_dir = run_path(resume_dir or cfg.control.run_dir, cfg.control.storage_options)
     except StorageError as e:
         raise ConfigError(f"control.run_dir: {e}") from None
+    try:  # the user's code and env_kwargs: refused here in one line, not by a generator after Ray's start-up
+        check_rollout_code(cfg.rollout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     stop = StopFlag(grace_s=cfg.control.shutdown_grace_s)
     stop.install()
     target_length = task_target_length(cfg.rollout)
@@ -119,9 +123,7 @@ def train(
                 raise
             status, wall_s = _status(stop), time.perf_counter() - t0
             _write_summary_file(rt, run_dir, state, first_step, loop.max_staleness, status, wall_s, loop)
-            summary = _summary(
-                rt, run_dir, first_step, loop.max_staleness, status, dashboard_url, wall_s, target_length
-            )
+            summary = _summary(rt, run_dir, first_step, loop.max_staleness, status, wall_s, target_length)
             print(summary, flush=True)
         # Out of the Runtime: everything it started is stopped by now.
         if stop.preempted:
@@ -151,7 +153,6 @@ def _summary(
     first_step: int,
     max_staleness: int,
     status: str,
-    dashboard_url: str | None,
     wall_s: float,
     target_length: float | None,
 ) -> str:
@@ -174,7 +175,6 @@ def _summary(
         metrics=run_dir / METRICS_FILE,
         checkpoint=latest_checkpoint(run_dir),
         hf_dir=hf if hf.is_dir() else None,
-        dashboard_url=dashboard_url,
         resume_cmd=f"asyncrl train --resume {run_dir}",
         dashboard_cmd=f"asyncrl dashboard {run_dir}",
         target_length=target_length,

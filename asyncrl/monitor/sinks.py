@@ -206,7 +206,8 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
 def console_line(step: int, m: Mapping[str, float], target_length: float | None = None) -> str:
     """The compact one-line summary (rich markup) ConsoleSink prints. ``target_length``: the
     task's correct answer in characters (+ EOS), shown next to the mean response length."""
-    stale = f"{_fmt(m.get('staleness/mean'), '.2f')}/{_fmt(m.get('staleness/max'), '.0f')}"
+    # Both labelled: "1.00/1" read as value/bound.
+    stale = f"mean {_fmt(m.get('staleness/mean'), '.2f')} max {_fmt(m.get('staleness/max'), '.0f')}"
     target = f" (target {target_length:.3g}+EOS)" if target_length is not None else ""
     # Records refused at intake (asyncrl.queue.intake) are rare and matter: shown once there are any.
     dead = m.get("queue/dead_lettered") or 0.0

@@ -59,6 +59,19 @@ from asyncrl.types import WeightLocation, format_location, parse_location
 log = logging.getLogger("asyncrl.queue")
 
 
+RUN_COUNTERS = (
+    "groups_started",
+    "groups_produced",
+    "groups_trained",
+    "dropped_stale",
+    "dead_lettered",
+    "dropped_uniform",
+    "weight_load_failures",
+)
+"""The counters every run reports: one never incremented is 0 (not absent) in counters(), in
+summary.json and on the dashboard."""
+
+
 class RunState:
     """State of one run in Redis: `RunState.connect(url, run)`, or `RunState.of(queue)`."""
 
@@ -245,8 +258,9 @@ class RunState:
                 return prompt
 
     def counters(self) -> dict[str, int]:
-        """Every counter that holds a count; one that does not is left out (logged once)."""
-        out = {}
+        """Every counter that holds a count, RUN_COUNTERS at 0 until they are counted; one that
+        holds something else is left out (logged once)."""
+        out = dict.fromkeys(RUN_COUNTERS, 0)
         for k, v in self._retry(self._r.hgetall, self._k_counters).items():
             name = k.decode("utf-8", "replace")
             try:

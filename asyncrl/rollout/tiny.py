@@ -14,7 +14,9 @@ which rebuilds the tokenizer byte-level and drops the spaces, so their tiny mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,9 +176,24 @@ def write_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith(("q_proj.weight", "k_proj.weight")):
                     param.mul_(family.sharpen_qk)
-    model.save_pretrained(str(path))
+    with _no_progress_bar():  # a few KB of weights: the shard bar is noise in every demo run's output
+        model.save_pretrained(str(path))
     (path / "asyncrl_tiny.json").write_text(json.dumps({"alphabet": alphabet, "seed": seed, "arch": arch}))
     return path
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers' tqdm bars off for the block, as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> None:

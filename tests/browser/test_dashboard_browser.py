@@ -99,7 +99,8 @@ def live_run(redis_url):
     client.hset(keys.generators(RUN), mapping={"gen-0": _generator(20, groups=90), "gen-1": _generator(19, groups=86)})
     sink = RedisSink(client, RUN)
     for step in range(20):
-        sink.log(step, _history_step(step))
+        # The start-up parity gate is logged once, in the first step's row.
+        sink.log(step, {**_history_step(step), **({"parity/gate_max_abs_diff": 0.002} if step == 0 else {})})
     client.hset(keys.state("baseline"), mapping={"policy_version": 50, "status": "finished", "max_staleness": 0})
     RedisSink(client, "baseline").log(49, {"reward/mean": 0.625})
     yield client
@@ -129,6 +130,7 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
         "drift/rollout_kl": 0.0625,
         "throughput/gen_tokens_per_s": 12345.0,
         "learner/version": 21.0,
+        "queue/dead_lettered": 2.0,
     }
     RedisSink(live_run, RUN).log(20, step20)
     live_run.hset(keys.state(RUN), mapping={"policy_version": 21, "weights_version": 21})
@@ -163,6 +165,29 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
     assert ev["name"] == "eval reward mean" and ev["x"] == [0, 10, 20] and ev["y"][-1] == 0.6
     assert page.locator("#nodata-eval").is_hidden()
     assert page.locator("#finished-banner").is_hidden() and _text(page, "#conn-text") == "live"
+    # The KL alert is drawn on the axis of the rollout KL; mean |Δlogp| has its own (right) axis.
+    drift = page.evaluate(
+        "(() => { const c = document.getElementById('chart-drift'); return { data: c.data, layout: c.layout }; })()"
+    )
+    assert [(t["name"], t.get("yaxis")) for t in drift["data"]] == [
+        ("rollout KL (k3)", "y"),
+        ("mean |Δlogp| (right axis)", "y2"),
+    ]
+    ref = next(s for s in drift["layout"]["shapes"] if s.get("name") == "ref")
+    assert ref["yref"] == "y" and ref["y0"] == 0.05
+    assert drift["layout"]["yaxis"]["title"]["text"] == "rollout KL (k3)"
+    assert drift["layout"]["yaxis2"]["title"]["text"] == "mean |Δlogp| (nats)"
+    # The queue's pending saw-tooth is explained on the chart itself.
+    assert "Acks are sent with each checkpoint" in _text(page, "#note-queue")
+    # Hover help on every panel and tile.
+    helps = page.evaluate("[...document.querySelectorAll('#charts h2, .tile')].map(e => e.getAttribute('title'))")
+    assert len(helps) > 20 and all(h and len(h) > 20 for h in helps), helps
+    # Events marked on every chart: the start (its parity gate) and step 20's dead-lettered records.
+    events = page.evaluate(
+        "document.getElementById('chart-reward').layout.shapes"
+        ".filter(s => (s.name || '').startsWith('event')).map(s => [s.name, s.x0])"
+    )
+    assert events == [["event: start", 0], ["event: dead-lettered +2", 20]]
     assert errors == []
 
     page.wait_for_timeout(400)  # let plotly finish its transitions before the picture
@@ -223,6 +248,13 @@ def test_finished_run_dir_renders_as_finished(chromium, serve_dashboard, finishe
     assert _text(page, "#stat-policy-version") == "30" and _text(page, "#stat-trained") == "240"
     assert _text(page, "#stat-uptime") == "wall time 56.0 s"
     assert _text(page, "#stat-reward") == "1"
+    # Counters the run never incremented (summary.json omits them) are 0, not unknown.
+    assert _text(page, "#stat-uniform") == "0" and _text(page, "#stat-dead") == "1"
+    events = page.evaluate(
+        "document.getElementById('chart-reward').layout.shapes"
+        ".filter(s => (s.name || '').startsWith('event')).map(s => [s.name, s.x0])"
+    )
+    assert events == [["event: resume", 15]]  # metrics.jsonl repeats steps 16-20: resumed after 15
     reward_trace = page.evaluate("document.getElementById('chart-reward').data[0]")
     assert reward_trace["x"] == list(range(1, 31)) and reward_trace["y"] == [reward[s] for s in range(1, 31)]
     ev = page.evaluate("document.getElementById('chart-eval').data[0]")

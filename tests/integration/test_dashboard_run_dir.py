@@ -33,8 +33,11 @@ def test_summary_is_marked_finished_with_the_run_files_facts(api, finished_run_d
     assert s["finished"]["final_step"] == 30 and s["finished"]["wall_s"] == 56.0
     assert s["finished"]["ended_at"] == 1_790_000_056.0 and s["finished"]["run_dir"] == str(run_dir)
     assert s["finished"]["has_summary"] is True and s["finished"]["bad_lines"] == 0
+    assert s["finished"]["resumed_after"] == [15]  # steps 16-20 logged twice: resumed from step 15
     assert s["started_at"] == 1_790_000_000.0 and s["uptime_s"] is None
     assert s["counters"]["groups_trained"] == 240 and s["counters"]["dropped_stale"] == 4
+    # summary.json omits a counter never counted: 0 on the tiles, not unknown
+    assert s["counters"]["dropped_uniform"] == 0 and s["counters"]["weight_load_failures"] == 0
     assert s["latest"]["reward/mean"] == reward[30] == 1.0
     assert s["latest"]["eval/reward_mean"] == pytest.approx(0.85)
     # Step 30's NaN was written as null: the latest real value is step 29's.

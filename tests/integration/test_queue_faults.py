@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from asyncrl.queue import QueueAuthError, QueueUnavailable, RolloutQueue, RunState, keys
+from asyncrl.queue.runstate import RUN_COUNTERS
 from asyncrl.queue.server import EmbeddedRedis
 from asyncrl.types import RolloutGroup, Sample
 from tests.support.waiting import wait_for
@@ -173,7 +174,7 @@ def test_calls_ride_out_a_restart_longer_than_redis_py_own_retries(tmp_path):
         assert rs.admit_prompt("g0", "p1", b"note") is True
         assert time.monotonic() - t0 > 3.5
         q.put(RolloutGroup("p1", "p1", [1], [Sample([2], [-0.5], [1], 1.0, 0)]), inflight_of="g0")
-        assert rs.counters() == {"groups_started": 1, "groups_produced": 1}
+        assert rs.counters() == {**dict.fromkeys(RUN_COUNTERS, 0), "groups_started": 1, "groups_produced": 1}
         assert rs.inflight_prompts("g0") == {} and rs.next_incarnation("g0") == 1
         back.join()
     finally:

@@ -106,7 +106,7 @@ def test_console_line():
     sink.log(1, m)  # skipped: every=2
     sink.log(2, m)
     assert out.getvalue().strip() == (
-        "step 2  reward 0.5  len 6.8 (target 3+EOS)  staleness 0.25/1  rollout_kl 0.0123  "
+        "step 2  reward 0.5  len 6.8 (target 3+EOS)  staleness mean 0.25 max 1  rollout_kl 0.0123  "
         "gen 1234 tok/s  train 800 tok/s  step 1.50s"
     )
     sink.log(4, {**m, "queue/dead_lettered": 3.0})  # records refused at intake: said once there are any

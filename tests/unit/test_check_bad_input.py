@@ -27,12 +27,12 @@ USER_CODE = {
     [
         (
             "rollout.rewards=[{fn: exploding_rewards:exact}]",
-            "reward function 'exploding_rewards:exact': cannot import module 'exploding_rewards': "
-            "RuntimeError: reward module exploded at import",
+            "rollout.rewards[0].fn: reward function 'exploding_rewards:exact': cannot import module "
+            "'exploding_rewards': RuntimeError: reward module exploded at import",
         ),
         (
             "rollout.rewards=[{fn: user_code:missing}]",
-            "reward function 'user_code:missing': module 'user_code' has no attribute 'missing'",
+            "rollout.rewards[0].fn: reward function 'user_code:missing': module 'user_code' has no attribute 'missing'",
         ),
         (
             "algo.policy_loss={type: user_code:no_loss}",
@@ -83,3 +83,13 @@ def test_check_builds_the_environment_and_draws_a_prompt(tmp_path, monkeypatch, 
     # gsm8k reads its prompts from a dataset: without rollout.prompts a generator would fail at its first draw
     assert main(["train", "configs/demo.yaml", "--check", "rollout.env=gsm8k", "rollout.env_kwargs={}"]) == 2
     assert "GSM8KEnv does not make prompts; set rollout.prompts" in capsys.readouterr().err
+
+
+def test_a_passing_check_prints_no_third_party_noise():
+    """vLLM's INFO lines (its Triton probing on a CPU host) stay out of --check's output."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "configs/demo.yaml", "--check"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "check: weight sync: " in out.stdout
+    assert "vllm" not in out.stderr and "Triton" not in out.stderr, out.stderr[-2000:]

@@ -187,7 +187,6 @@ def test_the_end_of_run_summary_counts_the_uniform_drops():
             metrics=Path("m.jsonl"),
             checkpoint=None,
             hf_dir=None,
-            dashboard_url=None,
             resume_cmd="asyncrl train --resume r",
         )
 

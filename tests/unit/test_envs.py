@@ -95,7 +95,7 @@ def test_gsm8k_reward_and_strict_mode():
 def test_registry_errors_are_specific():
     with pytest.raises(ValueError, match="not a built-in"):
         make_env("nope")
-    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+    with pytest.raises(ValueError, match="module 'no_such_mod' cannot be found on the Python path"):
         make_env("no_such_mod:Env")
     with pytest.raises(ValueError, match="has no attribute 'Missing'"):
         make_env("asyncrl.rollout.envs.synthetic:Missing")

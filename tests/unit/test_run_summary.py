@@ -34,7 +34,6 @@ def test_summary_of_a_finished_run():
         metrics=Path("/r/metrics.jsonl"),
         checkpoint=Path("/r/checkpoints/step_000020"),
         hf_dir=Path("/r/hf/final"),
-        dashboard_url="http://127.0.0.1:8470/",
         resume_cmd="asyncrl train --resume /r",
         dashboard_cmd="asyncrl dashboard /r",
     )
@@ -48,12 +47,10 @@ def test_summary_of_a_finished_run():
     assert "mean 1.00, max 2 (bound 2)" in lines[3]
     assert "produced 330, trained 320, dropped as stale 6, dead-lettered 1" in lines[4]
     assert "/r/checkpoints/step_000020" in text and "/r/hf/final" in text and "/r/metrics.jsonl" in text
-    assert lines[-1].endswith("asyncrl train --resume /r") and "http://127.0.0.1:8470/" in text
-    # The live URL dies with the process; the finished-run command works on the run dir later.
-    assert lines[-3:-1] == [
-        "  dashboard       http://127.0.0.1:8470/ (while this process runs)",
-        "  dashboard       asyncrl dashboard /r (any time: reads the run dir)",
-    ]
+    assert lines[-1].endswith("asyncrl train --resume /r")
+    # The live URL dies with the process as the summary is printed: only the finished run's command.
+    assert "http://" not in text and "while this process runs" not in text
+    assert lines[-2] == "  dashboard       asyncrl dashboard /r   (this finished run's charts, from the run dir)"
 
 
 def test_summary_of_a_run_stopped_before_its_first_step():
@@ -67,7 +64,6 @@ def test_summary_of_a_run_stopped_before_its_first_step():
         metrics=Path("/r/metrics.jsonl"),
         checkpoint=None,
         hf_dir=None,
-        dashboard_url=None,
         resume_cmd="asyncrl train --resume /r",
     )
     assert text.splitlines()[0].startswith("run stopped: 0 steps in 13.0 s")
@@ -104,7 +100,6 @@ def test_summary_shows_response_length_against_the_tasks_target():
         metrics=Path("/r/metrics.jsonl"),
         checkpoint=None,
         hf_dir=None,
-        dashboard_url=None,
         resume_cmd="asyncrl train --resume /r",
     )
     line = run_summary(rows(20), target_length=target, **kwargs).splitlines()[2]
@@ -120,7 +115,7 @@ def test_summary_says_what_became_of_stale_groups():
     counters |= {"stale_abandoned": 1, "dropped_samples": 10, "dropped_response_tokens": 120}
     counters |= {"trained_samples": 64, "trained_response_tokens": 256}
     common = dict(startup_s=1.0, wall_s=2.0, max_staleness=2, status="finished", metrics=Path("/r/m.jsonl"))
-    common |= dict(checkpoint=None, hf_dir=None, dashboard_url=None, resume_cmd="asyncrl train --resume /r")
+    common |= dict(checkpoint=None, hf_dir=None, resume_cmd="asyncrl train --resume /r")
     text = run_summary(rows(3), counters=counters, **common)
     assert "  stale prompts   re-issued 4, given up 1; response length dropped 12.0 vs trained 4.0 tokens" in text
     assert "stale prompts" not in run_summary(rows(3), counters={"groups_trained": 32}, **common)

@@ -19,6 +19,7 @@ import torch
 from asyncrl.cli import main
 
 GPU_CONFIG = "configs/gsm8k_qwen2.5_0.5b_gpu.yaml"
+ONE_GPU_CONFIG = "configs/gsm8k_qwen2.5_0.5b_1gpu.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +51,73 @@ def test_the_gpu_config_passes_up_to_cuda_with_nccl_engines(capsys, gsm_file):
     # the engines a generator builds for a nccl sync take vLLM's nccl weight transfer
     assert "check: engine: Qwen/Qwen2.5-0.5B-Instruct, dtype float32, weight_transfer_config nccl" in lines
     cuda = "(available)" if torch.cuda.is_available() else "(not available on this host: checked up to here)"
-    assert lines[-1] == (
+    assert lines[-2] == (
         f"check: needs CUDA: sync.backend=nccl, learner.gpus_per_rank=1, rollout.gpus_per_generator=1 {cuda}"
+    )
+    assert lines[-1].startswith("check: GPUs: the config asks for 2 (learner 1 x 1, generators 1 x 1): 2 device(s)")
+    if not torch.cuda.is_available():
+        assert "this host has NO GPU (torch sees no CUDA device): the run cannot start here" in lines[-1]
+
+
+# ----------------------------------------------------------------------------- one GPU, shared
+
+
+def test_the_one_gpu_config_shares_a_device_through_shared_memory(capsys, gsm_file):
+    from asyncrl.config import load_config
+
+    cfg = load_config(ONE_GPU_CONFIG)
+    assert cfg.learner.gpus_per_rank + cfg.rollout.gpus_per_generator == 1
+    assert cfg.sync.backend == "shm" and cfg.rollout.engine_kwargs["gpu_memory_utilization"] == 0.3
+    rc, lines, err = check(capsys, ONE_GPU_CONFIG, *gsm_file)
+    assert rc == 0, err
+    assert "check: weight sync: shm" in lines
+    assert "check: engine: Qwen/Qwen2.5-0.5B-Instruct, dtype float32, weight_transfer_config none" in lines or (
+        torch.cuda.is_available()
+    )
+    gpus = next(line for line in lines if line.startswith("check: GPUs:"))
+    assert gpus.startswith("check: GPUs: the config asks for 1 (learner 1 x 0.5, generators 1 x 0.5): 1 device(s)")
+    if not torch.cuda.is_available():
+        assert gpus.endswith(
+            "this host has NO GPU (torch sees no CUDA device): the run cannot start here, checked up to here"
+        )
+    else:
+        assert any(line.startswith("check: engine memory: gpu_memory_utilization 0.3 of") for line in lines)
+
+
+def test_a_shared_gpu_needs_shared_memory_sync_and_an_engine_memory_share(capsys, gsm_file):
+    rc, _, err = check(capsys, ONE_GPU_CONFIG, *gsm_file, "sync.backend=nccl")
+    assert rc == 2 and "NCCL cannot connect them: set sync.backend=shm" in err
+    rc, _, err = check(capsys, ONE_GPU_CONFIG, *gsm_file, "rollout.engine_kwargs={}")
+    assert rc == 2 and "set rollout.engine_kwargs.gpu_memory_utilization" in err and "0.9" in err
+
+
+def test_an_unreachable_hub_is_one_line_and_checked_offline(capsys, monkeypatch):
+    """No minute of retries, each logged twice: the hub is asked once, briefly, and the rest of
+    the check runs offline (what the cache holds is still read)."""
+    import huggingface_hub.constants
+
+    from asyncrl.infra import free_port
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with contextlib.suppress(ImportError):
+        import datasets.config
+
+        monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens: refused at once
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    rc, lines, err = check(capsys, GPU_CONFIG)
+    assert rc == 0, err
+    hub = [line for line in lines if line.startswith("check: hub:")]
+    assert hub == [
+        f"check: hub: {endpoint} does not answer from this host (ConnectError): checked offline (HF_HUB_OFFLINE=1); "
+        "Qwen/Qwen2.5-0.5B-Instruct, openai/gsm8k:main: read from this host's cache where they are, else not checked"
+    ]
+    assert "Retrying" not in err and "Retry" not in err
+    assert (
+        "check: rollout.model: Qwen/Qwen2.5-0.5B-Instruct: not checked (HF_HUB_OFFLINE is set: the hub is not asked)"
+        in (lines)
     )
 
 
@@ -135,16 +201,21 @@ def test_a_hub_id_is_not_checked_offline_and_is_asked_of_the_hub_otherwise(capsy
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)  # the check sets it: undone after the test
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at its import, maybe offline then
     with closed_port() as port:
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
         rc, lines, err = check(capsys, "configs/demo.yaml", "rollout.model=someone/some-model")
     assert rc == 0, err
-    assert any(
-        line.startswith("check: rollout.model: someone/some-model: not checked (the hub is unreachable")
-        for line in lines
-    ), lines
+    # the hub refuses: asked once, then the check goes on offline
+    assert lines[0].startswith(f"check: hub: http://127.0.0.1:{port} does not answer from this host (ConnectError)")
+    assert (
+        "check: rollout.model: someone/some-model: not checked (HF_HUB_OFFLINE is set: the hub is not asked)" in lines
+    )
 
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # what the check above set for the rest of its process
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with stand_in_hub(found={"someone/exists"}) as endpoint:
         monkeypatch.setenv("HF_ENDPOINT", endpoint)
         rc, _, err = check(capsys, "configs/demo.yaml", "rollout.model=someone/missing")

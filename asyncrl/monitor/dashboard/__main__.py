@@ -21,12 +21,33 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG, description="serve the staleness/drift dashboard (a live run's Redis or a run dir)"
     )
     d.add_argument("run_dir", nargs="?", help="a finished run's directory (control.run_dir): reads its metrics.jsonl")
-    d.add_argument("--redis", default=None, help="a live run's Redis URL")
-    d.add_argument("--run", default=None)
-    d.add_argument("--host", default="127.0.0.1")
-    d.add_argument("--port", type=int, default=8470)
-    d.add_argument("--token", default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"))
-    d.add_argument("--password", default=os.environ.get("ASYNCRL_REDIS_PASSWORD"))
+    d.add_argument(
+        "--redis", default=None, metavar="URL", help="a live run's Redis URL (the trainer logs it: queue.redis_url)"
+    )
+    d.add_argument(
+        "--run",
+        default=None,
+        metavar="NAME",
+        help="with --redis: open this run (control.run_name); default: the page lists the runs in that Redis",
+    )
+    d.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: 127.0.0.1, this machine only; another address needs --token; "
+        "from a remote box, prefer `ssh -L 8470:127.0.0.1:8470 HOST`)",
+    )
+    d.add_argument("--port", type=int, default=8470, help="the port to listen on (default: 8470)")
+    d.add_argument(
+        "--token",
+        default=os.environ.get("ASYNCRL_DASHBOARD_TOKEN"),
+        help="a secret of 16+ characters every request must carry (?token=, a Bearer header or the cookie it "
+        "sets); default: $ASYNCRL_DASHBOARD_TOKEN, else none (loopback only)",
+    )
+    d.add_argument(
+        "--password",
+        default=os.environ.get("ASYNCRL_REDIS_PASSWORD"),
+        help="with --redis: the Redis password when the URL has none (default: $ASYNCRL_REDIS_PASSWORD)",
+    )
     d.add_argument(
         "--connect-timeout",
         type=float,

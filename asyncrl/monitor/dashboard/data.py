@@ -25,6 +25,7 @@ from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S, Thresholds, eva
 from asyncrl.queue import keys
 from asyncrl.queue.readback import count, parse_heartbeat
 from asyncrl.queue.records import unpack_small
+from asyncrl.queue.runstate import RUN_COUNTERS
 
 STATE_INT_FIELDS = ("policy_version", "weights_version", "max_staleness", "groups_per_step")
 STATE_FLOAT_FIELDS = (
@@ -35,15 +36,7 @@ STATE_FLOAT_FIELDS = (
     "alert_logprob_diff_max",
     "alert_reward_failure_rate",
 )
-COUNTER_FIELDS = (
-    "groups_started",
-    "groups_produced",
-    "groups_trained",
-    "dropped_stale",
-    "dead_lettered",
-    "dropped_uniform",
-    "weight_load_failures",
-)
+COUNTER_FIELDS = RUN_COUNTERS
 LATEST_WINDOW = 500
 """Stream entries scanned (newest first) to find each metric's latest value."""
 SERIES_LIMIT = 20_000

@@ -49,11 +49,13 @@ def _row_of(line: str) -> dict[str, Any] | None:
     return row
 
 
-def _read_rows(path: RunPath) -> tuple[list[dict[str, Any]], int]:
-    """The rows of the final trajectory (a resumed run's repeats replace the rows they redo), and
-    how many lines were not valid rows."""
+def _read_rows(path: RunPath) -> tuple[list[dict[str, Any]], int, list[int]]:
+    """The rows of the final trajectory (a resumed run's repeats replace the rows they redo), how
+    many lines were not valid rows, and the steps the run resumed after (a row whose step does
+    not follow the one before it starts a resumed session)."""
     rows: list[dict[str, Any]] = []
     bad = 0
+    resumed: list[int] = []
     with contextlib.ExitStack() as stack:
         if isinstance(path, ObjectPath):  # one GET of the whole object
             lines: Iterable[str] = path.read_text(errors="replace").splitlines()
@@ -66,10 +68,12 @@ def _read_rows(path: RunPath) -> tuple[list[dict[str, Any]], int]:
             if row is None:
                 bad += 1
                 continue
+            if rows and rows[-1]["step"] >= row["step"]:
+                resumed = [r for r in resumed if r < row["step"] - 1] + [row["step"] - 1]
             while rows and rows[-1]["step"] >= row["step"]:
                 rows.pop()
             rows.append(row)
-    return rows, bad
+    return rows, bad, resumed
 
 
 def _latest(rows: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -112,6 +116,7 @@ class RunDirSource:
         self._rows: list[dict[str, Any]] = []
         self._latest: dict[str, float | None] = {}
         self._bad_lines = 0
+        self._resumed: list[int] = []
 
     # ------------------------------------------------------------------ files
 
@@ -151,7 +156,7 @@ class RunDirSource:
         key = (st.st_mtime_ns, st.st_size)
         with self._lock:
             if key != self._key:
-                self._rows, self._bad_lines = _read_rows(self.metrics_path)
+                self._rows, self._bad_lines, self._resumed = _read_rows(self.metrics_path)
                 self._latest = _latest(self._rows)
                 self._key = key
             return self._rows, self._latest
@@ -209,7 +214,9 @@ class RunDirSource:
             now=now,
         ) + state_alerts(summary_file.get("parity_gate"))
         counters = summary_file.get("counters")
-        counters = counters if isinstance(counters, dict) else {}
+        # A summary.json's counters omit the ones never counted (before every counter was
+        # written): 0, not unknown. No summary.json (a killed run): unknown.
+        counters = {name: 0 for name in data.COUNTER_FIELDS} | counters if isinstance(counters, dict) else {}
         first_time = data.json_float(rows[0].get("time")) if rows else None
         last_time = data.json_float(rows[-1].get("time")) if rows else None
         summary = {
@@ -239,6 +246,7 @@ class RunDirSource:
                 "has_summary": bool(summary_file),
                 "checkpoint": checkpoint,
                 "bad_lines": self._bad_lines,
+                "resumed_after": list(self._resumed),  # the steps its resumes went on from
                 # A run dir is read as it is: one still being written shows its steps so far.
                 "metrics_age_s": max(0.0, now - self.metrics_path.stat().st_mtime),
             },

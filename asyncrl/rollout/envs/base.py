@@ -14,12 +14,15 @@ environments so that every Ray worker can build its own copy.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import importlib
 import inspect
 import math
 import random
+from types import ModuleType
 from typing import Any
 
+from asyncrl.config.base import not_on_path
 from asyncrl.data.tokens import sampleable_ids
 from asyncrl.types import MAX_ABS_REWARD
 
@@ -103,6 +106,27 @@ def allowed_token_ids(env_name: str, tokenizer) -> list[int] | None:
     return sampleable_ids(tokenizer)
 
 
+def did_you_mean(name: str, candidates: list[str]) -> str:
+    """'; did you mean 'x'?' for the candidate closest to a misspelled name, else ''."""
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def import_user_module(what: str, module_name: str) -> ModuleType:
+    """Import the module of a user's import path; ValueError naming ``what`` when it fails
+    (a module not on the path says how to put it there)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (
+            module_name == e.name or module_name.startswith(f"{e.name}.")
+        ):  # the path's own module, not one it imports
+            raise ValueError(f"{what}: module {module_name!r} {not_on_path(module_name)}") from e
+        raise ValueError(f"{what}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # user code: whatever its import raises (not only ImportError) is this path's failure
+        raise ValueError(f"{what}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+
+
 def resolve_env_class(name: str) -> type[Environment]:
     """A built-in name or 'package.module:Class' -> the class (ValueError with what is allowed)."""
     path = BUILTIN.get(name, name)
@@ -111,22 +135,44 @@ def resolve_env_class(name: str) -> type[Environment]:
         raise ValueError(
             f"environment {name!r}: not a built-in ({', '.join(BUILTIN)}) nor an import path 'package.module:Class'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # user code: whatever its import raises (not only ImportError) is this path's failure
-        raise ValueError(f"environment {name!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    module = import_user_module(f"environment {name!r}", module_name)
     try:
         cls = getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"environment {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+        hint = did_you_mean(attr, [n for n, v in vars(module).items() if isinstance(v, type)])
+        raise ValueError(f"environment {name!r}: module {module_name!r} has no attribute {attr!r}{hint}") from None
     if not isinstance(cls, type):
         raise ValueError(f"environment {name!r}: {path} is a {type(cls).__name__}, expected a class")
     return cls
 
 
+def check_env_kwargs(name: str, kwargs: dict[str, Any] | None) -> type[Environment]:
+    """The environment's class, once its constructor is known to accept ``kwargs`` by name
+    (ValueError naming the keys it does not take and the ones it does). Nothing is built: a
+    run checks this before it starts anything."""
+    cls = resolve_env_class(name)
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a constructor Python cannot introspect: building it will tell
+        return cls
+    params = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return cls
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in (kwargs or {}) if k not in takes]
+    if unknown:
+        hints = "".join(did_you_mean(k, takes) for k in unknown[:1])
+        raise ValueError(
+            f"environment {name!r}: bad rollout.env_kwargs {kwargs!r}: {cls.__name__} does not take "
+            f"{', '.join(map(repr, unknown))}{hints} (it takes: {', '.join(takes) or 'nothing'}); "
+            "a changed rollout.env usually needs its own rollout.env_kwargs (rollout.env_kwargs={} for its defaults)"
+        )
+    return cls
+
+
 def make_env(name: str, kwargs: dict[str, Any] | None = None) -> Environment:
     """Build an environment from its registry name (or import path) and rollout.env_kwargs."""
-    cls = resolve_env_class(name)
+    cls = check_env_kwargs(name, kwargs)
     try:
         return cls(**(kwargs or {}))
     except TypeError as e:

@@ -26,14 +26,20 @@ run's actor for that entry (asyncrl.rollout.reward_model), so it sums with the f
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.reward_model import RewardModelConfig
-from asyncrl.rollout.envs.base import Environment, make_env, run_if_coroutine
+from asyncrl.rollout.envs.base import (
+    Environment,
+    check_env_kwargs,
+    did_you_mean,
+    import_user_module,
+    make_env,
+    run_if_coroutine,
+)
 from asyncrl.rollout.reward_model import RewardModelClient
 
 
@@ -42,16 +48,12 @@ def resolve_function(path: str) -> Callable:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function {path!r}: not an import path 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # user code: whatever its import raises (not only ImportError) is this path's failure
-        raise ValueError(
-            f"reward function {path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-        ) from e
+    module = import_user_module(f"reward function {path!r}", module_name)
     try:
         fn = getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+        hint = did_you_mean(attr, [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")])
+        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}{hint}") from None
     if not callable(fn):
         raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not a function")
     return fn
@@ -89,7 +91,11 @@ class WeightedRewards(Environment):
         if isinstance(spec, RewardModelConfig):
             client = RewardModelClient(run, index)
             return RewardFn(f"{client.where}.model", client.score, float(spec.weight), spec.timeout_s)
-        return RewardFn(spec.fn, resolve_function(spec.fn), float(spec.weight), getattr(spec, "timeout_s", None))
+        try:
+            fn = resolve_function(spec.fn)
+        except ValueError as e:
+            raise ValueError(f"rollout.rewards[{index}].fn: {e}") from e
+        return RewardFn(spec.fn, fn, float(spec.weight), getattr(spec, "timeout_s", None))
 
     def make_prompt(self, rng):
         return self.base.make_prompt(rng)
@@ -122,6 +128,17 @@ def make_rollout_env(rollout, run: str | None = None) -> Environment:
     ``run``: the run whose reward-model actors score its reward models (None: not scored here)."""
     env = make_env(rollout.env, rollout.env_kwargs)
     return WeightedRewards(env, rollout.rewards, run) if rollout.rewards else env
+
+
+def check_rollout_code(rollout) -> None:
+    """What a generator would die of when it builds its environment, checked before a run starts
+    anything: the environment's class takes rollout.env_kwargs, and every reward function is
+    imported (ValueError naming the field). Nothing is built here (a library environment may
+    load a dataset when it is)."""
+    check_env_kwargs(rollout.env, rollout.env_kwargs)
+    for i, spec in enumerate(rollout.rewards):
+        if not isinstance(spec, RewardModelConfig):
+            WeightedRewards._resolve(i, spec, None)
 
 
 def task_target_length(rollout) -> float | None:
