@@ -6,7 +6,7 @@
 
 ``rollout.seed`` and ``learner.seed`` are offsets added to it (default 0), so changing
 ``control.seed`` alone gives a different run in every part, as a trainer's one seed does.
-What a seed reproduces in each mode is in docs/design.md ("Reproducibility").
+What a seed reproduces in each mode is in docs/design/reproducibility.md.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def prepare(name: str, wl: dict, workdir: Path) -> dict:
 
 # ---------------------------------------------------------------- asyncrl side (child process)
 
-# Where an asyncrl step's time goes, per step (docs/design.md's step profiles read these):
+# Where an asyncrl step's time goes, per step (docs/design/step-time.md's profiles read these):
 # waiting for data, the learner's train (forward+backward, optimizer), publishing the weights,
 # the engines' pause + load + resume, and the generators' token rate.
 PROFILE = (

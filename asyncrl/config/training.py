@@ -21,7 +21,7 @@ class LoraConfig(Section):
     """Scale numerator: the update is (alpha / r) * B @ A."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapters' input in the training forward only (the engines, and the
-    learner's own log-prob passes, run without it; docs/design.md, "LoRA")."""
+    learner's own log-prob passes, run without it; docs/design/lora.md)."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Names of the Linear layers that get adapters (PEFT's target_modules), or ["all-linear"]."""
     publish: Literal["auto", "adapter", "merged"] = "auto"
@@ -54,17 +54,17 @@ class LearnerConfig(Section):
     packing: bool = True
     """Pack each micro-batch's sequences into one row, each with its own positions and its
     attention kept inside it, so no pad token is computed; false: right-pad them into rows.
-    The log-probs, loss and gradient are the same either way (docs/design.md, "Packed sequences")."""
+    The log-probs, loss and gradient are the same either way (docs/design/learner.md, "Packed sequences")."""
     mini_batches_per_step: int = Field(1, ge=1)
     """Optimizer steps per trainer step (each bumps the policy version)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them:
     activation memory drops to about one block's worth plus each block's input, for one more
-    forward's compute. Gradients are unchanged (docs/design.md, "Activation checkpointing")."""
+    forward's compute. Gradients are unchanged (docs/design/learner.md)."""
     lora: LoraConfig | None = None
     """{r, alpha, dropout, target_modules, publish}: train LoRA adapters instead of every
-    weight (off when absent); see docs/design.md, "LoRA"."""
+    weight (off when absent); see docs/design/lora.md."""
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -162,7 +162,7 @@ class ControlConfig(Section):
     parity_gate: Literal["stop", "warn", "off"] = "stop"
     """Before the first optimizer update of every start and resume, the learner scores the first
     batch's tokens sampled with its own current weights (staleness 0) and compares them with the
-    engines' log-probs (docs/design.md, "The parity gate"). stop: fail naming the gap and its
+    engines' log-probs (docs/design/parity-gate.md). stop: fail naming the gap and its
     likely causes; warn: say so and train anyway; off: no check."""
     parity_tolerance: float | None = Field(None, gt=0)
     """Largest |learner - engine| log-prob the gate accepts. None: by the dtype both sides

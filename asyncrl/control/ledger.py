@@ -3,7 +3,7 @@
     ledger = audit(queue, trained_ids(run_dir, upto_step=final checkpoint's step))
     ledger.check()                          # raises LedgerError naming the broken rule
 
-Rules (docs/design.md, "Ledger"): produced = trained ∪ dropped-stale ∪ dead-lettered ∪
+Rules (docs/design/contracts.md, "Ledger"): produced = trained ∪ dropped-stale ∪ dead-lettered ∪
 still queued, and each group id is trained at most once. The trained ids are those baked
 into the final checkpoint's weights, so a crash between a step and its checkpoint must leave
 those groups queued (un-acked) rather than lost or trained twice.

@@ -7,7 +7,7 @@
 The policy version in Redis is raised only after every engine applied the weights (or failed
 to and closed its own admission: ``PublishResult.errors``, logged here), so admission never
 lets a generator start work counted against weights it lacks. With `overlap` the engines'
-part runs in a background thread while the loop trains the next step (docs/design.md, "The
+part runs in a background thread while the loop trains the next step (docs/design/contracts.md, "The
 async learner does not wait for the engines to load").
 
 An export that fails for want of space (``shm_dir`` full, Ray's object store full) is treated

@@ -7,7 +7,7 @@
     ...train, checkpoint...
     q.ack([entry_id for entry_id, _ in items])             # once the checkpoint is durable
 
-Delivery (docs/design.md, "Ack" and "Ledger"): XREADGROUP hands each entry to one consumer; it stays
+Delivery (docs/design/contracts.md, "Ack" and "Ledger"): XREADGROUP hands each entry to one consumer; it stays
 in the consumer group's pending list until `ack`, which the trainer calls only when a
 checkpoint covering it is durable, so a crash before that redelivers it. On its first
 `get_batch` a consumer re-reads its own pending entries (same consumer name after a restart);

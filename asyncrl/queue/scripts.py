@@ -60,7 +60,7 @@ TRY_ADMIT = (
 -- optionally ARGV[4] the version of the weights the group will be sampled with.
 -- Admitted iff groups_started + n <= floor((v + max_staleness + 1) / m) * groups_per_step,
 -- with v = min(policy_version, ARGV[4]) and m = mini_batches_per_step (AReaL-style throttle,
--- docs/design.md). A trainer step takes groups_per_step groups and raises the version by m,
+-- docs/design/admission.md). A trainer step takes groups_per_step groups and raises the version by m,
 -- and it trains a group only if v' + m - 1 - max_staleness <= its version (v' the step's
 -- start), so a group sampled at v is usable up to trainer step floor((v + max_staleness +
 -- 1) / m) - 1, counting from 0; every step before it takes groups_per_step. A generator whose

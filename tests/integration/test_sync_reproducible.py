@@ -1,7 +1,7 @@
 """Two `control.mode=sync` runs with one `control.seed` are the same run, step for
 step: the same groups trained, the same rewards, losses and gradient norms (real Redis, Ray,
 a 1-rank FSDP2 learner and a vLLM-CPU engine on the tiny model). What async mode cannot
-reproduce, and why, is in docs/design.md ("Reproducibility"); at max_staleness 0 it can: the
+reproduce, and why, is in docs/design/reproducibility.md; at max_staleness 0 it can: the
 async loop then trains on exactly the synchronous mode's rollouts and ends at the same
 parameters (checked against the first of the two sync runs, so that run is made once).
 
