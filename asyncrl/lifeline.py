@@ -177,19 +177,32 @@ class Lifeline:
         return line
 
     def _watch_descendants(self) -> None:
-        import psutil
-
         known: set[tuple[int, float]] = set()
         while not self._closed.wait(WATCH_S):
-            now = set()
-            with contextlib.suppress(psutil.Error):
-                for p in psutil.Process().children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        if p.pid != self.proc.pid:
-                            now.add((p.pid, p.create_time()))
+            now = set(self._descendants())
             if new := now - known:
                 self.register(sorted(new))
             known = now
+
+    def _descendants(self) -> list[tuple[int, float]]:
+        """[pid, create_time] of this process's descendants that the run started: children that
+        existed before the lifeline (the caller's own: a test session's Redis and Ray, a
+        notebook's kernels) are not the run's, and neither is anything below them."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            started = psutil.Process(self.proc.pid).create_time()
+            children: dict[int, list[tuple[int, float]]] = {}
+            for p in psutil.process_iter(["ppid", "create_time"]):
+                if p.info["ppid"] is not None and p.info["create_time"] is not None:
+                    children.setdefault(p.info["ppid"], []).append((p.pid, p.info["create_time"]))
+            found = []
+            todo = [c for c in children.get(os.getpid(), []) if c[1] >= started and c[0] != self.proc.pid]
+            while todo:
+                found.append(todo.pop())
+                todo += children.get(found[-1][0], [])
+            return found
+        return []
 
     def register(self, records: Iterable[Iterable]) -> None:
         """Also sweep these [pid, create_time] processes (forked ones: they keep the
