@@ -21,8 +21,9 @@ files the run registered are deleted. After a clean exit it finds nothing and le
 The token alone is not enough: a process that retitles itself (setproctitle, as Ray's dashboard
 and runtime-env agents do) overwrites the memory /proc/PID/environ shows, and once the driver is
 gone its children are orphans no tree walk finds. So the run's process also registers every
-descendant it has, as they appear (a thread, every WATCH_S seconds): a process that lived that
-long is swept by its [pid, create_time] whatever it did to its environment.
+descendant it started, as they appear (a thread, every WATCH_S seconds): a process that lived
+that long is swept by its [pid, create_time] whatever it did to its environment. Children the
+process had before the lifeline started (and theirs) are its caller's, not the run's.
 
 What it cannot cover: a process that cleared its environment before exec'ing and was never
 registered; a process that left this user (setuid); another host's processes (Ray's other
