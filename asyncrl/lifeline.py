@@ -21,8 +21,9 @@ files the run registered are deleted. After a clean exit it finds nothing and le
 The token alone is not enough: a process that retitles itself (setproctitle, as Ray's dashboard
 and runtime-env agents do) overwrites the memory /proc/PID/environ shows, and once the driver is
 gone its children are orphans no tree walk finds. So the run's process also registers every
-descendant it has, as they appear (a thread, every WATCH_S seconds): a process that lived that
-long is swept by its [pid, create_time] whatever it did to its environment.
+descendant it started, as they appear (a thread, every WATCH_S seconds): a process that lived
+that long is swept by its [pid, create_time] whatever it did to its environment. Children the
+process had before the lifeline started (and theirs) are its caller's, not the run's.
 
 What it cannot cover: a process that cleared its environment before exec'ing and was never
 registered; a process that left this user (setuid); another host's processes (Ray's other
@@ -177,19 +178,32 @@ class Lifeline:
         return line
 
     def _watch_descendants(self) -> None:
-        import psutil
-
         known: set[tuple[int, float]] = set()
         while not self._closed.wait(WATCH_S):
-            now = set()
-            with contextlib.suppress(psutil.Error):
-                for p in psutil.Process().children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        if p.pid != self.proc.pid:
-                            now.add((p.pid, p.create_time()))
+            now = set(self._descendants())
             if new := now - known:
                 self.register(sorted(new))
             known = now
+
+    def _descendants(self) -> list[tuple[int, float]]:
+        """[pid, create_time] of this process's descendants that the run started: children that
+        existed before the lifeline (the caller's own: a test session's Redis and Ray, a
+        notebook's kernels) are not the run's, and neither is anything below them."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            started = psutil.Process(self.proc.pid).create_time()
+            children: dict[int, list[tuple[int, float]]] = {}
+            for p in psutil.process_iter(["ppid", "create_time"]):
+                if p.info["ppid"] is not None and p.info["create_time"] is not None:
+                    children.setdefault(p.info["ppid"], []).append((p.pid, p.info["create_time"]))
+            found = []
+            todo = [c for c in children.get(os.getpid(), []) if c[1] >= started and c[0] != self.proc.pid]
+            while todo:
+                found.append(todo.pop())
+                todo += children.get(found[-1][0], [])
+            return found
+        return []
 
     def register(self, records: Iterable[Iterable]) -> None:
         """Also sweep these [pid, create_time] processes (forked ones: they keep the

@@ -1,7 +1,7 @@
 """A custom verifiable reward, found by import path: an environment class, or plain reward
 functions with TRL's signature.
 
-    PYTHONPATH=. asyncrl train configs/demo.yaml rollout.env=examples.custom_reward:EchoFirstEnv
+    PYTHONPATH=. asyncrl train configs/demo.yaml rollout.env=examples.custom_reward:EchoFirstEnv 'rollout.env_kwargs={}'
     PYTHONPATH=. asyncrl train configs/demo.yaml \
         'rollout.rewards=[{fn: examples.custom_reward:exact_copy}, {fn: examples.custom_reward:brevity, weight: 0.1}]'
 

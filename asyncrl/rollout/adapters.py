@@ -64,11 +64,16 @@ class AdapterSlot:
         from asyncrl.learner.lora import peft_config, zero_adapter  # peft: heavy at import
 
         self.dir = tempfile.mkdtemp(prefix="asyncrl-lora-")
-        peft_config(lora, base_model).save_pretrained(self.dir)
         self.base_dir = os.path.join(self.dir, BASE_DIR)  # vLLM reads the folder's own two files only
-        zero = lora.model_copy(update={"r": 1, "alpha": 1.0})
-        peft_config(zero, base_model).save_pretrained(self.base_dir)
-        save_file(zero_adapter(zero, base_model), os.path.join(self.base_dir, ADAPTER_FILE))
+        try:
+            peft_config(lora, base_model).save_pretrained(self.dir)
+            zero = lora.model_copy(update={"r": 1, "alpha": 1.0})
+            peft_config(zero, base_model).save_pretrained(self.base_dir)
+            # PEFT refuses target modules the model lacks here: before the engine starts.
+            save_file(zero_adapter(zero, base_model), os.path.join(self.base_dir, ADAPTER_FILE))
+        except BaseException:
+            self.close()
+            raise
         self.request: Any = None
         """The LoRARequest every new request carries; None only before ``load_base`` and after
         a failed load (the engine then takes no requests until it is whole again)."""

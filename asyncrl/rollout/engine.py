@@ -109,11 +109,18 @@ class RolloutEngine(WeightUpdates):
         import psutil
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # The slot first: a LoRA config the model cannot take fails before an engine starts.
+        adapter = AdapterSlot(lora, model_path) if lora is not None else None
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
-        llm = AsyncLLM.from_engine_args(
-            engine_args(rollout, model_path, seed, weight_transfer, learner_dtype=learner_dtype, lora=lora)
-        )
+        try:
+            llm = AsyncLLM.from_engine_args(
+                engine_args(rollout, model_path, seed, weight_transfer, learner_dtype=learner_dtype, lora=lora)
+            )
+        except BaseException:
+            if adapter is not None:
+                adapter.close()
+            raise
         pids = [
             [p.pid, p.create_time()]
             for p in me.children(recursive=True)
@@ -123,8 +130,8 @@ class RolloutEngine(WeightUpdates):
         engine.weight_transfer = weight_transfer
         engine.learner_dtype = learner_dtype
         engine.lora = lora
-        if lora is not None:  # every request names the slot from the first (rollout/adapters.py)
-            engine.adapter = AdapterSlot(lora, model_path)
+        if adapter is not None:  # every request names the slot from the first (rollout/adapters.py)
+            engine.adapter = adapter
             try:
                 await engine.adapter.load_base(llm)
             except BaseException:

@@ -105,3 +105,28 @@ def test_a_clean_close_sweeps_nothing_and_restores_the_environment(tmp_path):
         line.close()
     assert line.proc.returncode == 0 and Lifeline.current is None
     assert os.environ.get(TOKEN_ENV) == before
+
+
+def test_what_ran_before_the_lifeline_started_is_not_its_to_sweep(monkeypatch):
+    """A process that calls `asyncrl generate` in-process (a test session with its own Redis and
+    Ray, a notebook) already has children: the watcher registers only what the run started, so
+    a clean close (or the run's death) leaves the caller's own children running."""
+    monkeypatch.setattr("asyncrl.lifeline.WATCH_S", 0.05)
+    before = subprocess.Popen(["sleep", "300"], env={})  # no token either way
+    line = Lifeline.start()
+    after = None
+    try:
+        after = subprocess.Popen(["sleep", "300"], env={})
+        deadline = time.monotonic() + 30
+        while after.pid not in [p for p, _ in line.registered] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert after.pid in [p for p, _ in line.registered], "the watcher missed the run's own child"
+        assert before.pid not in [p for p, _ in line.registered]
+    finally:
+        line.close()
+        if after is not None:
+            after.wait(30)  # swept by the lifeline: it was the run's
+        alive = before.poll() is None
+        before.kill()
+        before.wait()
+    assert alive, "the lifeline swept a process its caller had started before the run"

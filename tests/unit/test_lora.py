@@ -199,3 +199,32 @@ def test_the_engines_version_0_adapter_is_zeros_in_the_runs_format(tiny):
         torch.testing.assert_close(logits_of(as_loaded), logits_of(base_model(tiny)), rtol=0, atol=0)
     finally:
         slot.close()
+
+
+def test_target_modules_the_family_lacks_fail_before_an_engine_starts_and_leave_no_folder(tiny, monkeypatch):
+    """The version-0 adapter is built from the model's own layers, so a target module the family
+    does not have is refused there: by PEFT's own message, before the engine (minutes on a GPU,
+    processes to stop) is started, and without leaving the slot's temp folder behind."""
+    import asyncio
+    import glob
+    import tempfile
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from asyncrl.rollout.adapters import AdapterSlot
+    from asyncrl.rollout.engine import RolloutEngine
+
+    bad = LoraConfig(r=4, target_modules=["no_such_proj"])
+    folders = set(glob.glob(f"{tempfile.gettempdir()}/asyncrl-lora-*"))
+    with pytest.raises(ValueError, match="no_such_proj"):
+        AdapterSlot(bad, tiny)
+    assert set(glob.glob(f"{tempfile.gettempdir()}/asyncrl-lora-*")) == folders
+
+    def no_engine(*_, **__):
+        raise AssertionError("an engine was started for a LoRA config that cannot load")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", no_engine)
+    rollout = load_config("configs/demo.yaml").rollout
+    with pytest.raises(ValueError, match="no_such_proj"):
+        asyncio.run(RolloutEngine.start(rollout, tiny, seed=0, lora=bad))
+    assert set(glob.glob(f"{tempfile.gettempdir()}/asyncrl-lora-*")) == folders
