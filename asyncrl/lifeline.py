@@ -88,6 +88,27 @@ def marked_processes(name: str, value: str, exclude: Iterable[int] = ()) -> list
     return found
 
 
+def _create_time(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return -1.0
+
+
+def _children_of(pid: int) -> set[tuple[int, float]]:
+    """[pid, create_time] of `pid`'s live children."""
+    import psutil
+
+    out = set()
+    with contextlib.suppress(psutil.Error):
+        for c in psutil.Process(pid).children():
+            with contextlib.suppress(psutil.Error):
+                out.add((c.pid, c.create_time()))
+    return out
+
+
 def terminate(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
     """SIGTERM (and SIGCONT, for a stopped one) each process, SIGKILL those still alive after
     `grace_s`; return the pids that were alive. The /dev/shm/psm_* segments they mapped and
@@ -149,12 +170,16 @@ class Lifeline:
         self._previous_token: str | None = None
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        self._callers: set[tuple[int, float]] = set()
+        """[pid, create_time] of this process's children that are not the run's (its caller's,
+        and the lifeline itself): they and what runs below them are never registered."""
 
     @classmethod
     def start(cls, shm_globs: Iterable[str] = ()) -> Lifeline:
         """Start the lifeline and mark this process's environment with a fresh token, so every
         process started from here on carries it."""
         token, shm_globs = secrets.token_hex(16), list(shm_globs)
+        callers = _children_of(os.getpid())  # before anything of the run's exists
         read_fd, write_fd = os.pipe()
         os.set_inheritable(write_fd, False)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the sweep must not find itself
@@ -171,6 +196,7 @@ class Lifeline:
         )
         os.close(read_fd)
         line = cls(proc, write_fd, token, shm_globs)
+        line._callers = callers | {(proc.pid, _create_time(proc.pid))}
         line._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = token
         Lifeline.current = line
@@ -191,19 +217,17 @@ class Lifeline:
         notebook's kernels) are not the run's, and neither is anything below them."""
         import psutil
 
-        with contextlib.suppress(psutil.Error):
-            started = psutil.Process(self.proc.pid).create_time()
-            children: dict[int, list[tuple[int, float]]] = {}
+        children: dict[int, list[tuple[int, float]]] = {}
+        with contextlib.suppress(psutil.Error):  # a pass that fails is retried WATCH_S later
             for p in psutil.process_iter(["ppid", "create_time"]):
                 if p.info["ppid"] is not None and p.info["create_time"] is not None:
                     children.setdefault(p.info["ppid"], []).append((p.pid, p.info["create_time"]))
-            found = []
-            todo = [c for c in children.get(os.getpid(), []) if c[1] >= started and c[0] != self.proc.pid]
-            while todo:
-                found.append(todo.pop())
-                todo += children.get(found[-1][0], [])
-            return found
-        return []
+        found: list[tuple[int, float]] = []
+        todo = [c for c in children.get(os.getpid(), []) if c not in self._callers]
+        while todo:
+            found.append(todo.pop())
+            todo += children.get(found[-1][0], [])
+        return found
 
     def register(self, records: Iterable[Iterable]) -> None:
         """Also sweep these [pid, create_time] processes (forked ones: they keep the
