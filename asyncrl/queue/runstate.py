@@ -1,6 +1,6 @@
 """Run-level state kept in Redis next to the rollout stream: versions, counters, admission,
-generator heartbeats and the metrics stream. The stream itself is `RolloutQueue` (replay.py);
-the two are separate objects that may share one connection.
+the metrics stream, and each generator's records (generator_records.py). The stream itself is
+`RolloutQueue` (replay.py); the two are separate objects that may share one connection.
 
     rs = RunState.connect(url, run="demo")       # or RunState.of(queue): the queue's connection
     rs.configure_admission(max_staleness=1, groups_per_step=8, mini_batches_per_step=1)  # trainer
@@ -33,13 +33,10 @@ from redis.typing import EncodableT, FieldT
 
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
+from asyncrl.queue.generator_records import GeneratorRecords
 from asyncrl.queue.readback import (
-    EnginePids,
-    Heartbeat,
     LogOnce,
     int_text,
-    parse_engine_pids,
-    parse_heartbeat,
 )
 from asyncrl.queue.records import from_text, to_text, unpack_small
 from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
@@ -72,7 +69,7 @@ RUN_COUNTERS = (
 summary.json and on the dashboard."""
 
 
-class RunState:
+class RunState(GeneratorRecords):
     """State of one run in Redis: `RunState.connect(url, run)`, or `RunState.of(queue)`."""
 
     def __init__(self, client: redis.Redis, run: str, retry: Retrier, *, metrics_maxlen: int = 100_000):
@@ -259,7 +256,8 @@ class RunState:
 
     def counters(self) -> dict[str, int]:
         """Every counter that holds a count, RUN_COUNTERS at 0 until they are counted; one that
-        holds something else is left out (logged once)."""
+        holds something else reads as 0 if it is one of RUN_COUNTERS (every writer restarts it
+        at 0), else is left out (logged once either way)."""
         out = dict.fromkeys(RUN_COUNTERS, 0)
         for k, v in self._retry(self._r.hgetall, self._k_counters).items():
             name = k.decode("utf-8", "replace")
@@ -340,109 +338,6 @@ class RunState:
         if not isinstance(groups_started, int) or groups_started < 0:
             raise ValueError(f"groups_started must be an int >= 0, got {groups_started!r}")
         self._retry(self._r.hset, self._k_counters, "groups_started", groups_started)
-
-    # ------------------------------------------------------------------ generators
-
-    def heartbeat(self, generator_id: str, info: dict[str, Any]) -> None:
-        """Record that a generator is alive; `info` is plain msgpack data (version, tokens_per_s, ...)."""
-        record = {**info, "heartbeat": time.time()}
-        self._retry(self._r.hset, self._k_generators, generator_id, msgpack.packb(record, use_bin_type=True))
-
-    def generators(self) -> dict[str, Heartbeat]:
-        """Each generator's last heartbeat; an unreadable one is skipped (logged once per
-        generator and reason): it must not take the trainer, its watchdog or a resume down."""
-        raw = self._retry(self._r.hgetall, self._k_generators)
-        out: dict[str, Heartbeat] = {}
-        for k, v in raw.items():
-            gid = k.decode("utf-8", "replace")
-            try:
-                out[gid] = parse_heartbeat(unpack_small(v))
-            except Exception as e:
-                why = f"{type(e).__name__}: {e}"
-                self._say(("heartbeat", gid[:200], why[:80]), "generator %r: bad heartbeat (%s); skipped", gid, why)
-        return out
-
-    def remove_generator(self, generator_id: str) -> None:
-        self._retry(self._r.hdel, self._k_generators, generator_id)
-
-    # A generator's crash-recovery records. Every call goes through the retrier like the rest
-    # of the queue: a generator must ride out a Redis restart, not lose its loop to it.
-
-    def next_incarnation(self, generator_id: str) -> int:
-        """How many times `generator_id` has started in this run, counting this start (a count
-        some other client overwrote restarts from a number no earlier start used: NEXT_INCARNATION)."""
-        n, repaired = self._retry(self._next_incarnation, keys=[keys.incarnation(self.run, generator_id)])
-        if repaired:
-            log.warning("%s: its incarnation count in Redis was not a count; went on from %d", generator_id, n)
-        return int(n)
-
-    def admit_prompt(self, generator_id: str, prompt_id: str, note: bytes, weights_version: int | None = None) -> bool:
-        """try_admit(1) and, if admitted, note the prompt in the generator's in-flight hash, as
-        one atomic step. Idempotent per prompt id: a retry after a lost reply counts nothing twice.
-
-        ``weights_version``: the version the generator's engine holds. The budget is then taken
-        at min(policy version, weights_version): a generator behind the announced weights is
-        admitted only to groups that will still be within the staleness bound when trained.
-        """
-        args = [1, prompt_id, note] + ([int(weights_version)] if weights_version is not None else [])
-        return (
-            self._retry(
-                self._try_admit,
-                keys=[self._k_state, self._k_counters, keys.inflight(self.run, generator_id)],
-                args=args,
-            )
-            == 1
-        )
-
-    def inflight_prompts(self, generator_id: str) -> dict[str, bytes]:
-        """The generator's admitted prompts whose groups are not in the stream yet: id -> note."""
-        raw = self._retry(self._r.hgetall, keys.inflight(self.run, generator_id))
-        return {k.decode(): v for k, v in raw.items()}
-
-    def release_inflight(self, generator_id: str) -> int:
-        """Hand back the admission of every prompt the generator still has noted, and forget
-        them (a clean stop). Returns how many."""
-        return int(self._retry(self._release_inflight, keys=[self._k_counters, keys.inflight(self.run, generator_id)]))
-
-    def drop_admitted(self, generator_id: str, prompt_id: str, counter: str = "dropped_uniform") -> bool:
-        """A finished group of an admitted prompt will not be put: forget its note, hand its
-        admission back and count it under ``counter``, in one step. False (nothing done) if the
-        note was already gone (a retry, or a stop that released it)."""
-        return (
-            self._retry(
-                self._drop_admitted,
-                keys=[self._k_counters, keys.inflight(self.run, generator_id)],
-                args=[prompt_id, counter],
-            )
-            == 1
-        )
-
-    def engine_record(self, generator_id: str) -> dict[str, Any] | None:
-        """What the generator's last incarnation left for a successor (see set_engine_record),
-        checked (readback.parse_engine_pids); None when absent or unreadable (logged)."""
-        record = self.engine_pids(generator_id)
-        return None if record is None else record.as_dict()
-
-    def engine_pids(self, generator_id: str) -> EnginePids | None:
-        """The typed engine record of `generator_id`; None when absent or unreadable (logged)."""
-        raw = self._retry(self._r.hget, keys.engine_pids(self.run), generator_id)
-        if raw is None:
-            return None
-        try:
-            return parse_engine_pids(unpack_small(raw))
-        except Exception as e:
-            why = str(e)[:200]
-            self._say((generator_id, "engine", why), "%s: ignoring its engine record in Redis: %s", generator_id, why)
-            return None
-
-    def set_engine_record(self, generator_id: str, record: dict[str, Any] | None) -> None:
-        """{"host", "pids", "segments", "started"} of the generator's engine; None deletes it."""
-        if record is None:
-            self._retry(self._r.hdel, keys.engine_pids(self.run), generator_id)
-        else:
-            self._retry(
-                self._r.hset, keys.engine_pids(self.run), generator_id, msgpack.packb(record, use_bin_type=True)
-            )
 
     # ------------------------------------------------------------------ metrics
 
