@@ -107,13 +107,18 @@ def terminate(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
 
 
 def _alive(records: Iterable[tuple[int, float]]) -> list[int]:
+    return [pid for pid, _ in _prune_dead(records)]
+
+
+def _prune_dead(records: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
+    """The records whose process is still the one registered (a reused pid is not)."""
     import psutil
 
-    out = []
+    out = set()
     for pid, created in records:
         with contextlib.suppress(psutil.Error):
             if abs(psutil.Process(pid).create_time() - created) < 1e-3:
-                out.append(pid)
+                out.add((pid, created))
     return out
 
 
@@ -148,13 +153,21 @@ class Lifeline:
         self.registered: list[tuple[int, float]] = []
         self._previous_token: str | None = None
         self._closed = threading.Event()
+        self._callers: set[tuple[int, float]] = set()
         self._lock = threading.Lock()
 
     @classmethod
     def start(cls, shm_globs: Iterable[str] = ()) -> Lifeline:
         """Start the lifeline and mark this process's environment with a fresh token, so every
         process started from here on carries it."""
+        import psutil
+
         token, shm_globs = secrets.token_hex(16), list(shm_globs)
+        callers = set()  # the children this process already has: its caller's, not the run's
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process().children():
+                with contextlib.suppress(psutil.Error):
+                    callers.add((child.pid, child.create_time()))
         read_fd, write_fd = os.pipe()
         os.set_inheritable(write_fd, False)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the sweep must not find itself
@@ -171,6 +184,7 @@ class Lifeline:
         )
         os.close(read_fd)
         line = cls(proc, write_fd, token, shm_globs)
+        line._callers = callers
         line._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = token
         Lifeline.current = line
@@ -184,6 +198,12 @@ class Lifeline:
             if new := now - known:
                 self.register(sorted(new))
             known = now
+            # Forget the dead (a reward that starts a process per sample registers thousands):
+            # what was just seen is alive; the rest (forked engines, reparented) is looked up.
+            with self._lock:
+                others = set(self.registered) - now
+                if others:
+                    self.registered = sorted((set(self.registered) & now) | _prune_dead(others))
 
     def _descendants(self) -> list[tuple[int, float]]:
         """[pid, create_time] of this process's descendants that the run started: children that
@@ -191,19 +211,17 @@ class Lifeline:
         notebook's kernels) are not the run's, and neither is anything below them."""
         import psutil
 
+        children: dict[int, list[tuple[int, float]]] = {}
         with contextlib.suppress(psutil.Error):
-            started = psutil.Process(self.proc.pid).create_time()
-            children: dict[int, list[tuple[int, float]]] = {}
             for p in psutil.process_iter(["ppid", "create_time"]):
                 if p.info["ppid"] is not None and p.info["create_time"] is not None:
                     children.setdefault(p.info["ppid"], []).append((p.pid, p.info["create_time"]))
-            found = []
-            todo = [c for c in children.get(os.getpid(), []) if c[1] >= started and c[0] != self.proc.pid]
-            while todo:
-                found.append(todo.pop())
-                todo += children.get(found[-1][0], [])
-            return found
-        return []
+        found: list[tuple[int, float]] = []
+        todo = [c for c in children.get(os.getpid(), []) if c not in self._callers and c[0] != self.proc.pid]
+        while todo:
+            found.append(todo.pop())
+            todo += children.get(found[-1][0], [])
+        return found
 
     def register(self, records: Iterable[Iterable]) -> None:
         """Also sweep these [pid, create_time] processes (forked ones: they keep the
@@ -273,6 +291,7 @@ def _main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     registered: set[tuple[int, float]] = set()
+    prune_at = 1024  # the registry's size at which the dead are dropped (then twice what is left)
     buffer = b""
     # EOF: the run's process closed its end or is gone. A child it forked keeps a copy of that
     # end (fork keeps every descriptor), so its death is also seen as our reparenting.
@@ -288,6 +307,9 @@ def _main(argv: list[str]) -> int:
             with contextlib.suppress(ValueError):
                 pid, created = line.split()
                 registered.add((int(pid), float(created)))
+        if len(registered) >= prune_at:
+            registered = _prune_dead(registered)
+            prune_at = max(1024, 2 * len(registered))
     # Give what is already on its way out (multiprocessing's resource tracker, which cleans up
     # after the parent once its pipe closes) a moment to go by itself.
     deadline = time.monotonic() + 2.0
