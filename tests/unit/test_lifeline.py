@@ -123,9 +123,10 @@ def test_what_ran_before_the_lifeline_started_is_not_its_to_sweep(monkeypatch):
         assert after.pid in [p for p, _ in line.registered], "the watcher missed the run's own child"
         assert before.pid not in [p for p, _ in line.registered]
     finally:
+        if after is not None:  # ours to reap (the lifeline would wait out a zombie's grace)
+            after.kill()
+            after.wait()
         line.close()
-        if after is not None:
-            after.wait(30)  # swept by the lifeline: it was the run's
         alive = before.poll() is None
         before.kill()
         before.wait()
@@ -141,17 +142,18 @@ def test_short_lived_children_do_not_pile_up_in_the_registry(monkeypatch):
     keep = None
     try:
         keep = subprocess.Popen(["sleep", "300"], env={})
-        for _ in range(20):
-            subprocess.Popen(["sleep", "0.2"], env={}).wait()
+        for _ in range(10):
+            subprocess.Popen(["sleep", "0.15"], env={}).wait()
         deadline = time.monotonic() + 30
         while keep.pid not in [p for p, _ in line.registered] and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # a few more passes, every short-lived child gone
         assert [p for p, _ in line.registered] == [keep.pid]
     finally:
-        line.close()
         if keep is not None:
-            keep.wait(30)
+            keep.kill()
+            keep.wait()
+        line.close()
     from asyncrl.lifeline import _prune_dead  # the lifeline's own registry, pruned the same way
 
     gone = [(keep.pid, 1.0), (2**22 + 1, 2.0)]
