@@ -193,17 +193,23 @@ class Lifeline:
 
     def _watch_descendants(self) -> None:
         known: set[tuple[int, float]] = set()
+        warned = False
         while not self._closed.wait(WATCH_S):
-            now = set(self._descendants())
-            if new := now - known:
-                self.register(sorted(new))
-            known = now
-            # Forget the dead (a reward that starts a process per sample registers thousands):
-            # what was just seen is alive; the rest (forked engines, reparented) is looked up.
-            with self._lock:
-                others = set(self.registered) - now
-                if others:
-                    self.registered = sorted((set(self.registered) & now) | _prune_dead(others))
+            try:
+                now = set(self._descendants())
+                if new := now - known:
+                    self.register(sorted(new))
+                known = now
+                # Forget the dead (a reward that starts a process per sample registers thousands):
+                # what was just seen is alive; the rest (forked engines, reparented) is looked up.
+                with self._lock:
+                    others = set(self.registered) - now
+                    if others:
+                        self.registered = sorted((set(self.registered) & now) | _prune_dead(others))
+            except Exception as e:  # a dead watcher would stop registering, silently
+                if not warned:
+                    log.warning("lifeline: registering the run's processes failed (%s); retrying", e)
+                    warned = True
 
     def _descendants(self) -> list[tuple[int, float]]:
         """[pid, create_time] of this process's descendants that the run started: children that
@@ -212,10 +218,13 @@ class Lifeline:
         import psutil
 
         children: dict[int, list[tuple[int, float]]] = {}
-        with contextlib.suppress(psutil.Error):
-            for p in psutil.process_iter(["ppid", "create_time"]):
-                if p.info["ppid"] is not None and p.info["create_time"] is not None:
-                    children.setdefault(p.info["ppid"], []).append((p.pid, p.info["create_time"]))
+        # Fresh Process objects, not process_iter's: its cached ones (and their .info) are
+        # shared with any other thread of the run that walks the process table.
+        for pid in psutil.pids():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    children.setdefault(proc.ppid(), []).append((pid, proc.create_time()))
         found: list[tuple[int, float]] = []
         todo = [c for c in children.get(os.getpid(), []) if c not in self._callers and c[0] != self.proc.pid]
         while todo:
