@@ -88,27 +88,6 @@ def marked_processes(name: str, value: str, exclude: Iterable[int] = ()) -> list
     return found
 
 
-def _create_time(pid: int) -> float:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return -1.0
-
-
-def _children_of(pid: int) -> set[tuple[int, float]]:
-    """[pid, create_time] of `pid`'s live children."""
-    import psutil
-
-    out = set()
-    with contextlib.suppress(psutil.Error):
-        for c in psutil.Process(pid).children():
-            with contextlib.suppress(psutil.Error):
-                out.add((c.pid, c.create_time()))
-    return out
-
-
 def terminate(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
     """SIGTERM (and SIGCONT, for a stopped one) each process, SIGKILL those still alive after
     `grace_s`; return the pids that were alive. The /dev/shm/psm_* segments they mapped and
@@ -128,13 +107,18 @@ def terminate(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
 
 
 def _alive(records: Iterable[tuple[int, float]]) -> list[int]:
+    return [pid for pid, _ in _prune_dead(records)]
+
+
+def _prune_dead(records: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
+    """The records whose process is still the one registered (a reused pid is not)."""
     import psutil
 
-    out = []
+    out = set()
     for pid, created in records:
         with contextlib.suppress(psutil.Error):
             if abs(psutil.Process(pid).create_time() - created) < 1e-3:
-                out.append(pid)
+                out.add((pid, created))
     return out
 
 
@@ -169,17 +153,21 @@ class Lifeline:
         self.registered: list[tuple[int, float]] = []
         self._previous_token: str | None = None
         self._closed = threading.Event()
-        self._lock = threading.Lock()
         self._callers: set[tuple[int, float]] = set()
-        """[pid, create_time] of this process's children that are not the run's (its caller's,
-        and the lifeline itself): they and what runs below them are never registered."""
+        self._lock = threading.Lock()
 
     @classmethod
     def start(cls, shm_globs: Iterable[str] = ()) -> Lifeline:
         """Start the lifeline and mark this process's environment with a fresh token, so every
         process started from here on carries it."""
+        import psutil
+
         token, shm_globs = secrets.token_hex(16), list(shm_globs)
-        callers = _children_of(os.getpid())  # before anything of the run's exists
+        callers = set()  # the children this process already has: its caller's, not the run's
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process().children():
+                with contextlib.suppress(psutil.Error):
+                    callers.add((child.pid, child.create_time()))
         read_fd, write_fd = os.pipe()
         os.set_inheritable(write_fd, False)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the sweep must not find itself
@@ -196,7 +184,7 @@ class Lifeline:
         )
         os.close(read_fd)
         line = cls(proc, write_fd, token, shm_globs)
-        line._callers = callers | {(proc.pid, _create_time(proc.pid))}
+        line._callers = callers
         line._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = token
         Lifeline.current = line
@@ -205,11 +193,23 @@ class Lifeline:
 
     def _watch_descendants(self) -> None:
         known: set[tuple[int, float]] = set()
+        warned = False
         while not self._closed.wait(WATCH_S):
-            now = set(self._descendants())
-            if new := now - known:
-                self.register(sorted(new))
-            known = now
+            try:
+                now = set(self._descendants())
+                if new := now - known:
+                    self.register(sorted(new))
+                known = now
+                # Forget the dead (a reward that starts a process per sample registers thousands):
+                # what was just seen is alive; the rest (forked engines, reparented) is looked up.
+                with self._lock:
+                    others = set(self.registered) - now
+                    if others:
+                        self.registered = sorted((set(self.registered) & now) | _prune_dead(others))
+            except Exception as e:  # a dead watcher would stop registering, silently
+                if not warned:
+                    log.warning("lifeline: registering the run's processes failed (%s); retrying", e)
+                    warned = True
 
     def _descendants(self) -> list[tuple[int, float]]:
         """[pid, create_time] of this process's descendants that the run started: children that
@@ -218,12 +218,15 @@ class Lifeline:
         import psutil
 
         children: dict[int, list[tuple[int, float]]] = {}
-        with contextlib.suppress(psutil.Error):  # a pass that fails is retried WATCH_S later
-            for p in psutil.process_iter(["ppid", "create_time"]):
-                if p.info["ppid"] is not None and p.info["create_time"] is not None:
-                    children.setdefault(p.info["ppid"], []).append((p.pid, p.info["create_time"]))
+        # Fresh Process objects, not process_iter's: its cached ones (and their .info) are
+        # shared with any other thread of the run that walks the process table.
+        for pid in psutil.pids():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    children.setdefault(proc.ppid(), []).append((pid, proc.create_time()))
         found: list[tuple[int, float]] = []
-        todo = [c for c in children.get(os.getpid(), []) if c not in self._callers]
+        todo = [c for c in children.get(os.getpid(), []) if c not in self._callers and c[0] != self.proc.pid]
         while todo:
             found.append(todo.pop())
             todo += children.get(found[-1][0], [])
@@ -297,6 +300,7 @@ def _main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     registered: set[tuple[int, float]] = set()
+    prune_at = 1024  # the registry's size at which the dead are dropped (then twice what is left)
     buffer = b""
     # EOF: the run's process closed its end or is gone. A child it forked keeps a copy of that
     # end (fork keeps every descriptor), so its death is also seen as our reparenting.
@@ -312,6 +316,9 @@ def _main(argv: list[str]) -> int:
             with contextlib.suppress(ValueError):
                 pid, created = line.split()
                 registered.add((int(pid), float(created)))
+        if len(registered) >= prune_at:
+            registered = _prune_dead(registered)
+            prune_at = max(1024, 2 * len(registered))
     # Give what is already on its way out (multiprocessing's resource tracker, which cleans up
     # after the parent once its pipe closes) a moment to go by itself.
     deadline = time.monotonic() + 2.0

@@ -1,7 +1,7 @@
 """A custom multi-turn environment, trained step-wise.
 
     PYTHONPATH=. asyncrl train configs/demo.yaml rollout.env=examples.multiturn_env:GuessDigitEnv \\
-        algo.stepwise=true algo.advantage_estimator=grpo
+        'rollout.env_kwargs={}' algo.stepwise=true algo.advantage_estimator=grpo
 
 The model guesses a hidden digit; after each wrong guess the environment answers "<" or
 ">" and the episode goes on, up to `max_turns`. Every step of a trajectory gets the

@@ -14,6 +14,8 @@ and each option must exist), and `asyncrl train CONFIG overrides` loads its conf
 overrides, on the Python path the command itself gives (`PYTHONPATH=.`) and no other, so a
 command that needs `PYTHONPATH=.` and lacks it fails here. ```python file=PATH blocks must be
 copied from PATH as they are. Relative links must point at files and headings that exist.
+The `asyncrl train` commands in the examples' own docstrings (the README sends readers there)
+pass `--check` too.
 
 Cost: one in-process `--check` per runnable command (the first imports vLLM's engine
 arguments, a few seconds; the rest well under a second each); no Ray, Redis or engine start.
@@ -346,3 +348,44 @@ def test_a_command_without_the_python_path_it_needs_fails_here(docs_python_path)
         load_config(ROOT / "configs" / "demo.yaml", [override, "rollout.env_kwargs={}"])
     docs_python_path(Command("README.md", "run", {"PYTHONPATH": "."}, without.argv))
     load_config(ROOT / "configs" / "demo.yaml", [override, "rollout.env_kwargs={}"])
+
+
+def _docstring_commands(path: Path) -> list[Command]:
+    """The `asyncrl train` commands an example's module docstring shows (the README sends
+    readers to these files)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    out = []
+    for line in re.sub(r"\\+\n", " ", doc).splitlines():
+        if "asyncrl train" not in line:
+            continue
+        words = shlex.split(line)
+        env = {}
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        if words[:2] == ["asyncrl", "train"]:
+            out.append(Command(str(path.relative_to(ROOT)), "run", env, words))
+    return out
+
+
+EXAMPLE_COMMANDS = [c for path in sorted((ROOT / "examples").rglob("*.py")) for c in _docstring_commands(path)]
+
+
+@pytest.mark.parametrize("command", EXAMPLE_COMMANDS, ids=str)
+def test_the_examples_own_train_commands_pass_check(command, capsys, monkeypatch, docs_python_path):
+    """As `--check`: it builds the environment with its env_kwargs, which loading does not."""
+    config, _ = _train_config(command)
+    assert config is not None and (ROOT / config).exists(), f"{command}: no config {config}"
+    if "gpu" in config:
+        return  # the GPU box's config: its fields are checked with the external commands
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    docs_python_path(command)
+    checked = Command(command.doc, "run", command.env, [*command.argv, "--check"])
+    rc, out = _run_in_process(checked, capsys)
+    assert rc == 0 and "check: " in out, f"{command} --check exited {rc}: {out[-3000:]}"
+
+
+def test_the_examples_show_train_commands():
+    assert {c.doc for c in EXAMPLE_COMMANDS} >= {"examples/custom_reward.py", "examples/multiturn_env.py"}

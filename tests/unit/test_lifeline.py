@@ -123,10 +123,39 @@ def test_what_ran_before_the_lifeline_started_is_not_its_to_sweep(monkeypatch):
         assert after.pid in [p for p, _ in line.registered], "the watcher missed the run's own child"
         assert before.pid not in [p for p, _ in line.registered]
     finally:
+        if after is not None:  # ours to reap (the lifeline would wait out a zombie's grace)
+            after.kill()
+            after.wait()
         line.close()
-        if after is not None:
-            after.wait(30)  # swept by the lifeline: it was the run's
         alive = before.poll() is None
         before.kill()
         before.wait()
     assert alive, "the lifeline swept a process its caller had started before the run"
+
+
+def test_short_lived_children_do_not_pile_up_in_the_registry(monkeypatch):
+    """A run whose rewards start a process per sample registers thousands that are gone a
+    second later: the registry keeps only the living (hard_exit walks it, the lifeline holds
+    it for the whole run), and what is still alive stays registered."""
+    monkeypatch.setattr("asyncrl.lifeline.WATCH_S", 0.05)
+    line = Lifeline.start()
+    keep = None
+    try:
+        keep = subprocess.Popen(["sleep", "300"], env={})
+        for _ in range(10):
+            subprocess.Popen(["sleep", "0.15"], env={}).wait()
+        deadline = time.monotonic() + 30
+        while keep.pid not in [p for p, _ in line.registered] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # a few more passes, every short-lived child gone
+        assert [p for p, _ in line.registered] == [keep.pid]
+    finally:
+        if keep is not None:
+            keep.kill()
+            keep.wait()
+        line.close()
+    from asyncrl.lifeline import _prune_dead  # the lifeline's own registry, pruned the same way
+
+    gone = [(keep.pid, 1.0), (2**22 + 1, 2.0)]
+    me = (os.getpid(), psutil.Process().create_time())
+    assert _prune_dead({me, *gone}) == {me}
