@@ -15,25 +15,25 @@ from asyncrl.config.losses import LOSS_MODELS, CustomLoss
 from asyncrl.config.tree import Config
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(tp))
+        return " | ".join(type_name(a) for a in get_args(tp))
     if origin is typing.Annotated:
-        return _type_name(get_args(tp)[0])
+        return type_name(get_args(tp)[0])
     if origin is not None:
-        return f"{getattr(origin, '__name__', origin)}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+        return f"{getattr(origin, '__name__', origin)}[{', '.join(type_name(a) for a in get_args(tp))}]"
     if tp is type(None):
         return "None"
     return getattr(tp, "__name__", str(tp))
 
 
-_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
 
 
-def _default(field: Any) -> str:
+def field_default(field: Any) -> str:
     if field.default is not PydanticUndefined:
         return repr(field.default)
     if field.default_factory is not None:
@@ -42,7 +42,7 @@ def _default(field: Any) -> str:
     return "required"
 
 
-def _section_type(tp: Any) -> type[BaseModel] | None:
+def section_type(tp: Any) -> type[BaseModel] | None:
     """The section model of a field typed ``Section`` or ``Section | None``, else None."""
     options = get_args(tp) if get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     models = [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
@@ -50,7 +50,7 @@ def _section_type(tp: Any) -> type[BaseModel] | None:
     return models[0] if len(models) == 1 and not rest else None
 
 
-def _entry_sections(tp: Any) -> list[type[BaseModel]]:
+def entry_sections(tp: Any) -> list[type[BaseModel]]:
     """The section models a list field's entries may be (each kind of a tagged union), else []."""
     if get_origin(tp) is not list:
         return []
@@ -68,21 +68,21 @@ def _fields(model: type[BaseModel], indent: str, skip: tuple[str, ...] = ()) -> 
         if name in skip:
             continue
         if name == "policy_loss":
-            lines.append(f"{indent}{name}: policy loss (see below) = {_default(field)}")
-        elif _section_type(field.annotation) is not None:
-            optional = "" if isinstance(field.annotation, type) else f" or None = {_default(field)}"
+            lines.append(f"{indent}{name}: policy loss (see below) = {field_default(field)}")
+        elif section_type(field.annotation) is not None:
+            optional = "" if isinstance(field.annotation, type) else f" or None = {field_default(field)}"
             lines.append(f"{indent}{name}: section{optional} (see below)")
         else:
-            bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in _BOUNDS if hasattr(m, attr)]
+            bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in BOUNDS if hasattr(m, attr)]
             limits = f"  ({', '.join(bounds)})" if bounds else ""
-            lines.append(f"{indent}{name}: {_type_name(field.annotation)} = {_default(field)}{limits}")
+            lines.append(f"{indent}{name}: {type_name(field.annotation)} = {field_default(field)}{limits}")
         doc = " ".join((field.description or "").split())
         if doc:
             lines += textwrap.wrap(doc, 100, initial_indent=indent + "    ", subsequent_indent=indent + "    ")
     return lines
 
 
-def _doc(model: type) -> str:
+def model_doc(model: type) -> str:
     return " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
 
 
@@ -92,12 +92,12 @@ def _subsections(model: type[BaseModel], path: str, indent: str) -> list[str]:
     for name, sub in model.model_fields.items():
         if name == "policy_loss":
             continue  # listed with every loss at the end
-        for entry in _entry_sections(sub.annotation):
-            lines.append(f"{indent}{path}.{name}[i] ({entry.__name__}):  {_doc(entry)}")
+        for entry in entry_sections(sub.annotation):
+            lines.append(f"{indent}{path}.{name}[i] ({entry.__name__}):  {model_doc(entry)}")
             lines += _fields(entry, indent + "  ")
-        nested = _section_type(sub.annotation)
+        nested = section_type(sub.annotation)
         if nested is not None:
-            lines.append(f"{indent}{path}.{name}:  {_doc(nested)}")
+            lines.append(f"{indent}{path}.{name}:  {model_doc(nested)}")
             lines += _fields(nested, indent + "  ")
             lines += _subsections(nested, f"{path}.{name}", indent + "  ")
     return lines
@@ -108,7 +108,7 @@ def schema_text() -> str:
     for section, field in Config.model_fields.items():
         model = field.annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
-        lines.append(f"{section}:  {_doc(model)}")
+        lines.append(f"{section}:  {model_doc(model)}")
         lines += _fields(model, "  ")
         lines += _subsections(model, section, "  ")
         lines.append("")
@@ -117,8 +117,8 @@ def schema_text() -> str:
         "{type: 'package.module:function', kwargs: {...}}; override one setting with algo.policy_loss.SETTING=value"
     )
     for name, model in LOSS_MODELS.items():
-        lines.append(f"  type: {name}  {_doc(model)}")
+        lines.append(f"  type: {name}  {model_doc(model)}")
         lines += _fields(model, "    ", skip=("type",))
-    lines.append(f"  type: package.module:function  {_doc(CustomLoss)}")
+    lines.append(f"  type: package.module:function  {model_doc(CustomLoss)}")
     lines += _fields(CustomLoss, "    ", skip=("type",))
     return "\n".join(lines) + "\n"

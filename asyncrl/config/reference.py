@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from asyncrl.config.help import _BOUNDS, _default, _doc, _entry_sections, _section_type, _type_name
+from asyncrl.config.help import BOUNDS, entry_sections, field_default, model_doc, section_type, type_name
 from asyncrl.config.losses import LOSS_MODELS, CustomLoss
 from asyncrl.config.tree import Config
 
@@ -48,15 +48,15 @@ def _rows(model: type[BaseModel], path: str, skip: tuple[str, ...] = ()) -> list
             continue
         doc = field.description or ""
         if name == "policy_loss":
-            kind, default = "policy loss (see [Policy losses](#policy-losses))", _code(_default(field))
-        elif (nested := _section_type(field.annotation)) is not None:
+            kind, default = "policy loss (see [Policy losses](#policy-losses))", _code(field_default(field))
+        elif (nested := section_type(field.annotation)) is not None:
             anchor = f"{path}.{name}".replace(".", "")
             kind = f"section ([`{path}.{name}`](#{anchor}))"
-            default = "" if isinstance(field.annotation, type) else _code(_default(field))
-            doc = doc or _doc(nested)
+            default = "" if isinstance(field.annotation, type) else _code(field_default(field))
+            doc = doc or model_doc(nested)
         else:
-            kind, default = _code(_type_name(field.annotation)), _code(_default(field))
-            bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in _BOUNDS if hasattr(m, attr)]
+            kind, default = _code(type_name(field.annotation)), _code(field_default(field))
+            bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in BOUNDS if hasattr(m, attr)]
             if bounds:
                 kind += f" ({_cell(', '.join(bounds))})"
         rows.append(f"| `{path + '.' if path else ''}{name}` | {kind} | {default} | {_cell(doc)} |")
@@ -64,14 +64,14 @@ def _rows(model: type[BaseModel], path: str, skip: tuple[str, ...] = ()) -> list
 
 
 def _section(model: type[BaseModel], path: str, level: int) -> list[str]:
-    lines = [f"{'#' * level} {path}", "", _doc(model), "", *_rows(model, path), ""]
+    lines = [f"{'#' * level} {path}", "", model_doc(model), "", *_rows(model, path), ""]
     for name, field in model.model_fields.items():
         if name == "policy_loss":
             continue
-        for entry in _entry_sections(field.annotation):
-            lines += [f"{'#' * (level + 1)} {path}.{name}[i]: {entry.__name__}", "", _doc(entry), ""]
+        for entry in entry_sections(field.annotation):
+            lines += [f"{'#' * (level + 1)} {path}.{name}[i]: {entry.__name__}", "", model_doc(entry), ""]
             lines += [*_rows(entry, f"{path}.{name}[i]"), ""]
-        nested = _section_type(field.annotation)
+        nested = section_type(field.annotation)
         if nested is not None:
             lines += _section(nested, f"{path}.{name}", level + 1)
     return lines
@@ -93,6 +93,12 @@ def reference_markdown() -> str:
         "",
     ]
     for name, loss in LOSS_MODELS.items():
-        lines += [f"### type: {name}", "", _doc(loss), "", *_rows(loss, "", skip=("type",)), ""]
-    lines += ["### type: package.module:function", "", _doc(CustomLoss), "", *_rows(CustomLoss, "", skip=("type",))]
+        lines += [f"### type: {name}", "", model_doc(loss), "", *_rows(loss, "", skip=("type",)), ""]
+    lines += [
+        "### type: package.module:function",
+        "",
+        model_doc(CustomLoss),
+        "",
+        *_rows(CustomLoss, "", skip=("type",)),
+    ]
     return "\n".join(lines).rstrip("\n") + "\n"

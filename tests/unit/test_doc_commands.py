@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from asyncrl.cli import _parser, main
 from asyncrl.config import Config, ConfigError, load_config
-from asyncrl.config.help import _section_type
+from asyncrl.config.help import section_type
 from asyncrl.monitor.dashboard.__main__ import _parser as dashboard_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,7 +240,7 @@ def test_external_train_commands_name_real_configs_and_fields(command):
             if model is None:
                 break  # a value inside a field (a dict, a loss's settings): the field itself exists
             assert part in model.model_fields, f"{command}: {override.partition('=')[0]} is not a config field"
-            model = _section_type(model.model_fields[part].annotation)
+            model = section_type(model.model_fields[part].annotation)
 
 
 def _run_in_process(command: Command, capsys) -> tuple[int, str]:
