@@ -66,6 +66,8 @@ def gpu_fit(cfg: Config, backend: str, devices: list[Device]) -> list[str]:
     r, learner = cfg.rollout, cfg.learner
     shared = any(0 < each < 1 for what, _, each in requests if what in ("learner", "generators"))
     share = r.engine_kwargs.get("gpu_memory_utilization")
+    if share is not None and (isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1):
+        raise ConfigError(f"rollout.engine_kwargs.gpu_memory_utilization={share!r}: expected a number in (0, 1]")
     if shared and backend == "nccl":
         raise ConfigError(
             f"sync.backend resolves to nccl, but learner.gpus_per_rank={learner.gpus_per_rank:g} / "

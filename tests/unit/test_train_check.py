@@ -89,6 +89,9 @@ def test_a_shared_gpu_needs_shared_memory_sync_and_an_engine_memory_share(capsys
     assert rc == 2 and "NCCL cannot connect them: set sync.backend=shm" in err
     rc, _, err = check(capsys, ONE_GPU_CONFIG, *gsm_file, "rollout.engine_kwargs={}")
     assert rc == 2 and "set rollout.engine_kwargs.gpu_memory_utilization" in err and "0.9" in err
+    for bad in ("abc", "1.5", "0", "true"):
+        rc, _, err = check(capsys, ONE_GPU_CONFIG, *gsm_file, f"rollout.engine_kwargs.gpu_memory_utilization={bad}")
+        assert rc == 2 and "gpu_memory_utilization" in err and "expected a number in (0, 1]" in err, (bad, err)
 
 
 def test_an_unreachable_hub_is_one_line_and_checked_offline(capsys, monkeypatch):
