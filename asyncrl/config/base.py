@@ -24,7 +24,7 @@ OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_per_microbatch")
-ENVIRONMENTS = ("copy", "reverse", "arithmetic", "gsm8k", "math", "countdown_chat", "tools", "verifiers")
+ENVIRONMENTS = ("copy", "reverse", "arithmetic", "gsm8k", "math", "countdown_chat", "tools", "verifiers", "code")
 PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
 

@@ -20,6 +20,7 @@ from asyncrl.config.base import (
     one_of,
     prompt_source,
 )
+from asyncrl.config.code_env import CODE_ENV, check_code_prompts, code_env_config
 from asyncrl.config.envspec import check_library_env, env_mapping
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.config.tool_env import TOOLS_ENV, tool_env_config
@@ -68,7 +69,7 @@ class RolloutConfig(Section):
     """-1 (off) or >= 1."""
     env: str = "copy"
     """A built-in environment (copy, reverse, arithmetic, gsm8k, math, countdown_chat, tools,
-    verifiers) or an import path 'package.module:Class'; or a mapping {type: NAME, **env_kwargs}
+    verifiers, code) or an import path 'package.module:Class'; or a mapping {type: NAME, **env_kwargs}
     (a library's: {type: verifiers, id: module, args: {...}})."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     rewards: list[RewardSpec] = Field(default_factory=list)
@@ -156,6 +157,9 @@ class RolloutConfig(Section):
                     "rollout.env=tools needs rollout.chat_template=true: the tool schemas, the model's calls "
                     "and the tools' output are written in the chat template's tool format"
                 )
+        if self.env == CODE_ENV:
+            code_env_config(self.env_kwargs)
+            check_code_prompts(self.prompts, self.prompt_field)
         check_library_env(self.env, self.env_kwargs, self.prompts)
         for i, spec in enumerate(self.rewards):
             if isinstance(spec, RewardModelConfig):

@@ -181,6 +181,9 @@ def _negative_rewards_possible(r: RolloutConfig) -> str | None:
     if r.env in ("gsm8k", "math"):
         low = min(r.env_kwargs.get("correct_reward", 1.0), r.env_kwargs.get("format_reward", 0.0))
         return None if low >= 0 else f"rollout.env={r.env!r} has a reward of {low!r}"
+    if r.env == "code":
+        low = min(r.env_kwargs.get("violation_reward", 0.0), 0.0)
+        return None if low >= 0 else f"rollout.env='code' has violation_reward={low!r}"
     if r.env == "countdown_chat":
         return "rollout.env='countdown_chat' subtracts 0.05 per character of length error in every turn"
     return f"the rewards of rollout.env={r.env!r} are not known to be >= 0"

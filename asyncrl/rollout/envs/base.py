@@ -35,6 +35,7 @@ BUILTIN = {
     "countdown_chat": "asyncrl.rollout.envs.multiturn:CountdownChatEnv",
     "tools": "asyncrl.rollout.envs.tools:ToolEnv",
     "verifiers": "asyncrl.rollout.envs.verifiers_env:VerifiersEnv",
+    "code": "asyncrl.rollout.envs.code:CodeEnv",
 }
 
 

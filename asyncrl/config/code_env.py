@@ -1,0 +1,71 @@
+"""The code environment's settings (``rollout.env: code``), checked with the config.
+
+    rollout:
+      env: code
+      env_kwargs: {timeout_s: 2, memory_mb: 256, all_or_nothing: false}
+      prompts: examples/code/problems.jsonl
+
+A bad key or value is one line at config load, naming the field (not a traceback in a
+generator after Ray started).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from asyncrl.config.base import ConfigError, Section
+
+CODE_ENV = "code"
+
+
+class CodeEnvConfig(Section):
+    """rollout.env_kwargs of the code environment (asyncrl.rollout.envs.code)."""
+
+    timeout_s: float = Field(2.0, gt=0, le=600)
+    """Wall-clock seconds per test run; CPU seconds are limited to the same, rounded up. Past
+    it the run's processes are killed and the response scores violation_reward."""
+    memory_mb: int = Field(256, ge=32)
+    """Address space per process of the program (RLIMIT_AS)."""
+    max_output_bytes: int = Field(1 << 20, ge=1)
+    """stdout (and stderr) read per run; more is a violation and kills the run."""
+    max_file_bytes: int = Field(1 << 20, ge=0)
+    """Largest file the program may write (RLIMIT_FSIZE)."""
+    max_processes: int = Field(8, ge=1)
+    """Processes and threads the program may run at once (RLIMIT_NPROC on a uid of its own)."""
+    max_open_files: int = Field(64, ge=8)
+    max_concurrent: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
+    """Programs running at once per generator process (reward threads beyond wait for a slot)."""
+    max_tests: int = Field(32, ge=1)
+    """Tests run per response (the first ones); the reward still divides by all of them."""
+    all_or_nothing: bool = False
+    """1 only when every test passes; false: the fraction of tests passed."""
+    violation_reward: float = 0.0
+    """The reward of a response whose program broke a sandbox limit (timeout, memory, output...)."""
+
+
+def code_env_config(env_kwargs: dict[str, Any], where: str = "rollout.env_kwargs") -> CodeEnvConfig:
+    """The settings; ConfigError naming the field and the environment."""
+    try:
+        return CodeEnvConfig.model_validate(env_kwargs)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{where}.{loc}: {first['msg']} (rollout.env=code)") from None
+
+
+def check_code_prompts(prompts: str | None, prompt_field: str) -> None:
+    """A local JSONL problem file is read through at config load: a malformed line or a
+    problem without valid tests is one line naming file:line, before anything starts."""
+    if prompts is None:
+        raise ConfigError("rollout.env=code needs rollout.prompts: a JSONL file of problems with 'tests'")
+    if not prompts.endswith(".jsonl") or not os.path.isfile(prompts):
+        return  # other sources' records are checked as they are read (a bad one fails its sample)
+    from asyncrl.rollout.envs.code import load_problems  # the environment's own reader
+
+    try:
+        load_problems(prompts, prompt_field)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"rollout.prompts: {e}") from None

@@ -1,0 +1,386 @@
+"""Run an untrusted Python program in a sandbox: limited, isolated as far as this host allows, killed on time.
+
+    sandbox = Sandbox(SandboxLimits(timeout_s=2.0, memory_mb=256))
+    run = sandbox.run("print(input()[::-1])", stdin="abc\\n")   # RunResult(stdout="cba\\n", violation=None, ...)
+
+Every run gets:
+
+- a new session (its own process group), started through ``sandbox_launcher.py``, which forks
+  the program as its child so the program's parent is never the caller;
+- resource limits: RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE,
+  no core files;
+- a wall-clock timeout after which its whole process group (and pid namespace, and uid) is
+  killed; stdout and stderr read up to ``max_output_bytes`` each, then it is killed;
+- a new empty temporary directory as cwd and HOME, removed afterwards; an environment of PATH,
+  HOME, TMPDIR and LANG only (nothing of the caller's, no secrets); ``python -I -S`` (no user
+  site, no site-packages, PYTHON* variables ignored);
+- where the host allows it (probed once per process, stated in one log line, ``isolation()``):
+  a network namespace (no interface but a loopback that is down: no network at all), a pid
+  namespace (it sees and signals only its own processes; when the program exits, the kernel
+  kills whatever it left behind), and, as root, a uid of its own per concurrent slot
+  (RLIMIT_NPROC binds it, which it does not bind root; it cannot read files that are not
+  world-readable, nor signal the caller) with the interpreter's directory made reachable in a
+  mount namespace. Not root: a user namespace gives the network and pid namespaces.
+
+Not enforced (docs/guide/code.md): world-readable files outside its directory stay readable;
+disk use is bounded per file (RLIMIT_FSIZE) and by time, not in total; memory is per process
+(a program may fork up to max_processes processes of memory_mb each); no seccomp filter, so
+every system call the kernel lets an unprivileged user make is allowed.
+
+Concurrency: at most ``max_concurrent`` programs run at once per process (callers beyond
+that wait); each run holds a slot, a file lock under the temporary directory that also keeps
+two processes on one host from sharing a uid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID = 0x00020000, 0x40000000, 0x20000000
+SLOT_UID_BASE = 1_900_000_000
+"""Root runs slot i as uid/gid SLOT_UID_BASE + i: ids no account uses, one per concurrent run."""
+MAX_SLOTS = 256
+LAUNCH_FAILED = 125
+"""The launcher's child exits with this when the program could not be started (said on stderr)."""
+_SIGNAL_VIOLATIONS = {
+    int(signal.SIGXCPU): "cpu_limit",
+    int(signal.SIGXFSZ): "file_size_limit",
+    int(signal.SIGKILL): "killed",
+}
+"""SIGKILL: the hard RLIMIT_CPU, or the kernel's out-of-memory killer."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 2.0
+    """Wall-clock seconds per run; CPU seconds are limited to the same, rounded up."""
+    memory_mb: int = 256
+    """Address space per process (RLIMIT_AS)."""
+    max_output_bytes: int = 1 << 20
+    """Read from stdout and from stderr each; more kills the run (violation output_limit)."""
+    max_file_bytes: int = 1 << 20
+    """Largest file it may write (RLIMIT_FSIZE; beyond: SIGXFSZ, violation file_size_limit)."""
+    max_processes: int = 8
+    """Processes and threads at once (RLIMIT_NPROC on its own uid; as root only with a uid of its own)."""
+    max_open_files: int = 64
+    max_concurrent: int = 4
+    """Programs running at once in this process."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What this host lets the sandbox enforce beyond resource limits (probed once per process)."""
+
+    netns: bool
+    pidns: bool
+    own_uid: bool
+    """Runs as a uid of its own (root only: needs a mount namespace to reach the interpreter)."""
+    userns: bool
+    reason: str = ""
+    """Why something is missing, for the log line and the docs' claims."""
+
+    def describe(self) -> str:
+        yes = {True: "yes", False: "NO"}
+        line = (
+            f"network namespace {yes[self.netns]}, pid namespace {yes[self.pidns]}, "
+            f"own uid {yes[self.own_uid]}{' (via a user namespace)' if self.userns else ''}"
+        )
+        return f"{line}; {self.reason}" if self.reason else line
+
+
+@dataclass
+class RunResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """The program's exit code; None when a signal ended it."""
+    signal: int | None
+    violation: str | None
+    """timeout, cpu_limit, memory_limit, output_limit, file_size_limit, escaped (it killed the
+    launcher), or None when it stayed within its limits (it may still have failed)."""
+    wall_ms: float
+    notes: list[str] = field(default_factory=list)
+
+
+_probe_lock = threading.Lock()
+_isolation: Isolation | None = None
+
+
+def _hidden_ancestor(path: str) -> str | None:
+    """The top directory above ``path`` that other users cannot enter (None if all can)."""
+    parts = Path(path).resolve().parts
+    for i in range(2, len(parts) + 1):
+        d = os.path.join(*parts[:i])
+        if not os.stat(d).st_mode & stat.S_IXOTH:
+            return d
+    return None
+
+
+def _interpreter() -> tuple[str, str]:
+    """The real interpreter behind this one (a venv's python is a symlink) and its prefix."""
+    exe = os.path.realpath(sys.executable)
+    return exe, os.path.realpath(sys.base_prefix)
+
+
+def _spec_flags(iso: Isolation) -> int:
+    flags = (CLONE_NEWNET if iso.netns else 0) | (CLONE_NEWPID if iso.pidns else 0)
+    return flags | (CLONE_NEWNS if iso.own_uid else 0)
+
+
+def _try(spec: dict, workdir: str) -> str | None:
+    """Run the launcher in probe mode; None if it worked, else why not."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-I", "-S", LAUNCHER, json.dumps({**spec, "status_fd": w, "probe": True})],
+            cwd=workdir,
+            env=_minimal_env(workdir),
+            pass_fds=(w,),
+            capture_output=True,
+            timeout=30,
+            start_new_session=True,
+        )
+    finally:
+        os.close(w)
+        os.close(r)
+    return None if proc.returncode == 0 else (proc.stderr.decode(errors="replace").strip()[-300:] or "failed")
+
+
+def isolation() -> Isolation:
+    """What the host allows, probed once per process and logged once."""
+    global _isolation
+    with _probe_lock:
+        if _isolation is None:
+            _isolation = _probe()
+            log.info("code sandbox isolation: %s", _isolation.describe())
+        return _isolation
+
+
+def _probe() -> Isolation:
+    root = os.geteuid() == 0
+    reasons = []
+    with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-probe-") as d:
+        base = {"rlimits": {}, "argv": [], "nproc": 64, "userns": not root, "stage": d}
+        if root:
+            _exe, prefix = _interpreter()
+            hidden = _hidden_ancestor(prefix)
+            own = {"uid": SLOT_UID_BASE, "gid": SLOT_UID_BASE, "hide": [hidden] if hidden else [], "keep": [prefix]}
+            full = _try({**base, **own, "unshare": CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS}, d)
+            if full is None:
+                return Isolation(True, True, True, False)
+            reasons.append(f"namespaces as root: {full}")
+        net = _try({**base, "unshare": CLONE_NEWNET}, d) is None
+        pid = _try({**base, "unshare": CLONE_NEWPID}, d) is None
+        if not (net and pid):
+            reasons.append("unshare refused (no CAP_SYS_ADMIN, or unprivileged user namespaces disabled)")
+        if not root:
+            reasons.append("not root: runs as the caller's uid (RLIMIT_NPROC counts all its processes)")
+        return Isolation(net, pid, False, not root and (net or pid), "; ".join(reasons))
+
+
+def _minimal_env(home: str) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
+
+
+class Sandbox:
+    """Runs programs under ``limits``, at most ``limits.max_concurrent`` at once (thread-safe)."""
+
+    def __init__(self, limits: SandboxLimits | None = None):
+        self.limits = limits or SandboxLimits()
+        self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
+        self._lock_dir = Path(tempfile.gettempdir()) / f"asyncrl-sandbox-slots-{os.geteuid()}"
+
+    def run(self, program: str, stdin: str = "") -> RunResult:
+        iso = isolation()
+        with self._slots:
+            slot, lock = self._take_slot()
+            try:
+                return self._run(program, stdin, iso, slot)
+            finally:
+                lock.close()
+
+    def _take_slot(self):
+        """A slot no process on this host is using: (index, its open lock file)."""
+        self._lock_dir.mkdir(mode=0o700, exist_ok=True)
+        while True:
+            for i in range(MAX_SLOTS):
+                f = open(self._lock_dir / f"{i}.lock", "a")  # noqa: SIM115 - held for the run
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return i, f
+                except OSError:
+                    f.close()
+            time.sleep(0.01)
+
+    def _rlimits(self) -> dict[str, list[int]]:
+        lim = self.limits
+        cpu = max(1, int(lim.timeout_s + 0.999))
+        limits = {
+            "RLIMIT_CPU": [cpu, cpu + 1],
+            "RLIMIT_AS": [lim.memory_mb << 20] * 2,
+            "RLIMIT_FSIZE": [lim.max_file_bytes] * 2,
+            "RLIMIT_NOFILE": [lim.max_open_files] * 2,
+            "RLIMIT_CORE": [0, 0],
+        }
+        return limits
+
+    def _run(self, program: str, stdin: str, iso: Isolation, slot: int) -> RunResult:
+        lim = self.limits
+        workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
+        uid = SLOT_UID_BASE + slot if iso.own_uid else None
+        exe, prefix = _interpreter()
+        spec: dict = {"rlimits": self._rlimits(), "unshare": _spec_flags(iso), "userns": iso.userns}
+        spec.update(uid=uid, gid=uid, nproc=lim.max_processes, stage=tempfile.mkdtemp(prefix="asyncrl-stage-"))
+        if uid is not None:
+            spec["rlimits"]["RLIMIT_NPROC"] = [lim.max_processes] * 2
+            hidden = _hidden_ancestor(prefix)
+            spec.update(hide=[hidden] if hidden else [], keep=[prefix])
+        try:
+            Path(workdir, "main.py").write_text(program)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+                os.chown(Path(workdir, "main.py"), uid, uid)
+            spec["argv"] = [exe, "-I", "-S", "-B", "main.py"]
+            return self._launch(spec, workdir, stdin)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(spec["stage"], ignore_errors=True)
+
+    def _launch(self, spec: dict, workdir: str, stdin: str) -> RunResult:
+        status_r, status_w = os.pipe()
+        spec["status_fd"] = status_w
+        with tempfile.TemporaryFile() as stdin_file:  # a file: no pipe to fill while it does not read
+            stdin_file.write(stdin.encode())
+            stdin_file.seek(0)
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", LAUNCHER, json.dumps(spec)],
+                    stdin=stdin_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=workdir,
+                    env=_minimal_env(workdir),
+                    pass_fds=(status_w,),
+                    start_new_session=True,
+                )
+            finally:
+                os.close(status_w)
+        child_pid: int | None = None
+        try:
+            out, violation, status_text = self._collect(proc, status_r, t0)
+            for line in status_text.splitlines():
+                if line.startswith("pid "):
+                    child_pid = int(line[4:])
+        finally:
+            os.close(status_r)
+            self._kill(proc, child_pid, spec.get("uid"))
+        wall_ms = (time.monotonic() - t0) * 1000
+        exit_code: int | None = None
+        sig: int | None = None
+        exits = [ln for ln in status_text.splitlines() if ln.startswith("exit ")]
+        if exits:
+            code = os.waitstatus_to_exitcode(int(exits[-1][5:]))
+            exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        elif violation is None:  # the launcher died before its child did: something killed it
+            violation = "escaped"
+        stderr = out[2].decode(errors="replace")
+        if exit_code == LAUNCH_FAILED and stderr.startswith("asyncrl sandbox:"):
+            raise RuntimeError(f"the code sandbox could not start the program: {stderr.strip()[:300]}")
+        if violation is None and sig is not None:
+            violation = _SIGNAL_VIOLATIONS.get(sig)
+        if violation is None and exit_code not in (0, None):
+            tail = stderr[-2000:]  # Python turns the limits it meets into exceptions
+            violation = "memory_limit" if "MemoryError" in tail else "file_size_limit" if "[Errno 27]" in tail else None
+        return RunResult(out[1].decode(errors="replace"), stderr, exit_code, sig, violation, wall_ms)
+
+    def _collect(self, proc: subprocess.Popen, status_r: int, t0: float) -> tuple[dict[int, bytes], str | None, str]:
+        """Read stdout, stderr and the launcher's status until all close, the deadline or too much output."""
+        assert proc.stdout is not None and proc.stderr is not None
+        lim = self.limits
+        fds = {proc.stdout.fileno(): 1, proc.stderr.fileno(): 2, status_r: 0}
+        got: dict[int, bytearray] = {0: bytearray(), 1: bytearray(), 2: bytearray()}
+        deadline = t0 + lim.timeout_s
+        violation = None
+        open_fds = set(fds)
+        while open_fds:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                violation = "timeout"
+                break
+            ready, _, _ = select.select(list(open_fds), [], [], remaining)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    open_fds.discard(fd)
+                    continue
+                which = fds[fd]
+                got[which] += chunk
+                if which and len(got[which]) > lim.max_output_bytes:
+                    violation = "output_limit"
+            if violation:
+                break
+        for which in (1, 2):
+            del got[which][lim.max_output_bytes :]
+        return {k: bytes(v) for k, v in got.items()}, violation, got[0].decode(errors="replace")
+
+    def _kill(self, proc: subprocess.Popen, child_pid: int | None, uid: int | None) -> None:
+        """Everything the run started: its process group, its pid namespace (by killing its
+        init), and every process of its uid (what left the group with setsid)."""
+        if child_pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child_pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)  # the launcher reaps it and exits: no zombie left to init
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if uid is not None:
+            _kill_uid(uid)
+        proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process running as ``uid`` until none is left (RLIMIT_NPROC bounds how
+    many it can start meanwhile, so this ends)."""
+    for _ in range(100):
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if entry.stat().st_uid != uid or _zombie(entry.path):
+                    continue
+                found = True
+                os.kill(int(entry.name), signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+        if not found:
+            return
+        time.sleep(0.005)
+
+
+def _zombie(proc_dir: str) -> bool:
+    """Dead, waiting for its parent to reap it: nothing left to kill."""
+    with open(os.path.join(proc_dir, "stat")) as f:
+        return f.read().rpartition(")")[2].split()[0] == "Z"

@@ -1,0 +1,128 @@
+"""The first process of a code sandbox: isolates itself, then runs the model's program as its child.
+
+Run by ``asyncrl.rollout.envs.sandbox`` as ``python -I -S sandbox_launcher.py SPEC`` in a new
+session, in the sandbox's empty directory, with a minimal environment. Standard library only
+(it runs without site-packages or asyncrl on the path). SPEC is a JSON object:
+
+    {"argv": [...], "rlimits": {"RLIMIT_CPU": [soft, hard], ...}, "unshare": flags,
+     "uid": int | null, "gid": int | null, "userns": bool, "status_fd": int,
+     "hide": [path, ...], "keep": [path, ...], "nproc": int}
+
+Steps: ``unshare`` the namespaces asked for (network, pid, mount; a user namespace first when
+not root), fork (the child is pid 1 of the new pid namespace: when it exits the kernel kills
+every process left in it), and in the child: hide ``hide`` under an empty read-only tmpfs with
+the ``keep`` paths bound back (so the interpreter outside world-readable directories stays
+reachable for an unprivileged uid), set the resource limits, drop to ``uid``/``gid`` (root
+only) and exec ``argv``. The launcher writes ``pid N`` (the child's pid as the parent sees it)
+and ``exit STATUS`` (its raw wait status) to ``status_fd``; ``probe`` in SPEC checks that all of
+this works and exits without running anything.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+    enc = [s.encode() if isinstance(s, str) else s for s in (source, target, fstype, data)]
+    _check(_libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _hide(hide: list, keep: list, stage: str) -> None:
+    """Cover each ``hide`` directory with an empty tmpfs, then bind each ``keep`` path (read-only)
+    back at its own path: staged first, as it lies under what the tmpfs covers."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    staged = []
+    for i, path in enumerate(keep):
+        where = os.path.join(stage, str(i))
+        os.mkdir(where)
+        _mount(path, where, None, MS_BIND | MS_REC)
+        staged.append((where, path))
+    for path in hide:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for where, path in staged:
+        os.makedirs(path, exist_ok=True)
+        _mount(where, path, None, MS_BIND | MS_REC)
+        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_REC)
+        _check(_libc.umount2(where.encode(), 2), f"umount {where}")  # MNT_DETACH
+        os.rmdir(where)
+    for path in hide:  # nothing more is written there
+        _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _child(spec: dict) -> None:
+    """In the new namespaces: limits, identity, then the program (never returns)."""
+    if spec.get("hide"):
+        _hide(spec["hide"], spec["keep"], spec["stage"])
+    for name, (soft, hard) in spec["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    if spec.get("uid") is not None:
+        os.setgroups([])
+        os.setgid(spec["gid"])
+        os.setuid(spec["uid"])
+    else:  # RLIMIT_NPROC counts every process of this uid: leave room for those running now
+        mine = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owned(p))
+        n = mine + spec["nproc"]
+        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+    if spec.get("probe"):
+        os._exit(0)
+    os.execv(spec["argv"][0], spec["argv"])
+
+
+def _owned(pid: str) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    status = os.fdopen(spec["status_fd"], "w", buffering=1)
+    os.set_inheritable(spec["status_fd"], False)
+    flags = spec["unshare"]
+    if flags:
+        uid, gid = os.getuid(), os.getgid()
+        if spec.get("userns"):
+            flags |= CLONE_NEWUSER
+        _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+        if spec.get("userns"):  # map our own ids only: no privilege beyond our own inside
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"{uid} {uid} 1")
+            _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            status.close()
+            _child(spec)
+        except BaseException as e:  # the program never ran: say why on stderr, distinct status
+            os.write(2, f"asyncrl sandbox: {type(e).__name__}: {e}\n".encode())
+            os._exit(125)
+    status.write(f"pid {pid}\n")
+    _, wait_status = os.waitpid(pid, 0)
+    status.write(f"exit {wait_status}\n")
+    status.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The code sandbox against hostile programs: each is contained, scored a failure, and the host
+(this test process, its files, its environment, its process table) is unaffected. Run as root
+in CI, which is what these check (RLIMIT_NPROC does not bind root: the sandbox's own uid and
+pid namespace must).
+
+env PYTHONPATH=$PWD .venv/bin/python -m pytest tests/unit/test_code_sandbox.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+
+import pytest
+
+from asyncrl.rollout.envs import make_env
+from asyncrl.rollout.envs.sandbox import SLOT_UID_BASE, Sandbox, SandboxLimits, isolation
+
+LIMITS = SandboxLimits(timeout_s=1.5, memory_mb=128, max_output_bytes=64 << 10, max_file_bytes=64 << 10)
+ECHO_TESTS = {"tests": [{"input": "abc\n", "output": "abc\n"}, {"input": "xy\n", "output": "xy\n"}]}
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Sandbox:
+    return Sandbox(LIMITS)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return make_env("code", {"timeout_s": 1.5, "memory_mb": 128, "max_output_bytes": 65536, "max_file_bytes": 65536})
+
+
+def _sandbox_processes() -> list[int]:
+    """Processes running as any sandbox slot's uid (what a run left behind)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if SLOT_UID_BASE <= entry.stat().st_uid < SLOT_UID_BASE + 256:
+                    found.append(int(entry.name))
+            except FileNotFoundError:
+                continue
+    return found
+
+
+def test_a_correct_program_passes_and_a_wrong_one_fails(env):
+    right = "Here it is:\n```python\nprint(input())\n```\n"
+    assert env.reward("p", right, ECHO_TESTS) == 1.0
+    assert env.reward("p", "```python\nprint(input()[::-1])\n```", ECHO_TESTS) == 0.0
+    half = "```python\ns = input()\nprint(s if s == 'abc' else 'no')\n```"
+    assert env.reward("p", half, ECHO_TESTS) == 0.5
+    assert env.check(half, ECHO_TESTS).verdicts == ["pass", "fail"]
+
+
+def test_infinite_loop_is_killed_at_the_timeout(env):
+    result = env.check("while True:\n    pass\n", ECHO_TESTS)
+    assert result.violation in ("timeout", "cpu_limit", "killed") and result.timeouts <= 1
+    assert env.reward("p", "while True:\n    pass\n", ECHO_TESTS) == 0.0
+    assert result.verdicts == [result.violation]  # the remaining test was not run
+
+
+def test_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox):
+    if os.geteuid() == 0 and not isolation().own_uid:
+        pytest.skip(f"as root without a uid of its own nothing bounds a fork bomb here: {isolation().describe()}")
+    before = len(os.listdir("/proc"))
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    run = sandbox.run(bomb)
+    assert run.violation is not None
+    assert _sandbox_processes() == [] or not isolation().own_uid
+    # the box's process table is where it was (other helpers' processes come and go: a margin)
+    assert len(os.listdir("/proc")) < before + 50
+
+
+def test_setsid_daemon_does_not_outlive_its_run(sandbox):
+    """A child that leaves the process group (setsid) is still killed: pid namespace or uid."""
+    if not (isolation().pidns or isolation().own_uid):
+        pytest.skip(f"neither a pid namespace nor an own uid here: {isolation().describe()}")
+    daemon = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('ok')\n"
+    assert sandbox.run(daemon).stdout == "ok\n"
+    assert _sandbox_processes() == []
+
+
+def test_memory_hog_hits_its_limit(sandbox, env):
+    run = sandbox.run("x = bytearray(1 << 30)\nprint('allocated')")
+    assert run.violation == "memory_limit" and "allocated" not in run.stdout
+    assert env.reward("p", "x = bytearray(1 << 30)\nprint(input())", ECHO_TESTS) == 0.0
+
+
+def test_huge_output_is_cut_and_killed(sandbox):
+    run = sandbox.run("while True:\n    print('x' * 10000)\n")
+    assert run.violation == "output_limit"
+    assert len(run.stdout.encode()) <= LIMITS.max_output_bytes
+
+
+def test_huge_file_is_stopped_at_the_size_limit(sandbox):
+    program = "f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * 65536)\n"
+    run = sandbox.run(program)
+    assert run.violation == "file_size_limit", run
+    # its directory is gone afterwards
+    assert not [d for d in os.listdir("/tmp") if d.startswith("asyncrl-sandbox-") and _stale(d)]
+
+
+def _stale(name: str) -> bool:
+    return os.path.exists(os.path.join("/tmp", name, "big"))
+
+
+def test_a_secret_file_outside_its_directory_is_unreadable(sandbox, tmp_path):
+    if not isolation().own_uid:
+        pytest.skip(f"the program runs as this uid, so it reads what this uid reads: {isolation().describe()}")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    secret.chmod(0o600)
+    run = sandbox.run(f"print(open({str(secret)!r}).read())")
+    assert "hunter2" not in run.stdout and run.exit_code != 0
+    assert "PermissionError" in run.stderr or "FileNotFoundError" in run.stderr
+
+
+def test_the_callers_environment_is_not_visible(sandbox, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_TEST_SECRET", "s3cr3t-value")
+    run = sandbox.run("import os\nprint(sorted(os.environ))\nprint(open('/proc/self/environ').read())")
+    assert "s3cr3t" not in run.stdout and "ASYNCRL_TEST_SECRET" not in run.stdout
+    assert "PYTHONPATH" not in run.stdout  # nor asyncrl's import path
+
+
+def test_no_network_to_a_local_listener(sandbox):
+    if not isolation().netns:
+        pytest.skip(
+            f"no network namespace on this host, so the program can reach the network: {isolation().describe()}"
+        )
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(3)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept():
+        with contextlib.suppress(OSError):
+            accepted.append(server.accept())
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    program = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')"
+    run = sandbox.run(program)
+    server.close()
+    t.join()
+    assert "connected" not in run.stdout and not accepted
+    assert "unreachable" in run.stderr or "refused" in run.stderr
+
+
+def test_killing_its_parent_does_not_kill_the_caller(sandbox, env):
+    run = sandbox.run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(0, signal.SIGKILL)")
+    assert run.stdout == ""
+    # and this process (the reward worker's) still runs: a reward after it works
+    assert env.reward("p", "print(input())", ECHO_TESTS) == 1.0
+
+
+def test_isolation_is_stated(caplog):
+    described = isolation().describe()
+    assert "network namespace" in described and "pid namespace" in described
