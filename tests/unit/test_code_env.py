@@ -1,0 +1,112 @@
+"""The code environment around its sandbox: program extraction, test comparison, the problem
+file reader (file:line errors), env_kwargs checked at config load, and the shipped examples
+solved by reference programs.
+
+env PYTHONPATH=$PWD .venv/bin/python -m pytest tests/unit/test_code_env.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.rollout.envs import RewardError, make_env, score
+from asyncrl.rollout.envs.code import extract_program, load_problems, same_output
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBLEMS = ROOT / "examples" / "code" / "problems.jsonl"
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+def test_the_program_is_the_last_fenced_block_else_the_whole_text():
+    assert extract_program("a\n```python\nprint(1)\n```\nb\n```py\nprint(2)\n```") == "print(2)\n"
+    assert extract_program("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_program("print(4)") == "print(4)"
+
+
+def test_outputs_compare_up_to_trailing_whitespace():
+    assert same_output("1 \n2\n\n", "1\n2")
+    assert same_output("a\r\nb\r\n", "a\nb\n")
+    assert not same_output("1\n2\n", "1\n3\n")
+    assert not same_output(" 1\n", "1\n")
+
+
+def test_all_or_nothing_and_the_fraction():
+    tests = {"tests": [{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "3\n"}]}
+    echo = "print(input())"
+    assert make_env("code", {"timeout_s": 5}).reward("p", echo, tests) == 0.5
+    assert make_env("code", {"timeout_s": 5, "all_or_nothing": True}).reward("p", echo, tests) == 0.0
+
+
+def test_a_crashing_program_fails_its_tests_but_is_no_violation():
+    env = make_env("code", {"timeout_s": 5})
+    result = env.check("raise SystemExit(3)", {"tests": [{"input": "", "output": ""}]})
+    assert result.verdicts == ["error"] and result.violation is None
+    assert env.stats.counts["responses"] == 1
+
+
+def test_missing_or_bad_tests_fail_the_sample_naming_them():
+    env = make_env("code", {"timeout_s": 5})
+    with pytest.raises(RewardError, match="metadata 'tests'"):
+        score(env, "p", "print(1)", {})
+    with pytest.raises(RewardError, match=r"tests'\[0\]"):
+        score(env, "p", "print(1)", {"tests": [{"input": 1, "output": "1"}]})
+
+
+def test_the_example_problems_are_solved_by_reference_programs():
+    """Every shipped problem's tests are consistent: a reference solution scores 1."""
+    solutions = [
+        "a, b = map(int, input().split())\nprint(a + b)",
+        "print(input()[::-1])",
+        "import math\nprint(math.factorial(int(input())))",
+        "n = int(input())\nprint('YES' if n > 1 and all(n % d for d in range(2, n)) else 'NO')",
+        "input()\nprint(max(map(int, input().split())))",
+        "print(sum(c in 'aeiou' for c in input()))",
+        "for i in range(1, int(input()) + 1):\n    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 else i)",
+        "a, b = 0, 1\nfor _ in range(int(input())):\n    a, b = b, a + b\nprint(a)",
+        "print(' '.join(sorted(input().split())))",
+        "s = input().lower()\nprint('YES' if s == s[::-1] else 'NO')",
+        "import math\nprint(math.gcd(*map(int, input().split())))",
+        "print(sum(map(int, input().strip())))",
+        "for i in range(1, int(input()) + 1):\n    print('*' * i)",
+        "print(sum(int(x) % 2 == 0 for x in input().split()))",
+    ]
+    problems = load_problems(PROBLEMS)
+    assert len(problems) == len(solutions)
+    env = make_env("code", {"timeout_s": 10, "all_or_nothing": True})
+    for problem, program in zip(problems, solutions, strict=True):
+        assert env.reward(problem["prompt"], f"```python\n{program}\n```", problem) == 1.0, problem["prompt"]
+
+
+def test_a_malformed_problem_line_is_named_by_file_and_line(tmp_path):
+    bad = tmp_path / "problems.jsonl"
+    good = json.dumps({"prompt": "p", "tests": [{"input": "", "output": "1"}]})
+    bad.write_text(f"{good}\n{{not json\n")
+    with pytest.raises(ValueError, match=rf"{bad}:2: not valid JSON"):
+        load_problems(bad)
+    bad.write_text(f"{good}\n\n{json.dumps({'prompt': 'p', 'tests': [{'input': ''}]})}\n")
+    with pytest.raises(ValueError, match=rf"{bad}:3: tests\[0\]"):
+        load_problems(bad)
+
+
+def _code_config(tmp_path, **rollout):
+    overrides = [f"rollout.{k}={v}" for k, v in rollout.items()]
+    return load_config(DEMO, ["rollout.env=code", *overrides])
+
+
+def test_env_kwargs_and_the_problem_file_are_checked_at_config_load(tmp_path):
+    cfg = _code_config(tmp_path, prompts=PROBLEMS, env_kwargs="{timeout_s: 1, all_or_nothing: true}")
+    assert cfg.rollout.env == "code" and cfg.rollout.env_kwargs["all_or_nothing"] is True
+    with pytest.raises(ConfigError, match=r"rollout.env_kwargs.timeout_secs: .*\(rollout.env=code\)"):
+        _code_config(tmp_path, prompts=PROBLEMS, env_kwargs="{timeout_secs: 1}")
+    with pytest.raises(ConfigError, match=r"rollout.env_kwargs.memory_mb: .*greater than or equal to 32"):
+        _code_config(tmp_path, prompts=PROBLEMS, env_kwargs="{memory_mb: 1}")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "p", "tests": "not a list"}\n')
+    with pytest.raises(ConfigError, match=rf"rollout.prompts: {bad}:1: tests"):
+        _code_config(tmp_path, prompts=bad, env_kwargs="{}")
+    with pytest.raises(ConfigError, match="rollout.env=code needs rollout.prompts"):
+        _code_config(tmp_path, env_kwargs="{}")
