@@ -166,6 +166,17 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
         "calls",
     ),
     _m("rollout/tool_timeouts", "sum", "of those, calls that ran past rollout.env_kwargs.tool_timeout_s", "calls"),
+    # The code environment's sandboxed test runs (rollout.env=code), summed over a step's groups.
+    _m("rollout/code_tests", "sum", "test runs of the code env's programs in this step's groups", "runs"),
+    _m("rollout/code_passed", "sum", "of those, tests passed", "runs"),
+    _m("rollout/code_timeouts", "sum", "of those, runs killed at rollout.env_kwargs.timeout_s", "runs"),
+    _m(
+        "rollout/code_violations",
+        "sum",
+        "responses whose program broke a sandbox limit (scored violation_reward)",
+        "responses",
+    ),
+    _m("rollout/code_sandbox_ms", "sum", "wall time of those runs, in the sandbox", "ms"),
     _m(
         "rollout/context_full",
         "sum",

@@ -105,7 +105,10 @@ class GroupMaker:
             # Scored concurrently: one slow reward holds up its own group only, never the loop.
             scored = await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions))
             samples = [s for s, _ in scored]
-            failed = [i for i, (_, bad) in enumerate(scored) if bad]
+            failed = [i for i, (_, score) in enumerate(scored) if score.failed]
+            for _, score in scored:  # a reward's own counts (the code env's tests, timeouts...)
+                for name, k in score.counts.items():
+                    counts[name] = counts.get(name, 0) + k
         # How in-flight requests met a weight update; "keep" means later tokens may have attended
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
@@ -162,8 +165,8 @@ class GroupMaker:
             return False
         return rewards_tie([r for _, r in seen])
 
-    async def _sample(self, prompt: str, metadata: dict, c, t0: float) -> tuple[Sample, bool]:
-        """The sample, and whether its reward failed."""
+    async def _sample(self, prompt: str, metadata: dict, c, t0: float) -> tuple[Sample, Score]:
+        """The sample, and its scoring (whether its reward failed, the reward's counts)."""
         score = await self.scorer.score_completion(self.tokenizer, prompt, c.token_ids, metadata)
         n = len(c.token_ids)
         versions = list(c.versions) or [self.engine.version]
@@ -184,7 +187,7 @@ class GroupMaker:
             timings={"generate_s": time.time() - t0, "finished_at": time.time()},
             error=score.error,
         )
-        return sample, score.failed
+        return sample, score
 
     async def _multi_turn_samples(
         self, item: PromptItem, n: int, temperature: float | None

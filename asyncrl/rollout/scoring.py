@@ -87,6 +87,9 @@ class Score:
     reward: float
     error: str | None = None
     failed: bool = False
+    counts: dict[str, int] = field(default_factory=dict)
+    """What the reward counted doing it (``Environment.reward_with_counts``: tests run, timeouts...);
+    the trainer sums them per step into rollout/<name> for the names its catalogue knows."""
 
 
 @dataclass(eq=False)
@@ -241,18 +244,22 @@ class RewardScorer:
 
     async def judge(self, prompt: str, response: str, metadata: dict[str, Any]) -> Score:
         """``score``, telling a failure apart even when rollout.reward_on_failure stands in for it."""
+        counts: dict[str, int] = {}
         try:
             if isinstance(self.env, WeightedRewards):
                 value = await self._weighted(self.env, prompt, response, metadata)
             else:
                 name = f"{type(self.env).__name__}.reward"
+                counted = getattr(self.env, "reward_with_counts", None)
                 # Positional, as the Environment contract calls it (subclasses name them freely).
-                out = await self._call(name, self.env.reward, (prompt, response, metadata), {})
+                out = await self._call(name, counted or self.env.reward, (prompt, response, metadata), {})
+                if counted is not None:
+                    out, counts = _split_counts(name, out)
                 value = check_reward_value(name, out)
         except RewardError as e:
             return self.failed(e)
         self.succeeded()
-        return Score(value)
+        return Score(value, counts=counts)
 
     def succeeded(self) -> None:
         """Note a scoring that worked (for the failure rate): an episode scored by its environment."""
@@ -321,3 +328,11 @@ class RewardScorer:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _split_counts(name: str, out: Any) -> tuple[Any, dict[str, int]]:
+    """``reward_with_counts``'s (reward, counts); a RewardError naming ``name`` when it is not that."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        raise RewardError(f"{name}_with_counts returned {out!r:.100}, expected (reward, {{name: count}})")
+    counts = {k: v for k, v in out[1].items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
+    return out[0], counts

@@ -7,14 +7,20 @@ env PYTHONPATH=$PWD .venv/bin/python -m pytest tests/unit/test_code_env.py -q
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.control.step_metrics import episode_counts
 from asyncrl.rollout.envs import RewardError, make_env, score
 from asyncrl.rollout.envs.code import extract_program, load_problems, same_output
+from asyncrl.rollout.envs.multiturn import EPISODE_COUNTS_KEY
+from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+from asyncrl.types import RolloutGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEMS = ROOT / "examples" / "code" / "problems.jsonl"
@@ -65,7 +71,7 @@ def test_the_example_problems_are_solved_by_reference_programs():
         "n = int(input())\nprint('YES' if n > 1 and all(n % d for d in range(2, n)) else 'NO')",
         "input()\nprint(max(map(int, input().split())))",
         "print(sum(c in 'aeiou' for c in input()))",
-        "for i in range(1, int(input()) + 1):\n    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 else i)",
+        "for i in range(1, int(input()) + 1):\n    print('Fizz' * (i % 3 == 0) + 'Buzz' * (i % 5 == 0) or i)",
         "a, b = 0, 1\nfor _ in range(int(input())):\n    a, b = b, a + b\nprint(a)",
         "print(' '.join(sorted(input().split())))",
         "s = input().lower()\nprint('YES' if s == s[::-1] else 'NO')",
@@ -108,5 +114,25 @@ def test_env_kwargs_and_the_problem_file_are_checked_at_config_load(tmp_path):
     bad.write_text('{"prompt": "p", "tests": "not a list"}\n')
     with pytest.raises(ConfigError, match=rf"rollout.prompts: {bad}:1: tests"):
         _code_config(tmp_path, prompts=bad, env_kwargs="{}")
-    with pytest.raises(ConfigError, match="rollout.env=code needs rollout.prompts"):
+    with pytest.raises(ConfigError, match=r"rollout\.env=code needs rollout\.prompts"):
         _code_config(tmp_path, env_kwargs="{}")
+
+
+def test_the_reward_s_counts_reach_the_step_metrics():
+    """Generators score through reward_with_counts; the trainer sums the counts per step."""
+    env = make_env("code", {"timeout_s": 1})
+    tests = {"tests": [{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "3\n"}]}
+    scorer = RewardScorer(env, RewardLimits(timeout_s=30, workers=2))
+    try:
+        ok = asyncio.run(scorer.judge("p", "print(input())", tests))
+        hung = asyncio.run(scorer.judge("p", "while True: pass", tests))
+    finally:
+        scorer.close()
+    assert ok.reward == 0.5 and ok.counts["code_tests"] == 2 and ok.counts["code_passed"] == 1
+    assert hung.reward == 0.0 and hung.counts["code_timeouts"] == 1 and hung.counts["code_violations"] == 1
+    assert hung.counts["code_sandbox_ms"] > 0
+    totals = {k: ok.counts[k] + hung.counts[k] for k in ok.counts}
+    group = RolloutGroup("g", "g", np.zeros(1, np.int32), [], "code", {EPISODE_COUNTS_KEY: totals})
+    metrics = episode_counts([group])
+    assert metrics["rollout/code_tests"] == 3.0 and metrics["rollout/code_timeouts"] == 1.0
+    assert metrics["rollout/code_violations"] == 1.0 and metrics["rollout/code_passed"] == 1.0

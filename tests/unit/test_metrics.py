@@ -133,6 +133,7 @@ def test_catalogue_covers_the_data_contract():
     contract += ["rollout/dropped_uniform_groups", "rollout/dropped_uniform_groups_step"]
     contract += ["rollout/reward_errors", "rollout/reward_timeouts"]
     contract += ["rollout/tool_calls", "rollout/tool_errors", "rollout/tool_timeouts", "rollout/context_full"]
+    contract += [f"rollout/code_{k}" for k in ("tests", "passed", "timeouts", "violations", "sandbox_ms")]
     contract += ["sync/load_failures"]
     contract += [f"parity/gate_{k}" for k in ("max_abs_diff", "mean_abs_diff", "tolerance", "tokens", "passed")]
     contract += ["eval/timeouts", "eval/failed"]

@@ -44,6 +44,11 @@ class Environment:
 
     Subclasses override ``reward`` and, when the task makes its own prompts, ``make_prompt``.
     ``metadata`` must be msgpack-able: it travels with the rollout group through Redis.
+
+    Optional: ``reward_with_counts(prompt, response, metadata) -> (reward, {name: int})``, a
+    plain ``def`` that generators call in place of ``reward`` to also get counts of what the
+    scoring did (the code env's test runs and timeouts); they are summed per step into
+    ``rollout/<name>`` for the names the metric catalogue knows.
     """
 
     multi_turn = False

@@ -172,7 +172,21 @@ class CodeEnv(Environment):
         return result
 
     def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
+        return self.score_result(self.check(response, metadata))
+
+    def reward_with_counts(self, prompt: str, response: str, metadata: dict[str, Any]) -> tuple[float, dict[str, int]]:
+        """The reward and its check's counts, which generators report per step (rollout/code_*)."""
         result = self.check(response, metadata)
+        counts = {
+            "code_tests": len(result.verdicts),
+            "code_passed": result.passed,
+            "code_timeouts": result.timeouts,
+            "code_violations": int(result.violation is not None),
+            "code_sandbox_ms": round(result.sandbox_ms),
+        }
+        return self.score_result(result), counts
+
+    def score_result(self, result: CodeResult) -> float:
         if result.violation is not None:
             return self.config.violation_reward
         if self.config.all_or_nothing:
