@@ -220,6 +220,8 @@ class Sandbox:
     def _take_slot(self):
         """A slot no process on this host is using: (index, its open lock file)."""
         self._lock_dir.mkdir(mode=0o700, exist_ok=True)
+        if self._lock_dir.lstat().st_uid != os.geteuid() or self._lock_dir.is_symlink():
+            raise RuntimeError(f"{self._lock_dir} is not this user's own directory: refusing its locks")
         while True:
             for i in range(MAX_SLOTS):
                 f = open(self._lock_dir / f"{i}.lock", "a")  # noqa: SIM115 - held for the run

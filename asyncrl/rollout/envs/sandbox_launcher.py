@@ -12,8 +12,8 @@ Steps: ``unshare`` the namespaces asked for (network, pid, mount; a user namespa
 not root), fork (the child is pid 1 of the new pid namespace: when it exits the kernel kills
 every process left in it), and in the child: hide ``hide`` under an empty read-only tmpfs with
 the ``keep`` paths bound back (so the interpreter outside world-readable directories stays
-reachable for an unprivileged uid), set the resource limits, drop to ``uid``/``gid`` (root
-only) and exec ``argv``. The launcher writes ``pid N`` (the child's pid as the parent sees it)
+reachable for an unprivileged uid) and mount the pid namespace's own /proc, set the resource
+limits, drop to ``uid``/``gid`` (root only) and exec ``argv``. The launcher writes ``pid N`` (the child's pid as the parent sees it)
 and ``exit STATUS`` (its raw wait status) to ``status_fd``; ``probe`` in SPEC checks that all of
 this works and exits without running anything.
 """
@@ -27,7 +27,16 @@ import sys
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -68,11 +77,13 @@ def _hide(hide: list, keep: list, stage: str) -> None:
         os.rmdir(where)
     for path in hide:  # nothing more is written there
         _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    # This pid namespace's own /proc: the host's would show every process's command line.
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def _child(spec: dict) -> None:
     """In the new namespaces: limits, identity, then the program (never returns)."""
-    if spec.get("hide"):
+    if spec.get("keep") is not None:  # a mount namespace of its own (root)
         _hide(spec["hide"], spec["keep"], spec["stage"])
     for name, (soft, hard) in spec["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
