@@ -14,8 +14,9 @@ every process left in it), and in the child: hide ``hide`` under an empty read-o
 the ``keep`` paths bound back (so the interpreter outside world-readable directories stays
 reachable for an unprivileged uid) and mount the pid namespace's own /proc, set the resource
 limits, drop to ``uid``/``gid`` (root only) and exec ``argv``. The launcher writes ``pid N``
-(the child's pid as the parent sees it) and ``exit STATUS`` (its raw wait status) to ``status_fd``; ``probe`` in SPEC checks that all of
-this works and exits without running anything.
+(the child's pid as the parent sees it) and ``exit STATUS`` (its raw wait status) to
+``status_fd``; ``probe`` in SPEC checks that all of this works and exits without running
+anything.
 """
 
 import ctypes
