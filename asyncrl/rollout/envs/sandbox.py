@@ -19,8 +19,8 @@ Every run gets:
   namespace (it sees and signals only its own processes; when the program exits, the kernel
   kills whatever it left behind), and, as root, a uid of its own per concurrent slot
   (RLIMIT_NPROC binds it, which it does not bind root; it cannot read files that are not
-  world-readable, nor signal the caller) with the interpreter's directory made reachable in a
-  mount namespace. Not root: a user namespace gives the network and pid namespaces.
+  world-readable, nor signal the caller) with the interpreter's directory made reachable, and
+  its pid namespace's own /proc, in a mount namespace. Not root: a user namespace gives the network and pid namespaces.
 
 Not enforced (docs/guide/code.md): world-readable files outside its directory stay readable;
 disk use is bounded per file (RLIMIT_FSIZE) and by time, not in total; memory is per process
@@ -101,7 +101,7 @@ class Isolation:
         yes = {True: "yes", False: "NO"}
         line = (
             f"network namespace {yes[self.netns]}, pid namespace {yes[self.pidns]}, "
-            f"own uid {yes[self.own_uid]}{' (via a user namespace)' if self.userns else ''}"
+            f"own uid {yes[self.own_uid]}{', namespaces via a user namespace' if self.userns else ''}"
         )
         return f"{line}; {self.reason}" if self.reason else line
 
@@ -302,6 +302,9 @@ class Sandbox:
         if exits:
             code = os.waitstatus_to_exitcode(int(exits[-1][5:]))
             exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        elif violation is None and child_pid is None:  # it never started the program
+            err = out[2].decode(errors="replace").strip()[-300:]
+            raise RuntimeError(f"the code sandbox's launcher failed (exit {proc.returncode}): {err}")
         elif violation is None:  # the launcher died before its child did: something killed it
             violation = "escaped"
         stderr = out[2].decode(errors="replace")
