@@ -6,12 +6,15 @@
       prompts: examples/code/problems.jsonl
 
 A bad key or value is one line at config load, naming the field (not a traceback in a
-generator after Ray started).
+generator after Ray started). The problem file's reader lives here too, so that the config
+load reads a local problem file through with the same checks the environment makes.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
@@ -63,9 +66,43 @@ def check_code_prompts(prompts: str | None, prompt_field: str) -> None:
         raise ConfigError("rollout.env=code needs rollout.prompts: a JSONL file of problems with 'tests'")
     if not prompts.endswith(".jsonl") or not os.path.isfile(prompts):
         return  # other sources' records are checked as they are read (a bad one fails its sample)
-    from asyncrl.rollout.envs.code import load_problems  # the environment's own reader
-
     try:
         load_problems(prompts, prompt_field)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"rollout.prompts: {e}") from None
+
+
+def parse_tests(value: Any, where: str = "tests") -> list[tuple[str, str]]:
+    """A problem's tests, [{"input": str, "output": str}, ...] -> [(input, output)]; ValueError
+    naming ``where`` and what is wrong."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: expected a non-empty list of {{'input': str, 'output': str}}, got {value!r:.100}")
+    tests = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict) or not isinstance(t.get("input"), str) or not isinstance(t.get("output"), str):
+            raise ValueError(f"{where}[{i}]: expected {{'input': str, 'output': str}}, got {t!r:.100}")
+        tests.append((t["input"], t["output"]))
+    return tests
+
+
+def load_problems(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
+    """Every problem of a JSONL file, each line checked: ValueError naming file:line."""
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            if not isinstance(record.get(prompt_field), str):
+                raise ValueError(f"{where}: no {prompt_field!r} string (keys: {', '.join(record) or 'none'})")
+            parse_tests(record.get("tests"), f"{where}: tests")
+            problems.append(record)
+    if not problems:
+        raise ValueError(f"{path}: no problems")
+    return problems

@@ -27,16 +27,16 @@ docs/guide/code.md; the host's isolation is logged once per process.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from asyncrl.config.code_env import CodeEnvConfig, code_env_config
+from asyncrl.config.code_env import CodeEnvConfig, code_env_config, load_problems, parse_tests
 from asyncrl.rollout.envs.base import Environment
 from asyncrl.rollout.envs.sandbox import Sandbox, SandboxLimits
+
+__all__ = ["CodeEnv", "CodeResult", "extract_program", "load_problems", "parse_tests", "same_output"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -45,42 +45,6 @@ def extract_program(response: str) -> str:
     """The last fenced code block's body (```python, ```py or ```), else the whole response."""
     blocks = _FENCE.findall(response)
     return blocks[-1] if blocks else response
-
-
-def parse_tests(value: Any, where: str = "tests") -> list[tuple[str, str]]:
-    """A problem's tests, [{"input": str, "output": str}, ...] -> [(input, output)]; ValueError
-    naming ``where`` and what is wrong."""
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{where}: expected a non-empty list of {{'input': str, 'output': str}}, got {value!r:.100}")
-    tests = []
-    for i, t in enumerate(value):
-        if not isinstance(t, dict) or not isinstance(t.get("input"), str) or not isinstance(t.get("output"), str):
-            raise ValueError(f"{where}[{i}]: expected {{'input': str, 'output': str}}, got {t!r:.100}")
-        tests.append((t["input"], t["output"]))
-    return tests
-
-
-def load_problems(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
-    """Every problem of a JSONL file, each line checked: ValueError naming file:line."""
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            if not isinstance(record.get(prompt_field), str):
-                raise ValueError(f"{where}: no {prompt_field!r} string (keys: {', '.join(record) or 'none'})")
-            parse_tests(record.get("tests"), f"{where}: tests")
-            problems.append(record)
-    if not problems:
-        raise ValueError(f"{path}: no problems")
-    return problems
 
 
 def same_output(got: str, expected: str) -> bool:
