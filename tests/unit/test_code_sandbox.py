@@ -122,6 +122,13 @@ def test_the_callers_environment_is_not_visible(sandbox, monkeypatch):
     assert "PYTHONPATH" not in run.stdout  # nor asyncrl's import path
 
 
+def test_it_runs_in_an_empty_home_that_is_removed_afterwards(sandbox):
+    run = sandbox.run("import os, sys\nprint(os.getcwd() == os.environ['HOME'], os.listdir('.'), sys.flags.isolated)")
+    assert run.stdout == "True ['main.py'] 1\n"
+    where = sandbox.run("import os\nprint(os.getcwd())").stdout.strip()
+    assert where.startswith("/") and not os.path.exists(where)
+
+
 def test_no_network_to_a_local_listener(sandbox):
     if not isolation().netns:
         pytest.skip(
