@@ -14,7 +14,7 @@ import socket
 import pytest
 
 from asyncrl.rollout.envs import make_env
-from asyncrl.rollout.envs.sandbox import SLOT_UID_BASE, Sandbox, SandboxLimits, isolation
+from asyncrl.rollout.envs.sandbox import SLOT_UID_BASE, Isolation, Sandbox, SandboxLimits, _pids_cgroup, isolation
 
 LIMITS = SandboxLimits(timeout_s=1.0, memory_mb=128, max_output_bytes=64 << 10, max_file_bytes=64 << 10)
 ECHO_TESTS = {"tests": [{"input": "abc\n", "output": "abc\n"}, {"input": "xy\n", "output": "xy\n"}]}
@@ -69,6 +69,22 @@ def test_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox):
     assert _sandbox_processes() == [] or not isolation().own_uid
     # the box's process table is where it was (other helpers' processes come and go: a margin)
     assert len(os.listdir("/proc")) < before + 50
+
+
+def test_root_without_namespaces_or_own_uid_still_bounds_processes():
+    """The fallback where unshare is refused and the interpreter is out of another uid's
+    reach: root runs it without capabilities in a pids cgroup (RLIMIT_NPROC never binds uid 0)."""
+    if os.geteuid() != 0:
+        pytest.skip("root's fallback (no namespaces, no own uid): this test runs as root only")
+    probe = _pids_cgroup("test", 1)
+    if probe is None:
+        pytest.skip("no writable pids cgroup on this host: root's fallback bounds nothing here")
+    os.rmdir(probe)
+    bare = Sandbox(LIMITS, isolation=Isolation(False, False, False, False, pids_cgroup=True))
+    forks = "import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
+    forks += "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)\n"
+    run = bare.run(forks)
+    assert run.stdout.strip().isdigit() and int(run.stdout) < LIMITS.max_processes, run
 
 
 def test_setsid_daemon_does_not_outlive_its_run(sandbox):

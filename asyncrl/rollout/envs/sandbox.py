@@ -20,7 +20,9 @@ Every run gets:
   kills whatever it left behind), and, as root, a uid of its own per concurrent slot
   (RLIMIT_NPROC binds it, which it does not bind root; it cannot read files that are not
   world-readable, nor signal the caller) with the interpreter's directory made reachable, and
-  its pid namespace's own /proc, in a mount namespace. Not root: a user namespace gives the network and pid namespaces.
+  its pid namespace's own /proc, in a mount namespace. Not root: a user namespace gives the
+  network and pid namespaces. Root without these: no capabilities, and a pids cgroup per slot
+  when one can be made (RLIMIT_NPROC never binds uid 0).
 
 Not enforced (docs/guide/code.md): world-readable files outside its directory stay readable;
 disk use is bounded per file (RLIMIT_FSIZE) and by time, not in total; memory is per process
@@ -92,16 +94,22 @@ class Isolation:
     netns: bool
     pidns: bool
     own_uid: bool
-    """Runs as a uid of its own (root only: needs a mount namespace to reach the interpreter)."""
+    """Runs as a uid of its own (root only). Otherwise root runs it as root with every
+    capability dropped; RLIMIT_NPROC never binds uid 0, so a pids cgroup bounds it if it can."""
     userns: bool
     reason: str = ""
     """Why something is missing, for the log line and the docs' claims."""
+    mountns: bool = False
+    """A mount namespace of its own (root): its own /proc, the interpreter reachable by its uid."""
+    pids_cgroup: bool = False
+    """Root without a uid of its own: each slot's processes go in a pids cgroup (pids.max)."""
 
     def describe(self) -> str:
         yes = {True: "yes", False: "NO"}
         line = (
             f"network namespace {yes[self.netns]}, pid namespace {yes[self.pidns]}, "
             f"own uid {yes[self.own_uid]}{', namespaces via a user namespace' if self.userns else ''}"
+            f"{', a pids cgroup' if self.pids_cgroup else ''}"
         )
         return f"{line}; {self.reason}" if self.reason else line
 
@@ -142,7 +150,7 @@ def _interpreter() -> tuple[str, str]:
 
 def _spec_flags(iso: Isolation) -> int:
     flags = (CLONE_NEWNET if iso.netns else 0) | (CLONE_NEWPID if iso.pidns else 0)
-    return flags | (CLONE_NEWNS if iso.own_uid else 0)
+    return flags | (CLONE_NEWNS if iso.mountns else 0)
 
 
 def _try(spec: dict, workdir: str) -> str | None:
@@ -177,6 +185,7 @@ def isolation() -> Isolation:
 def _probe() -> Isolation:
     root = os.geteuid() == 0
     reasons = []
+    own_uid = False
     with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-probe-") as d:
         base = {"rlimits": {}, "argv": [], "nproc": 64, "userns": not root, "stage": d}
         if root:
@@ -185,15 +194,64 @@ def _probe() -> Isolation:
             own = {"uid": SLOT_UID_BASE, "gid": SLOT_UID_BASE, "hide": [hidden] if hidden else [], "keep": [prefix]}
             full = _try({**base, **own, "unshare": CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS}, d)
             if full is None:
-                return Isolation(True, True, True, False)
+                return Isolation(True, True, True, False, mountns=True)
             reasons.append(f"namespaces as root: {full}")
+            # Without a mount namespace a uid of its own works only if it can reach the interpreter.
+            own_uid = hidden is None and _try({**base, **own, "hide": None, "keep": None, "unshare": 0}, d) is None
+            if not own_uid:
+                reasons.append(f"runs as root without capabilities ({hidden or 'the interpreter'} unreachable)")
         net = _try({**base, "unshare": CLONE_NEWNET}, d) is None
         pid = _try({**base, "unshare": CLONE_NEWPID}, d) is None
         if not (net and pid):
             reasons.append("unshare refused (no CAP_SYS_ADMIN, or unprivileged user namespaces disabled)")
         if not root:
             reasons.append("not root: runs as the caller's uid (RLIMIT_NPROC counts all its processes)")
-        return Isolation(net, pid, False, not root and (net or pid), "; ".join(reasons))
+        probe_cgroup = _pids_cgroup("probe", 1) if root and not own_uid else None
+        cgroup = probe_cgroup is not None
+        if probe_cgroup:
+            with contextlib.suppress(OSError):
+                os.rmdir(probe_cgroup)
+        if root and not own_uid and not cgroup:
+            reasons.append("no writable pids cgroup: nothing bounds its process count (RLIMIT_NPROC spares uid 0)")
+        return Isolation(net, pid, root and own_uid, not root and (net or pid), "; ".join(reasons), pids_cgroup=cgroup)
+
+
+PIDS_CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+"""cgroup v1's pids hierarchy, else cgroup v2's root (when it delegates the pids controller)."""
+
+
+def _pids_cgroup(name: str, max_pids: int) -> str | None:
+    """A pids cgroup of that name with pids.max set (made if missing), or None if none can be."""
+    for root in PIDS_CGROUP_ROOTS:
+        if root == "/sys/fs/cgroup":
+            try:
+                if "pids" not in Path(root, "cgroup.subtree_control").read_text().split():
+                    continue
+            except OSError:
+                continue
+        path = os.path.join(root, f"asyncrl-sandbox-{name}")
+        try:
+            os.makedirs(path, exist_ok=True)
+            Path(path, "pids.max").write_text(str(max_pids))
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def _kill_cgroup(path: str) -> None:
+    """SIGKILL every process in the cgroup until it is empty (pids.max bounds new ones)."""
+    for _ in range(100):
+        try:
+            pids = [int(p) for p in Path(path, "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
 
 
 def _minimal_env(home: str) -> dict[str, str]:
@@ -203,13 +261,15 @@ def _minimal_env(home: str) -> dict[str, str]:
 class Sandbox:
     """Runs programs under ``limits``, at most ``limits.max_concurrent`` at once (thread-safe)."""
 
-    def __init__(self, limits: SandboxLimits | None = None):
+    def __init__(self, limits: SandboxLimits | None = None, isolation: Isolation | None = None):
         self.limits = limits or SandboxLimits()
+        self.isolation = isolation
+        """None: what the host allows (``isolation()``); tests pass less to check the fallbacks."""
         self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
         self._lock_dir = Path(tempfile.gettempdir()) / f"asyncrl-sandbox-slots-{os.geteuid()}"
 
     def run(self, program: str, stdin: str = "") -> RunResult:
-        iso = isolation()
+        iso = self.isolation or isolation()
         with self._slots:
             slot, lock = self._take_slot()
             try:
@@ -253,6 +313,9 @@ class Sandbox:
         spec.update(uid=uid, gid=uid, nproc=lim.max_processes, stage=tempfile.mkdtemp(prefix="asyncrl-stage-"))
         if uid is not None:
             spec["rlimits"]["RLIMIT_NPROC"] = [lim.max_processes] * 2
+        elif iso.pids_cgroup:
+            spec["cgroup"] = _pids_cgroup(f"{os.geteuid()}-{slot}", lim.max_processes)
+        if iso.mountns:
             hidden = _hidden_ancestor(prefix)
             spec.update(hide=[hidden] if hidden else [], keep=[prefix])
         try:
@@ -294,7 +357,7 @@ class Sandbox:
                     child_pid = int(line[4:])
         finally:
             os.close(status_r)
-            self._kill(proc, child_pid, spec.get("uid"))
+            self._kill(proc, child_pid, spec.get("uid"), spec.get("cgroup"))
         wall_ms = (time.monotonic() - t0) * 1000
         exit_code: int | None = None
         sig: int | None = None
@@ -347,7 +410,7 @@ class Sandbox:
             del got[which][lim.max_output_bytes :]
         return {k: bytes(v) for k, v in got.items()}, violation, got[0].decode(errors="replace")
 
-    def _kill(self, proc: subprocess.Popen, child_pid: int | None, uid: int | None) -> None:
+    def _kill(self, proc: subprocess.Popen, child_pid: int | None, uid: int | None, cgroup: str | None) -> None:
         """Everything the run started: its process group, its pid namespace (by killing its
         init), and every process of its uid (what left the group with setsid)."""
         if child_pid:
@@ -359,6 +422,8 @@ class Sandbox:
             os.killpg(proc.pid, signal.SIGKILL)
         if uid is not None:
             _kill_uid(uid)
+        if cgroup:
+            _kill_cgroup(cgroup)
         proc.wait()
         for f in (proc.stdout, proc.stderr):
             if f is not None:

@@ -39,6 +39,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
     1 << 18,
 )
 
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -84,6 +85,8 @@ def _hide(hide: list, keep: list, stage: str) -> None:
 
 def _child(spec: dict) -> None:
     """In the new namespaces: limits, identity, then the program (never returns)."""
+    if spec.get("cgroup"):  # its pids cgroup (root without a uid of its own): pids.max bounds it
+        _write(os.path.join(spec["cgroup"], "cgroup.procs"), str(os.getpid()))
     if spec.get("keep") is not None:  # a mount namespace of its own (root)
         _hide(spec["hide"], spec["keep"], spec["stage"])
     for name, (soft, hard) in spec["rlimits"].items():
@@ -92,13 +95,25 @@ def _child(spec: dict) -> None:
         os.setgroups([])
         os.setgid(spec["gid"])
         os.setuid(spec["uid"])
-    else:  # RLIMIT_NPROC counts every process of this uid: leave room for those running now
+    else:
+        if os.geteuid() == 0:  # root without a uid of its own: no capabilities after exec
+            _drop_capabilities()  # RLIMIT_NPROC counts every process of this uid: leave room for those running now
         mine = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owned(p))
         n = mine + spec["nproc"]
         resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
     if spec.get("probe"):
         os._exit(0)
     os.execv(spec["argv"][0], spec["argv"])
+
+
+def _drop_capabilities() -> None:
+    """Empty the bounding set (root's capabilities after exec are its bounding set): then
+    RLIMIT_NPROC binds root, and it cannot override file permissions, ptrace, mount or
+    change its uid. No new privileges either (no setuid binaries)."""
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            _check(-1, f"dropping capability {cap}")  # EINVAL: past the kernel's last capability
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), 0, 0, 0), "no_new_privs")
 
 
 def _owned(pid: str) -> bool:
