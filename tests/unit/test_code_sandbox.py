@@ -179,6 +179,21 @@ def test_it_sees_only_its_own_processes(sandbox):
     assert run.stdout == "[1]\n"
 
 
+def test_a_restrictive_umask_and_a_private_tmpdir_as_in_ray_workers(sandbox, monkeypatch, tmp_path):
+    """Ray's workers run with umask 077 (and a run's TMPDIR may lie in a private directory):
+    the interpreter must still be reachable by the sandbox's own uid."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+    old = os.umask(0o077)
+    try:
+        run = sandbox.run("print(6 * 7)")
+    finally:
+        os.umask(old)
+    assert run.stdout == "42\n" and run.violation is None
+
+
 def test_isolation_is_stated(caplog):
     described = isolation().describe()
     assert "network namespace" in described and "pid namespace" in described

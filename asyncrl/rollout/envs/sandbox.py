@@ -187,7 +187,7 @@ def _probe() -> Isolation:
     reasons = []
     own_uid = False
     with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-probe-") as d:
-        base = {"rlimits": {}, "argv": [], "nproc": 64, "userns": not root, "stage": d}
+        base = {"rlimits": {}, "argv": [], "nproc": 64, "userns": not root}
         if root:
             _exe, prefix = _interpreter()
             hidden = _hidden_ancestor(prefix)
@@ -306,11 +306,14 @@ class Sandbox:
 
     def _run(self, program: str, stdin: str, iso: Isolation, slot: int) -> RunResult:
         lim = self.limits
-        workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
+        base = tempfile.gettempdir()
+        if iso.own_uid and _hidden_ancestor(base) is not None:  # its uid must reach its directory
+            base = "/tmp"
+        workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-", dir=base)
         uid = SLOT_UID_BASE + slot if iso.own_uid else None
         exe, prefix = _interpreter()
         spec: dict = {"rlimits": self._rlimits(), "unshare": _spec_flags(iso), "userns": iso.userns}
-        spec.update(uid=uid, gid=uid, nproc=lim.max_processes, stage=tempfile.mkdtemp(prefix="asyncrl-stage-"))
+        spec.update(uid=uid, gid=uid, nproc=lim.max_processes)
         if uid is not None:
             spec["rlimits"]["RLIMIT_NPROC"] = [lim.max_processes] * 2
         elif iso.pids_cgroup:
@@ -327,7 +330,6 @@ class Sandbox:
             return self._launch(spec, workdir, stdin)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-            shutil.rmtree(spec["stage"], ignore_errors=True)
 
     def _launch(self, spec: dict, workdir: str, stdin: str) -> RunResult:
         status_r, status_w = os.pipe()

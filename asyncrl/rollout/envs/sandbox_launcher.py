@@ -59,24 +59,22 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _hide(hide: list, keep: list, stage: str) -> None:
+def _hide(hide: list, keep: list) -> None:
     """Cover each ``hide`` directory with an empty tmpfs, then bind each ``keep`` path (read-only)
-    back at its own path: staged first, as it lies under what the tmpfs covers."""
+    back at its own path, through a descriptor opened before the tmpfs covered it."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    staged = []
-    for i, path in enumerate(keep):
-        where = os.path.join(stage, str(i))
-        os.mkdir(where)
-        _mount(path, where, None, MS_BIND | MS_REC)
-        staged.append((where, path))
+    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in keep]
     for path in hide:
         _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-    for where, path in staged:
-        os.makedirs(path, exist_ok=True)
-        _mount(where, path, None, MS_BIND | MS_REC)
-        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_REC)
-        _check(_libc.umount2(where.encode(), 2), f"umount {where}")  # MNT_DETACH
-        os.rmdir(where)
+    old = os.umask(0o022)  # the directories made here must let other users through (Ray's workers run with 077)
+    try:
+        for fd, path in held:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_REC)
+            os.close(fd)
+    finally:
+        os.umask(old)
     for path in hide:  # nothing more is written there
         _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     # This pid namespace's own /proc: the host's would show every process's command line.
@@ -88,7 +86,7 @@ def _child(spec: dict) -> None:
     if spec.get("cgroup"):  # its pids cgroup (root without a uid of its own): pids.max bounds it
         _write(os.path.join(spec["cgroup"], "cgroup.procs"), str(os.getpid()))
     if spec.get("keep") is not None:  # a mount namespace of its own (root)
-        _hide(spec["hide"], spec["keep"], spec["stage"])
+        _hide(spec["hide"], spec["keep"])
     for name, (soft, hard) in spec["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
     if spec.get("uid") is not None:
