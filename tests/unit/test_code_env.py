@@ -43,19 +43,19 @@ def test_outputs_compare_up_to_trailing_whitespace():
 def test_all_or_nothing_and_the_fraction():
     tests = {"tests": [{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "3\n"}]}
     echo = "print(input())"
-    assert make_env("code", {"timeout_s": 5}).reward("p", echo, tests) == 0.5
-    assert make_env("code", {"timeout_s": 5, "all_or_nothing": True}).reward("p", echo, tests) == 0.0
+    assert make_env("code", {"timeout_s": 20}).reward("p", echo, tests) == 0.5
+    assert make_env("code", {"timeout_s": 20, "all_or_nothing": True}).reward("p", echo, tests) == 0.0
 
 
 def test_a_crashing_program_fails_its_tests_but_is_no_violation():
-    env = make_env("code", {"timeout_s": 5})
+    env = make_env("code", {"timeout_s": 20})
     result = env.check("raise SystemExit(3)", {"tests": [{"input": "", "output": ""}]})
     assert result.verdicts == ["error"] and result.violation is None
     assert env.stats.counts["responses"] == 1
 
 
 def test_missing_or_bad_tests_fail_the_sample_naming_them():
-    env = make_env("code", {"timeout_s": 5})
+    env = make_env("code", {"timeout_s": 20})
     with pytest.raises(RewardError, match="metadata 'tests'"):
         score(env, "p", "print(1)", {})
     with pytest.raises(RewardError, match=r"tests'\[0\]"):
@@ -120,14 +120,17 @@ def test_env_kwargs_and_the_problem_file_are_checked_at_config_load(tmp_path):
 
 def test_the_reward_s_counts_reach_the_step_metrics():
     """Generators score through reward_with_counts; the trainer sums the counts per step."""
-    env = make_env("code", {"timeout_s": 1})
     tests = {"tests": [{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "3\n"}]}
-    scorer = RewardScorer(env, RewardLimits(timeout_s=30, workers=2))
-    try:
-        ok = asyncio.run(scorer.judge("p", "print(input())", tests))
-        hung = asyncio.run(scorer.judge("p", "while True: pass", tests))
-    finally:
-        scorer.close()
+
+    def judge(timeout_s: float, response: str):
+        scorer = RewardScorer(make_env("code", {"timeout_s": timeout_s}), RewardLimits(timeout_s=60, workers=2))
+        try:
+            return asyncio.run(scorer.judge("p", response, tests))
+        finally:
+            scorer.close()
+
+    ok = judge(10, "print(input())")
+    hung = judge(1, "while True: pass")
     assert ok.reward == 0.5 and ok.counts["code_tests"] == 2 and ok.counts["code_passed"] == 1
     assert hung.reward == 0.0 and hung.counts["code_timeouts"] == 1 and hung.counts["code_violations"] == 1
     assert hung.counts["code_sandbox_ms"] > 0

@@ -8,15 +8,21 @@ env PYTHONPATH=$PWD .venv/bin/python -m pytest tests/unit/test_code_sandbox.py -
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
 import pytest
 
 from asyncrl.rollout.envs import make_env
-from asyncrl.rollout.envs.sandbox import SLOT_UID_BASE, Isolation, Sandbox, SandboxLimits, _pids_cgroup, isolation
+from asyncrl.rollout.envs.sandbox import SLOT_UID_BASE, Isolation, Sandbox, SandboxLimits, isolation
+from asyncrl.rollout.envs.sandbox_host import pids_cgroup
 
-LIMITS = SandboxLimits(timeout_s=1.0, memory_mb=128, max_output_bytes=64 << 10, max_file_bytes=64 << 10)
+LIMITS = SandboxLimits(timeout_s=10.0, memory_mb=128, max_output_bytes=64 << 10, max_file_bytes=64 << 10)
+"""Programs that end on their own (a limit stops them): a generous timeout costs nothing and a
+loaded CI box cannot turn a memory or output violation into a timeout."""
+SHORT = dataclasses.replace(LIMITS, timeout_s=1.0)
+"""Programs that run until killed: a short timeout keeps them cheap."""
 ECHO_TESTS = {"tests": [{"input": "abc\n", "output": "abc\n"}, {"input": "xy\n", "output": "xy\n"}]}
 
 
@@ -27,7 +33,7 @@ def sandbox() -> Sandbox:
 
 @pytest.fixture(scope="module")
 def env():
-    return make_env("code", {"timeout_s": 1.0, "memory_mb": 128, "max_output_bytes": 65536, "max_file_bytes": 65536})
+    return make_env("code", {"timeout_s": 10.0, "memory_mb": 128, "max_output_bytes": 65536, "max_file_bytes": 65536})
 
 
 def _sandbox_processes() -> list[int]:
@@ -52,7 +58,8 @@ def test_a_correct_program_passes_and_a_wrong_one_fails(env):
     assert env.check(half, ECHO_TESTS).verdicts == ["pass", "fail"]
 
 
-def test_infinite_loop_is_killed_at_the_timeout(env):
+def test_infinite_loop_is_killed_at_the_timeout():
+    env = make_env("code", {"timeout_s": 1.0})
     result = env.check("while True:\n    pass\n", ECHO_TESTS)
     assert result.violation in ("timeout", "cpu_limit", "killed") and result.timeouts <= 1
     assert env.score_result(result) == 0.0
@@ -64,7 +71,7 @@ def test_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox):
         pytest.skip(f"as root without a uid of its own nothing bounds a fork bomb here: {isolation().describe()}")
     before = len(os.listdir("/proc"))
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    run = sandbox.run(bomb)
+    run = Sandbox(SHORT).run(bomb)
     assert run.violation is not None
     assert _sandbox_processes() == [] or not isolation().own_uid
     # the box's process table is where it was (other helpers' processes come and go: a margin)
@@ -76,11 +83,13 @@ def test_root_without_namespaces_or_own_uid_still_bounds_processes():
     reach: root runs it without capabilities in a pids cgroup (RLIMIT_NPROC never binds uid 0)."""
     if os.geteuid() != 0:
         pytest.skip("root's fallback (no namespaces, no own uid): this test runs as root only")
-    probe = _pids_cgroup("test", 1)
+    probe = pids_cgroup("test", 1)
     if probe is None:
         pytest.skip("no writable pids cgroup on this host: root's fallback bounds nothing here")
     os.rmdir(probe)
-    bare = Sandbox(LIMITS, isolation=Isolation(False, False, False, False, pids_cgroup=True))
+    bare = Sandbox(
+        dataclasses.replace(LIMITS, timeout_s=2.0), isolation=Isolation(False, False, False, False, pids_cgroup=True)
+    )
     forks = "import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
     forks += "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)\n"
     run = bare.run(forks)
