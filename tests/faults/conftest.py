@@ -8,6 +8,7 @@ cleaned up by PID (including a redis-server its restart_redis() started).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,24 @@ DEMO = ROOT / "configs" / "demo.yaml"
 FAST = ["control.checkpoint_every=3", "control.groups_per_step=4", "rollout.n_samples=4", "control.batch_timeout_s=240"]
 
 
+# Overrides after which the session's tiny model (seed 0) is not the one the job would write.
+OWN_MODEL = ("rollout.model=", "control.seed=", "control.local_dir=")
+
+
 @pytest.fixture
-def train_job(tmp_path):
+def train_job(tmp_path, tiny_model_dir):
     jobs: list[TrainJob] = []
 
-    def make(name: str, *overrides: str, env: dict[str, str] | None = None) -> TrainJob:
+    def make(name: str, *overrides: str, env: dict[str, str] | None = None, own_model: bool = False) -> TrainJob:
+        """`own_model`: the job writes its tiny model itself (a test that checks the run dir's
+        files, the model's included, as the trainer made them)."""
         job = TrainJob(DEMO, [*FAST, *overrides], run_dir=tmp_path / name, run_name=name, env=env)
+        if not own_model and not any(o.startswith(OWN_MODEL) for o in overrides):
+            # The demo's "tiny" model is deterministic (seed 0): a copy of the session's is the
+            # files the trainer would write into its run dir, without the ~6 s of imports that
+            # writing takes in each fresh job (the trainer's own writing is covered by every
+            # in-process run; it skips a run dir that has the model).
+            shutil.copytree(tiny_model_dir, job.run_dir / "tiny-model")
         jobs.append(job)
         return job
 

@@ -105,6 +105,7 @@ def test_hostile_env_secured_job_and_a_killed_learner_rank(train_job, tmp_path):
         # generator killed once Redis is back (their age counts from its return).
         "rollout.heartbeat_timeout_s=6",
         env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
+        own_model=True,  # its model files are among the run's files checked private below
     )
     job.start()
     job.wait_for_step(2, timeout=500)

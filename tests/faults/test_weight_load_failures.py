@@ -22,7 +22,7 @@ from asyncrl.rundir import latest_checkpoint
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-DEADLINE_S = 40
+DEADLINE_S = 15
 
 
 def test_weights_no_generator_can_load_end_the_run_at_the_deadline_with_the_cause(train_job):
