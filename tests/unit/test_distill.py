@@ -207,3 +207,17 @@ def test_teacher_forward_matches_transformers_logprobs_alone_and_batched(tiny_te
         assert server.forward([p], [r])[0] == pytest.approx(lp, abs=1e-5)  # padding changes nothing
     with pytest.raises(ValueError, match="one tokenizer"):
         TeacherServer(TeacherConfig(model=tiny_teacher), {**vocab, "zz": len(vocab)}, temperature=1.0)
+
+
+def test_the_example_config_loads_once_its_teacher_is_written(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # the example names runs/distill-teacher/hf, relative to where it runs
+    with pytest.raises(ConfigError, match=r"rollout.teacher.model='runs/distill-teacher/hf': no such directory"):
+        load_config(root / "configs" / "distill.yaml")
+    write_tiny_model(tmp_path / "runs" / "distill-teacher" / "hf", alphabet="abc")
+    teacher = load_config(root / "configs" / "distill.yaml").rollout.teacher
+    assert teacher is not None and (teacher.coef, teacher.discount) == (1.0, 0.0)
