@@ -39,8 +39,8 @@ from asyncrl.rollout.envs.multiturn import (
     to_step_samples,
 )
 from asyncrl.rollout.prompts import PromptItem
-from asyncrl.rollout.scoring import RewardLimits, RewardScorer, RewardTimeout, Score
-from asyncrl.rollout.teacher import TeacherClient
+from asyncrl.rollout.scoring import RewardLimits, RewardScorer, Score
+from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs
 from asyncrl.types import RolloutGroup, Sample
 
 REWARD_FAILED_KEY = "reward_failed"
@@ -113,7 +113,7 @@ class GroupMaker:
             samples = [s for s, _ in scored]
             failed = [i for i, (_, bad) in enumerate(scored) if bad]
         if self.teacher is not None and teacher:
-            failed = await self._teacher_logprobs(self.teacher, item, samples, failed)
+            failed = await attach_teacher_logprobs(self.teacher, self.scorer, item.ids, samples, failed)
         # How in-flight requests met a weight update; "keep" means later tokens may have attended
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)
@@ -140,51 +140,6 @@ class GroupMaker:
             env=self.rollout.env,
             metadata=meta,
         )
-
-    async def _teacher_logprobs(
-        self, teacher: TeacherClient, item: PromptItem, samples: list[Sample], failed: list[int]
-    ) -> list[int]:
-        """Each sample's teacher_logprobs (0 on observation tokens: only policy tokens are
-        trained), asked in one call per group; the failed samples' indices with the teacher's
-        failures added. A sample the teacher cannot score fails as a failed reward does (counted,
-        logged once per kind), always with reward NaN: trained on without its teacher term (even
-        with rollout.reward_on_failure), it would be plain RL."""
-        ask = [i for i, s in enumerate(samples) if s.error is None and math.isfinite(s.reward) and s.num_tokens]
-        for s in samples:
-            if not s.num_tokens:
-                s.teacher_logprobs = np.zeros(0, np.float32)
-        if not ask:
-            return failed
-        prompts = [item.ids if (own := samples[i].prompt_ids) is None else own.tolist() for i in ask]
-        try:
-            out = await teacher.logprobs(
-                [list(map(int, p)) for p in prompts], [samples[i].response_ids.tolist() for i in ask]
-            )
-        except Exception as e:  # an actor that died for good, a timeout, a refused sample: these samples fail
-            why: RewardError = RewardTimeout(f"{teacher.where} did not answer within {teacher.timeout_s:g} s")
-            if not isinstance(e, TimeoutError):
-                why = RewardError(f"{teacher.where} raised {type(e).__name__}: {e}")
-            return self._teacher_failed(samples, ask, failed, why)
-        bad = []
-        for i, logprobs in zip(ask, out, strict=True):
-            s, values = samples[i], np.asarray(logprobs, np.float32)
-            if not np.isfinite(values).all():
-                bad.append(i)
-                continue
-            s.teacher_logprobs = np.where(s.loss_mask > 0, values, np.float32(0.0))
-        if bad:
-            failed = self._teacher_failed(
-                samples, bad, failed, RewardError(f"{teacher.where} gave a non-finite log-prob")
-            )
-        return failed
-
-    def _teacher_failed(
-        self, samples: list[Sample], which: list[int], failed: list[int], why: RewardError
-    ) -> list[int]:
-        for i in which:
-            self.scorer.failed(why)
-            samples[i].reward, samples[i].error = math.nan, str(why)
-        return sorted(set(failed) | set(which))
 
     def uniform(self, group: RolloutGroup) -> bool:
         """Whether every reward the advantage estimator will see for ``group`` is the same

@@ -5,6 +5,7 @@ actor, shared by every generator of the run, giving the log-prob of each token a
     wait_ready(handles)                          # loaded, its vocabulary checked against the student's
     client = TeacherClient(run, timeout_s=60)    # in each generator (GroupMaker)
     await client.logprobs(prompt_ids=[[1, 2]], response_ids=[[3, 4, 5]])    # -> [[lp3, lp4, lp5]]
+    failed = await attach_teacher_logprobs(client, scorer, prompt_ids, samples, failed)  # a group's samples
     stop_reward_models(handles)                  # tear-down, as the reward models'
 
 The student's token ids go to the teacher as they are: no detokenising and retokenising,
@@ -29,11 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+import numpy as np
+
 from asyncrl.config import Config
 from asyncrl.config.teacher import TeacherConfig, check_teacher
+from asyncrl.rollout.envs.base import RewardError
 from asyncrl.rollout.reward_model import (
     NAMESPACE,
     TASK_RETRIES,
@@ -42,6 +47,8 @@ from asyncrl.rollout.reward_model import (
     ServerStats,
     _wait_name_free,
 )
+from asyncrl.rollout.scoring import RewardScorer, RewardTimeout
+from asyncrl.types import Sample
 
 WHERE = "rollout.teacher"
 
@@ -148,6 +155,54 @@ class TeacherClient(RewardModelClient):
         if [len(o) for o in out] != lengths:
             raise ValueError(f"{WHERE}: log-probs for {[len(o) for o in out]} tokens, asked for {lengths}")
         return out
+
+
+async def attach_teacher_logprobs(
+    teacher: TeacherClient, scorer: RewardScorer, group_prompt: list[int], samples: list[Sample], failed: list[int]
+) -> list[int]:
+    """Set each sample's teacher_logprobs (0 on observation tokens: only policy tokens are
+    trained), asked in one call per group (``group_prompt``: the ids of a sample without its
+    own prompt_ids); return the failed samples' indices with the teacher's failures added.
+
+    A sample the teacher cannot score fails as a failed reward does (``scorer`` counts it and
+    logs it once per kind), always with reward NaN: trained on without its teacher term (even
+    with rollout.reward_on_failure), it would be plain RL. Samples whose reward failed already
+    are not sent (they are not trained)."""
+    ask = [i for i, s in enumerate(samples) if s.error is None and math.isfinite(s.reward) and s.num_tokens]
+    for s in samples:
+        if not s.num_tokens:
+            s.teacher_logprobs = np.zeros(0, np.float32)
+    if not ask:
+        return failed
+    prompts = [group_prompt if (own := samples[i].prompt_ids) is None else own.tolist() for i in ask]
+    try:
+        out = await teacher.logprobs(
+            [list(map(int, p)) for p in prompts], [samples[i].response_ids.tolist() for i in ask]
+        )
+    except Exception as e:  # an actor that died for good, a timeout, a refused sample: these samples fail
+        why: RewardError = RewardTimeout(f"{teacher.where} did not answer within {teacher.timeout_s:g} s")
+        if not isinstance(e, TimeoutError):
+            why = RewardError(f"{teacher.where} raised {type(e).__name__}: {e}")
+        return _failed(scorer, samples, ask, failed, why)
+    bad = []
+    for i, logprobs in zip(ask, out, strict=True):
+        s, values = samples[i], np.asarray(logprobs, np.float32)
+        if not np.isfinite(values).all():
+            bad.append(i)
+            continue
+        s.teacher_logprobs = np.where(s.loss_mask > 0, values, np.float32(0.0))
+    if bad:
+        failed = _failed(scorer, samples, bad, failed, RewardError(f"{teacher.where} gave a non-finite log-prob"))
+    return failed
+
+
+def _failed(
+    scorer: RewardScorer, samples: list[Sample], which: list[int], failed: list[int], why: RewardError
+) -> list[int]:
+    for i in which:
+        scorer.failed(why)
+        samples[i].reward, samples[i].error = math.nan, str(why)
+    return sorted(set(failed) | set(which))
 
 
 def start_teacher(cfg: Config, student_model: str) -> list[tuple[str, Any]]:

@@ -8,6 +8,7 @@ dead-lettered with its reason."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import numpy as np
 import pytest
@@ -16,8 +17,10 @@ from asyncrl.config import load_config
 from asyncrl.data.codec import encode_group
 from asyncrl.data.contract import RecordContract
 from asyncrl.queue import RolloutQueue, keys
+from asyncrl.rollout.envs import make_env
 from asyncrl.rollout.reward_model import RewardModelUnavailable, stop_reward_models, wait_ready
-from asyncrl.rollout.teacher import TeacherClient, start_teacher, teacher_actor_name
+from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs, start_teacher, teacher_actor_name
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.types import RolloutGroup, Sample
 from tests.support.waiting import wait_for
@@ -105,6 +108,41 @@ def test_a_crashed_teacher_is_restarted_and_its_pending_request_retried(ray_sess
     assert (stats.requests, dict(stats.batch_sizes)) == (4, {4: 1})
     for got, want in zip(values, direct_logprobs(models[0], temperature=0.8), strict=True):
         assert got[0] == pytest.approx(want, abs=1e-5)
+
+
+def _samples() -> list[Sample]:
+    """As a generator's group holds them: sample 0 multi-turn (its own prompt, an observation
+    token in its response), 1 on the group's prompt, 2 and 3 with their own prompts, 4 whose
+    reward failed, 5 with no response token."""
+    out = []
+    for k, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
+        mask = [1, 1, 0, 1] if k == 0 else [1] * len(r)
+        out.append(Sample(r, [-0.5] * len(r), mask, 1.0, 0, prompt_ids=None if k == 1 else p))
+    out.append(Sample([3, 4], [-0.5, -0.5], [1, 1], float("nan"), 0, error="reward raised"))
+    out.append(Sample([], [], [], 0.0, 0))
+    return out
+
+
+def test_a_group_gets_the_teacher_logprobs_of_its_policy_tokens_and_fails_whole_without_them(
+    ray_session, teacher_actor, models
+):
+    """Runs after the tests above: its timed-out request stays in the actor's batch."""
+    scorer = RewardScorer(make_env("copy", {}), RewardLimits())
+    samples = _samples()
+    failed = asyncio.run(attach_teacher_logprobs(TeacherClient(RUN, timeout_s=120), scorer, PROMPTS[1], samples, [4]))
+    assert failed == [4]
+    for s, want in zip(samples, direct_logprobs(models[0], temperature=0.8), strict=False):
+        assert s.teacher_logprobs.tolist() == pytest.approx(np.array(want) * s.loss_mask, abs=1e-5)
+    assert samples[0].teacher_logprobs[2] == 0.0  # the observation token: context, never a term
+    assert samples[4].teacher_logprobs is None and samples[5].teacher_logprobs.shape == (0,)
+    # A teacher that does not answer in time (a batch of 4 never fills here): the group's samples
+    # fail as a timed-out reward does, reward NaN even with rollout.reward_on_failure set.
+    scorer = RewardScorer(make_env("copy", {}), RewardLimits(on_failure=0.0))
+    lone = _samples()[1:2]
+    failed = asyncio.run(attach_teacher_logprobs(TeacherClient(RUN, timeout_s=1), scorer, PROMPTS[1], lone, []))
+    assert failed == [0] and scorer.timeouts == 1
+    assert math.isnan(lone[0].reward) and "rollout.teacher did not answer within 1 s" in lone[0].error
+    assert lone[0].teacher_logprobs is None
 
 
 def test_a_teacher_with_another_vocabulary_stops_the_run_at_start_up(ray_session, models, tmp_path):
