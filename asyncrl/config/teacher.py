@@ -39,7 +39,8 @@ class TeacherConfig(Section):
     """The temperature the teacher's log-probs are taken at; None: rollout.temperature, the
     one the student's log-probs (engine's and learner's) are taken at."""
     batch_size: int = Field(16, ge=1)
-    """Samples per forward pass, gathered from every generator's requests."""
+    """Samples per forward pass, gathered from every generator's requests (its logits are
+    batch_size x longest sample x vocabulary numbers: lower it for a large vocabulary)."""
     max_wait_ms: float = Field(10.0, ge=0)
     """How long a forward pass waits for more requests once it has one (0: run what is there)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
