@@ -1,8 +1,9 @@
 """On-policy distillation's teacher (rollout.teacher) in a real local Ray, and its records in a
 real redis-server: the actor batches every generator's requests and gives transformers' own
 log-probs of the student's tokens; a crashed teacher is restarted and its pending request
-retried, as a reward model is; a teacher with another vocabulary stops the run at start-up with
-one error; a record whose teacher log-probs are bad, or missing in a distilling run, is
+retried, as a reward model is (a teacher with another vocabulary: tests/unit/test_distill.py,
+on the actor's class without Ray); a generator's group gets the log-probs of its policy tokens,
+or fails whole; a record whose teacher log-probs are bad, or missing in a distilling run, is
 dead-lettered with its reason."""
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from asyncrl.data.codec import encode_group
 from asyncrl.data.contract import RecordContract
 from asyncrl.queue import RolloutQueue, keys
 from asyncrl.rollout.envs import make_env
-from asyncrl.rollout.reward_model import RewardModelUnavailable, stop_reward_models, wait_ready
+from asyncrl.rollout.reward_model import stop_reward_models, wait_ready
 from asyncrl.rollout.scoring import RewardLimits, RewardScorer
-from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs, start_teacher, teacher_actor_name
+from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs, start_teacher
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.types import RolloutGroup, Sample
 from tests.support.waiting import wait_for
@@ -143,26 +144,6 @@ def test_a_group_gets_the_teacher_logprobs_of_its_policy_tokens_and_fails_whole_
     assert failed == [0] and scorer.timeouts == 1
     assert math.isnan(lone[0].reward) and "rollout.teacher did not answer within 1 s" in lone[0].error
     assert lone[0].teacher_logprobs is None
-
-
-def test_a_teacher_with_another_vocabulary_stops_the_run_at_start_up(ray_session, models, tmp_path):
-    other = write_tiny_model(tmp_path / "other-vocab", alphabet="abcd", seed=1)
-    cfg = load_config(None, ["control.run_name=teacher-vocab", f"rollout.teacher={{model: {other}}}"])
-    started = start_teacher(cfg, models[1])
-    try:
-        with pytest.raises(RewardModelUnavailable, match=r"rollout\.teacher.*not the student's.*one tokenizer"):
-            wait_ready(started, timeout_s=300)
-    finally:
-        stop_reward_models(started)
-    wait_for(lambda: not _exists(ray_session, teacher_actor_name("teacher-vocab")), 60, "the actor to end")
-
-
-def _exists(ray, name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace="asyncrl")
-    except ValueError:
-        return False
-    return True
 
 
 def _group(gid: str, teacher: list[float] | None) -> RolloutGroup:
