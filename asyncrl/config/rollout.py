@@ -176,6 +176,11 @@ class RolloutConfig(Section):
                 raise ConfigError(f"rollout.rewards[{i}].weight={spec.weight!r}: must be a finite number")
         if self.teacher is not None:
             check_teacher(self.teacher)
+            if not self.logprobs:
+                raise ConfigError(
+                    "rollout.logprobs=false with rollout.teacher: the teacher's term is the student's recorded "
+                    "log-prob minus the teacher's, so the engine must record it"
+                )
             if self.drop_uniform_groups:
                 raise ConfigError(
                     "rollout.drop_uniform_groups with rollout.teacher: a group whose rewards tie still carries "

@@ -178,6 +178,8 @@ def test_config_rules(tiny_teacher, tmp_path):
     assert cfg.rollout.teacher is not None and cfg.rollout.teacher.coef == 0.5
     with pytest.raises(ConfigError, match="drop_uniform_groups"):
         load_config(None, [f"rollout.teacher={{model: {tiny_teacher}}}", "rollout.drop_uniform_groups=true"])
+    with pytest.raises(ConfigError, match=r"rollout\.logprobs=false"):
+        load_config(None, [f"rollout.teacher={{model: {tiny_teacher}}}", "rollout.logprobs=false"])
     with pytest.raises(ConfigError, match="no such directory"):
         load_config(None, [f"rollout.teacher={{model: {tmp_path / 'nope'}}}"])
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
