@@ -175,16 +175,16 @@ def _stepwise_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]
 
 
 def _add_teacher(rows: list[_Row], advs: list[np.ndarray], teacher: TeacherConfig) -> dict[str, float]:
-    """Add the teacher's term to each trained row's advantages (in place); its metrics."""
+    """Add the teacher's term to each trained row's advantages (in place); its metrics. A row
+    that would be trained without teacher log-probs (the run's contract lets none through but
+    an earlier step of a step-wise trajectory whose own reward is NaN) is left out of the loss
+    instead: trained, it would be plain RL."""
+    missing = [r for r in rows if _response_mask(r).any() and r.sample.teacher_logprobs is None]
+    for r in missing:
+        r.valid = False
     live = [k for k, r in enumerate(rows) if _response_mask(r).any()]
     if not live:
-        return {}
-    for k in live:
-        if rows[k].sample.teacher_logprobs is None:
-            g = rows[k]
-            raise ValueError(
-                f"group {g.group_index} sample {g.sample_index}: no teacher_logprobs, and rollout.teacher is set"
-            )
+        return {"teacher/missing_samples": float(len(missing))}
     mask = _padded([_response_mask(rows[k]) for k in live])
     behaviour = _padded([rows[k].sample.rollout_logprobs for k in live])
     teacher_logp = _padded([rows[k].sample.teacher_logprobs for k in live])  # type: ignore[misc]
@@ -193,6 +193,7 @@ def _add_teacher(rows: list[_Row], advs: list[np.ndarray], teacher: TeacherConfi
         advs[k] = (advs[k] + term[j, : rows[k].sample.num_tokens].numpy()).astype(np.float32)
     kl = reverse_kl_per_token(behaviour, teacher_logp, mask)
     return {
+        "teacher/missing_samples": float(len(missing)),
         "teacher/kl_mean": float(kl.sum() / mask.sum()),
         "teacher/kl_seq_mean": float(kl.sum(dim=1).mean()),
         "teacher/adv_abs_mean": float(term.abs().sum() / mask.sum()),
@@ -255,7 +256,8 @@ def build_minibatches(
         ``reward/num_failed``, ``response/length_mean``, ``response/length_max``,
         ``advantages/mean``, ``advantages/abs_mean``, ``batch/num_sequences``,
         ``batch/num_loss_tokens``, with a teacher ``teacher/kl_mean`` (per loss token),
-        ``teacher/kl_seq_mean`` (summed per sample) and ``teacher/adv_abs_mean``, and, step-wise,
+        ``teacher/kl_seq_mean`` (summed per sample), ``teacher/adv_abs_mean`` and
+        ``teacher/missing_samples``, and, step-wise,
         ``stepwise/num_seq_before_merge`` / ``stepwise/num_seq_after_merge``.
     """
     if num_minibatches < 1:

@@ -94,15 +94,18 @@ def test_batch_adds_the_teacher_term_to_the_task_advantage_on_the_loss_mask():
     assert metrics["teacher/kl_mean"] == pytest.approx(0.25)
     assert metrics["teacher/kl_seq_mean"] == pytest.approx(0.5)
     assert metrics["teacher/adv_abs_mean"] == pytest.approx(2 * 0.25)
+    assert metrics["teacher/missing_samples"] == 0
     (plain,), plain_metrics = build_minibatches([group], algo, num_minibatches=1)
     np.testing.assert_allclose(plain[0].advantages, [0, 0, 0.5, 0.0, 0.5], atol=1e-6)
     assert "teacher/kl_mean" not in plain_metrics
 
 
-def test_batch_refuses_a_trained_sample_without_teacher_logprobs():
+def test_a_sample_without_teacher_logprobs_is_left_out_of_the_loss_not_trained_as_plain_rl():
     group = RolloutGroup("g", "g", np.array([1]), [_sample([-0.1], None, [1], 1.0), _sample([-0.1], [-0.2], [1], 0.0)])
-    with pytest.raises(ValueError, match="no teacher_logprobs"):
-        build_minibatches([group], AlgoConfig(), num_minibatches=1, teacher=_teacher())
+    (mb,), metrics = build_minibatches([group], AlgoConfig(), num_minibatches=1, teacher=_teacher())
+    assert mb[0].loss_mask.tolist() == [0, 0] and mb[0].reduction_weights.tolist() == [0, 0]
+    assert mb[1].loss_mask.tolist() == [0, 1] and metrics["teacher/missing_samples"] == 1
+    assert metrics["teacher/kl_mean"] == pytest.approx(0.1)
 
 
 def _group(teacher) -> RolloutGroup:
