@@ -76,6 +76,38 @@ def check_vocabulary(teacher_vocab: dict[str, int], student_vocab: dict[str, int
         )
 
 
+def check_line(spec: TeacherConfig, student_model: str) -> str:
+    """``--check``'s line for the teacher: its tokenizer loaded and, when the student is a local
+    directory (not 'tiny', written at start-up), its vocabulary compared with the student's
+    (the embedding from config.json's vocab_size); ConfigError otherwise."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.config.base import ConfigError
+    from asyncrl.config.reward_model import read_config_json
+
+    architecture = check_teacher(spec)
+    try:
+        teacher_vocab = AutoTokenizer.from_pretrained(spec.model).get_vocab()
+    except Exception as e:  # whatever a broken tokenizer directory raises, the actor would die of it
+        raise ConfigError(
+            f"{WHERE}.model={spec.model!r}: its tokenizer cannot be loaded: {type(e).__name__}: {e}"
+        ) from e
+    if not Path(student_model).is_dir():
+        return f"{WHERE}.model={spec.model}: {architecture}, tokenizer loaded (its vocabulary is checked at start-up)"
+    rows = read_config_json(Path(spec.model), f"{WHERE}.model={spec.model!r}").get("vocab_size")
+    try:
+        student_vocab = AutoTokenizer.from_pretrained(student_model).get_vocab()
+    except Exception as e:  # the student's own check names it; here only the comparison is at stake
+        return f"{WHERE}.model={spec.model}: {architecture}; the student's tokenizer did not load ({type(e).__name__})"
+    try:
+        check_vocabulary(teacher_vocab, student_vocab, rows if isinstance(rows, int) else len(teacher_vocab))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return f"{WHERE}.model={spec.model}: {architecture}, the student's vocabulary ({len(student_vocab)} tokens)"
+
+
 class TeacherServer(RewardModelServer):
     """The Ray actor: one teacher model, batching log-prob requests from every generator."""
 

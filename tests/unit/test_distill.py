@@ -226,3 +226,19 @@ def test_the_example_config_loads_once_its_teacher_is_written(tmp_path, monkeypa
     write_tiny_model(tmp_path / "runs" / "distill-teacher" / "hf", alphabet="abc")
     teacher = load_config(root / "configs" / "distill.yaml").rollout.teacher
     assert teacher is not None and (teacher.coef, teacher.discount) == (1.0, 0.0)
+
+
+def test_check_compares_the_teachers_vocabulary_with_a_local_students(tiny_teacher, tmp_path):
+    from asyncrl.control.preflight import check_imports
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    student = write_tiny_model(tmp_path / "student", alphabet="abc", seed=3)
+    teacher = f"rollout.teacher={{model: {tiny_teacher}}}"
+    env = "rollout.env_kwargs={alphabet: abc, min_len: 3, max_len: 3}"
+    lines = check_imports(load_config(None, [teacher, env, f"rollout.model={student}"]))
+    assert any(line.startswith("rollout.teacher.model=") and "the student's vocabulary" in line for line in lines)
+    other = write_tiny_model(tmp_path / "other", alphabet="abcd", seed=3)
+    with pytest.raises(ConfigError, match=r"rollout\.teacher: its tokenizer's vocabulary is not the student's"):
+        check_imports(load_config(None, [teacher, env, f"rollout.model={other}"]))
+    tiny = check_imports(load_config(None, [teacher, env]))  # 'tiny' is written at start-up: checked then
+    assert any("its vocabulary is checked at start-up" in line for line in tiny)
