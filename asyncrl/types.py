@@ -43,6 +43,9 @@ class Sample:
     """int32 [T] or None: policy version that produced each token."""
     token_rewards: np.ndarray | None = None
     """float32 [T] or None: per-token rewards (for token-level estimators)."""
+    teacher_logprobs: np.ndarray | None = None
+    """float32 [T] or None: log-prob of each response token under rollout.teacher (on-policy
+    distillation; 0 where loss_mask is 0), at the student's sampling temperature."""
     generator_id: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
@@ -64,6 +67,8 @@ class Sample:
             self.token_rewards = np.asarray(self.token_rewards, dtype=np.float32)
         if self.prompt_ids is not None:
             self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = np.asarray(self.teacher_logprobs, dtype=np.float32)
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from asyncrl.config.base import (
 from asyncrl.config.code_env import CODE_ENV, check_code_prompts, code_env_config
 from asyncrl.config.envspec import check_library_env, env_mapping
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
+from asyncrl.config.teacher import TeacherConfig, check_teacher
 from asyncrl.config.tool_env import TOOLS_ENV, tool_env_config
 
 
@@ -77,6 +78,9 @@ class RolloutConfig(Section):
     environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
     TRL's signature: fn(prompts, completions, **columns) -> list[float | None]; `async def` too.
     An entry {model: DIR, ...} is a sequence-classification reward model (RewardModelConfig)."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: a causal LM that scores the student's sampled tokens; its per-token
+    reverse KL joins the advantage (asyncrl.algo.distill). None: no teacher."""
     reward_timeout_s: float = Field(30.0, gt=0)
     """Seconds one reward call may run before its sample is scored as failed (counted in
     rollout/reward_timeouts); the generator keeps going either way."""
@@ -174,6 +178,18 @@ class RolloutConfig(Section):
             check_import_path(f"rollout.rewards[{i}].fn", spec.fn)
             if not math.isfinite(spec.weight):
                 raise ConfigError(f"rollout.rewards[{i}].weight={spec.weight!r}: must be a finite number")
+        if self.teacher is not None:
+            check_teacher(self.teacher)
+            if not self.logprobs:
+                raise ConfigError(
+                    "rollout.logprobs=false with rollout.teacher: the teacher's term is the student's recorded "
+                    "log-prob minus the teacher's, so the engine must record it"
+                )
+            if self.drop_uniform_groups:
+                raise ConfigError(
+                    "rollout.drop_uniform_groups with rollout.teacher: a group whose rewards tie still carries "
+                    "the teacher's per-token signal; dropping it would drop the distillation data"
+                )
         if self.reward_on_failure is not None and not math.isfinite(self.reward_on_failure):
             raise ConfigError(f"rollout.reward_on_failure={self.reward_on_failure!r}: must be a finite number or null")
         if self.max_prompt_tokens + self.max_tokens > self.engine_max_model_len:

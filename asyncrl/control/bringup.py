@@ -20,6 +20,7 @@ from asyncrl.rollout.envs import resolve_env_class
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.prompts import check_chat_template
 from asyncrl.rollout.reward_model import start_reward_models, stop_reward_models
+from asyncrl.rollout.teacher import start_teacher
 from asyncrl.sync import build_weight_sync
 from asyncrl.sync.weight_sync import lora_publish
 
@@ -131,12 +132,17 @@ def _link_ray_logs(run_dir: Path, *, verbose: bool) -> None:
         log.info("Ray worker and vLLM engine logs: %s (asyncrl train --verbose streams them here)", link)
 
 
-def start_reward_model_actors(cfg: Config, stack: contextlib.ExitStack) -> list[tuple[str, Any]]:
-    """One actor per reward model of rollout.rewards, loading in the background (the run waits
+def start_reward_model_actors(
+    cfg: Config, stack: contextlib.ExitStack, model_path: str | None = None
+) -> list[tuple[str, Any]]:
+    """One actor per reward model of rollout.rewards, and rollout.teacher's (its vocabulary is
+    checked against the student's, ``model_path``), loading in the background (the run waits
     for them before its generators start: asyncrl.rollout.reward_model.wait_ready)."""
     started: list[tuple[str, Any]] = []
     stack.callback(stop_reward_models, started)
     started += start_reward_models(cfg)
+    if model_path is not None:
+        started += start_teacher(cfg, model_path)
     return started
 
 

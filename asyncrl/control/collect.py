@@ -52,6 +52,7 @@ def record_contract(cfg: Config, learner: LearnerGroup) -> RecordContract:
         group_size=cfg.rollout.n_samples,
         stepwise=cfg.algo.stepwise,
         max_version=learner.version,
+        teacher=cfg.rollout.teacher is not None,
     )
 
 

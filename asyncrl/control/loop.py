@@ -239,6 +239,7 @@ class TrainLoop:
             num_minibatches=m,
             pad_token_id=self.learner.pad_token_id,
             max_new_tokens=self.cfg.rollout.max_tokens,
+            teacher=self.cfg.rollout.teacher,
         )
         if self.gate.pending:
             batch_metrics.update(self._gate([seq for mb in minibatches for seq in mb]))

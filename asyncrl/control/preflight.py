@@ -165,6 +165,10 @@ def check_imports(cfg: Config) -> list[str]:
         raise ConfigError(str(e)) from e
     lines = [f"rollout.env={r.env}: imported and built" + (" (makes the prompts)" if not r.prompts else "")]
     lines += [_reward_line(i, spec) for i, spec in enumerate(r.rewards)]
+    if r.teacher is not None:
+        from asyncrl.rollout.teacher import check_line
+
+        lines.append(check_line(r.teacher, r.model))
     tools = getattr(env, "tools", None) if r.env == "tools" else None
     if tools:  # the tools env imported each tool and made its schema when it was built
         lines += [

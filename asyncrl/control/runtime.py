@@ -125,7 +125,7 @@ class Runtime:
         # Other nodes get a local model directory through Ray, as weights "version 0".
         model_package = ship_model(model_path) if cluster_is_multinode() else None
         weight_sync = bringup.start_weight_sync(cfg, run_state, model_package, stack)
-        reward_models = bringup.start_reward_model_actors(cfg, stack)  # they load while the rest comes up
+        reward_models = bringup.start_reward_model_actors(cfg, stack, model_path)  # they load while the rest comes up
         generators: list[Any] = []
         if self.start_generators:  # their engines load while the learners do
             _create_generators(

@@ -11,7 +11,10 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
    ``algo.overlong`` (DAPO, asyncrl.algo.overlong): ``soft_penalty`` adds the length penalty
    to each reward before the estimator sees it; ``mask`` zeroes the loss mask of truncated
    samples (finish reason 'length'), which still count in their group's baseline.
-2. Advantages from the configured estimator, with the group id per sample. Step-wise
+2. Advantages from the configured estimator, with the group id per sample; with
+   ``rollout.teacher`` (on-policy distillation, asyncrl.algo.distill) each sample's
+   per-token teacher term -coef * (rollout logp - teacher logp) is added on its loss mask
+   (observation tokens of multi-turn samples have none). Step-wise
    (``algo.stepwise``): one scalar per trajectory (its last step's reward), broadcast to
    every step on the step's own mask; then consecutive steps sharing a prefix are merged.
    Only the last step's reward counts: earlier steps' rewards are ignored (may be NaN), and
@@ -36,10 +39,12 @@ import numpy as np
 import torch
 
 from asyncrl.algo.advantages import AdvantageParams, get_advantage_estimator
+from asyncrl.algo.distill import reverse_kl_per_token, teacher_advantages
 from asyncrl.algo.overlong import is_truncated, penalised_rewards
 from asyncrl.algo.reduction import reduction_weights
 from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
 from asyncrl.config import AlgoConfig
+from asyncrl.config.teacher import TeacherConfig
 from asyncrl.types import RolloutGroup, Sample, TrainSequence
 
 
@@ -60,7 +65,7 @@ class _Row:
 
 def _check_sample(g: RolloutGroup, i: int, s: Sample) -> None:
     n = s.response_ids.shape[0]
-    for name in ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards"):
+    for name in ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards", "teacher_logprobs"):
         arr = getattr(s, name)
         if arr is not None and arr.shape != (n,):
             raise ValueError(f"group {g.group_id!r} sample {i}: {name} has shape {arr.shape}, response has {n} tokens")
@@ -169,6 +174,32 @@ def _stepwise_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]
     return [adv[k, : r.sample.num_tokens].numpy().astype(np.float32) for k, r in enumerate(rows)]
 
 
+def _add_teacher(rows: list[_Row], advs: list[np.ndarray], teacher: TeacherConfig) -> dict[str, float]:
+    """Add the teacher's term to each trained row's advantages (in place); its metrics. A row
+    that would be trained without teacher log-probs (the run's contract lets none through but
+    an earlier step of a step-wise trajectory whose own reward is NaN) is left out of the loss
+    instead: trained, it would be plain RL."""
+    missing = [r for r in rows if _response_mask(r).any() and r.sample.teacher_logprobs is None]
+    for r in missing:
+        r.valid = False
+    live = [k for k, r in enumerate(rows) if _response_mask(r).any()]
+    if not live:
+        return {"teacher/missing_samples": float(len(missing))}
+    mask = _padded([_response_mask(rows[k]) for k in live])
+    behaviour = _padded([rows[k].sample.rollout_logprobs for k in live])
+    teacher_logp = _padded([rows[k].sample.teacher_logprobs for k in live])  # type: ignore[misc]
+    term = teacher_advantages(behaviour, teacher_logp, mask, coef=teacher.coef, discount=teacher.discount)
+    for j, k in enumerate(live):
+        advs[k] = (advs[k] + term[j, : rows[k].sample.num_tokens].numpy()).astype(np.float32)
+    kl = reverse_kl_per_token(behaviour, teacher_logp, mask)
+    return {
+        "teacher/missing_samples": float(len(missing)),
+        "teacher/kl_mean": float(kl.sum() / mask.sum()),
+        "teacher/kl_seq_mean": float(kl.sum(dim=1).mean()),
+        "teacher/adv_abs_mean": float(term.abs().sum() / mask.sum()),
+    }
+
+
 def _sequence_fields(r: _Row, adv: np.ndarray) -> dict[str, torch.Tensor]:
     """Full-length (prompt + response) fields of one row, aligned to input_ids."""
     s, p = r.sample, r.prompt.shape[0]
@@ -204,6 +235,7 @@ def build_minibatches(
     num_minibatches: int,
     pad_token_id: int = 0,
     max_new_tokens: int | None = None,
+    teacher: TeacherConfig | None = None,
 ) -> tuple[list[list[TrainSequence]], dict[str, float]]:
     """Advantages, step-wise merge, whole-group mini-batches and their reduction weights.
 
@@ -215,14 +247,18 @@ def build_minibatches(
             pads); accepted so callers can pass one tokenizer setting through.
         max_new_tokens: rollout.max_tokens, the soft overlong penalty's L_max for groups that
             did not record their own budget.
+        teacher: rollout.teacher: add its per-token term to the advantages (every trained
+            sample must carry teacher_logprobs).
 
     Returns:
         (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std`` (left out when
         no reward succeeded, rather than NaN),
         ``reward/num_failed``, ``response/length_mean``, ``response/length_max``,
         ``advantages/mean``, ``advantages/abs_mean``, ``batch/num_sequences``,
-        ``batch/num_loss_tokens`` and, step-wise, ``stepwise/num_seq_before_merge`` /
-        ``stepwise/num_seq_after_merge``.
+        ``batch/num_loss_tokens``, with a teacher ``teacher/kl_mean`` (per loss token),
+        ``teacher/kl_seq_mean`` (summed per sample), ``teacher/adv_abs_mean`` and
+        ``teacher/missing_samples``, and, step-wise,
+        ``stepwise/num_seq_before_merge`` / ``stepwise/num_seq_after_merge``.
     """
     if num_minibatches < 1:
         raise ValueError(f"num_minibatches={num_minibatches!r}: must be >= 1")
@@ -230,8 +266,9 @@ def build_minibatches(
         raise ValueError(f"{len(groups)} groups cannot fill num_minibatches={num_minibatches} (groups are never split)")
     rows = _rows(groups, algo, max_new_tokens)
     advs = _stepwise_advantages(rows, algo) if algo.stepwise else _outcome_advantages(rows, algo)
+    teacher_metrics = _add_teacher(rows, advs, teacher) if teacher is not None else {}
     fields = [_sequence_fields(r, a) for r, a in zip(rows, advs, strict=True)]
-    metrics = _metrics(rows, advs)
+    metrics = _metrics(rows, advs) | teacher_metrics
     if algo.overlong.mask or algo.overlong.soft_penalty is not None:
         metrics |= _overlong_metrics(rows)
     if algo.stepwise and algo.merge_stepwise:

@@ -10,6 +10,7 @@ Wire format (schema 1): one msgpack map
      "metadata": {str: plain msgpack}, "samples": [SAMPLE, ...]}
     SAMPLE = {"response_ids": ARRAY, "rollout_logprobs": ARRAY, "loss_mask": ARRAY,
               "token_versions": ARRAY | nil, "token_rewards": ARRAY | nil, "prompt_ids": ARRAY | nil,
+              "teacher_logprobs": ARRAY | nil (may be absent: a record without a teacher),
               "reward": float, "behavior_version": int, "stop_reason": str, "generator_id": str,
               "timings": {str: float}, "error": str | nil, "trajectory_id": int, "step_index": int}
     ARRAY = {"dtype": "<i4" | "<f4" | "|u1", "shape": [n], "data": bin (raw little-endian)}
@@ -47,11 +48,14 @@ _SAMPLE_ARRAYS = {
     "token_versions": "<i4",
     "token_rewards": "<f4",
     "prompt_ids": "<i4",
+    "teacher_logprobs": "<f4",
 }
 _NATIVE = {"<i4": np.int32, "<f4": np.float32, "|u1": np.uint8}
-_OPTIONAL_SAMPLE_ARRAYS = ("token_versions", "token_rewards", "prompt_ids")
+_OPTIONAL_SAMPLE_ARRAYS = ("token_versions", "token_rewards", "prompt_ids", "teacher_logprobs")
 # Arrays that must have one entry per response token.
-_PER_TOKEN = ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards")
+_PER_TOKEN = ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards", "teacher_logprobs")
+# Sample fields a writer may leave out (added after schema 1's first writers; absent = nil).
+_ABSENT_OK = frozenset({"teacher_logprobs"})
 
 _GROUP_FIELDS = {"schema", "group_id", "prompt_id", "prompt_ids", "env", "metadata", "samples"}
 _SAMPLE_FIELDS = set(_SAMPLE_ARRAYS) | {
@@ -71,8 +75,8 @@ class RecordError(ValueError):
     """A record that cannot be trusted. `reason` is one of:
 
     bad_msgpack, ext_type, oversize, unknown_schema, missing_field, unknown_field, bad_type,
-    bad_dtype, bad_shape, length_mismatch, nonfinite_logprob, nonfinite_reward, bad_mask,
-    empty_group.
+    bad_dtype, bad_shape, length_mismatch, nonfinite_logprob, nonfinite_teacher_logprob,
+    nonfinite_reward, bad_mask, empty_group.
     """
 
     def __init__(self, reason: str, detail: str = ""):
@@ -93,6 +97,8 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, wire in _SAMPLE_ARRAYS.items():
         value = getattr(s, name)
+        if value is None and name in _ABSENT_OK:
+            continue  # written only when present: a record without a teacher is as before
         out[name] = None if value is None else _encode_array(value, wire)
     out.update(
         reward=float(s.reward),
@@ -132,10 +138,10 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise RecordError("ext_type", f"msgpack ext type {code} is not allowed")
 
 
-def _fields(obj: Any, allowed: set[str], where: str) -> dict[str, Any]:
+def _fields(obj: Any, allowed: set[str], where: str, absent_ok: frozenset[str] = frozenset()) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise RecordError("bad_type", f"{where}: expected a map, got {type(obj).__name__}")
-    missing = allowed - obj.keys()
+    missing = allowed - obj.keys() - absent_ok
     if missing:
         raise RecordError("missing_field", f"{where}: missing {sorted(missing)}")
     extra = obj.keys() - allowed
@@ -190,13 +196,13 @@ def _check_plain(value: Any, where: str, depth: int = 0) -> None:
 
 def _decode_sample(obj: Any, i: int) -> Sample:
     where = f"samples[{i}]"
-    f = _fields(obj, _SAMPLE_FIELDS, where)
+    f = _fields(obj, _SAMPLE_FIELDS, where, _ABSENT_OK)
     required: dict[str, np.ndarray] = {}
     optional: dict[str, np.ndarray | None] = {}
     for name, wire in _SAMPLE_ARRAYS.items():
         if name not in _OPTIONAL_SAMPLE_ARRAYS:
             required[name] = _decode_array(f[name], wire, f"{where}.{name}")
-        elif f[name] is None:
+        elif f.get(name) is None:
             optional[name] = None
         else:
             optional[name] = _decode_array(f[name], wire, f"{where}.{name}")
@@ -208,6 +214,9 @@ def _decode_sample(obj: Any, i: int) -> Sample:
             raise RecordError("length_mismatch", f"{where}.{name}: {a.shape[0]} entries for {n} response tokens")
     if not np.isfinite(required["rollout_logprobs"]).all():
         raise RecordError("nonfinite_logprob", f"{where}: NaN or inf in rollout_logprobs")
+    teacher = arrays["teacher_logprobs"]
+    if teacher is not None and not np.isfinite(teacher).all():
+        raise RecordError("nonfinite_teacher_logprob", f"{where}: NaN or inf in teacher_logprobs")
     if required["loss_mask"].size and required["loss_mask"].max() > 1:
         raise RecordError("bad_mask", f"{where}.loss_mask: values other than 0 and 1")
     reward = float(_typed(f["reward"], (float, int), f"{where}.reward"))
@@ -237,6 +246,7 @@ def _decode_sample(obj: Any, i: int) -> Sample:
         timings={k: float(v) for k, v in timings.items()},
         error=error,
         prompt_ids=arrays["prompt_ids"],
+        teacher_logprobs=teacher,
         trajectory_id=_typed(f["trajectory_id"], int, f"{where}.trajectory_id"),
         step_index=_typed(f["step_index"], int, f"{where}.step_index"),
     )

@@ -31,6 +31,10 @@ Rules, each a `RecordError.reason`:
 - ``nonfinite_reward``: a NaN per-token reward on a sample whose reward succeeded (NaN is the
   failure marker only together with a failed outcome: ``error`` set or the reward NaN).
 - ``bad_id``: a group, prompt or generator id longer than ``MAX_ID_CHARS``.
+- ``missing_teacher_logprobs``: the run distils (rollout.teacher) and a sample whose reward
+  succeeded has no teacher log-probs (a generator of another config): trained, it would be
+  plain RL without the teacher's signal. ``positive_logprob`` covers them too (the teacher's
+  are computed in float32 as the learner's are; non-finite ones are the codec's).
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class RecordContract:
     """algo.stepwise: a group holds every step of its trajectories."""
     max_version: int
     """The learner's current version: no behaviour version can be newer."""
+    teacher: bool = False
+    """rollout.teacher is set: every sample whose reward succeeded carries teacher log-probs."""
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
@@ -91,6 +97,7 @@ def _check_sample(group: RolloutGroup, s: Sample, c: RecordContract, where: str)
         raise RecordError(
             "positive_logprob", f"{where}.rollout_logprobs: {float(s.rollout_logprobs.max())} > {LOGPROB_TOLERANCE}"
         )
+    _check_teacher(s, c, where, succeeded=s.error is None and math.isfinite(s.reward))
     if s.behavior_version > c.max_version:
         raise RecordError(
             "future_version", f"{where}.behavior_version {s.behavior_version} > learner's {c.max_version}"
@@ -112,6 +119,18 @@ def _check_sample(group: RolloutGroup, s: Sample, c: RecordContract, where: str)
         big = float(np.nanmax(np.abs(s.token_rewards))) if not np.isnan(s.token_rewards).all() else 0.0
         if big > MAX_ABS_REWARD:
             raise RecordError("reward_out_of_range", f"{where}.token_rewards up to {big:.3g} > {MAX_ABS_REWARD:g}")
+
+
+def _check_teacher(s: Sample, c: RecordContract, where: str, *, succeeded: bool) -> None:
+    t = s.teacher_logprobs
+    if t is None:
+        if c.teacher and succeeded:
+            raise RecordError(
+                "missing_teacher_logprobs", f"{where}: the run distils from rollout.teacher and this sample has none"
+            )
+        return
+    if t.size and float(t.max()) > LOGPROB_TOLERANCE:
+        raise RecordError("positive_logprob", f"{where}.teacher_logprobs: {float(t.max())} > {LOGPROB_TOLERANCE}")
 
 
 def _check_group_size(group: RolloutGroup, c: RecordContract) -> None:

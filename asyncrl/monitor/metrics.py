@@ -187,6 +187,11 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("reward/mean", "mean", "mean reward of trained samples"),
     _m("reward/std", "mean", "std of rewards of trained samples (mean across parts)"),
     _m("response/length_mean", "mean", "mean response length of trained samples", "tokens"),
+    # On-policy distillation (rollout.teacher): k_t = rollout logp - teacher logp per sampled token.
+    _m("teacher/kl_mean", "mean", "reverse KL to the teacher per trained token (rollout logp - teacher logp)", "nats"),
+    _m("teacher/kl_seq_mean", "mean", "reverse KL to the teacher summed over a sample, mean over samples", "nats"),
+    _m("teacher/adv_abs_mean", "mean", "mean |teacher advantage term| per trained token"),
+    _m("teacher/missing_samples", "sum", "samples left out of the loss for want of teacher log-probs", "samples"),
     # Evaluation (control.eval_every): the held-out set, greedy unless control.eval_temperature.
     _m("eval/reward_mean", "mean", "mean reward on the held-out prompts"),
     _m("eval/reward_std", "mean", "std of rewards on the held-out prompts"),

@@ -64,7 +64,7 @@ async def evaluate_items(
     one not done in ``timeout_s`` is cancelled (its request aborted) and counted in ``timeouts``."""
     before = failed_so_far(maker)
     groups = await asyncio.gather(
-        *(asyncio.wait_for(maker.make(item, n=1, temperature=temperature), timeout_s) for item in items),
+        *(asyncio.wait_for(maker.make(item, n=1, temperature=temperature, teacher=False), timeout_s) for item in items),
         return_exceptions=True,
     )
     out = EvalOutcome()

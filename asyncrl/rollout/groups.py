@@ -40,6 +40,7 @@ from asyncrl.rollout.envs.multiturn import (
 )
 from asyncrl.rollout.prompts import PromptItem
 from asyncrl.rollout.scoring import RewardLimits, RewardScorer, Score
+from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs
 from asyncrl.types import RolloutGroup, Sample
 
 REWARD_FAILED_KEY = "reward_failed"
@@ -66,6 +67,8 @@ class GroupMaker:
         self.engine, self.generator_id = engine, generator_id
         # Multi-turn rewards come from env.step() inside the trajectory, not from a scorer.
         self.scorer = RewardScorer(env, RewardLimits.from_rollout(cfg.rollout))
+        teacher = cfg.rollout.teacher
+        self.teacher = TeacherClient(cfg.control.run_name, teacher.timeout_s) if teacher is not None else None
         # Multi-turn contexts: built (and a chat template that cannot grow turn by turn refused) once.
         chat = cfg.rollout.chat_template
         self.codec = cast(MultiTurnEnvironment, env).turn_codec(tokenizer, chat) if env.multi_turn else None
@@ -77,9 +80,12 @@ class GroupMaker:
                 f"is multi-turn (rollout.max_tokens bounds each turn, not the trajectory); use algo.overlong.mask"
             )
 
-    async def make(self, item: PromptItem, n: int | None = None, temperature: float | None = None) -> RolloutGroup:
+    async def make(
+        self, item: PromptItem, n: int | None = None, temperature: float | None = None, teacher: bool = True
+    ) -> RolloutGroup:
         """``n`` samples or trajectories (None: rollout.n_samples) at ``temperature`` (None:
-        rollout.temperature); evaluation passes its own (asyncrl.rollout.evaluation)."""
+        rollout.temperature); evaluation passes its own (asyncrl.rollout.evaluation), and
+        ``teacher=False``: only trained samples need rollout.teacher's log-probs."""
         t0 = time.time()
         n = self.rollout.n_samples if n is None else n
         counts: dict[str, int] = {}
@@ -109,6 +115,8 @@ class GroupMaker:
             for _, score in scored:  # a reward's own counts (the code env's tests, timeouts...)
                 for name, k in score.counts.items():
                     counts[name] = counts.get(name, 0) + k
+        if self.teacher is not None and teacher:
+            failed = await attach_teacher_logprobs(self.teacher, self.scorer, item.ids, samples, failed)
         # How in-flight requests met a weight update; "keep" means later tokens may have attended
         # to KV computed by older weights (a correction the learner may want to know about).
         meta = dict(item.metadata, inflight=self.cfg.sync.inflight)

@@ -298,12 +298,12 @@ def wait_ready(started: list[tuple[str, Any]], timeout_s: float = READY_TIMEOUT_
 
     for where, handle in started:
         try:
-            log.info("reward model %s: %s", where, ray.get(handle.ready.remote(), timeout=timeout_s))
+            log.info("%s: %s", where, ray.get(handle.ready.remote(), timeout=timeout_s))
         except RayActorError as e:
-            raise RewardModelUnavailable(f"{where}: the reward model's actor could not start: {e}") from None
+            raise RewardModelUnavailable(f"{where}: its actor could not start: {e}") from None
         except GetTimeoutError:
             raise RewardModelUnavailable(
-                f"{where}: the reward model was not loaded within {timeout_s:g} s (does the cluster have the "
+                f"{where}: its model was not loaded within {timeout_s:g} s (does the cluster have the "
                 f"CPUs/GPUs its num_cpus/num_gpus ask for?)"
             ) from None
 

@@ -51,6 +51,8 @@ LANDS_SEPARATELY = {"configs/gsm8k_qwen2.5_0.5b_1gpu.yaml"}
 NEEDS_THE_COMMAND_BEFORE = {
     "configs/reward_model.yaml": "its reward model is written by the command before it "
     "(tests/unit/test_reward_model_config.py loads it so)",
+    "configs/distill.yaml": "its teacher is exported by the commands before it "
+    "(tests/unit/test_distill.py loads it so)",
 }
 
 # Each heavy command (its text without PYTHONPATH=...) must match one pattern; the test cited
@@ -103,6 +105,17 @@ HEAVY: list[tuple[str, tuple[str, str | None], str]] = [
         ),
         "the config's load is tested with its model written; its reward-model actor runs in the integration "
         "test; the example job itself is not started by any test",
+    ),
+    (
+        r"asyncrl export runs/distill-teacher --step \d+ --out \S+$",
+        E2E,
+        "asyncrl export RUN_DIR of a finished demo run, to a directory of its own",
+    ),
+    (
+        r"asyncrl train configs/distill\.yaml$",
+        ("tests/integration/test_teacher.py", "test_a_crashed_teacher_is_restarted_and_its_pending_request_retried"),
+        "the config's load is tested with its teacher written; its teacher actor runs in the integration "
+        "test; the example job itself is not started by any test (its numbers: docs/results.md)",
     ),
     (
         r"asyncrl tiny-model \S+ --arch \S+$",

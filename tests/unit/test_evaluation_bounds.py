@@ -27,7 +27,7 @@ class Maker:
         self.episode_errors = 0
         self.cancelled: list[str] = []
 
-    async def make(self, item: PromptItem, n: int, temperature: float):
+    async def make(self, item: PromptItem, n: int, temperature: float, teacher: bool = True):
         if item.prompt_id == "hangs":
             try:
                 await asyncio.Event().wait()

@@ -76,6 +76,11 @@ const CHARTS = [
   { id: "reward", title: "Reward and response length", yTitle: "reward", y2Title: "tokens",
     metrics: [["reward/mean", "reward mean"], ["reward/std", "reward std"], ["response/length_mean", "length", "y2"]],
     help: "Mean and spread of the trained groups' rewards, and their mean response length (right axis)." },
+  { id: "teacher", title: "Reverse KL to the teacher", yTitle: "nats",
+    nodata: "no teacher (rollout.teacher is not set)",
+    metrics: [["teacher/kl_mean", "per token"], ["teacher/kl_seq_mean", "per sample"]],
+    help: "On-policy distillation: the student's log-prob minus the teacher's on the tokens the student sampled, " +
+          "per trained token and summed per sample. It falls as the student learns the teacher." },
   { id: "loss", title: "Loss terms",
     metrics: [["loss/total", "total"], ["loss/policy", "policy"], ["loss/kl_ref", "KL ref"],
               ["loss/rollout_kl", "rollout KL"], ["loss/entropy", "entropy"]],

@@ -1,0 +1,79 @@
+"""rollout.teacher: on-policy distillation's teacher, a Hugging Face causal LM that scores the
+student's own sampled tokens (asyncrl.rollout.teacher serves it as one Ray actor; the learner
+turns its log-probs into a per-token reverse-KL advantage, asyncrl.algo.distill).
+
+    rollout:
+      teacher: {model: /models/teacher, coef: 1.0, batch_size: 16, num_gpus: 1}
+
+The directory is checked here, at config load and `--check`, from its config.json alone; the
+tokenizer's agreement with the student's is checked by the actor when it loads (it needs both
+tokenizers, which only the run has resolved).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.config.base import ConfigError, Section
+from asyncrl.config.reward_model import read_config_json
+
+
+class TeacherConfig(Section):
+    """The teacher of on-policy distillation: its log-prob of each sampled token joins the advantage."""
+
+    model: str
+    """A local directory written by save_pretrained: a *ForCausalLM config.json, its weights and
+    a tokenizer with the student's vocabulary (a hub model: download it first,
+    e.g. `hf download ID --local-dir DIR`)."""
+    coef: float = Field(1.0, gt=0)
+    """Weight of the teacher term: A_t += -coef * (logp_student(t) - logp_teacher(t)), beside the
+    task reward's advantage (a task reward that is constant makes it pure distillation)."""
+    discount: float = Field(0.0, ge=0, le=1)
+    """0: each token's term is its own reverse KL (as on-policy distillation is usually run);
+    in (0, 1]: the discounted sum of the KLs from that token to the end of the response."""
+    temperature: float | None = Field(None, gt=0)
+    """The temperature the teacher's log-probs are taken at; None: rollout.temperature, the
+    one the student's log-probs (engine's and learner's) are taken at."""
+    batch_size: int = Field(16, ge=1)
+    """Samples per forward pass, gathered from every generator's requests (its logits are
+    batch_size x longest sample x vocabulary numbers: lower it for a large vocabulary)."""
+    max_wait_ms: float = Field(10.0, ge=0)
+    """How long a forward pass waits for more requests once it has one (0: run what is there)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs of its actor (also its torch threads)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs of its actor; > 0 runs the model on CUDA."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Seconds a group's scoring may take (queueing and batching included); past it the group's
+    samples fail as a failed reward does (left out of the loss, counted)."""
+    max_restarts: int = Field(-1, ge=-1)
+    """How often Ray restarts its actor after a crash (-1: always); requests in flight are
+    retried on the restarted actor."""
+
+
+def check_teacher(spec: TeacherConfig) -> str:
+    """The teacher's architecture from its config.json; ConfigError naming rollout.teacher otherwise."""
+    key = f"rollout.teacher.model={spec.model!r}"
+    if not math.isfinite(spec.coef):
+        raise ConfigError(f"rollout.teacher.coef={spec.coef!r}: must be a finite number > 0")
+    path = Path(spec.model)
+    if not path.is_dir():
+        what = "not a directory" if path.exists() else "no such directory"
+        raise ConfigError(
+            f"{key}: {what}; a teacher is a local directory written by save_pretrained "
+            f"(download a hub model first, e.g. `hf download ID --local-dir DIR`)"
+        )
+    config = read_config_json(path, key)
+    architectures = config.get("architectures") or []
+    causal = [a for a in architectures if isinstance(a, str) and a.endswith("ForCausalLM")]
+    if not causal:
+        raise ConfigError(
+            f"{key}: not a causal language model (config.json architectures={architectures!r}); "
+            f"a teacher is a *ForCausalLM that scores the student's tokens"
+        )
+    return causal[0]
