@@ -184,6 +184,14 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("eval/timeouts", "sum", "held-out prompts not rolled out within control.eval_timeout_s"),
     _m("eval/failed", "sum", "held-out prompts lost to a generator that died, raised or could not sample"),
     _m("eval/prompts", "max", "held-out prompts evaluated"),
+    # In the row of the step its answers came in (the run's last at the latest), not the step it was due at.
+    _m("eval/step", "max", "the step the evaluation in this row was due at"),
+    _m("eval/version", "max", "the weight version the evaluation measured (published at eval/step)", "versions"),
+    _m("eval/measured", "max", "held-out prompts rolled out under eval/version and scored"),
+    _m("eval/off_version", "sum", "held-out prompts left out: not sampled under eval/version alone"),
+    _m("eval/wall_s", "max", "seconds from handing the evaluation out to its last answer", "s"),
+    _m("eval/generator_s", "sum", "generator seconds the evaluation took (all generators)", "s"),
+    _m("eval/skipped", "max", "evaluations due while one still ran (run total)"),
     # Loss terms (already weighted by the per-token reduction weights: parts add up).
     _m("loss/policy", "sum", "policy-gradient loss"),
     _m("loss/kl_ref", "sum", "KL-to-reference term (before kl_coef)"),

@@ -324,11 +324,15 @@ class GeneratorActor:
         return [vars(c) for c in outs]
 
     def evaluate(
-        self, prompts: list[tuple[str, str, dict]], temperature: float, timeout_s: float | None = None
+        self,
+        prompts: list[tuple[str, str, dict]],
+        temperature: float,
+        timeout_s: float | None = None,
+        version: int | None = None,
     ) -> EvalOutcome:
         """Held-out (prompt id, text, metadata), each rolled out once as training would, within
-        ``timeout_s`` (rollout/evaluation.py)."""
-        return self._call(self.held_out.run(prompts, temperature, timeout_s))
+        ``timeout_s``, under weight ``version`` alone when one is named (rollout/evaluation.py)."""
+        return self._call(self.held_out.run(prompts, temperature, timeout_s, version))
 
     def pid(self) -> int:
         return os.getpid()

@@ -136,6 +136,8 @@ def test_catalogue_covers_the_data_contract():
     contract += ["sync/load_failures"]
     contract += [f"parity/gate_{k}" for k in ("max_abs_diff", "mean_abs_diff", "tolerance", "tokens", "passed")]
     contract += ["eval/timeouts", "eval/failed"]
+    contract += ["eval/step", "eval/version", "eval/measured", "eval/off_version", "eval/wall_s", "eval/generator_s"]
+    contract += ["eval/skipped"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"

@@ -85,7 +85,16 @@ const CHARTS = [
     nodata: "no evaluation logged (control.eval_every = 0, or none due yet)",
     metrics: [["eval/reward_mean", "eval reward mean"], ["eval/reward_std", "eval reward std"],
               ["eval/response_length_mean", "eval length", "y2"]],
-    help: "Reward on the held-out prompts (control.eval_prompts), every control.eval_every steps." },
+    // Each point names the weight version it measured, the step it was due at and its cost.
+    hoverText: step => {
+      const at = name => valueAt(name, step);
+      return `v${fmt(at("eval/version"))}, due at step ${fmt(at("eval/step"))}: ` +
+        `${fmt(at("eval/measured"))} prompts measured, ${fmt(at("eval/off_version"))} off version, ` +
+        `${fmt(at("eval/wall_s"))} s (${fmt(at("eval/generator_s"))} generator s)`;
+    },
+    help: "Reward on the held-out prompts (control.eval_prompts), every control.eval_every steps, of the " +
+          "weight version published at the step it was due (hover: which); a point lands at the step its " +
+          "answers came in, since an evaluation does not hold training up." },
 ];
 
 // Events the metrics record, marked on every chart as a dotted vertical line: a start or resume
@@ -200,6 +209,14 @@ function tracesOf(name, label, color, axis) {
     }));
 }
 
+// A metric's value in the row of `step` (the trainer's), or undefined.
+function valueAt(name, step) {
+  const s = view.series[name];
+  if (!s) return undefined;
+  const i = s.step.lastIndexOf(step);
+  return i < 0 ? undefined : s.value[i];
+}
+
 function generatorVersionTraces() {
   const gens = (view.snapshot && view.snapshot.generators) || [];
   const step = view.snapshot && view.snapshot.summary.step;
@@ -241,6 +258,8 @@ function drawChart(c) {
       ? { ...t, mode: "markers", marker: { color, size: 11, symbol: "star" } } : t));
   });
   if (c.markers) traces = traces.map(t => ({ ...t, mode: "lines+markers", marker: { color: t.line.color, size: 6 } }));
+  if (c.hoverText) traces = traces.map(t => ({ ...t, text: t.x.map(c.hoverText),
+                                               hovertemplate: "%{y}<br>%{text}<extra>%{fullData.name}</extra>" }));
   if (c.stacked) traces = traces.map(t => ({ ...t, type: "bar", mode: undefined, line: undefined,
                                              marker: { color: t.line.color } }));
   const hasData = traces.length > 0;
