@@ -70,6 +70,9 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("queue/pending", "max", "groups delivered to the learner but not yet acked", "groups"),
     _m("queue/dropped_stale", "max", "groups dropped as older than max_staleness", "groups", "counter"),
     _m("queue/dead_lettered", "max", "malformed records moved to the dead-letter stream", "groups", "counter"),
+    _m("queue/outages", "max", "Redis outages the trainer lived through (this trainer process)", "", "counter"),
+    _m("queue/outage_s", "max", "seconds of those outages, all together", "s", "counter"),
+    _m("generators/restarts", "max", "generator processes Ray restarted after they died", "", "counter"),
     _m("queue/stale_reissued", "max", "prompts of stale-dropped groups run again", "groups", "counter"),
     _m("queue/stale_abandoned", "max", "stale-dropped groups whose prompt was not run again", "groups", "counter"),
     _m(

@@ -65,6 +65,7 @@ from asyncrl.rollout.prompts import open_prompts, prompt_encoder
 from asyncrl.rollout.recovery import (
     ENGINE_OWNER_ENV,
     EngineRecord,
+    count_if_restarted,
     engine_owner,
     mark_engine_owner,
     predecessor_prompts,
@@ -113,6 +114,7 @@ class GeneratorActor:
         self._sample_ids = itertools.count(1)
         self._connect(redis_url, password)
         predecessor_was_generating = reap_predecessor(self.run_state, generator_id)
+        count_if_restarted(self.run_state, generator_id)
         model_path = self._open_inputs(model_path, model_package)
         self._rate = TokenRate(started_at=time.time())
         self._start_loop()

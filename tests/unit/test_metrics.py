@@ -138,6 +138,7 @@ def test_catalogue_covers_the_data_contract():
     contract += ["eval/timeouts", "eval/failed"]
     contract += ["eval/step", "eval/version", "eval/measured", "eval/off_version", "eval/wall_s", "eval/generator_s"]
     contract += ["eval/skipped"]
+    contract += ["queue/outages", "queue/outage_s", "generators/restarts"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"

@@ -99,8 +99,14 @@ const CHARTS = [
 
 // Events the metrics record, marked on every chart as a dotted vertical line: a start or resume
 // (the parity gate runs once per start; a finished run dir also tells where it resumed), and steps
-// where records were dead-lettered or a generator failed to load weights. Generator restarts and
-// Redis outages are not in the metrics, so they are not marked.
+// where records were dead-lettered, a generator failed to load weights, Ray restarted a generator,
+// or the trainer lived through a Redis outage (with its seconds). Counters rise at their event; a
+// trainer's own counts (outages) start again at 0 after a resume, which is no rise.
+const EVENT_COUNTERS = [
+  ["queue/dead_lettered", "dead-lettered"], ["sync/load_failures", "weight load failed"],
+  ["generators/restarts", "generator restarted"], ["queue/outages", "Redis outage"],
+];
+
 function runEvents() {
   const events = [];
   const gate = view.series["parity/gate_max_abs_diff"];
@@ -110,12 +116,18 @@ function runEvents() {
     // The gate's own row is the first step after it: one marker for one resume.
     if (!events.some(e => e.label === "resume" && Math.abs(e.step - step) <= 1)) events.push({ step, label: "resume" });
   }
-  for (const [name, what] of [["queue/dead_lettered", "dead-lettered"], ["sync/load_failures", "weight load failed"]]) {
+  for (const [name, what] of EVENT_COUNTERS) {
     const s = view.series[name];
     if (!s) continue;
     for (let i = 1; i < s.value.length; i++) {
       const rise = s.value[i] - s.value[i - 1];
-      if (rise > 0) events.push({ step: s.step[i], label: `${what} +${fmt(rise)}` });
+      if (!(rise > 0)) continue;
+      let label = `${what} +${fmt(rise)}`;
+      if (name === "queue/outages") {
+        const secs = valueAt("queue/outage_s", s.step[i]) - valueAt("queue/outage_s", s.step[i - 1]);
+        if (secs > 0) label += ` (${fmt(secs)} s)`;
+      }
+      events.push({ step: s.step[i], label });
     }
   }
   return events.sort((a, b) => a.step - b.step);
