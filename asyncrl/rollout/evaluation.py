@@ -178,7 +178,11 @@ class HeldOut:
         # A weight update that arrives meanwhile waits for the evaluation (at most its timeout):
         # otherwise one publish per step would supersede nearly every evaluation as it ran.
         async with self.engine.updates_held():
-            if self.engine.version != version or self.engine.closed is not None:
+            if self.engine.closed is not None:  # a failed load while it waited
+                gid, closed = self.generator_id, self.engine.closed
+                log.warning("%s: %d evaluation prompts not run: %s", gid, len(prompts), closed)
+                return EvalOutcome(version=version, not_run=len(prompts))
+            if self.engine.version != version:
                 log.warning(
                     "%s: %d evaluation prompts not run: the engine holds v%d, the evaluation measures v%d",
                     self.generator_id,
