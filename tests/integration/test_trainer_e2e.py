@@ -148,9 +148,10 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     assert [r["eval/step"] for r in evals] == list(range(20, state.step + 1, 20)), evals
     assert all(r["eval/step"] <= r["step"] < r["eval/step"] + 20 for r in evals), evals
     assert evals[-1]["step"] == state.step and all(r["eval/skipped"] == 0 for r in evals), evals
-    assert all(0 < r["eval/version"] <= r["eval/step"] for r in evals), evals
+    versions = [r["eval/version"] for r in evals]
+    assert versions == sorted(set(versions)) and versions[0] > 0, versions  # a newer version each time
     assert all(r["eval/prompts"] == 8 and -2.0 <= r["eval/reward_mean"] <= 1.0 for r in evals), evals
-    assert all(r["eval/measured"] + r["eval/off_version"] + r["eval/failed"] + r["eval/timeouts"] == 8 for r in evals)
+    assert all(0 < r["eval/measured"] <= 8 and r["eval/wall_s"] > 0 for r in evals), evals
     assert_tensorboard_matches(tmp_path / "e2e" / "tensorboard", rows)
     assert_finished_dashboard(tmp_path / "e2e", state, rows)
     out = subprocess.run(
