@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from asyncrl.config import Config, redact_config
 from asyncrl.control.collect import BatchCollector, NoGenerators
-from asyncrl.control.evaluate import Evaluator
+from asyncrl.control.evaluate import EvalSchedule
 from asyncrl.control.ledger import record_trained
 from asyncrl.control.loads import STATE_FIELD as UNLOADABLE_FIELD
 from asyncrl.control.loads import LoadWatch, WeightsUnloadable
@@ -110,7 +110,7 @@ class TrainLoop:
         self.ckpt_root = runtime.run_dir / CHECKPOINTS_DIR
         self.last_trained: list[TrainedGroup] = []
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
-        self._evaluator: Evaluator | None = None
+        self.evals = EvalSchedule(cfg)
 
         self.watchdog = GeneratorWatchdog(
             runtime.generators,
@@ -314,8 +314,9 @@ class TrainLoop:
             self.checkpoint()
         if c.export_every and self.state.step % c.export_every == 0:
             self.export_hf(f"step_{self.state.step}")
-        if c.eval_every and self.state.step % c.eval_every == 0 and self.rt.generators:
-            metrics.update(self.evaluate())
+        # Of the version just published (an eval never mixes versions), without holding the step.
+        last = self.state.step >= c.total_steps
+        metrics.update(self.evals.on_step(self.state.step, self.state.published_version, self.rt.generators, last))
 
         times = StepTimes(t_wait, t_train, t_sync, self.publisher.last_apply_s, time.perf_counter() - t0)
         metrics.update(
@@ -361,12 +362,6 @@ class TrainLoop:
         for old in prune(self.ckpt_root, *keep):
             log.info("deleted checkpoint %s (control.keep_checkpoints=%d, keep_every=%d)", old.name, *keep)
         return path
-
-    def evaluate(self) -> dict[str, float]:
-        """eval/* on the held-out set, through the run's own engines (asyncrl.control.evaluate)."""
-        if self._evaluator is None:
-            self._evaluator = Evaluator(self.cfg)
-        return self._evaluator.run(self.rt.generators, step=self.state.step)
 
     def export_hf(self, name: str) -> RunPath:
         """The learners' weights as a Hugging Face folder, run_dir/hf/NAME."""
@@ -434,6 +429,7 @@ class TrainLoop:
             self.run_state.set_state(status="failed")
             raise
         finally:
+            self.evals.close()
             self.publisher.join()  # the engines must not be torn down mid-load
             self.stop.restore()
         return self.state

@@ -65,6 +65,10 @@ def step_metrics(
         "rollout/dropped_uniform_groups": float(counters.get("dropped_uniform", 0)),
         "rollout/dropped_uniform_groups_step": float(max(dropped_uniform, 0)),
         "sync/load_failures": float(counters.get("weight_load_failures", 0)),
+        "generators/restarts": float(counters.get("generator_restarts", 0)),
+        # The trainer's own client: what it lived through (a resumed trainer counts from 0).
+        "queue/outages": float(run_state.retry.outages),
+        "queue/outage_s": float(run_state.retry.outage_s),
         "learner/version": float(version),
         "throughput/samples_per_s": sum(len(g.samples) for g in groups) / max(times.step, 1e-9),
         "throughput/step_tokens_per_s": gen_tokens / max(times.step, 1e-9),

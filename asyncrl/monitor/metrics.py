@@ -70,6 +70,9 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("queue/pending", "max", "groups delivered to the learner but not yet acked", "groups"),
     _m("queue/dropped_stale", "max", "groups dropped as older than max_staleness", "groups", "counter"),
     _m("queue/dead_lettered", "max", "malformed records moved to the dead-letter stream", "groups", "counter"),
+    _m("queue/outages", "max", "Redis outages the trainer lived through (this trainer process)", "", "counter"),
+    _m("queue/outage_s", "max", "seconds of those outages, all together", "s", "counter"),
+    _m("generators/restarts", "max", "generator processes Ray restarted after they died", "", "counter"),
     _m("queue/stale_reissued", "max", "prompts of stale-dropped groups run again", "groups", "counter"),
     _m("queue/stale_abandoned", "max", "stale-dropped groups whose prompt was not run again", "groups", "counter"),
     _m(
@@ -200,6 +203,14 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("eval/timeouts", "sum", "held-out prompts not rolled out within control.eval_timeout_s"),
     _m("eval/failed", "sum", "held-out prompts lost to a generator that died, raised or could not sample"),
     _m("eval/prompts", "max", "held-out prompts evaluated"),
+    # In the row of the step its answers came in (the run's last at the latest), not the step it was due at.
+    _m("eval/step", "max", "the step the evaluation in this row was due at"),
+    _m("eval/version", "max", "the weight version the evaluation measured (published at eval/step)", "versions"),
+    _m("eval/measured", "max", "held-out prompts rolled out under eval/version and scored"),
+    _m("eval/off_version", "sum", "held-out prompts left out: not sampled under eval/version alone"),
+    _m("eval/wall_s", "max", "seconds from handing the evaluation out to its last answer", "s"),
+    _m("eval/generator_s", "sum", "generator seconds the evaluation took (all generators)", "s"),
+    _m("eval/skipped", "max", "evaluations due while one still ran (run total)"),
     # Loss terms (already weighted by the per-token reduction weights: parts add up).
     _m("loss/policy", "sum", "policy-gradient loss"),
     _m("loss/kl_ref", "sum", "KL-to-reference term (before kl_coef)"),

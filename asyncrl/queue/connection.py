@@ -16,6 +16,7 @@ it twice; the queue's callers are written for that (the consumer drops duplicate
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +114,14 @@ class Retrier:
         self.recovered_at = 0.0
         """time.time() when a call last succeeded after failing: heartbeats older than that
         were not written for the outage's length, not because their writer hung."""
+        self.outages = 0
+        """Outages this client lived through: a call that failed, then went through (calls
+        failing together are one outage, from the first failure to the first recovery)."""
+        self.outage_s = 0.0
+        """Their seconds, all together (queue/outage_s, marked on the dashboard's charts)."""
+        self._down_since: float | None = None
+        self._back_at = 0.0  # monotonic time of the last recovery
+        self._lock = threading.Lock()
 
     def _give_up_after(self) -> float:
         if self.outage_deadline_s is None:
@@ -129,10 +138,12 @@ class Retrier:
         wait = self.first_wait
         attempt = 0
         while True:
+            tried = time.monotonic()
             try:
                 out = fn(*args, **kwargs)
                 if attempt:
                     self.recovered_at = time.time()
+                    self._recovered()
                     if time.monotonic() > quiet_after:
                         log.warning("Redis at %s is back after %s", self.safe_url, _duration(time.monotonic() - t0))
                 return out
@@ -146,6 +157,10 @@ class Retrier:
                     raise
                 attempt += 1
                 now = time.monotonic()
+                with self._lock:
+                    # An attempt made before the last recovery failed in the outage already counted.
+                    if self._down_since is None and tried >= self._back_at:
+                        self._down_since = max(t0, self._back_at)
                 if now >= give_up:
                     raise QueueUnavailable(
                         f"Redis at {self.safe_url} unreachable after {attempt} attempts over "
@@ -169,6 +184,14 @@ class Retrier:
                 wait = min(wait * 2, self.max_wait)
                 if on_retry is not None:
                     on_retry()
+
+    def _recovered(self) -> None:
+        with self._lock:
+            if self._down_since is not None:
+                self._back_at = time.monotonic()
+                self.outages += 1
+                self.outage_s += self._back_at - self._down_since
+                self._down_since = None
 
 
 def transaction(client: redis.Redis, retry: Retrier, build: Callable[[Any], None]) -> list:

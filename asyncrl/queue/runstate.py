@@ -64,6 +64,7 @@ RUN_COUNTERS = (
     "dead_lettered",
     "dropped_uniform",
     "weight_load_failures",
+    "generator_restarts",
 )
 """The counters every run reports: one never incremented is 0 (not absent) in counters(), in
 summary.json and on the dashboard."""

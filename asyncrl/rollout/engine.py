@@ -217,6 +217,12 @@ class RolloutEngine(WeightUpdates):
         )
         log.info("engine warmed up in %.1f s", time.perf_counter() - t0)
 
+    def updates_held(self) -> asyncio.Lock:
+        """While held, no weight load (nor rebuild) starts: an evaluation of one version holds it
+        (rollout/evaluation.py). An NCCL transfer is a collective with the learners and does not
+        wait for it."""
+        return self._update_lock
+
     async def _replace_dead(self, llm, error: BaseException) -> None:
         """A dead EngineCore fails every request at once and never comes back: the first caller
         to see it rebuilds the engine (under the update lock, so a load cannot interleave), the

@@ -65,6 +65,7 @@ from asyncrl.rollout.prompts import open_prompts, prompt_encoder
 from asyncrl.rollout.recovery import (
     ENGINE_OWNER_ENV,
     EngineRecord,
+    count_if_restarted,
     engine_owner,
     mark_engine_owner,
     predecessor_prompts,
@@ -113,6 +114,7 @@ class GeneratorActor:
         self._sample_ids = itertools.count(1)
         self._connect(redis_url, password)
         predecessor_was_generating = reap_predecessor(self.run_state, generator_id)
+        count_if_restarted(self.run_state, generator_id)
         model_path = self._open_inputs(model_path, model_package)
         self._rate = TokenRate(started_at=time.time())
         self._start_loop()
@@ -324,11 +326,15 @@ class GeneratorActor:
         return [vars(c) for c in outs]
 
     def evaluate(
-        self, prompts: list[tuple[str, str, dict]], temperature: float, timeout_s: float | None = None
+        self,
+        prompts: list[tuple[str, str, dict]],
+        temperature: float,
+        timeout_s: float | None = None,
+        version: int | None = None,
     ) -> EvalOutcome:
         """Held-out (prompt id, text, metadata), each rolled out once as training would, within
-        ``timeout_s`` (rollout/evaluation.py)."""
-        return self._call(self.held_out.run(prompts, temperature, timeout_s))
+        ``timeout_s``, under weight ``version`` alone when one is named (rollout/evaluation.py)."""
+        return self._call(self.held_out.run(prompts, temperature, timeout_s, version))
 
     def pid(self) -> int:
         return os.getpid()

@@ -104,6 +104,26 @@ def _warn_once(generator_id: str, what: str, *args: object) -> None:
         log.warning(f"%s: {what}", generator_id, *args)
 
 
+RESTARTS_COUNTER = "generator_restarts"
+"""The run counter of generator processes Ray restarted after they died (the dashboard marks
+each rise on its charts, as generators/restarts)."""
+
+
+def count_if_restarted(run_state: RunState, generator_id: str) -> bool:
+    """Count this start in RESTARTS_COUNTER when it is Ray restarting the actor after its process
+    died (not a first start, and not a resumed trainer's fresh actor); whether it was."""
+    try:
+        import ray
+
+        restarted = ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not in a Ray actor (an in-process generator): not a Ray restart
+        restarted = False
+    if restarted:
+        run_state.incr(RESTARTS_COUNTER)
+        log.warning("%s: restarted by Ray after its process died (%s)", generator_id, RESTARTS_COUNTER)
+    return restarted
+
+
 def engine_owner(run: str, generator_id: str) -> str:
     """The ENGINE_OWNER_ENV value of a generator's engine processes."""
     return f"{run}/{generator_id}"

@@ -42,6 +42,9 @@ def _history_step(step: int) -> dict[str, float]:
         "queue/pending": 8.0,
         "queue/dropped_stale": float(step // 6),
         "queue/dead_lettered": 0.0,
+        "queue/outages": 0.0,
+        "queue/outage_s": 0.0,
+        "generators/restarts": 0.0,
         "drift/rollout_kl": 0.004 + 0.0005 * (step % 4),
         "drift/abs_logp_diff": 0.03,
         "drift/tis_ratio_mean": 1.0 + 0.01 * (step % 3),
@@ -131,6 +134,9 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
         "throughput/gen_tokens_per_s": 12345.0,
         "learner/version": 21.0,
         "queue/dead_lettered": 2.0,
+        "generators/restarts": 1.0,
+        "queue/outages": 1.0,
+        "queue/outage_s": 4.5,
     }
     RedisSink(live_run, RUN).log(20, step20)
     live_run.hset(keys.state(RUN), mapping={"policy_version": 21, "weights_version": 21})
@@ -182,12 +188,18 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
     # Hover help on every panel and tile.
     helps = page.evaluate("[...document.querySelectorAll('#charts h2, .tile')].map(e => e.getAttribute('title'))")
     assert len(helps) > 20 and all(h and len(h) > 20 for h in helps), helps
-    # Events marked on every chart: the start (its parity gate) and step 20's dead-lettered records.
+    # Events marked on every chart: the start (its parity gate), and at step 20 dead-lettered
+    # records, a generator Ray restarted and a Redis outage the trainer lived through (4.5 s).
     events = page.evaluate(
         "document.getElementById('chart-reward').layout.shapes"
         ".filter(s => (s.name || '').startsWith('event')).map(s => [s.name, s.x0])"
     )
-    assert events == [["event: start", 0], ["event: dead-lettered +2", 20]]
+    assert events == [
+        ["event: start", 0],
+        ["event: dead-lettered +2", 20],
+        ["event: generator restarted +1", 20],
+        ["event: Redis outage +1 (4.5 s)", 20],
+    ], events
     assert errors == []
 
     page.wait_for_timeout(400)  # let plotly finish its transitions before the picture

@@ -12,6 +12,7 @@ at the end the exactly-once ledger must balance:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -80,6 +81,10 @@ def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_p
     job.restart_redis(down_s=2.0)
     job.wait_for_step(before + 2, timeout=120)
     assert job.running()
+    # The trainer counts the outages it lived through (marked on the dashboard's charts).
+    written = (job.run_dir / "metrics.jsonl").read_text()
+    last = json.loads(written[: written.rindex("\n")].splitlines()[-1])  # the last whole line
+    assert last["queue/outages"] >= 1 and last["queue/outage_s"] > 0, last
 
     # 4. The generator actor is SIGKILLed mid-generation: Ray restarts it.
     (old_gen,) = job.pids_named("ray::GeneratorActor")
@@ -88,6 +93,8 @@ def test_faults_during_a_run_nothing_lost_nothing_trained_twice(train_job, tmp_p
     job.wait_for_step(before + 3, timeout=240)
     new_gen = job.pids_named("ray::GeneratorActor")
     assert new_gen and old_gen not in new_gen
+    # Ray's restart is counted (generators/restarts, marked on the dashboard's charts).
+    assert job.counters().get("generator_restarts", 0) >= 1, job.counters()
 
     # 5. The trainer dies between a step and the next checkpoint (version % CKPT != 0).
     killed_at = _kill_between_checkpoints(job, timeout=120)

@@ -125,6 +125,7 @@ def test_summary_has_state_counters_and_latest(api):
         "dead_lettered": 1,
         "dropped_uniform": 0,
         "weight_load_failures": 0,
+        "generator_restarts": 0,  # every run counter is reported, 0 until counted
     }
     assert s["latest"]["reward/mean"] == pytest.approx(0.9)
     assert s["latest"]["queue/depth"] == 13.0
@@ -226,6 +227,22 @@ def test_series_values_names_and_since(api, filled):
     }
     bad = api.get(f"/api/run/{RUN}/series", params={"since": "yesterday"})
     assert bad.status_code == 400 and "stream id" in bad.json()["message"]
+
+
+def test_generator_restarts_and_redis_outages_come_back_as_series_the_page_marks(api, filled):
+    """The page marks a rise of generators/restarts or queue/outages (with the outage's seconds)
+    on every chart (app.js runEvents, checked in the browser by tests/browser): the API hands
+    back those series, and the restarts counter in the summary."""
+    filled.hincrby(keys.counters(RUN), "generator_restarts", 1)
+    quiet = {"generators/restarts": 0.0, "queue/outages": 0.0, "queue/outage_s": 0.0}
+    RedisSink(filled, RUN).log(10, quiet)
+    RedisSink(filled, RUN).log(11, {"generators/restarts": 1.0, "queue/outages": 1.0, "queue/outage_s": 4.5})
+    names = "generators/restarts,queue/outage*"
+    series = api.get(f"/api/run/{RUN}/series", params={"names": names}).json()["series"]
+    assert set(series) == {"generators/restarts", "queue/outages", "queue/outage_s"}
+    assert series["generators/restarts"]["step"] == [10, 11] and series["generators/restarts"]["value"] == [0.0, 1.0]
+    assert series["queue/outage_s"]["value"] == [0.0, 4.5]
+    assert api.get(f"/api/run/{RUN}/summary").json()["counters"]["generator_restarts"] == 1
 
 
 def test_stream_sends_new_points_live(api, filled):

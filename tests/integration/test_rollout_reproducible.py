@@ -1,6 +1,7 @@
 """Two GeneratorActors on two fresh runs of one config: same prompts, same tokens; pinned cores;
 multi-turn step-wise groups; evaluation (control.eval_every) of the multi-turn environment;
-in-flight weight updates with sync.inflight="keep".
+in-flight weight updates with sync.inflight="keep"; an evaluation of one named weight version
+over the two generators, left at different versions by the update test.
 
     .venv/bin/python -m pytest tests/integration/test_rollout_reproducible.py -x -q
 
@@ -21,6 +22,7 @@ import pytest
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.queue import RunState
 from asyncrl.rollout.envs.multiturn import CountdownChatEnv
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -182,13 +184,18 @@ def test_evaluation_steps_multi_turn_episodes_as_training_does(ray_session, gens
     ev_cfg.control.eval_size = 6
     ev = Evaluator(ev_cfg)
     assert {meta["start"] for _, _, meta in ev.prompts} <= {2, 3, 4, 5}
-    a, b = (ev.run([gen]) for gen in gens)  # both at version 0 (the update below is on gens[0])
+    a, b = (figures(ev.run([gen])) for gen in gens)  # both at version 0 (the update below is on gens[0])
     for out in (a, b):
         assert out["eval/prompts"] == 6 and out["eval/reward_errors"] == 0, out
         assert -0.15 <= out["eval/reward_mean"] <= 1.0, out
         assert 2 <= out["eval/response_length_mean"] <= 3 * cfg.rollout.max_tokens, out
     assert a == b, (a, b)
-    assert ev.run(gens) == pytest.approx(a)
+    assert figures(ev.run(gens)) == pytest.approx(a)
+
+
+def figures(metrics: dict[str, float]) -> dict[str, float]:
+    """An evaluation's figures without its cost (eval/wall_s, eval/generator_s: seconds)."""
+    return {k: v for k, v in metrics.items() if k not in ("eval/wall_s", "eval/generator_s")}
 
 
 def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, queues, tiny_model_dir):
@@ -238,23 +245,87 @@ def test_inflight_keep_lets_requests_finish_across_an_update(ray_session, gens, 
     assert spanned >= 1, seen
 
 
-def test_an_evaluation_is_bounded_and_reports_what_it_lost(ray_session, cfg):
-    """control.eval_timeout_s bounds an evaluation: of three generators one answers, one never
-    does, one dies; the answers are scored, the rest reported as eval/timeouts and eval/failed,
-    and the run (this call) goes on rather than waiting for ever or raising."""
+def test_an_evaluation_measures_one_named_version_across_generators_at_two(ray_session, gens, cfg):
+    """After the update test gens[0] holds a newer version than gens[1] (another run, still at
+    0). An evaluation of gens[0]'s version is gens[0]'s alone: gens[1] waits for that version
+    within the timeout, never gets it and takes no part; every scored rollout was sampled under
+    the named version, and the row says which. One of version 0 is gens[1]'s alone: gens[0],
+    past it, takes no part at once."""
     from asyncrl.control.evaluate import Evaluator
-    from tests.support.eval_generators import Answers, Dies, Hangs
+
+    ray = ray_session
+    newer, older = ray.get([g.version.remote() for g in gens])
+    assert newer > older == 0
+    ev_cfg = cfg.model_copy(deep=True)
+    ev_cfg.control.eval_size = 6
+    ev_cfg.control.eval_timeout_s = 8.0  # how long gens[1] waits for a version it never gets
+    ev = Evaluator(ev_cfg)
+    for version, measuring in ((newer, 0), (older, 1)):
+        pending = ev.start(gens, step=9, version=version)
+        answers = ray.get(list(pending.calls), timeout=120)
+        metrics = pending.collect()
+        assert metrics["eval/version"] == version and metrics["eval/step"] == 9, metrics
+        assert metrics["eval/measured"] == 3 and metrics["eval/off_version"] == 3, metrics
+        assert metrics["eval/failed"] == 0 and metrics["eval/timeouts"] == 0, metrics
+        assert metrics["eval/generator_s"] > 0 and metrics["eval/wall_s"] > 0, metrics
+        measured, left_out = answers[measuring], answers[1 - measuring]
+        assert measured.version == version and measured.versions == [version] * 3, measured
+        assert len(measured.rewards) == 3 and measured.off_version == 0, measured
+        assert left_out.rewards == [] and left_out.off_version == 3, left_out
+
+
+def test_an_evaluation_is_bounded_and_reports_what_it_lost(ray_session, cfg):
+    """control.eval_timeout_s bounds an evaluation: of four generators one answers, one never
+    does, one dies, one answers for prompts it was never given (an answer is untrusted: it is
+    ignored with a reason); the answers are scored, the rest reported as eval/timeouts and
+    eval/failed, and the run (this call) goes on rather than waiting for ever or raising."""
+    from asyncrl.control.evaluate import Evaluator
+    from tests.support.eval_generators import Answers, Dies, Hangs, Lies
 
     ray = ray_session
     ev_cfg = cfg.model_copy(deep=True)
     ev_cfg.control.eval_size = 6
     ev_cfg.control.eval_timeout_s = 5.0
-    actors = [ray.remote(c).options(num_cpus=0, max_restarts=0).remote() for c in (Answers, Hangs, Dies)]
+    actors = [ray.remote(c).options(num_cpus=0, max_restarts=0).remote() for c in (Answers, Hangs, Dies, Lies)]
     try:
-        assert ray.get([a.ready.remote() for a in actors], timeout=120) == [True] * 3  # started, before the clock
+        assert ray.get([a.ready.remote() for a in actors], timeout=120) == [True] * 4  # started, before the clock
         out = Evaluator(ev_cfg).run(actors, step=5)
     finally:
         for actor in actors:
             ray.kill(actor)
     assert out["eval/prompts"] == 6 and out["eval/reward_mean"] == 1.0, out
     assert out["eval/timeouts"] == 2 and out["eval/failed"] == 2 and out["eval/reward_errors"] == 0, out
+
+
+def test_the_loops_evaluations_do_not_hold_a_step_and_the_last_step_waits(ray_session, cfg, tmp_path):
+    """EvalSchedule (control.eval_every=2): the evaluation due at step 2 is handed out and the
+    step goes on; at step 4 it still runs, so that one is skipped (counted); its figures land in
+    the row of the step its answer came in, naming the step it was due at and the version; the
+    run's last step waits for the evaluation it starts."""
+    from asyncrl.control.evaluate import EvalSchedule
+    from tests.support.eval_generators import AnswersOnceFileExists
+
+    ray = ray_session
+    ev_cfg = cfg.model_copy(deep=True)
+    ev_cfg.control.eval_size = 4
+    ev_cfg.control.eval_every = 2
+    gate = tmp_path / "answer"
+    actor = ray.remote(AnswersOnceFileExists).options(num_cpus=0, max_restarts=0).remote(str(gate))
+    schedule = EvalSchedule(ev_cfg)
+    try:
+        assert ray.get(actor.ready.remote(), timeout=120)
+        assert schedule.on_step(1, 1, [actor], last=False) == {}
+        assert schedule.on_step(2, 2, [actor], last=False) == {}  # handed out; the step goes on
+        assert schedule.on_step(4, 4, [actor], last=False) == {} and schedule.skipped == 1
+        gate.touch()
+        pending = schedule.pending
+        assert pending is not None
+        wait_for(pending.ready, timeout=60, what="the generator's answer")
+        row = schedule.on_step(5, 5, [actor], last=False)
+        assert row["eval/step"] == 2 and row["eval/version"] == 2 and row["eval/skipped"] == 1, row
+        assert row["eval/measured"] == 4 and row["eval/reward_mean"] == 1.0, row
+        last = schedule.on_step(6, 6, [actor], last=True)  # due and last: waited for
+        assert last["eval/step"] == 6 and last["eval/version"] == 6 and schedule.pending is None, last
+    finally:
+        schedule.close()
+        ray.kill(actor)

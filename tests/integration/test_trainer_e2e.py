@@ -141,10 +141,19 @@ def test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator(r
     gated = [r for r in rows if "parity/gate_max_abs_diff" in r]
     assert [r["step"] for r in gated] == [1] and gated[0]["parity/gate_passed"] == 1, gated
     assert gated[0]["parity/gate_max_abs_diff"] < 1e-3 and gated[0]["parity/gate_tokens"] > 0
-    # Evaluation every 20 steps on 8 held-out prompts (greedy), and only then.
+    # Evaluation every 20 steps on 8 held-out prompts (greedy), and only then, each of the version
+    # published at the step it was due; it holds no step, so its row is the step its answers came
+    # in (before the next was due: none skipped). The run is stopped once it has learned, so its
+    # last evaluation's answers may land after its last step: they are not waited for.
     evals = [r for r in rows if "eval/reward_mean" in r]
-    assert [r["step"] for r in evals] == list(range(20, state.step + 1, 20)), [r["step"] for r in evals]
+    due = list(range(20, state.step + 1, 20))
+    assert [r["eval/step"] for r in evals] in (due, due[:-1]), evals
+    assert all(r["eval/step"] <= r["step"] < r["eval/step"] + 20 for r in evals), evals
+    assert all(r["eval/skipped"] == 0 for r in evals), evals
+    versions = [r["eval/version"] for r in evals]
+    assert versions == sorted(set(versions)) and versions[0] > 0, versions  # a newer version each time
     assert all(r["eval/prompts"] == 8 and -2.0 <= r["eval/reward_mean"] <= 1.0 for r in evals), evals
+    assert all(0 < r["eval/measured"] <= 8 and r["eval/wall_s"] > 0 for r in evals), evals
     assert_tensorboard_matches(tmp_path / "e2e" / "tensorboard", rows)
     assert_finished_dashboard(tmp_path / "e2e", state, rows)
     out = subprocess.run(

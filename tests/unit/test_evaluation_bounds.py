@@ -1,6 +1,8 @@
 """Evaluation is bounded (control.eval_timeout_s): a held-out rollout that never ends is
 abandoned and counted, an engine that cannot sample reports its prompts at once, and the
-rest are scored as before. The trainer's side (generators that hang or die) is
+rest are scored as before. An evaluation of a named weight version scores only rollouts
+sampled under it alone, and the trainer checks every answer before it counts it. The
+trainer's side (generators that hang or die) is
 tests/integration/test_rollout_reproducible.py::test_an_evaluation_is_bounded_and_reports_what_it_lost.
 
 .venv/bin/python -m pytest tests/unit/test_evaluation_bounds.py -q
@@ -9,12 +11,15 @@ tests/integration/test_rollout_reproducible.py::test_an_evaluation_is_bounded_an
 from __future__ import annotations
 
 import asyncio
+import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.rollout.evaluation import HeldOut, evaluate_items
+from asyncrl.control.evaluate import check_outcome
+from asyncrl.rollout.evaluation import EvalOutcome, HeldOut, evaluate_items, version_of
 from asyncrl.rollout.prompts import PromptItem
 
 
@@ -63,3 +68,133 @@ def test_an_engine_that_cannot_sample_reports_its_prompts_at_once():
     held_out = HeldOut(Config(), None, None, engine, "gen-0", encode)  # type: ignore[arg-type]
     out = asyncio.run(held_out.run([("eval-0", "ab=", {}), ("eval-1", "ba=", {})], 0.0, timeout_s=600.0))
     assert out.not_run == 2 and out.rewards == [] and out.timeouts == 0
+
+
+# ------------------------------------------------------------------ one named weight version
+
+
+def group_under(*versions: int, behavior: int | None = None):
+    """A one-sample group whose tokens were sampled under ``versions`` (submitted at ``behavior``)."""
+    sample = SimpleNamespace(
+        reward=1.0,
+        error=None,
+        loss_mask=np.ones(len(versions), np.int8),
+        behavior_version=min(versions) if behavior is None else behavior,
+        token_versions=np.asarray(versions, np.int32),
+    )
+    return SimpleNamespace(samples=[sample], behavior_version=sample.behavior_version)
+
+
+class VersionedMaker(Maker):
+    """Each prompt's rollout comes out under the versions its id names ("v3", "v3-4"); with an
+    engine, under the engine's version once ``seconds`` have passed (a rollout that takes time)."""
+
+    def __init__(self, engine=None, seconds: float = 0.0) -> None:
+        super().__init__()
+        self.engine, self.seconds = engine, seconds
+
+    async def make(self, item: PromptItem, n: int, temperature: float):
+        if self.engine is not None:
+            start = self.engine.version
+            await asyncio.sleep(self.seconds)
+            return group_under(start, self.engine.version)
+        return group_under(*(int(v) for v in item.prompt_id[1:].split("-")))
+
+
+def test_a_rollout_not_sampled_under_the_named_version_alone_is_left_out():
+    """The weights changed while it ran (tokens of two versions), or it ran wholly on another:
+    counted in off_version, never scored; without a named version all are scored."""
+    out = asyncio.run(evaluate_items(VersionedMaker(), items("v3", "v3-4", "v4", "v3"), 0.0, version=3))  # type: ignore[arg-type]
+    assert out.version == 3 and out.versions == [3, 3] and out.rewards == [1.0, 1.0] and out.off_version == 2
+    anything = asyncio.run(evaluate_items(VersionedMaker(), items("v3", "v3-4"), 0.0))  # type: ignore[arg-type]
+    assert anything.off_version == 0 and len(anything.rewards) == 2
+
+
+def test_a_request_submitted_under_an_older_version_is_not_of_the_newer():
+    """sync.inflight=keep: tokens all of v4, but the request was submitted (and its prompt
+    prefilled) under v3."""
+    assert version_of(group_under(4, 4, behavior=3)) is None  # type: ignore[arg-type]
+    assert version_of(group_under(4, 4)) == 4  # type: ignore[arg-type]
+
+
+class Engine:
+    """The engine's surface HeldOut reads: its version (raised by ``load_after``) and ``closed``."""
+
+    def __init__(self, version: int):
+        self.version, self.closed = version, None
+        self.lock = asyncio.Lock()
+
+    def updates_held(self) -> asyncio.Lock:
+        return self.lock
+
+    async def load_after(self, seconds: float, version: int) -> None:
+        await asyncio.sleep(seconds)
+        async with self.lock:  # as RolloutEngine.load_weights
+            self.version = version
+
+
+def held_out(engine: Engine, seconds: float = 0.0) -> HeldOut:
+    h = HeldOut(Config(), None, None, engine, "gen-0", lambda text, meta: [1, 2])  # type: ignore[arg-type]
+    h.maker = VersionedMaker(engine, seconds)  # type: ignore[assignment]
+    return h
+
+
+PROMPTS = [("v5", "ab=", {}), ("v5", "ba=", {})]
+
+
+def test_a_generator_behind_the_version_waits_for_it_then_evaluates():
+    engine = Engine(4)
+
+    async def main():
+        loading = asyncio.ensure_future(engine.load_after(0.3, 5))
+        out = await held_out(engine).run(PROMPTS, 0.0, timeout_s=600.0, version=5)
+        await loading
+        return out
+
+    out = asyncio.run(main())
+    assert out.versions == [5, 5] and out.off_version == 0 and out.seconds > 0
+
+
+def test_a_generator_past_the_version_or_never_reaching_it_takes_no_part():
+    """Past it: no wait (an engine never goes back). Behind it until the timeout: left out."""
+    past = asyncio.run(held_out(Engine(6)).run(PROMPTS, 0.0, timeout_s=600.0, version=5))
+    assert past.off_version == 2 and past.rewards == [] and past.seconds < 600
+    behind = asyncio.run(held_out(Engine(4)).run(PROMPTS, 0.0, timeout_s=0.3, version=5))
+    assert behind.off_version == 2 and behind.rewards == [] and behind.version == 5
+
+
+def test_an_answer_is_checked_before_it_is_counted():
+    """A generator's answer crosses a process boundary: each way it can be wrong is refused with
+    a reason, and a well-formed one passes."""
+    good = EvalOutcome(rewards=[1.0, math.nan], response_tokens=[2, 3], version=5, versions=[5, 5], seconds=0.5)
+    assert check_outcome(good, 3, 5) is None
+    bad = {
+        "not an outcome": ({"rewards": [1.0]}, "not an evaluation outcome"),
+        "another version": (replace(good, version=4), "measured v4"),
+        "a reward of another version": (replace(good, versions=[5, 4]), "other than v5"),
+        "a reward that is not a float": (replace(good, rewards=["1", 1.0]), "finite floats"),
+        "an infinite reward": (replace(good, rewards=[math.inf, 1.0]), "finite floats"),
+        "lengths that do not pair": (replace(good, response_tokens=[2]), "do not pair"),
+        "a negative length": (replace(good, response_tokens=[2, -1]), "not a count"),
+        "a negative count": (replace(good, off_version=-1), "not counts"),
+        "more prompts than given": (replace(good, off_version=2), "more prompts than the 3"),
+        "a NaN duration": (replace(good, seconds=math.nan), "not a duration"),
+    }
+    for what, (answer, reason) in bad.items():
+        problem = check_outcome(answer, 3, 5)
+        assert problem is not None and reason in problem, (what, problem)
+
+
+def test_an_update_that_arrives_during_the_evaluation_waits_for_it():
+    """The next version is published while the rollouts run: its load waits for them, so they
+    are all of the named version, and it lands after."""
+    engine = Engine(5)
+
+    async def main():
+        loading = asyncio.ensure_future(engine.load_after(0.05, 6))
+        out = await held_out(engine, seconds=0.3).run(PROMPTS, 0.0, timeout_s=600.0, version=5)
+        await loading
+        return out
+
+    out = asyncio.run(main())
+    assert out.versions == [5, 5] and out.off_version == 0 and engine.version == 6

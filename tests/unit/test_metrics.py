@@ -138,6 +138,9 @@ def test_catalogue_covers_the_data_contract():
     contract += [f"parity/gate_{k}" for k in ("max_abs_diff", "mean_abs_diff", "tolerance", "tokens", "passed")]
     contract += ["eval/timeouts", "eval/failed"]
     contract += ["teacher/kl_mean", "teacher/kl_seq_mean", "teacher/adv_abs_mean", "teacher/missing_samples"]
+    contract += ["eval/step", "eval/version", "eval/measured", "eval/off_version", "eval/wall_s", "eval/generator_s"]
+    contract += ["eval/skipped"]
+    contract += ["queue/outages", "queue/outage_s", "generators/restarts"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"
     assert M.spec("staleness/max").reduce == "max"

@@ -90,13 +90,28 @@ const CHARTS = [
     nodata: "no evaluation logged (control.eval_every = 0, or none due yet)",
     metrics: [["eval/reward_mean", "eval reward mean"], ["eval/reward_std", "eval reward std"],
               ["eval/response_length_mean", "eval length", "y2"]],
-    help: "Reward on the held-out prompts (control.eval_prompts), every control.eval_every steps." },
+    // Each point names the weight version it measured, the step it was due at and its cost.
+    hoverText: step => {
+      const at = name => valueAt(name, step);
+      return `v${fmt(at("eval/version"))}, due at step ${fmt(at("eval/step"))}: ` +
+        `${fmt(at("eval/measured"))} prompts measured, ${fmt(at("eval/off_version"))} off version, ` +
+        `${fmt(at("eval/wall_s"))} s (${fmt(at("eval/generator_s"))} generator s)`;
+    },
+    help: "Reward on the held-out prompts (control.eval_prompts), every control.eval_every steps, of the " +
+          "weight version published at the step it was due (hover: which); a point lands at the step its " +
+          "answers came in, since an evaluation does not hold training up." },
 ];
 
 // Events the metrics record, marked on every chart as a dotted vertical line: a start or resume
 // (the parity gate runs once per start; a finished run dir also tells where it resumed), and steps
-// where records were dead-lettered or a generator failed to load weights. Generator restarts and
-// Redis outages are not in the metrics, so they are not marked.
+// where records were dead-lettered, a generator failed to load weights, Ray restarted a generator,
+// or the trainer lived through a Redis outage (with its seconds). Counters rise at their event; a
+// trainer's own counts (outages) start again at 0 after a resume, which is no rise.
+const EVENT_COUNTERS = [
+  ["queue/dead_lettered", "dead-lettered"], ["sync/load_failures", "weight load failed"],
+  ["generators/restarts", "generator restarted"], ["queue/outages", "Redis outage"],
+];
+
 function runEvents() {
   const events = [];
   const gate = view.series["parity/gate_max_abs_diff"];
@@ -106,12 +121,18 @@ function runEvents() {
     // The gate's own row is the first step after it: one marker for one resume.
     if (!events.some(e => e.label === "resume" && Math.abs(e.step - step) <= 1)) events.push({ step, label: "resume" });
   }
-  for (const [name, what] of [["queue/dead_lettered", "dead-lettered"], ["sync/load_failures", "weight load failed"]]) {
+  for (const [name, what] of EVENT_COUNTERS) {
     const s = view.series[name];
     if (!s) continue;
     for (let i = 1; i < s.value.length; i++) {
       const rise = s.value[i] - s.value[i - 1];
-      if (rise > 0) events.push({ step: s.step[i], label: `${what} +${fmt(rise)}` });
+      if (!(rise > 0)) continue;
+      let label = `${what} +${fmt(rise)}`;
+      if (name === "queue/outages") {
+        const secs = valueAt("queue/outage_s", s.step[i]) - valueAt("queue/outage_s", s.step[i - 1]);
+        if (secs > 0) label += ` (${fmt(secs)} s)`;
+      }
+      events.push({ step: s.step[i], label });
     }
   }
   return events.sort((a, b) => a.step - b.step);
@@ -205,6 +226,14 @@ function tracesOf(name, label, color, axis) {
     }));
 }
 
+// A metric's value in the row of `step` (the trainer's), or undefined.
+function valueAt(name, step) {
+  const s = view.series[name];
+  if (!s) return undefined;
+  const i = s.step.lastIndexOf(step);
+  return i < 0 ? undefined : s.value[i];
+}
+
 function generatorVersionTraces() {
   const gens = (view.snapshot && view.snapshot.generators) || [];
   const step = view.snapshot && view.snapshot.summary.step;
@@ -246,6 +275,8 @@ function drawChart(c) {
       ? { ...t, mode: "markers", marker: { color, size: 11, symbol: "star" } } : t));
   });
   if (c.markers) traces = traces.map(t => ({ ...t, mode: "lines+markers", marker: { color: t.line.color, size: 6 } }));
+  if (c.hoverText) traces = traces.map(t => ({ ...t, text: t.x.map(c.hoverText),
+                                               hovertemplate: "%{y}<br>%{text}<extra>%{fullData.name}</extra>" }));
   if (c.stacked) traces = traces.map(t => ({ ...t, type: "bar", mode: undefined, line: undefined,
                                              marker: { color: t.line.color } }));
   const hasData = traces.length > 0;
