@@ -30,16 +30,20 @@ class CodeEnvConfig(Section):
     timeout_s: float = Field(2.0, gt=0, le=600)
     """Wall-clock seconds per test run; CPU seconds are limited to the same, rounded up. Past
     it the run's processes are killed and the response scores violation_reward."""
-    memory_mb: int = Field(256, ge=32)
+    memory_mb: int = Field(256, ge=32, le=1 << 20)
     """Address space per process of the program (RLIMIT_AS)."""
-    max_output_bytes: int = Field(1 << 20, ge=1)
+    max_output_bytes: int = Field(1 << 20, ge=1, le=1 << 30)
     """stdout (and stderr) read per run; more is a violation and kills the run."""
-    max_file_bytes: int = Field(1 << 20, ge=0)
+    max_file_bytes: int = Field(1 << 20, ge=0, le=1 << 40)
     """Largest file the program may write (RLIMIT_FSIZE)."""
-    max_processes: int = Field(8, ge=1)
+    max_processes: int = Field(8, ge=1, le=1 << 16)
     """Processes and threads the program may run at once (RLIMIT_NPROC on a uid of its own)."""
-    max_open_files: int = Field(64, ge=8)
-    max_concurrent: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
+    max_open_files: int = Field(64, ge=8, le=1 << 20)
+    """RLIMIT_NOFILE (at most the kernel's default fs.nr_open: a higher one fails every run)."""
+    max_disk_bytes: int = Field(16 << 20, ge=1 << 20, le=1 << 34)
+    """With a mount namespace (root): the size of each private tmpfs it writes to (its directory,
+    /tmp, /var/tmp, /dev/shm, /run/lock), host memory while it runs, gone afterwards."""
+    max_concurrent: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
     """Programs running at once per generator process (reward threads beyond wait for a slot)."""
     max_tests: int = Field(32, ge=1)
     """Tests run per response (the first ones); the reward still divides by all of them."""

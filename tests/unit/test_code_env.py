@@ -108,6 +108,10 @@ def test_env_kwargs_and_the_problem_file_are_checked_at_config_load(tmp_path):
     assert cfg.rollout.env == "code" and cfg.rollout.env_kwargs["all_or_nothing"] is True
     with pytest.raises(ConfigError, match=r"rollout.env_kwargs.timeout_secs: .*\(rollout.env=code\)"):
         _code_config(tmp_path, prompts=PROBLEMS, env_kwargs="{timeout_secs: 1}")
+    # values no run could start with (every sample would fail): refused at config load
+    for key, value in (("max_open_files", 2_000_000), ("memory_mb", 10**14), ("max_concurrent", 1000)):
+        with pytest.raises(ConfigError, match=rf"rollout.env_kwargs.{key}: .*less than or equal"):
+            _code_config(tmp_path, prompts=PROBLEMS, env_kwargs=f"{{{key}: {value}}}")
     with pytest.raises(ConfigError, match=r"rollout.env_kwargs.memory_mb: .*greater than or equal to 32"):
         _code_config(tmp_path, prompts=PROBLEMS, env_kwargs="{memory_mb: 1}")
     bad = tmp_path / "bad.jsonl"

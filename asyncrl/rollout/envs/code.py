@@ -107,6 +107,7 @@ class CodeEnv(Environment):
                 max_file_bytes=c.max_file_bytes,
                 max_processes=c.max_processes,
                 max_open_files=c.max_open_files,
+                max_disk_bytes=c.max_disk_bytes,
                 max_concurrent=c.max_concurrent,
             )
         )

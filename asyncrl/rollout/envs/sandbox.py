@@ -71,6 +71,9 @@ __all__ = ["SLOT_UID_BASE", "Isolation", "RunResult", "Sandbox", "SandboxLimits"
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 256
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""The usual world-writable directories, each a private tmpfs in its mount namespace."""
+SCRATCH_INODES = 4096
 LAUNCH_FAILED = 125
 """The launcher's child exits with this when the program could not be started (said on stderr)."""
 _SIGNAL_VIOLATIONS = {
@@ -79,6 +82,8 @@ _SIGNAL_VIOLATIONS = {
     int(signal.SIGKILL): "killed",
 }
 """SIGKILL: the hard RLIMIT_CPU, or the kernel's out-of-memory killer."""
+_ERROR_VIOLATIONS = {"MemoryError": "memory_limit", "[Errno 27]": "file_size_limit", "[Errno 28]": "disk_limit"}
+"""What Python makes of a limit it met (EFBIG, ENOSPC), in a failed program's stderr."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,9 @@ class SandboxLimits:
     max_processes: int = 8
     """Processes and threads at once (RLIMIT_NPROC on its own uid; as root only with a uid of its own)."""
     max_open_files: int = 64
+    max_disk_bytes: int = 16 << 20
+    """With a mount namespace (root): its directory, /tmp, /var/tmp, /dev/shm and /run/lock are
+    private tmpfs mounts of this size each, gone with the run (full: violation disk_limit)."""
     max_concurrent: int = 4
     """Programs running at once in this process."""
 
@@ -106,7 +114,7 @@ class RunResult:
     """The program's exit code; None when a signal ended it."""
     signal: int | None
     violation: str | None
-    """timeout, cpu_limit, memory_limit, output_limit, file_size_limit, escaped (it killed the
+    """timeout, cpu_limit, memory_limit, output_limit, file_size_limit, disk_limit, escaped (it killed the
     launcher), or None when it stayed within its limits (it may still have failed)."""
     wall_ms: float
     notes: list[str] = field(default_factory=list)
@@ -120,7 +128,9 @@ class Sandbox:
         self.isolation = isolation
         """None: what the host allows (``isolation()``); tests pass less to check the fallbacks."""
         self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
-        self._lock_dir = Path(tempfile.gettempdir()) / f"asyncrl-sandbox-slots-{os.geteuid()}"
+        # One place per host whatever TMPDIR says: the slots' uids are the host's, so two
+        # processes with different TMPDIRs must still see each other's locks.
+        self._lock_dir = Path("/tmp") / f"asyncrl-sandbox-slots-{os.geteuid()}"
 
     def run(self, program: str, stdin: str = "") -> RunResult:
         iso = self.isolation or isolation()
@@ -167,7 +177,7 @@ class Sandbox:
         uid = SLOT_UID_BASE + slot if iso.own_uid else None
         exe, prefix = interpreter()
         spec: dict = {"rlimits": self._rlimits(), "unshare": spec_flags(iso), "userns": iso.userns}
-        spec.update(uid=uid, gid=uid, nproc=lim.max_processes)
+        spec.update(uid=uid, gid=uid, nproc=lim.max_processes, parent=os.getpid())
         if uid is not None:
             spec["rlimits"]["RLIMIT_NPROC"] = [lim.max_processes] * 2
         elif iso.pids_cgroup:
@@ -175,8 +185,10 @@ class Sandbox:
         if iso.mountns:
             hidden = hidden_ancestor(prefix)
             spec.update(hide=[hidden] if hidden else [], keep=[prefix])
+            spec["scratch"] = {"bytes": lim.max_disk_bytes, "inodes": SCRATCH_INODES, "dirs": list(SCRATCH_DIRS)}
         try:
-            Path(workdir, "main.py").write_text(program)
+            # UTF-8 whatever the locale; a lone surrogate is the program's SyntaxError, not ours
+            Path(workdir, "main.py").write_bytes(program.encode("utf-8", "surrogatepass"))
             if uid is not None:
                 os.chown(workdir, uid, uid)
                 os.chown(Path(workdir, "main.py"), uid, uid)
@@ -189,7 +201,7 @@ class Sandbox:
         status_r, status_w = os.pipe()
         spec["status_fd"] = status_w
         with tempfile.TemporaryFile() as stdin_file:  # a file: no pipe to fill while it does not read
-            stdin_file.write(stdin.encode())
+            stdin_file.write(stdin.encode("utf-8", "surrogatepass"))
             stdin_file.seek(0)
             t0 = time.monotonic()
             try:
@@ -233,7 +245,7 @@ class Sandbox:
             violation = _SIGNAL_VIOLATIONS.get(sig)
         if violation is None and exit_code not in (0, None):
             tail = stderr[-2000:]  # Python turns the limits it meets into exceptions
-            violation = "memory_limit" if "MemoryError" in tail else "file_size_limit" if "[Errno 27]" in tail else None
+            violation = next((v for k, v in _ERROR_VIOLATIONS.items() if k in tail), None)
         return RunResult(out[1].decode(errors="replace"), stderr, exit_code, sig, violation, wall_ms)
 
     def _collect(self, proc: subprocess.Popen, status_r: int, t0: float) -> tuple[dict[int, bytes], str | None, str]:
