@@ -38,7 +38,7 @@ from asyncrl.rollout.envs.sandbox import Sandbox, SandboxLimits
 
 __all__ = ["CodeEnv", "CodeResult", "extract_program", "load_problems", "parse_tests", "same_output"]
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"```[ \t]*(?:(?:python3?|py)[ \t]*)?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def extract_program(response: str) -> str:

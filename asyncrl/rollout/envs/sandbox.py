@@ -22,9 +22,10 @@ Every run gets:
   world-readable, nor signal the caller) with the interpreter's directory made reachable, and
   its pid namespace's own /proc and private tmpfs mounts over its directory, /tmp, /var/tmp,
   /dev/shm and /run/lock (``max_disk_bytes`` each), in a mount namespace; its own IPC
-  namespace with the network's. Always: no new privileges, and it dies with the caller. Not root: a user namespace gives the
-  network and pid namespaces. Root without these: no capabilities, and a pids cgroup per slot
-  when one can be made (RLIMIT_NPROC never binds uid 0).
+  namespace with the network's. Always: no new privileges, and it dies with the caller.
+  Not root: a user namespace gives the network and pid namespaces. Root without these: no
+  capabilities, and a pids cgroup per slot when one can be made (RLIMIT_NPROC never binds
+  uid 0).
 
 Not enforced (docs/guide/code.md): world-readable files outside its directory stay readable;
 without a mount namespace, disk use is bounded per file (RLIMIT_FSIZE) and by time; memory is per process
