@@ -271,9 +271,10 @@ def test_a_crashed_reward_worker_leaves_no_program_running():
     """The worker (here a subprocess) is SIGKILLed mid-run: its sleeping program dies with it."""
     if not (isolation().pidns and isolation().own_uid):
         pytest.skip(f"checked by its own uid in a pid namespace: {isolation().describe()}")
+    mark = f"crashed-worker-{os.getpid()}"
     code = (
         "from asyncrl.rollout.envs.sandbox import Sandbox, SandboxLimits\n"
-        "Sandbox(SandboxLimits(timeout_s=300)).run('import time\\nprint(1, flush=True)\\ntime.sleep(300)')"
+        f"Sandbox(SandboxLimits(timeout_s=300)).run('import time  # {mark}\\ntime.sleep(300)')"
     )
     worker = subprocess.Popen([sys.executable, "-c", code])
     try:
@@ -294,6 +295,10 @@ def test_a_crashed_reward_worker_leaves_no_program_running():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert left == []
+    for main in Path("/tmp").glob("asyncrl-sandbox-*/main.py"):  # its directory stays (documented)
+        with contextlib.suppress(OSError):
+            if mark in main.read_text():
+                shutil.rmtree(main.parent)
 
 
 def test_two_processes_with_different_tmpdirs_never_share_a_slot(sandbox, monkeypatch, tmp_path):

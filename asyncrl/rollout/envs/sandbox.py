@@ -57,6 +57,8 @@ from pathlib import Path
 
 from asyncrl.rollout.envs.sandbox_host import (
     LAUNCHER,
+    SCRATCH_DIRS,
+    SCRATCH_INODES,
     SLOT_UID_BASE,
     Isolation,
     hidden_ancestor,
@@ -74,9 +76,6 @@ __all__ = ["SLOT_UID_BASE", "Isolation", "RunResult", "Sandbox", "SandboxLimits"
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 256
-SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-"""The usual world-writable directories, each a private tmpfs in its mount namespace."""
-SCRATCH_INODES = 4096
 LAUNCH_FAILED = 125
 """The launcher's child exits with this when the program could not be started (said on stderr)."""
 _SIGNAL_VIOLATIONS = {

@@ -32,6 +32,9 @@ CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x40000000, 
 NET_FLAGS = CLONE_NEWNET | CLONE_NEWIPC
 """With the network its own System V IPC and POSIX message queues: the host's would keep a
 shared memory segment it made (host memory) after it ended."""
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""The usual world-writable directories, each a private tmpfs in its mount namespace."""
+SCRATCH_INODES = 4096
 SLOT_UID_BASE = 1_900_000_000
 """Root runs slot i as uid/gid SLOT_UID_BASE + i: ids no account uses, one per concurrent run."""
 
@@ -127,7 +130,9 @@ def _probe() -> Isolation:
             _exe, prefix = interpreter()
             hidden = hidden_ancestor(prefix)
             own = {"uid": SLOT_UID_BASE, "gid": SLOT_UID_BASE, "hide": [hidden] if hidden else [], "keep": [prefix]}
-            full = _try({**base, **own, "unshare": NET_FLAGS | CLONE_NEWPID | CLONE_NEWNS}, d)
+            Path(d, "main.py").write_text("")  # the private tmpfs mounts copy it in
+            scratch = {"bytes": 1 << 20, "inodes": 64, "dirs": list(SCRATCH_DIRS)}
+            full = _try({**base, **own, "scratch": scratch, "unshare": NET_FLAGS | CLONE_NEWPID | CLONE_NEWNS}, d)
             if full is None:
                 return Isolation(True, True, True, False, mountns=True)
             reasons.append(f"namespaces as root: {full}")
