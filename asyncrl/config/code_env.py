@@ -27,9 +27,10 @@ CODE_ENV = "code"
 class CodeEnvConfig(Section):
     """rollout.env_kwargs of the code environment (asyncrl.rollout.envs.code)."""
 
-    timeout_s: float = Field(2.0, gt=0, le=600)
-    """Wall-clock seconds per test run; CPU seconds are limited to the same, rounded up. Past
-    it the run's processes are killed and the response scores violation_reward."""
+    timeout_s: float = Field(2.0, ge=0.5, le=600)
+    """Wall-clock seconds per test run, starting Python included (about 0.1 s: less than 0.5
+    would time every program out); CPU seconds are limited to the same, rounded up. Past it the
+    run's processes are killed and the response scores violation_reward."""
     memory_mb: int = Field(256, ge=32, le=1 << 20)
     """Address space per process of the program (RLIMIT_AS)."""
     max_output_bytes: int = Field(1 << 20, ge=1, le=1 << 30)
@@ -49,7 +50,7 @@ class CodeEnvConfig(Section):
     """Tests run per response (the first ones); the reward still divides by all of them."""
     all_or_nothing: bool = False
     """1 only when every test passes; false: the fraction of tests passed."""
-    violation_reward: float = 0.0
+    violation_reward: float = Field(0.0, allow_inf_nan=False)
     """The reward of a response whose program broke a sandbox limit (timeout, memory, output...)."""
 
 
