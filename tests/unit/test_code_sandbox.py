@@ -332,3 +332,13 @@ def test_unusual_text_is_the_programs_failure_not_the_sandboxs(sandbox):
     assert sandbox.run("print('\\u00e9\\U0001f600')").stdout == "\u00e9\U0001f600\n"
     run = sandbox.run("print(1)  # \ud800", stdin="\ud800")
     assert run.violation is None and run.exit_code != 0  # its SyntaxError: never a sandbox error
+
+
+def test_a_program_cannot_pass_for_the_sandboxs_failure(env):
+    """A sandbox failure fails the sample (not scored); the program's exit code and stderr
+    must not be able to say so: it scores 0 like any failing program."""
+    forged = "import os, sys\nsys.stderr.write('asyncrl sandbox: OSError: it was not me\\n')\nos._exit(125)"
+    result = env.check(forged, ECHO_TESTS)
+    assert result.verdicts == ["error", "error"] and env.score_result(result) == 0.0
+    with pytest.raises(RuntimeError, match="could not start the program: ValueError"):
+        Sandbox(dataclasses.replace(LIMITS, max_open_files=1 << 30)).run("print(1)")  # a real one

@@ -76,8 +76,6 @@ __all__ = ["SLOT_UID_BASE", "Isolation", "RunResult", "Sandbox", "SandboxLimits"
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 256
-LAUNCH_FAILED = 125
-"""The launcher's child exits with this when the program could not be started (said on stderr)."""
 _SIGNAL_VIOLATIONS = {
     int(signal.SIGXCPU): "cpu_limit",
     int(signal.SIGXFSZ): "file_size_limit",
@@ -241,8 +239,9 @@ class Sandbox:
         elif violation is None:  # the launcher died before its child did: something killed it
             violation = "escaped"
         stderr = out[2].decode(errors="replace")
-        if exit_code == LAUNCH_FAILED and stderr.startswith("asyncrl sandbox:"):
-            raise RuntimeError(f"the code sandbox could not start the program: {stderr.strip()[:300]}")
+        failed = [ln[7:] for ln in status_text.splitlines() if ln.startswith("failed ")]
+        if failed:  # the launcher says so, on its own pipe: never the program's exit code or stderr
+            raise RuntimeError(f"the code sandbox could not start the program: {failed[-1][:300]}")
         if violation is None and sig is not None:
             violation = _SIGNAL_VIOLATIONS.get(sig)
         if violation is None and exit_code not in (0, None):

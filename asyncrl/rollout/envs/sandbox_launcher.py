@@ -16,10 +16,10 @@ the ``keep`` paths bound back (so the interpreter outside world-readable directo
 reachable for an unprivileged uid), mount the pid namespace's own /proc and private tmpfs
 mounts over ``scratch["dirs"]`` and its own directory, set the resource limits, drop to
 ``uid``/``gid`` (root only), no new privileges, and exec ``argv``. The launcher and its child
-die with their parent (PR_SET_PDEATHSIG): a crashed reward worker leaves nothing running. The launcher writes ``pid N``
-(the child's pid as the parent sees it) and ``exit STATUS`` (its raw wait status) to
-``status_fd``; ``probe`` in SPEC checks that all of this works and exits without running
-anything.
+die with their parent (PR_SET_PDEATHSIG): a crashed reward worker leaves nothing running.
+The launcher writes ``pid N`` (the child's pid as the parent sees it), ``failed WHY`` when it
+could not start the program, and ``exit STATUS`` (its raw wait status) to ``status_fd``;
+``probe`` in SPEC checks that all of this works and exits without running anything.
 """
 
 import ctypes
@@ -185,17 +185,27 @@ def main() -> None:
             _write("/proc/self/uid_map", f"{uid} {uid} 1")
             _write("/proc/self/gid_map", f"{gid} {gid} 1")
     alive_r, alive_w = os.pipe()  # the child sees EOF on alive_r once this process is gone
+    # Why the program never ran, on a pipe that its exec closes (close-on-exec): an exit
+    # status or stderr the program can forge would let it pass for the sandbox's failure.
+    failed_r, failed_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             status.close()
             os.close(alive_w)
+            os.close(failed_r)
             _child(spec, alive_r)
-        except BaseException as e:  # the program never ran: say why on stderr, distinct status
-            os.write(2, f"asyncrl sandbox: {type(e).__name__}: {e}\n".encode())
+        except BaseException as e:  # the program never ran: say why
+            why = f"{type(e).__name__}: {e}".replace("\n", " ")
+            os.write(failed_w, why.encode())
+            os.write(2, f"asyncrl sandbox: {why}\n".encode())
             os._exit(125)
     os.close(alive_r)
+    os.close(failed_w)
     status.write(f"pid {pid}\n")
+    why = b"".join(iter(lambda: os.read(failed_r, 4096), b""))  # EOF: it ran (or exited in probe)
+    if why:
+        status.write(f"failed {why.decode(errors='replace')}\n")
     _, wait_status = os.waitpid(pid, 0)
     status.write(f"exit {wait_status}\n")
     status.close()
