@@ -203,9 +203,9 @@ def main() -> None:
     os.close(alive_r)
     os.close(failed_w)
     status.write(f"pid {pid}\n")
-    why = b"".join(iter(lambda: os.read(failed_r, 4096), b""))  # EOF: it ran (or exited in probe)
-    if why:
-        status.write(f"failed {why.decode(errors='replace')}\n")
+    failure = b"".join(iter(lambda: os.read(failed_r, 4096), b""))  # EOF: it ran (or exited in probe)
+    if failure:
+        status.write(f"failed {failure.decode(errors='replace')}\n")
     _, wait_status = os.waitpid(pid, 0)
     status.write(f"exit {wait_status}\n")
     status.close()
