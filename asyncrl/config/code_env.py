@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from asyncrl.config.base import ConfigError, Section
 
@@ -51,6 +51,23 @@ class CodeEnvConfig(Section):
     all_or_nothing: bool = False
     """1 only when every test passes; false: the fraction of tests passed."""
     violation_reward: float = Field(0.0, allow_inf_nan=False)
+    hide: list[str] = Field(default_factory=list)
+    """Directories the programs must not see, each covered by an empty tmpfs (mount namespace
+    only, i.e. root): the problems' own files above all, whose expected outputs a program could
+    otherwise look up and print (a world-readable checkout is readable to its uid). Absolute
+    paths: a generator may run in another working directory."""
+
+    @field_validator("hide")
+    @classmethod
+    def _directories(cls, paths: list[str]) -> list[str]:
+        out = []
+        for p in paths:
+            full = os.path.realpath(p)
+            if full == "/" or not os.path.isdir(full):
+                raise ValueError(f"{p!r} is not a directory other than / (a tmpfs covers each)")
+            out.append(full)
+        return out
+
     """The reward of a response whose program broke a sandbox limit (timeout, memory, output...)."""
 
 

@@ -342,3 +342,18 @@ def test_a_program_cannot_pass_for_the_sandboxs_failure(env):
     assert result.verdicts == ["error", "error"] and env.score_result(result) == 0.0
     with pytest.raises(RuntimeError, match="could not start the program: ValueError"):
         Sandbox(dataclasses.replace(LIMITS, max_open_files=1 << 30)).run("print(1)")  # a real one
+
+
+def test_the_problems_file_can_be_hidden_from_its_programs():
+    """A world-readable problems file holds the expected outputs: a program that finds it
+    prints the answer it looks up. ``hide`` covers its directory."""
+    _needs_mountns()
+    problems = Path(__file__).resolve().parents[2] / "examples" / "code" / "problems.jsonl"
+    cheat = f"print(len(open({str(problems)!r}).read()) > 0)"
+    limits = {"timeout_s": 10.0, "memory_mb": 128}
+    if make_env("code", limits).sandbox.run(cheat).stdout != "True\n":
+        pytest.skip("this checkout is not readable to the sandbox's uid anyway")
+    hidden = make_env("code", {**limits, "hide": [str(problems.parent)]})
+    run = hidden.sandbox.run(cheat)
+    assert run.stdout == "" and "FileNotFoundError" in run.stderr, run
+    assert problems.exists()  # for everyone else it is where it was

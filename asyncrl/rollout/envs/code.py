@@ -109,7 +109,8 @@ class CodeEnv(Environment):
                 max_open_files=c.max_open_files,
                 max_disk_bytes=c.max_disk_bytes,
                 max_concurrent=c.max_concurrent,
-            )
+            ),
+            hide=c.hide,
         )
         self.stats = CodeStats()
 

@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,11 +121,20 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
 
 
+def _under(path: str, top: str) -> bool:
+    return os.path.commonpath([os.path.realpath(path), top]) == top
+
+
 class Sandbox:
     """Runs programs under ``limits``, at most ``limits.max_concurrent`` at once (thread-safe)."""
 
-    def __init__(self, limits: SandboxLimits | None = None, isolation: Isolation | None = None):
+    def __init__(
+        self, limits: SandboxLimits | None = None, isolation: Isolation | None = None, hide: Sequence[str] = ()
+    ):
         self.limits = limits or SandboxLimits()
+        self.hide = [os.path.realpath(p) for p in hide]
+        """Directories covered by an empty tmpfs in its mount namespace (where there is one)."""
+        self._warned = False
         self.isolation = isolation
         """None: what the host allows (``isolation()``); tests pass less to check the fallbacks."""
         self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
@@ -176,6 +186,9 @@ class Sandbox:
         workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-", dir=base)
         uid = SLOT_UID_BASE + slot if iso.own_uid else None
         exe, prefix = interpreter()
+        if self.hide and not iso.mountns and not self._warned:
+            self._warned = True
+            log.warning("code sandbox: no mount namespace here, so %s stay visible to programs", self.hide)
         spec: dict = {"rlimits": self._rlimits(), "unshare": spec_flags(iso), "userns": iso.userns}
         spec.update(uid=uid, gid=uid, nproc=lim.max_processes, parent=os.getpid())
         if uid is not None:
@@ -184,7 +197,9 @@ class Sandbox:
             spec["cgroup"] = pids_cgroup(f"{os.geteuid()}-{slot}", lim.max_processes)
         if iso.mountns:
             hidden = hidden_ancestor(prefix)
-            spec.update(hide=[hidden] if hidden else [], keep=[prefix])
+            # not one above its own directory: that must stay writable
+            extra = [p for p in self.hide if not _under(workdir, p) and not (hidden and _under(p, hidden))]
+            spec.update(hide=([hidden] if hidden else []) + extra, keep=[prefix])
             spec["scratch"] = {"bytes": lim.max_disk_bytes, "inodes": SCRATCH_INODES, "dirs": list(SCRATCH_DIRS)}
         try:
             # UTF-8 whatever the locale; a lone surrogate is the program's SyntaxError, not ours
