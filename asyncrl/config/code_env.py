@@ -63,8 +63,8 @@ class CodeEnvConfig(Section):
         out = []
         for p in paths:
             full = os.path.realpath(p)
-            if full == "/" or not os.path.isdir(full):
-                raise ValueError(f"{p!r} is not a directory other than / (a tmpfs covers each)")
+            if not os.path.isabs(p) or full == "/" or not os.path.isdir(full):
+                raise ValueError(f"{p!r} is not an absolute path of a directory other than / (a tmpfs covers each)")
             out.append(full)
         return out
 
