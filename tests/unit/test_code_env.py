@@ -128,7 +128,8 @@ def test_env_kwargs_and_the_problem_file_are_checked_at_config_load(tmp_path):
         with pytest.raises(ConfigError, match=rf"rollout.env_kwargs.{key}: .*less than or equal"):
             _code_config(tmp_path, prompts=PROBLEMS, env_kwargs=f"{{{key}: {value}}}")
     # a NaN reward would reach the loss; a timeout shorter than starting Python fails every program
-    for kwargs in ("{violation_reward: .nan}", "{violation_reward: -.inf}", "{timeout_s: 0.01}", "{hide: [/]}", "{hide: [examples]}"):
+    bad = ("{violation_reward: .nan}", "{violation_reward: -.inf}", "{timeout_s: 0.01}", "{hide: [/]}", "{hide: [a]}")
+    for kwargs in bad:
         with pytest.raises(ConfigError, match=r"rollout.env_kwargs.(violation_reward|timeout_s|hide): "):
             _code_config(tmp_path, prompts=PROBLEMS, env_kwargs=kwargs)
     with pytest.raises(ConfigError, match=r"rollout.env_kwargs.memory_mb: .*greater than or equal to 32"):
