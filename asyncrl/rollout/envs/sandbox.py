@@ -233,6 +233,7 @@ class Sandbox:
             finally:
                 os.close(status_w)
         child_pid: int | None = None
+        status_text = ""
         try:
             out, violation, status_text = self._collect(proc, status_r, t0)
             for line in status_text.splitlines():
@@ -240,7 +241,10 @@ class Sandbox:
                     child_pid = int(line[4:])
         finally:
             os.close(status_r)
-            self._kill(proc, child_pid, spec.get("uid"), spec.get("cgroup"))
+            # Once the launcher reaped it (its "exit" line), that pid is free for another
+            # process of the host: never signal it then (its pid namespace died with it).
+            reaped = any(ln.startswith("exit ") for ln in status_text.splitlines())
+            self._kill(proc, None if reaped else child_pid, spec.get("uid"), spec.get("cgroup"))
         wall_ms = (time.monotonic() - t0) * 1000
         exit_code: int | None = None
         sig: int | None = None
