@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from asyncrl.config.base import ConfigError, Section
 
@@ -27,25 +27,47 @@ CODE_ENV = "code"
 class CodeEnvConfig(Section):
     """rollout.env_kwargs of the code environment (asyncrl.rollout.envs.code)."""
 
-    timeout_s: float = Field(2.0, gt=0, le=600)
-    """Wall-clock seconds per test run; CPU seconds are limited to the same, rounded up. Past
-    it the run's processes are killed and the response scores violation_reward."""
-    memory_mb: int = Field(256, ge=32)
+    timeout_s: float = Field(2.0, ge=0.5, le=600)
+    """Wall-clock seconds per test run, starting Python included (about 0.1 s: less than 0.5
+    would time every program out); CPU seconds are limited to the same, rounded up. Past it the
+    run's processes are killed and the response scores violation_reward."""
+    memory_mb: int = Field(256, ge=32, le=1 << 20)
     """Address space per process of the program (RLIMIT_AS)."""
-    max_output_bytes: int = Field(1 << 20, ge=1)
+    max_output_bytes: int = Field(1 << 20, ge=1, le=1 << 30)
     """stdout (and stderr) read per run; more is a violation and kills the run."""
-    max_file_bytes: int = Field(1 << 20, ge=0)
+    max_file_bytes: int = Field(1 << 20, ge=0, le=1 << 40)
     """Largest file the program may write (RLIMIT_FSIZE)."""
-    max_processes: int = Field(8, ge=1)
+    max_processes: int = Field(8, ge=1, le=1 << 16)
     """Processes and threads the program may run at once (RLIMIT_NPROC on a uid of its own)."""
-    max_open_files: int = Field(64, ge=8)
-    max_concurrent: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
+    max_open_files: int = Field(64, ge=8, le=1 << 20)
+    """RLIMIT_NOFILE (at most the kernel's default fs.nr_open: a higher one fails every run)."""
+    max_disk_bytes: int = Field(16 << 20, ge=1 << 20, le=1 << 34)
+    """With a mount namespace (root): the size of each private tmpfs it writes to (its directory,
+    /tmp, /var/tmp, /dev/shm, /run/lock), host memory while it runs, gone afterwards."""
+    max_concurrent: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
     """Programs running at once per generator process (reward threads beyond wait for a slot)."""
     max_tests: int = Field(32, ge=1)
     """Tests run per response (the first ones); the reward still divides by all of them."""
     all_or_nothing: bool = False
     """1 only when every test passes; false: the fraction of tests passed."""
-    violation_reward: float = 0.0
+    violation_reward: float = Field(0.0, allow_inf_nan=False)
+    hide: list[str] = Field(default_factory=list)
+    """Directories the programs must not see, each covered by an empty tmpfs (mount namespace
+    only, i.e. root): the problems' own files above all, whose expected outputs a program could
+    otherwise look up and print (a world-readable checkout is readable to its uid). Absolute
+    paths: a generator may run in another working directory."""
+
+    @field_validator("hide")
+    @classmethod
+    def _directories(cls, paths: list[str]) -> list[str]:
+        out = []
+        for p in paths:
+            full = os.path.realpath(p)
+            if not os.path.isabs(p) or full == "/" or not os.path.isdir(full):
+                raise ValueError(f"{p!r} is not an absolute path of a directory other than / (a tmpfs covers each)")
+            out.append(full)
+        return out
+
     """The reward of a response whose program broke a sandbox limit (timeout, memory, output...)."""
 
 

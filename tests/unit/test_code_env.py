@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,19 @@ def test_the_program_is_the_last_fenced_block_else_the_whole_text():
     assert extract_program("a\n```python\nprint(1)\n```\nb\n```py\nprint(2)\n```") == "print(2)\n"
     assert extract_program("```\nprint(3)\n```") == "print(3)\n"
     assert extract_program("print(4)") == "print(4)"
+    assert extract_program("``` Python3 \nprint(5)\n```") == "print(5)\n"
+
+
+def test_a_hostile_response_cannot_stall_the_reward_thread():
+    """A fence followed by a long run of spaces backtracked quadratically (minutes for a few
+    hundred kB): a bound on the whole search, run apart so a stall ends with the test."""
+    code = (
+        "from asyncrl.rollout.envs.code import extract_program\n"
+        "r = '```' + ' ' * 300_000 + 'x'\n"
+        "print(len(extract_program(r * 2 + '```\\nprint(1)\\n```')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout == "9\n", out.stderr[-500:]
 
 
 def test_outputs_compare_up_to_trailing_whitespace():
@@ -108,6 +123,15 @@ def test_env_kwargs_and_the_problem_file_are_checked_at_config_load(tmp_path):
     assert cfg.rollout.env == "code" and cfg.rollout.env_kwargs["all_or_nothing"] is True
     with pytest.raises(ConfigError, match=r"rollout.env_kwargs.timeout_secs: .*\(rollout.env=code\)"):
         _code_config(tmp_path, prompts=PROBLEMS, env_kwargs="{timeout_secs: 1}")
+    # values no run could start with (every sample would fail): refused at config load
+    for key, value in (("max_open_files", 2_000_000), ("memory_mb", 10**14), ("max_concurrent", 1000)):
+        with pytest.raises(ConfigError, match=rf"rollout.env_kwargs.{key}: .*less than or equal"):
+            _code_config(tmp_path, prompts=PROBLEMS, env_kwargs=f"{{{key}: {value}}}")
+    # a NaN reward would reach the loss; a timeout shorter than starting Python fails every program
+    bad = ("{violation_reward: .nan}", "{violation_reward: -.inf}", "{timeout_s: 0.01}", "{hide: [/]}", "{hide: [a]}")
+    for kwargs in bad:
+        with pytest.raises(ConfigError, match=r"rollout.env_kwargs.(violation_reward|timeout_s|hide): "):
+            _code_config(tmp_path, prompts=PROBLEMS, env_kwargs=kwargs)
     with pytest.raises(ConfigError, match=r"rollout.env_kwargs.memory_mb: .*greater than or equal to 32"):
         _code_config(tmp_path, prompts=PROBLEMS, env_kwargs="{memory_mb: 1}")
     bad = tmp_path / "bad.jsonl"

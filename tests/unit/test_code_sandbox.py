@@ -8,9 +8,18 @@ env PYTHONPATH=$PWD .venv/bin/python -m pytest tests/unit/test_code_sandbox.py -
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -206,3 +215,148 @@ def test_a_restrictive_umask_and_a_private_tmpdir_as_in_ray_workers(sandbox, mon
 def test_isolation_is_stated(caplog):
     described = isolation().describe()
     assert "network namespace" in described and "pid namespace" in described
+
+
+def _needs_mountns() -> None:
+    if not isolation().mountns:
+        pytest.skip(f"no mount namespace of its own here: {isolation().describe()}")
+
+
+def test_world_writable_places_are_private_and_gone_afterwards(sandbox, tmp_path):
+    """/tmp, /dev/shm and a world-writable directory without the sticky bit (Ray's session
+    directory is one): nothing it writes or deletes there reaches the host."""
+    _needs_mountns()
+    shared = Path("/tmp") / f"asyncrl-test-shared-{os.getpid()}"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    mark = f"asyncrl-test-left-{os.getpid()}"
+    try:
+        (shared / "victim").write_text("x")
+        program = (
+            f"import os\nos.unlink({str(shared / 'victim')!r})\n"
+            f"open('/dev/shm/{mark}', 'w').write('x')\nopen('/tmp/{mark}', 'w').write('x')\nprint('ok')"
+        )
+        run = sandbox.run(program)
+        assert (shared / "victim").exists(), run
+        assert not Path("/dev/shm", mark).exists() and not Path("/tmp", mark).exists()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        for left in (Path("/dev/shm", mark), Path("/tmp", mark)):  # what a failure left
+            with contextlib.suppress(OSError):
+                left.unlink()
+
+
+def test_filling_its_disk_stops_at_the_limit(tmp_path):
+    """Many files each under max_file_bytes: the total is bounded too (a private tmpfs)."""
+    _needs_mountns()
+    small = Sandbox(dataclasses.replace(LIMITS, max_disk_bytes=1 << 20))
+    program = "i = 0\nwhile True:\n    open(f'/dev/shm/f{i}', 'wb').write(b'x' * 60000)\n    i += 1\n"
+    assert small.run(program).violation == "disk_limit"
+
+
+def test_system_v_shared_memory_does_not_outlive_the_run(sandbox):
+    """A segment it makes would hold host memory until removed: its own IPC namespace."""
+    if not isolation().netns:
+        pytest.skip(f"no namespaces here: {isolation().describe()}")
+    key = 0x41530000 + os.getpid() % 0xFFFF
+    program = f"import ctypes\nprint(ctypes.CDLL(None).shmget({key}, 1 << 20, 0o1000 | 0o666) >= 0)"
+    assert sandbox.run(program).stdout == "True\n"
+    libc = ctypes.CDLL(None)
+    assert libc.shmget(key, 0, 0) == -1  # not on the host
+
+
+def test_no_new_privileges_for_its_own_uid(sandbox):
+    run = sandbox.run("print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('NoNewPrivs')])")
+    assert run.stdout == "['1']\n", run
+
+
+def test_a_crashed_reward_worker_leaves_no_program_running():
+    """The worker (here a subprocess) is SIGKILLed mid-run: its sleeping program dies with it."""
+    if not (isolation().pidns and isolation().own_uid):
+        pytest.skip(f"checked by its own uid in a pid namespace: {isolation().describe()}")
+    mark = f"crashed-worker-{os.getpid()}"
+    code = (
+        "from asyncrl.rollout.envs.sandbox import Sandbox, SandboxLimits\n"
+        f"Sandbox(SandboxLimits(timeout_s=300)).run('import time  # {mark}\\ntime.sleep(300)')"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(3000):  # until its program runs
+            if _sandbox_processes():
+                break
+            time.sleep(0.01)
+        assert _sandbox_processes()
+    finally:
+        worker.kill()
+        worker.wait()
+    for _ in range(500):
+        if not _sandbox_processes():
+            break
+        time.sleep(0.01)
+    left = _sandbox_processes()
+    for pid in left:  # do not leave it to the next test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    for main in Path("/tmp").glob("asyncrl-sandbox-*/main.py"):  # its directory stays (documented)
+        with contextlib.suppress(OSError):
+            if mark in main.read_text():
+                shutil.rmtree(main.parent)
+
+
+def test_two_processes_with_different_tmpdirs_never_share_a_slot(sandbox, monkeypatch, tmp_path):
+    """The slots' uids are the host's: a lock directory under TMPDIR let two generators with
+    different TMPDIRs run as one uid (and kill each other's programs)."""
+    if not isolation().own_uid:
+        pytest.skip(f"no uid of its own here: {isolation().describe()}")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    other = Sandbox(LIMITS)
+    monkeypatch.setattr("tempfile.tempdir", None)
+    held = threading.Event()
+    results = []
+
+    def slow() -> None:
+        results.append(other.run("import os, sys, time\nprint(os.getuid(), flush=True)\ntime.sleep(1)"))
+
+    t = threading.Thread(target=slow)
+    t.start()
+    for _ in range(3000):
+        if _sandbox_processes():
+            held.set()
+            break
+        time.sleep(0.01)
+    mine = sandbox.run("import os\nprint(os.getuid())")
+    t.join()
+    assert held.is_set() and results[0].violation is None
+    assert mine.stdout != results[0].stdout, (mine, results[0])
+
+
+def test_unusual_text_is_the_programs_failure_not_the_sandboxs(sandbox):
+    assert sandbox.run("print('\\u00e9\\U0001f600')").stdout == "\u00e9\U0001f600\n"
+    run = sandbox.run("print(1)  # \ud800", stdin="\ud800")
+    assert run.violation is None and run.exit_code != 0  # its SyntaxError: never a sandbox error
+
+
+def test_a_program_cannot_pass_for_the_sandboxs_failure(env):
+    """A sandbox failure fails the sample (not scored); the program's exit code and stderr
+    must not be able to say so: it scores 0 like any failing program."""
+    forged = "import os, sys\nsys.stderr.write('asyncrl sandbox: OSError: it was not me\\n')\nos._exit(125)"
+    result = env.check(forged, ECHO_TESTS)
+    assert result.verdicts == ["error", "error"] and env.score_result(result) == 0.0
+    with pytest.raises(RuntimeError, match="could not start the program: ValueError"):
+        Sandbox(dataclasses.replace(LIMITS, max_open_files=1 << 30)).run("print(1)")  # a real one
+
+
+def test_the_problems_file_can_be_hidden_from_its_programs():
+    """A world-readable problems file holds the expected outputs: a program that finds it
+    prints the answer it looks up. ``hide`` covers its directory."""
+    _needs_mountns()
+    problems = Path(__file__).resolve().parents[2] / "examples" / "code" / "problems.jsonl"
+    cheat = f"print(len(open({str(problems)!r}).read()) > 0)"
+    limits = {"timeout_s": 10.0, "memory_mb": 128}
+    if make_env("code", limits).sandbox.run(cheat).stdout != "True\n":
+        pytest.skip("this checkout is not readable to the sandbox's uid anyway")
+    hidden = make_env("code", {**limits, "hide": [str(problems.parent)]})
+    run = hidden.sandbox.run(cheat)
+    assert run.stdout == "" and "FileNotFoundError" in run.stderr, run
+    assert problems.exists()  # for everyone else it is where it was

@@ -38,7 +38,7 @@ from asyncrl.rollout.envs.sandbox import Sandbox, SandboxLimits
 
 __all__ = ["CodeEnv", "CodeResult", "extract_program", "load_problems", "parse_tests", "same_output"]
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"```[ \t]*(?:(?:python3?|py)[ \t]*)?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def extract_program(response: str) -> str:
@@ -107,8 +107,10 @@ class CodeEnv(Environment):
                 max_file_bytes=c.max_file_bytes,
                 max_processes=c.max_processes,
                 max_open_files=c.max_open_files,
+                max_disk_bytes=c.max_disk_bytes,
                 max_concurrent=c.max_concurrent,
-            )
+            ),
+            hide=c.hide,
         )
         self.stats = CodeStats()
 

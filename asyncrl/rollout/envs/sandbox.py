@@ -20,12 +20,15 @@ Every run gets:
   kills whatever it left behind), and, as root, a uid of its own per concurrent slot
   (RLIMIT_NPROC binds it, which it does not bind root; it cannot read files that are not
   world-readable, nor signal the caller) with the interpreter's directory made reachable, and
-  its pid namespace's own /proc, in a mount namespace. Not root: a user namespace gives the
-  network and pid namespaces. Root without these: no capabilities, and a pids cgroup per slot
-  when one can be made (RLIMIT_NPROC never binds uid 0).
+  its pid namespace's own /proc and private tmpfs mounts over its directory, /tmp, /var/tmp,
+  /dev/shm and /run/lock (``max_disk_bytes`` each), in a mount namespace; its own IPC
+  namespace with the network's. Always: no new privileges, and it dies with the caller.
+  Not root: a user namespace gives the network and pid namespaces. Root without these: no
+  capabilities, and a pids cgroup per slot when one can be made (RLIMIT_NPROC never binds
+  uid 0).
 
 Not enforced (docs/guide/code.md): world-readable files outside its directory stay readable;
-disk use is bounded per file (RLIMIT_FSIZE) and by time, not in total; memory is per process
+without a mount namespace, disk use is bounded per file (RLIMIT_FSIZE) and by time; memory is per process
 (a program may fork up to max_processes processes of memory_mb each); no seccomp filter, so
 every system call the kernel lets an unprivileged user make is allowed.
 
@@ -49,11 +52,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.rollout.envs.sandbox_host import (
     LAUNCHER,
+    SCRATCH_DIRS,
+    SCRATCH_INODES,
     SLOT_UID_BASE,
     Isolation,
     hidden_ancestor,
@@ -71,14 +77,14 @@ __all__ = ["SLOT_UID_BASE", "Isolation", "RunResult", "Sandbox", "SandboxLimits"
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 256
-LAUNCH_FAILED = 125
-"""The launcher's child exits with this when the program could not be started (said on stderr)."""
 _SIGNAL_VIOLATIONS = {
     int(signal.SIGXCPU): "cpu_limit",
     int(signal.SIGXFSZ): "file_size_limit",
     int(signal.SIGKILL): "killed",
 }
 """SIGKILL: the hard RLIMIT_CPU, or the kernel's out-of-memory killer."""
+_ERROR_VIOLATIONS = {"MemoryError": "memory_limit", "[Errno 27]": "file_size_limit", "[Errno 28]": "disk_limit"}
+"""What Python makes of a limit it met (EFBIG, ENOSPC), in a failed program's stderr."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,9 @@ class SandboxLimits:
     max_processes: int = 8
     """Processes and threads at once (RLIMIT_NPROC on its own uid; as root only with a uid of its own)."""
     max_open_files: int = 64
+    max_disk_bytes: int = 16 << 20
+    """With a mount namespace (root): its directory, /tmp, /var/tmp, /dev/shm and /run/lock are
+    private tmpfs mounts of this size each, gone with the run (full: violation disk_limit)."""
     max_concurrent: int = 4
     """Programs running at once in this process."""
 
@@ -106,21 +115,32 @@ class RunResult:
     """The program's exit code; None when a signal ended it."""
     signal: int | None
     violation: str | None
-    """timeout, cpu_limit, memory_limit, output_limit, file_size_limit, escaped (it killed the
+    """timeout, cpu_limit, memory_limit, output_limit, file_size_limit, disk_limit, escaped (it killed the
     launcher), or None when it stayed within its limits (it may still have failed)."""
     wall_ms: float
     notes: list[str] = field(default_factory=list)
 
 
+def _under(path: str, top: str) -> bool:
+    return os.path.commonpath([os.path.realpath(path), top]) == top
+
+
 class Sandbox:
     """Runs programs under ``limits``, at most ``limits.max_concurrent`` at once (thread-safe)."""
 
-    def __init__(self, limits: SandboxLimits | None = None, isolation: Isolation | None = None):
+    def __init__(
+        self, limits: SandboxLimits | None = None, isolation: Isolation | None = None, hide: Sequence[str] = ()
+    ):
         self.limits = limits or SandboxLimits()
+        self.hide = [os.path.realpath(p) for p in hide]
+        """Directories covered by an empty tmpfs in its mount namespace (where there is one)."""
+        self._warned = False
         self.isolation = isolation
         """None: what the host allows (``isolation()``); tests pass less to check the fallbacks."""
         self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
-        self._lock_dir = Path(tempfile.gettempdir()) / f"asyncrl-sandbox-slots-{os.geteuid()}"
+        # One place per host whatever TMPDIR says: the slots' uids are the host's, so two
+        # processes with different TMPDIRs must still see each other's locks.
+        self._lock_dir = Path("/tmp") / f"asyncrl-sandbox-slots-{os.geteuid()}"
 
     def run(self, program: str, stdin: str = "") -> RunResult:
         iso = self.isolation or isolation()
@@ -166,17 +186,24 @@ class Sandbox:
         workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-", dir=base)
         uid = SLOT_UID_BASE + slot if iso.own_uid else None
         exe, prefix = interpreter()
+        if self.hide and not iso.mountns and not self._warned:
+            self._warned = True
+            log.warning("code sandbox: no mount namespace here, so %s stay visible to programs", self.hide)
         spec: dict = {"rlimits": self._rlimits(), "unshare": spec_flags(iso), "userns": iso.userns}
-        spec.update(uid=uid, gid=uid, nproc=lim.max_processes)
+        spec.update(uid=uid, gid=uid, nproc=lim.max_processes, parent=os.getpid())
         if uid is not None:
             spec["rlimits"]["RLIMIT_NPROC"] = [lim.max_processes] * 2
         elif iso.pids_cgroup:
             spec["cgroup"] = pids_cgroup(f"{os.geteuid()}-{slot}", lim.max_processes)
         if iso.mountns:
             hidden = hidden_ancestor(prefix)
-            spec.update(hide=[hidden] if hidden else [], keep=[prefix])
+            # not one above its own directory: that must stay writable
+            extra = [p for p in self.hide if not _under(workdir, p) and not (hidden and _under(p, hidden))]
+            spec.update(hide=([hidden] if hidden else []) + extra, keep=[prefix])
+            spec["scratch"] = {"bytes": lim.max_disk_bytes, "inodes": SCRATCH_INODES, "dirs": list(SCRATCH_DIRS)}
         try:
-            Path(workdir, "main.py").write_text(program)
+            # UTF-8 whatever the locale; a lone surrogate is the program's SyntaxError, not ours
+            Path(workdir, "main.py").write_bytes(program.encode("utf-8", "surrogatepass"))
             if uid is not None:
                 os.chown(workdir, uid, uid)
                 os.chown(Path(workdir, "main.py"), uid, uid)
@@ -189,7 +216,7 @@ class Sandbox:
         status_r, status_w = os.pipe()
         spec["status_fd"] = status_w
         with tempfile.TemporaryFile() as stdin_file:  # a file: no pipe to fill while it does not read
-            stdin_file.write(stdin.encode())
+            stdin_file.write(stdin.encode("utf-8", "surrogatepass"))
             stdin_file.seek(0)
             t0 = time.monotonic()
             try:
@@ -206,6 +233,7 @@ class Sandbox:
             finally:
                 os.close(status_w)
         child_pid: int | None = None
+        status_text = ""
         try:
             out, violation, status_text = self._collect(proc, status_r, t0)
             for line in status_text.splitlines():
@@ -213,7 +241,10 @@ class Sandbox:
                     child_pid = int(line[4:])
         finally:
             os.close(status_r)
-            self._kill(proc, child_pid, spec.get("uid"), spec.get("cgroup"))
+            # Once the launcher reaped it (its "exit" line), that pid is free for another
+            # process of the host: never signal it then (its pid namespace died with it).
+            reaped = any(ln.startswith("exit ") for ln in status_text.splitlines())
+            self._kill(proc, None if reaped else child_pid, spec.get("uid"), spec.get("cgroup"))
         wall_ms = (time.monotonic() - t0) * 1000
         exit_code: int | None = None
         sig: int | None = None
@@ -227,13 +258,14 @@ class Sandbox:
         elif violation is None:  # the launcher died before its child did: something killed it
             violation = "escaped"
         stderr = out[2].decode(errors="replace")
-        if exit_code == LAUNCH_FAILED and stderr.startswith("asyncrl sandbox:"):
-            raise RuntimeError(f"the code sandbox could not start the program: {stderr.strip()[:300]}")
+        failed = [ln[7:] for ln in status_text.splitlines() if ln.startswith("failed ")]
+        if failed:  # the launcher says so, on its own pipe: never the program's exit code or stderr
+            raise RuntimeError(f"the code sandbox could not start the program: {failed[-1][:300]}")
         if violation is None and sig is not None:
             violation = _SIGNAL_VIOLATIONS.get(sig)
         if violation is None and exit_code not in (0, None):
             tail = stderr[-2000:]  # Python turns the limits it meets into exceptions
-            violation = "memory_limit" if "MemoryError" in tail else "file_size_limit" if "[Errno 27]" in tail else None
+            violation = next((v for k, v in _ERROR_VIOLATIONS.items() if k in tail), None)
         return RunResult(out[1].decode(errors="replace"), stderr, exit_code, sig, violation, wall_ms)
 
     def _collect(self, proc: subprocess.Popen, status_r: int, t0: float) -> tuple[dict[int, bytes], str | None, str]:

@@ -28,7 +28,13 @@ from pathlib import Path
 log = logging.getLogger("asyncrl.rollout.envs.sandbox")
 
 LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
-CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID = 0x00020000, 0x40000000, 0x20000000
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x40000000, 0x20000000, 0x08000000
+NET_FLAGS = CLONE_NEWNET | CLONE_NEWIPC
+"""With the network its own System V IPC and POSIX message queues: the host's would keep a
+shared memory segment it made (host memory) after it ended."""
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""The usual world-writable directories, each a private tmpfs in its mount namespace."""
+SCRATCH_INODES = 4096
 SLOT_UID_BASE = 1_900_000_000
 """Root runs slot i as uid/gid SLOT_UID_BASE + i: ids no account uses, one per concurrent run."""
 
@@ -81,7 +87,7 @@ def interpreter() -> tuple[str, str]:
 
 
 def spec_flags(iso: Isolation) -> int:
-    flags = (CLONE_NEWNET if iso.netns else 0) | (CLONE_NEWPID if iso.pidns else 0)
+    flags = (NET_FLAGS if iso.netns else 0) | (CLONE_NEWPID if iso.pidns else 0)
     return flags | (CLONE_NEWNS if iso.mountns else 0)
 
 
@@ -124,7 +130,9 @@ def _probe() -> Isolation:
             _exe, prefix = interpreter()
             hidden = hidden_ancestor(prefix)
             own = {"uid": SLOT_UID_BASE, "gid": SLOT_UID_BASE, "hide": [hidden] if hidden else [], "keep": [prefix]}
-            full = _try({**base, **own, "unshare": CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS}, d)
+            Path(d, "main.py").write_text("")  # the private tmpfs mounts copy it in
+            scratch = {"bytes": 1 << 20, "inodes": 64, "dirs": list(SCRATCH_DIRS)}
+            full = _try({**base, **own, "scratch": scratch, "unshare": NET_FLAGS | CLONE_NEWPID | CLONE_NEWNS}, d)
             if full is None:
                 return Isolation(True, True, True, False, mountns=True)
             reasons.append(f"namespaces as root: {full}")
@@ -132,7 +140,7 @@ def _probe() -> Isolation:
             own_uid = hidden is None and _try({**base, **own, "hide": None, "keep": None, "unshare": 0}, d) is None
             if not own_uid:
                 reasons.append(f"runs as root without capabilities ({hidden or 'the interpreter'} unreachable)")
-        net = _try({**base, "unshare": CLONE_NEWNET}, d) is None
+        net = _try({**base, "unshare": NET_FLAGS}, d) is None
         pid = _try({**base, "unshare": CLONE_NEWPID}, d) is None
         if not (net and pid):
             reasons.append("unshare refused (no CAP_SYS_ADMIN, or unprivileged user namespaces disabled)")
