@@ -93,7 +93,7 @@ class VersionedMaker(Maker):
         super().__init__()
         self.engine, self.seconds = engine, seconds
 
-    async def make(self, item: PromptItem, n: int, temperature: float):
+    async def make(self, item: PromptItem, n: int, temperature: float, teacher: bool = True):
         if self.engine is not None:
             start = self.engine.version
             await asyncio.sleep(self.seconds)
