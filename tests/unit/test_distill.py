@@ -160,6 +160,22 @@ def test_the_contract_of_a_distilling_run_wants_teacher_logprobs_that_are_logpro
     check_group(_group(None), RecordContract(32, 16, 2, False, 4))  # a run without a teacher
 
 
+def test_a_finite_yet_absurd_log_prob_is_dead_lettered_not_made_an_advantage():
+    """-1e30 is finite: without a floor it became a -1e30 advantage (teacher) or +1e30 (rollout)."""
+    check_group(_group([-0.25, -5e5]), CONTRACT)  # very negative, yet a log-prob a real teacher may give
+    for teacher, rollout in (([-0.25, -1e30], [-0.5, -1.0]), ([-0.25, -3.0], [-1e30, -1.0])):
+        group = _group(teacher)
+        for s in group.samples:
+            s.rollout_logprobs = np.array(rollout, np.float32)
+        with pytest.raises(RecordError) as info:
+            check_group(group, CONTRACT)
+        assert info.value.reason == "logprob_out_of_range"
+    observation = _group([-0.25, -1e30])
+    for s in observation.samples:  # an observation token's log-prob is never trained
+        s.loss_mask = np.array([1, 0], np.int8)
+    check_group(observation, CONTRACT)
+
+
 def test_vocabulary_check_names_the_tokens_that_differ():
     vocab = {"a": 0, "b": 1, "<eos>": 2}
     check_vocabulary(vocab, dict(vocab), embedding_rows=3)
