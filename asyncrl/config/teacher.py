@@ -29,9 +29,10 @@ class TeacherConfig(Section):
     """A local directory written by save_pretrained: a *ForCausalLM config.json, its weights and
     a tokenizer with the student's vocabulary (a hub model: download it first,
     e.g. `hf download ID --local-dir DIR`)."""
-    coef: float = Field(1.0, gt=0)
+    coef: float = Field(1.0, gt=0, le=1e6)
     """Weight of the teacher term: A_t += -coef * (logp_student(t) - logp_teacher(t)), beside the
-    task reward's advantage (a task reward that is constant makes it pure distillation)."""
+    task reward's advantage (a task reward that is constant makes it pure distillation). At most
+    1e6, a reward's own bound: a larger weight overflows the float32 advantages to inf."""
     discount: float = Field(0.0, ge=0, le=1)
     """0: each token's term is its own reverse KL (as on-policy distillation is usually run);
     in (0, 1]: the discounted sum of the KLs from that token to the end of the response."""

@@ -206,6 +206,9 @@ def test_config_rules(tiny_teacher, tmp_path):
         load_config(None, [f"rollout.teacher={{model: {tmp_path}}}"])
     with pytest.raises(ConfigError):
         load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: 0}}"])
+    for coef in ("1e300", ".inf", ".nan"):  # 1e300 is finite, yet its advantages were -inf in float32
+        with pytest.raises(ConfigError, match=r"rollout\.teacher\.coef"):
+            load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: {coef}}}"])
 
 
 def test_teacher_forward_matches_transformers_logprobs_alone_and_batched(tiny_teacher):
