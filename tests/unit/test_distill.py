@@ -206,6 +206,8 @@ def test_config_rules(tiny_teacher, tmp_path):
         load_config(None, [f"rollout.teacher={{model: {tmp_path}}}"])
     with pytest.raises(ConfigError):
         load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: 0}}"])
+    with pytest.raises(ConfigError, match="ignores the advantages"):  # it trained SFT on the student's own samples
+        load_config(None, [f"rollout.teacher={{model: {tiny_teacher}}}", "algo.policy_loss={type: cross_entropy}"])
     for coef in ("1e300", ".inf", ".nan"):  # 1e300 is finite, yet its advantages were -inf in float32
         with pytest.raises(ConfigError, match=r"rollout\.teacher\.coef"):
             load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: {coef}}}"])
