@@ -9,6 +9,7 @@ transformers forward of the same tiny model.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import msgpack
@@ -22,7 +23,7 @@ from asyncrl.config.teacher import TeacherConfig
 from asyncrl.data.batch import build_minibatches
 from asyncrl.data.codec import RecordError, decode_group, encode_group
 from asyncrl.data.contract import RecordContract, check_group
-from asyncrl.rollout.teacher import check_vocabulary
+from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs, check_vocabulary
 from asyncrl.types import RolloutGroup, Sample
 
 BEHAVIOUR = torch.tensor([[-0.5, -1.0, -2.0, 0.0], [-0.1, -0.3, 0.0, 0.0]], dtype=torch.float64)
@@ -263,3 +264,42 @@ def test_check_compares_the_teachers_vocabulary_with_a_local_students(tiny_teach
         check_imports(load_config(None, [teacher, env, f"rollout.model={other}"]))
     tiny = check_imports(load_config(None, [teacher, env]))  # 'tiny' is written at start-up: checked then
     assert any("its vocabulary is checked at start-up" in line for line in tiny)
+
+
+class _InProcessTeacher(TeacherClient):
+    """The real TeacherServer's forward, called here rather than through its Ray actor."""
+
+    def __init__(self, server):
+        super().__init__("unit", timeout_s=60)
+        self.server = server
+
+    async def score(self, prompts, completions, **_columns):  # type: ignore[override]
+        return self.server.forward(prompts, completions)
+
+
+def test_a_teacher_log_prob_below_the_floor_fails_its_sample_not_the_group(tiny_teacher):
+    """At T = 1e-9 the tiny teacher's log-prob of a token it does not rank first is ~ -1e9:
+    attached, the contract would dead-letter the whole group (logprob_out_of_range); instead that
+    sample fails at the generator, counted as a failed reward, and the others keep theirs."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+    from asyncrl.rollout.teacher import TeacherServer
+
+    vocab = AutoTokenizer.from_pretrained(tiny_teacher).get_vocab()
+    cold = TeacherServer(TeacherConfig(model=tiny_teacher), vocab, temperature=1e-9)
+    prompt = [1, 3, 4]
+    scores = cold.forward([prompt] * 3, [[3], [4], [5]])
+    low = [k for k, lp in enumerate(scores) if lp[0] < -1e6]
+    assert low and len(low) < 3  # the argmax among 3, 4, 5 scores ~0, the others far below the floor
+    samples = [Sample(np.array([t]), np.array([-0.5]), np.array([1]), 1.0, 0) for t in (3, 4, 5)]
+    scorer = RewardScorer(make_env("copy", {}), RewardLimits())
+    failed = asyncio.run(attach_teacher_logprobs(_InProcessTeacher(cold), scorer, prompt, samples, []))
+    assert failed == low and scorer.errors == len(low)
+    for k, s in enumerate(samples):
+        if k in low:
+            assert s.teacher_logprobs is None and math.isnan(s.reward) and "below -1e+06" in s.error
+        else:
+            assert s.teacher_logprobs is not None and s.teacher_logprobs[0] >= -1e6
+    check_group(RolloutGroup("g", "g", np.array(prompt), samples), RecordContract(32, 16, 3, False, 4, teacher=True))
