@@ -212,6 +212,12 @@ def test_config_rules(tiny_teacher, tmp_path):
     for coef in ("1e300", ".inf", ".nan"):  # 1e300 is finite, yet its advantages were -inf in float32
         with pytest.raises(ConfigError, match=r"rollout\.teacher\.coef"):
             load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: {coef}}}"])
+    # An infinite wait for a fuller batch, timeout, temperature or Ray resource: refused, each naming its field.
+    for field in ("max_wait_ms", "timeout_s", "temperature", "num_cpus", "num_gpus", "discount"):
+        for value in (".inf", ".nan"):
+            with pytest.raises(ConfigError, match=rf"rollout\.teacher\.{field}") as info:
+                load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, {field}: {value}}}"])
+            assert "\n" not in str(info.value).strip()
 
 
 def test_teacher_forward_matches_transformers_logprobs_alone_and_batched(tiny_teacher):
