@@ -77,4 +77,11 @@ def check_teacher(spec: TeacherConfig) -> str:
             f"{key}: not a causal language model (config.json architectures={architectures!r}); "
             f"a teacher is a *ForCausalLM that scores the student's tokens"
         )
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        # Caught here rather than by the actor, which would fail only once Ray, the generators
+        # and the learner are up (a download interrupted after config.json).
+        raise ConfigError(
+            f"{key}: no weights (*.safetensors or pytorch_model*.bin) beside its config.json; "
+            f"a teacher is a directory written by save_pretrained"
+        )
     return causal[0]

@@ -205,6 +205,9 @@ def test_config_rules(tiny_teacher, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
     with pytest.raises(ConfigError, match="not a causal language model"):
         load_config(None, [f"rollout.teacher={{model: {tmp_path}}}"])
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ConfigError, match=r"no weights \(\*\.safetensors"):  # it failed only in the actor, Ray up
+        load_config(None, [f"rollout.teacher={{model: {tmp_path}}}"])
     with pytest.raises(ConfigError):
         load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: 0}}"])
     with pytest.raises(ConfigError, match="ignores the advantages"):  # it trained SFT on the student's own samples
