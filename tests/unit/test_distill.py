@@ -312,3 +312,25 @@ def test_a_teacher_log_prob_below_the_floor_fails_its_sample_not_the_group(tiny_
         else:
             assert s.teacher_logprobs is not None and s.teacher_logprobs[0] >= -1e6
     check_group(RolloutGroup("g", "g", np.array(prompt), samples), RecordContract(32, 16, 3, False, 4, teacher=True))
+
+
+def test_the_teacher_term_survives_the_stepwise_merge_of_a_trajectorys_steps():
+    """Step-wise multi-turn: each step's own term on its own tokens, kept when step 1's sequence
+    (which extends step 0's) is merged with it; the observation token between them gets none."""
+
+    def trajectory(tid: int, reward: float) -> list[Sample]:
+        kw = {"reward": reward, "behavior_version": 1, "trajectory_id": tid}
+        first = Sample(np.array([5, 6]), np.array([-0.5, -0.5]), np.array([1, 1]), **kw, step_index=0,
+                       teacher_logprobs=np.array([-1.5, -0.5]), prompt_ids=np.array([1, 2]))  # fmt: skip
+        second = Sample(np.array([7]), np.array([-0.2]), np.array([1]), **kw, step_index=1,
+                        teacher_logprobs=np.array([-0.7]), prompt_ids=np.array([1, 2, 5, 6, 9]))  # fmt: skip
+        return [first, second]
+
+    group = RolloutGroup("g", "g", np.array([1, 2]), trajectory(0, 1.0) + trajectory(1, 0.0))
+    algo = AlgoConfig(stepwise=True, advantage_estimator="dr_grpo")
+    (mb,), metrics = build_minibatches([group], algo, num_minibatches=1, teacher=_teacher())
+    assert metrics["stepwise/num_seq_after_merge"] == 2
+    assert [s.input_ids.tolist() for s in mb] == [[1, 2, 5, 6, 9, 7]] * 2
+    # dr_grpo: +0.5 / -0.5 per trajectory; k = (1.0, 0.0) on step 0 and 0.5 on step 1.
+    np.testing.assert_allclose(mb[0].advantages, [0, 0, 0.5 - 1.0, 0.5, 0, 0.5 - 0.5], atol=1e-6)
+    np.testing.assert_allclose(mb[1].advantages, [0, 0, -0.5 - 1.0, -0.5, 0, -0.5 - 0.5], atol=1e-6)
