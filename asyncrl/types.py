@@ -22,6 +22,13 @@ MAX_ABS_REWARD = 1e6
 """Largest |reward| a sample may carry. Far past any task's scale, yet small enough that a
 group's advantages (differences, variances: squares of rewards) stay finite in float32; a
 larger one is a bug (or a hostile record) that would end the run at the next step."""
+MIN_LOGPROB = -MAX_ABS_REWARD
+"""Lowest log-prob a record may carry (rollout's or teacher's). Finite is not enough: under
+rollout.teacher each token's log-probs are its reward (A_t = -coef * (rollout - teacher)), so
+-1e30 would be a finite advantage that swamps every other. A real one is log_softmax(z / T) of
+float32 logits, >= (z_min - z_max) / T - log V: past -1e6 only with a logit spread of 1e4 at
+T = 1 (the learner's own mask for a banned token is -1e4) or an absurd temperature; a sampled
+token that unlikely is never drawn. The bound keeps the term within a reward's (MAX_ABS_REWARD)."""
 
 
 @dataclass

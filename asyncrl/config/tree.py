@@ -139,9 +139,9 @@ MULTI_TURN_ENVIRONMENTS = ("countdown_chat", "tools", "verifiers")
 
 
 def _dapo_rules(a: AlgoConfig, r: RolloutConfig) -> None:
-    """algo.overlong.soft_penalty against the token budget; rollout.drop_uniform_groups against
-    the estimator (import-path environments are checked again by the generator, which knows
-    whether they are multi-turn)."""
+    """algo.overlong.soft_penalty against the token budget; rollout.teacher against a loss that
+    ignores advantages; rollout.drop_uniform_groups against the estimator (import-path
+    environments are checked again by the generator, which knows whether they are multi-turn)."""
     soft = a.overlong.soft_penalty
     if soft is not None:
         if soft.buffer >= r.max_tokens:
@@ -154,6 +154,12 @@ def _dapo_rules(a: AlgoConfig, r: RolloutConfig) -> None:
                 f"algo.overlong.soft_penalty is for single-turn environments: rollout.env={r.env!r} is "
                 f"multi-turn (rollout.max_tokens bounds each turn, not the trajectory); use algo.overlong.mask"
             )
+    if r.teacher is not None and a.policy_loss.type == "cross_entropy":
+        raise ConfigError(
+            "rollout.teacher with algo.policy_loss.type='cross_entropy': that loss ignores the advantages, "
+            "where the teacher's term lives, so the student would only imitate its own samples; use a "
+            "policy-gradient loss (ppo, the default)"
+        )
     if r.drop_uniform_groups and a.advantage_estimator not in GROUP_BASELINE_ESTIMATORS:
         if a.advantage_estimator in ADVANTAGE_ESTIMATORS:
             raise ConfigError(

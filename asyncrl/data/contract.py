@@ -35,6 +35,8 @@ Rules, each a `RecordError.reason`:
   succeeded has no teacher log-probs (a generator of another config): trained, it would be
   plain RL without the teacher's signal. ``positive_logprob`` covers them too (the teacher's
   are computed in float32 as the learner's are; non-finite ones are the codec's).
+- ``logprob_out_of_range``: a rollout or teacher log-prob of a policy token below ``types.MIN_LOGPROB`` (finite,
+  yet under rollout.teacher it is the token's reward, and its advantage would swamp the batch's).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncrl.data.codec import RecordError
-from asyncrl.types import MAX_ABS_REWARD, RolloutGroup, Sample
+from asyncrl.types import MAX_ABS_REWARD, MIN_LOGPROB, RolloutGroup, Sample
 
 LOGPROB_TOLERANCE = 1e-4
 """Largest rollout log-prob accepted (float32 rounding of log-softmax near probability 1)."""
@@ -97,6 +99,7 @@ def _check_sample(group: RolloutGroup, s: Sample, c: RecordContract, where: str)
         raise RecordError(
             "positive_logprob", f"{where}.rollout_logprobs: {float(s.rollout_logprobs.max())} > {LOGPROB_TOLERANCE}"
         )
+    _check_floor(s.rollout_logprobs, s.loss_mask, f"{where}.rollout_logprobs")
     _check_teacher(s, c, where, succeeded=s.error is None and math.isfinite(s.reward))
     if s.behavior_version > c.max_version:
         raise RecordError(
@@ -131,6 +134,14 @@ def _check_teacher(s: Sample, c: RecordContract, where: str, *, succeeded: bool)
         return
     if t.size and float(t.max()) > LOGPROB_TOLERANCE:
         raise RecordError("positive_logprob", f"{where}.teacher_logprobs: {float(t.max())} > {LOGPROB_TOLERANCE}")
+    _check_floor(t, s.loss_mask, f"{where}.teacher_logprobs")
+
+
+def _check_floor(logprobs: np.ndarray, loss_mask: np.ndarray, where: str) -> None:
+    """Policy tokens only: an observation token's log-prob is never trained (nor summed)."""
+    live = logprobs[loss_mask > 0]
+    if live.size and float(live.min()) < MIN_LOGPROB:
+        raise RecordError("logprob_out_of_range", f"{where}: {float(live.min()):.3g} < {MIN_LOGPROB:g}")
 
 
 def _check_group_size(group: RolloutGroup, c: RecordContract) -> None:

@@ -48,7 +48,7 @@ from asyncrl.rollout.reward_model import (
     _wait_name_free,
 )
 from asyncrl.rollout.scoring import RewardScorer, RewardTimeout
-from asyncrl.types import Sample
+from asyncrl.types import MIN_LOGPROB, Sample
 
 WHERE = "rollout.teacher"
 
@@ -219,12 +219,14 @@ async def attach_teacher_logprobs(
     bad = []
     for i, logprobs in zip(ask, out, strict=True):
         s, values = samples[i], np.asarray(logprobs, np.float32)
-        if not np.isfinite(values).all():
-            bad.append(i)
+        values = np.where(s.loss_mask > 0, values, np.float32(0.0))
+        if not np.isfinite(values).all() or (values.size and float(values.min()) < MIN_LOGPROB):
+            bad.append(i)  # the contract would dead-letter the whole group for it
             continue
-        s.teacher_logprobs = np.where(s.loss_mask > 0, values, np.float32(0.0))
+        s.teacher_logprobs = values
     if bad:
-        failed = _failed(scorer, samples, bad, failed, RewardError(f"{teacher.where} gave a non-finite log-prob"))
+        why = RewardError(f"{teacher.where} gave a non-finite log-prob or one below {MIN_LOGPROB:g}")
+        failed = _failed(scorer, samples, bad, failed, why)
     return failed
 
 

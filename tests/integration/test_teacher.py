@@ -163,10 +163,11 @@ def test_records_with_bad_or_missing_teacher_logprobs_are_dead_lettered(redis_ur
     nan = _group("nan", [-0.5, float("nan"), -1.0])
     short = _group("short", [-0.5, -0.2])
     short.samples[0].teacher_logprobs = np.array([-0.5, -0.2], np.float32)  # 2 entries for 3 tokens
-    for g in (nan, short, _group("positive", [-0.5, 2.0, -1.0]), _group("missing", None)):
+    absurd = _group("absurd", [-0.5, -1e30, -1.0])  # finite, yet a -1e30 advantage
+    for g in (nan, short, _group("positive", [-0.5, 2.0, -1.0]), _group("missing", None), absurd):
         raw.xadd(keys.rollouts("distill"), {keys.RECORD_FIELD: encode_group(g)})
     q.put(_group("good", [-0.6, -0.3, -1.5]))
-    got = q.get_batch(5, min_version=0, timeout=1.0, contract=contract)
+    got = q.get_batch(6, min_version=0, timeout=1.0, contract=contract)
     assert [g.group_id for _, g in got] == ["good"]
     assert got[0][1].samples[1].teacher_logprobs.tolist() == pytest.approx([-0.6, -0.3, -1.5])
     reasons = {e["group_id"]: e["reason"] for e in q.deadletter_entries()}
@@ -175,5 +176,6 @@ def test_records_with_bad_or_missing_teacher_logprobs_are_dead_lettered(redis_ur
         "short": "length_mismatch",
         "positive": "positive_logprob",
         "missing": "missing_teacher_logprobs",
+        "absurd": "logprob_out_of_range",
     }
     q.close()

@@ -9,6 +9,7 @@ transformers forward of the same tiny model.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import msgpack
@@ -22,7 +23,7 @@ from asyncrl.config.teacher import TeacherConfig
 from asyncrl.data.batch import build_minibatches
 from asyncrl.data.codec import RecordError, decode_group, encode_group
 from asyncrl.data.contract import RecordContract, check_group
-from asyncrl.rollout.teacher import check_vocabulary
+from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs, check_vocabulary
 from asyncrl.types import RolloutGroup, Sample
 
 BEHAVIOUR = torch.tensor([[-0.5, -1.0, -2.0, 0.0], [-0.1, -0.3, 0.0, 0.0]], dtype=torch.float64)
@@ -160,6 +161,22 @@ def test_the_contract_of_a_distilling_run_wants_teacher_logprobs_that_are_logpro
     check_group(_group(None), RecordContract(32, 16, 2, False, 4))  # a run without a teacher
 
 
+def test_a_finite_yet_absurd_log_prob_is_dead_lettered_not_made_an_advantage():
+    """-1e30 is finite: without a floor it became a -1e30 advantage (teacher) or +1e30 (rollout)."""
+    check_group(_group([-0.25, -5e5]), CONTRACT)  # very negative, yet a log-prob a real teacher may give
+    for teacher, rollout in (([-0.25, -1e30], [-0.5, -1.0]), ([-0.25, -3.0], [-1e30, -1.0])):
+        group = _group(teacher)
+        for s in group.samples:
+            s.rollout_logprobs = np.array(rollout, np.float32)
+        with pytest.raises(RecordError) as info:
+            check_group(group, CONTRACT)
+        assert info.value.reason == "logprob_out_of_range"
+    observation = _group([-0.25, -1e30])
+    for s in observation.samples:  # an observation token's log-prob is never trained
+        s.loss_mask = np.array([1, 0], np.int8)
+    check_group(observation, CONTRACT)
+
+
 def test_vocabulary_check_names_the_tokens_that_differ():
     vocab = {"a": 0, "b": 1, "<eos>": 2}
     check_vocabulary(vocab, dict(vocab), embedding_rows=3)
@@ -188,8 +205,22 @@ def test_config_rules(tiny_teacher, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
     with pytest.raises(ConfigError, match="not a causal language model"):
         load_config(None, [f"rollout.teacher={{model: {tmp_path}}}"])
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ConfigError, match=r"no weights \(\*\.safetensors"):  # it failed only in the actor, Ray up
+        load_config(None, [f"rollout.teacher={{model: {tmp_path}}}"])
     with pytest.raises(ConfigError):
         load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: 0}}"])
+    with pytest.raises(ConfigError, match="ignores the advantages"):  # it trained SFT on the student's own samples
+        load_config(None, [f"rollout.teacher={{model: {tiny_teacher}}}", "algo.policy_loss={type: cross_entropy}"])
+    for coef in ("1e300", ".inf", ".nan"):  # 1e300 is finite, yet its advantages were -inf in float32
+        with pytest.raises(ConfigError, match=r"rollout\.teacher\.coef"):
+            load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, coef: {coef}}}"])
+    # An infinite wait for a fuller batch, timeout, temperature or Ray resource: refused, each naming its field.
+    for field in ("max_wait_ms", "timeout_s", "temperature", "num_cpus", "num_gpus", "discount"):
+        for value in (".inf", ".nan"):
+            with pytest.raises(ConfigError, match=rf"rollout\.teacher\.{field}") as info:
+                load_config(None, [f"rollout.teacher={{model: {tiny_teacher}, {field}: {value}}}"])
+            assert "\n" not in str(info.value).strip()
 
 
 def test_teacher_forward_matches_transformers_logprobs_alone_and_batched(tiny_teacher):
@@ -242,3 +273,64 @@ def test_check_compares_the_teachers_vocabulary_with_a_local_students(tiny_teach
         check_imports(load_config(None, [teacher, env, f"rollout.model={other}"]))
     tiny = check_imports(load_config(None, [teacher, env]))  # 'tiny' is written at start-up: checked then
     assert any("its vocabulary is checked at start-up" in line for line in tiny)
+
+
+class _InProcessTeacher(TeacherClient):
+    """The real TeacherServer's forward, called here rather than through its Ray actor."""
+
+    def __init__(self, server):
+        super().__init__("unit", timeout_s=60)
+        self.server = server
+
+    async def score(self, prompts, completions, **_columns):  # type: ignore[override]
+        return self.server.forward(prompts, completions)
+
+
+def test_a_teacher_log_prob_below_the_floor_fails_its_sample_not_the_group(tiny_teacher):
+    """At T = 1e-9 the tiny teacher's log-prob of a token it does not rank first is ~ -1e9:
+    attached, the contract would dead-letter the whole group (logprob_out_of_range); instead that
+    sample fails at the generator, counted as a failed reward, and the others keep theirs."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.envs import make_env
+    from asyncrl.rollout.scoring import RewardLimits, RewardScorer
+    from asyncrl.rollout.teacher import TeacherServer
+
+    vocab = AutoTokenizer.from_pretrained(tiny_teacher).get_vocab()
+    cold = TeacherServer(TeacherConfig(model=tiny_teacher), vocab, temperature=1e-9)
+    prompt = [1, 3, 4]
+    scores = cold.forward([prompt] * 3, [[3], [4], [5]])
+    low = [k for k, lp in enumerate(scores) if lp[0] < -1e6]
+    assert low and len(low) < 3  # the argmax among 3, 4, 5 scores ~0, the others far below the floor
+    samples = [Sample(np.array([t]), np.array([-0.5]), np.array([1]), 1.0, 0) for t in (3, 4, 5)]
+    scorer = RewardScorer(make_env("copy", {}), RewardLimits())
+    failed = asyncio.run(attach_teacher_logprobs(_InProcessTeacher(cold), scorer, prompt, samples, []))
+    assert failed == low and scorer.errors == len(low)
+    for k, s in enumerate(samples):
+        if k in low:
+            assert s.teacher_logprobs is None and math.isnan(s.reward) and "below -1e+06" in s.error
+        else:
+            assert s.teacher_logprobs is not None and s.teacher_logprobs[0] >= -1e6
+    check_group(RolloutGroup("g", "g", np.array(prompt), samples), RecordContract(32, 16, 3, False, 4, teacher=True))
+
+
+def test_the_teacher_term_survives_the_stepwise_merge_of_a_trajectorys_steps():
+    """Step-wise multi-turn: each step's own term on its own tokens, kept when step 1's sequence
+    (which extends step 0's) is merged with it; the observation token between them gets none."""
+
+    def trajectory(tid: int, reward: float) -> list[Sample]:
+        kw = {"reward": reward, "behavior_version": 1, "trajectory_id": tid}
+        first = Sample(np.array([5, 6]), np.array([-0.5, -0.5]), np.array([1, 1]), **kw, step_index=0,
+                       teacher_logprobs=np.array([-1.5, -0.5]), prompt_ids=np.array([1, 2]))  # fmt: skip
+        second = Sample(np.array([7]), np.array([-0.2]), np.array([1]), **kw, step_index=1,
+                        teacher_logprobs=np.array([-0.7]), prompt_ids=np.array([1, 2, 5, 6, 9]))  # fmt: skip
+        return [first, second]
+
+    group = RolloutGroup("g", "g", np.array([1, 2]), trajectory(0, 1.0) + trajectory(1, 0.0))
+    algo = AlgoConfig(stepwise=True, advantage_estimator="dr_grpo")
+    (mb,), metrics = build_minibatches([group], algo, num_minibatches=1, teacher=_teacher())
+    assert metrics["stepwise/num_seq_after_merge"] == 2
+    assert [s.input_ids.tolist() for s in mb] == [[1, 2, 5, 6, 9, 7]] * 2
+    # dr_grpo: +0.5 / -0.5 per trajectory; k = (1.0, 0.0) on step 0 and 0.5 on step 1.
+    np.testing.assert_allclose(mb[0].advantages, [0, 0, 0.5 - 1.0, 0.5, 0, 0.5 - 0.5], atol=1e-6)
+    np.testing.assert_allclose(mb[1].advantages, [0, 0, -0.5 - 1.0, -0.5, 0, -0.5 - 0.5], atol=1e-6)

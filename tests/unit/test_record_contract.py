@@ -39,6 +39,8 @@ def _broken(how: str) -> RolloutGroup:
         g.prompt_ids = np.arange(10, dtype=np.int32)  # 10 + 4 > 12
     elif how == "positive_logprob":
         s.rollout_logprobs[0] = 0.5
+    elif how == "absurd_logprob":
+        s.rollout_logprobs[1] = -1e30  # finite: its importance ratio exp(logp + 1e30) is not
     elif how == "future_version":
         s.behavior_version = 6
     elif how == "future_token_version":
@@ -71,6 +73,7 @@ CASES = {
     "own_prompt_out_of_range": "token_out_of_range",
     "too_long": "too_long",
     "positive_logprob": "positive_logprob",
+    "absurd_logprob": "logprob_out_of_range",
     "future_version": "future_version",
     "future_token_version": "future_version",
     "negative_token_version": "bad_token_version",
