@@ -41,9 +41,9 @@ class RewardModelConfig(Section):
     """Tokens per input; a longer one keeps its last max_length tokens (the completion's end).
     None: no truncation."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    num_cpus: float = Field(1.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, allow_inf_nan=False)
     """Ray CPUs of its actor (also its torch threads)."""
-    num_gpus: float = Field(0.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Ray GPUs of its actor; > 0 runs the model on CUDA."""
     timeout_s: float | None = Field(None, gt=0)
     """Seconds one sample's score may take (queueing and batching included); None: rollout.reward_timeout_s."""
@@ -81,26 +81,38 @@ def read_config_json(path: Path, key: str) -> dict:
     return config
 
 
-def read_reward_model(where: str, spec: RewardModelConfig) -> RewardModelInfo:
-    """``spec.model``'s config.json as a sequence classifier whose output ``spec.label`` picks;
-    ConfigError naming ``where`` (e.g. 'rollout.rewards[1]') and the path otherwise."""
-    key = f"{where}.model={spec.model!r}"
-    path = Path(spec.model)
+def read_model_dir(key: str, model: str, role: str, suffix: str, kind: str, hint: str) -> tuple[Path, dict, str]:
+    """A local model directory whose config.json names a ``*{suffix}`` architecture: (path,
+    config, that architecture). ConfigError naming ``key``, saying what a ``role`` is (``hint``),
+    otherwise. Hub ids are not fetched: a scorer's weights must be on the host at start-up."""
+    path = Path(model)
     if not path.is_dir():
         what = "not a directory" if path.exists() else "no such directory"
         raise ConfigError(
-            f"{key}: {what}; a reward model is a local directory written by save_pretrained "
+            f"{key}: {what}; a {role} is a local directory written by save_pretrained "
             f"(download a hub model first, e.g. `hf download ID --local-dir DIR`)"
         )
     config = read_config_json(path, key)
     architectures = config.get("architectures") or []
-    classifiers = [a for a in architectures if isinstance(a, str) and a.endswith("ForSequenceClassification")]
-    if not classifiers:
-        raise ConfigError(
-            f"{key}: not a sequence-classification model (config.json architectures={architectures!r}); "
-            f"a reward model is a *ForSequenceClassification, e.g. saved by "
-            f"AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(DIR)"
-        )
+    matching = [a for a in architectures if isinstance(a, str) and a.endswith(suffix)]
+    if not matching:
+        raise ConfigError(f"{key}: not a {kind} (config.json architectures={architectures!r}); {hint}")
+    return path, config, matching[0]
+
+
+def read_reward_model(where: str, spec: RewardModelConfig) -> RewardModelInfo:
+    """``spec.model``'s config.json as a sequence classifier whose output ``spec.label`` picks;
+    ConfigError naming ``where`` (e.g. 'rollout.rewards[1]') and the path otherwise."""
+    key = f"{where}.model={spec.model!r}"
+    _, config, architecture = read_model_dir(
+        key,
+        spec.model,
+        "reward model",
+        "ForSequenceClassification",
+        "sequence-classification model",
+        "a reward model is a *ForSequenceClassification, e.g. saved by "
+        "AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(DIR)",
+    )
     labels = _labels(config)
     if spec.label is None:
         if len(labels) != 1:
@@ -108,7 +120,7 @@ def read_reward_model(where: str, spec: RewardModelConfig) -> RewardModelInfo:
                 f"{where}.label: {spec.model!r} has {len(labels)} labels {list(labels)}; name the one whose "
                 f"probability is the reward (label: NAME), or use a reward model with num_labels=1 (its logit)"
             )
-        return RewardModelInfo(classifiers[0], labels, None)
+        return RewardModelInfo(architecture, labels, None)
     if spec.label not in labels:
         raise ConfigError(f"{where}.label={spec.label!r}: {spec.model!r} has labels {list(labels)}")
     if len(labels) < 2:
@@ -116,7 +128,7 @@ def read_reward_model(where: str, spec: RewardModelConfig) -> RewardModelInfo:
             f"{where}.label={spec.label!r}: {spec.model!r} has a single label, whose softmax is always 1; "
             f"leave label unset to use its logit"
         )
-    return RewardModelInfo(classifiers[0], labels, labels.index(spec.label))
+    return RewardModelInfo(architecture, labels, labels.index(spec.label))
 
 
 def _labels(config: dict) -> tuple[str, ...]:

@@ -13,13 +13,12 @@ tokenizers, which only the run has resolved).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from asyncrl.config.base import ConfigError, Section
-from asyncrl.config.reward_model import read_config_json
+from asyncrl.config.reward_model import read_model_dir
 
 
 class TeacherConfig(Section):
@@ -62,21 +61,14 @@ def check_teacher(spec: TeacherConfig) -> str:
     key = f"rollout.teacher.model={spec.model!r}"
     if not math.isfinite(spec.coef):
         raise ConfigError(f"rollout.teacher.coef={spec.coef!r}: must be a finite number > 0")
-    path = Path(spec.model)
-    if not path.is_dir():
-        what = "not a directory" if path.exists() else "no such directory"
-        raise ConfigError(
-            f"{key}: {what}; a teacher is a local directory written by save_pretrained "
-            f"(download a hub model first, e.g. `hf download ID --local-dir DIR`)"
-        )
-    config = read_config_json(path, key)
-    architectures = config.get("architectures") or []
-    causal = [a for a in architectures if isinstance(a, str) and a.endswith("ForCausalLM")]
-    if not causal:
-        raise ConfigError(
-            f"{key}: not a causal language model (config.json architectures={architectures!r}); "
-            f"a teacher is a *ForCausalLM that scores the student's tokens"
-        )
+    path, _, architecture = read_model_dir(
+        key,
+        spec.model,
+        "teacher",
+        "ForCausalLM",
+        "causal language model",
+        "a teacher is a *ForCausalLM that scores the student's tokens",
+    )
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         # Caught here rather than by the actor, which would fail only once Ray, the generators
         # and the learner are up (a download interrupted after config.json).
@@ -84,4 +76,4 @@ def check_teacher(spec: TeacherConfig) -> str:
             f"{key}: no weights (*.safetensors or pytorch_model*.bin) beside its config.json; "
             f"a teacher is a directory written by save_pretrained"
         )
-    return causal[0]
+    return architecture

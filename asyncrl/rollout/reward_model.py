@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrl.config import Config
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
@@ -257,26 +257,40 @@ def reward_models(cfg: Config) -> list[tuple[int, RewardModelConfig]]:
 
 def start_reward_models(cfg: Config) -> list[tuple[str, Any]]:
     """Create one actor per reward model of ``cfg`` without waiting for them to load: [(where, handle)]."""
-    import ray
-
     started = []
     for i, spec in reward_models(cfg):
-        name = actor_name(cfg.control.run_name, i)
-        with contextlib.suppress(ValueError):  # a predecessor's, left by a driver that shares this Ray
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-            _wait_name_free(name)
-        actor = ray.remote(RewardModelServer).options(
-            name=name,
-            namespace=NAMESPACE,
-            num_cpus=spec.num_cpus,
-            num_gpus=spec.num_gpus,
-            max_restarts=spec.max_restarts,
-            max_task_retries=TASK_RETRIES,
-            max_concurrency=1000,  # requests wait on its loop for their batch, not on a slot
-        )
+        actor = scorer_actor(RewardModelServer, actor_name(cfg.control.run_name, i), spec)
         where = f"rollout.rewards[{i}]"
         started.append((where, actor.remote(spec, where)))
     return started
+
+
+class ScorerResources(Protocol):
+    """What a scorer's config section asks of Ray (RewardModelConfig, TeacherConfig)."""
+
+    num_cpus: float
+    num_gpus: float
+    max_restarts: int
+
+
+def scorer_actor(cls: type, name: str, spec: ScorerResources) -> Any:
+    """``cls`` as the run's named scorer actor class (a reward model, the teacher), restarted by
+    Ray with its in-flight request retried. A predecessor under ``name``, left by a driver that
+    shares this Ray, is killed first."""
+    import ray
+
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        _wait_name_free(name)
+    return ray.remote(cls).options(
+        name=name,
+        namespace=NAMESPACE,
+        num_cpus=spec.num_cpus,
+        num_gpus=spec.num_gpus,
+        max_restarts=spec.max_restarts,
+        max_task_retries=TASK_RETRIES,
+        max_concurrency=1000,  # requests wait on its loop for their batch, not on a slot
+    )
 
 
 def _wait_name_free(name: str, timeout_s: float = 30.0) -> None:

@@ -29,7 +29,6 @@ forward: the same batching of requests from every generator, the same restart af
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -40,12 +39,10 @@ from asyncrl.config import Config
 from asyncrl.config.teacher import TeacherConfig, check_teacher
 from asyncrl.rollout.envs.base import RewardError
 from asyncrl.rollout.reward_model import (
-    NAMESPACE,
-    TASK_RETRIES,
     RewardModelClient,
     RewardModelServer,
     ServerStats,
-    _wait_name_free,
+    scorer_actor,
 )
 from asyncrl.rollout.scoring import RewardScorer, RewardTimeout
 from asyncrl.types import MIN_LOGPROB, Sample
@@ -243,25 +240,12 @@ def start_teacher(cfg: Config, student_model: str) -> list[tuple[str, Any]]:
     """The teacher's actor (none without rollout.teacher), not waited for: [(where, handle)].
     ``student_model``: the student's resolved model directory, whose vocabulary is read here
     (the actor may run on a node that has not got it) and checked by the actor."""
-    import ray
     from transformers import AutoTokenizer
 
     spec = cfg.rollout.teacher
     if spec is None:
         return []
-    name = teacher_actor_name(cfg.control.run_name)
-    with contextlib.suppress(ValueError):  # a predecessor's, left by a driver that shares this Ray
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-        _wait_name_free(name)
-    actor = ray.remote(TeacherServer).options(
-        name=name,
-        namespace=NAMESPACE,
-        num_cpus=spec.num_cpus,
-        num_gpus=spec.num_gpus,
-        max_restarts=spec.max_restarts,
-        max_task_retries=TASK_RETRIES,
-        max_concurrency=1000,  # requests wait on its loop for their batch, not on a slot
-    )
+    actor = scorer_actor(TeacherServer, teacher_actor_name(cfg.control.run_name), spec)
     temperature = spec.temperature if spec.temperature is not None else cfg.rollout.temperature
     student_vocab = AutoTokenizer.from_pretrained(student_model).get_vocab()
     return [(WHERE, actor.remote(spec, student_vocab, temperature))]
