@@ -8,7 +8,8 @@ The dashboard (``asyncrl.monitor.dashboard``) reads only Redis, so it can be sta
 stopped at any time, for a live run or a finished one.
 """
 
-from asyncrl.monitor.metrics import CATALOGUE, MetricSpec, evaluate_alerts, spec, staleness_summary
+from asyncrl.monitor.alerts import evaluate_alerts
+from asyncrl.monitor.metrics import CATALOGUE, MetricSpec, spec, staleness_summary
 from asyncrl.monitor.sinks import ConsoleSink, MetricsLogger, RedisSink, WandbSink, build_metrics_logger
 
 __all__ = [

@@ -21,8 +21,8 @@ from asyncrl.algo.overlong import is_truncated
 from asyncrl.config import Config
 from asyncrl.control.watchdog import GeneratorWatchdog
 from asyncrl.data.batch import build_minibatches
+from asyncrl.monitor.alerts import Thresholds, evaluate_alerts
 from asyncrl.monitor.dashboard.data import thresholds_of
-from asyncrl.monitor.metrics import Thresholds, evaluate_alerts
 from asyncrl.queue.readback import Heartbeat, parse_heartbeat
 from asyncrl.rollout.completions import Completion
 from asyncrl.rollout.envs import make_env

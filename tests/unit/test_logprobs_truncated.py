@@ -18,6 +18,7 @@ from asyncrl.algo import entropy_from_logits, logprobs_from_logits
 from asyncrl.algo.logprobs import kept_threshold
 from asyncrl.config import AlgoConfig, RolloutConfig
 from asyncrl.learner.loss import Sampling, learner_loss_fn, microbatch_loss, token_logprobs
+from asyncrl.monitor import alerts as A
 from asyncrl.monitor import metrics as M
 
 D = torch.float64
@@ -253,14 +254,14 @@ def test_the_learner_takes_the_cut_from_the_rollout_config():
 
 
 def test_logprob_diff_alert():
-    t = M.Thresholds()
+    t = A.Thresholds()
     assert t.logprob_diff_max == 0.5
     kw = {"thresholds": t, "max_staleness": 1, "policy_version": 1, "generators": {}, "now": 0.0}
-    assert not M.evaluate_alerts({"drift/logprob_abs_diff_max": 0.5}, **kw)
-    (alert,) = M.evaluate_alerts({"drift/logprob_abs_diff_max": 0.9, "staleness/max": 0}, **kw)
+    assert not A.evaluate_alerts({"drift/logprob_abs_diff_max": 0.5}, **kw)
+    (alert,) = A.evaluate_alerts({"drift/logprob_abs_diff_max": 0.9, "staleness/max": 0}, **kw)
     assert alert["kind"] == "logprob_diff_max" and alert["threshold"] == 0.5
     # Stale tokens differ by the policy's own updates: not a mismatch.
-    stale = M.evaluate_alerts({"drift/logprob_abs_diff_max": 0.9, "staleness/max": 1}, **kw)
+    stale = A.evaluate_alerts({"drift/logprob_abs_diff_max": 0.9, "staleness/max": 1}, **kw)
     assert "logprob_diff_max" not in {a["kind"] for a in stale}
 
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from asyncrl.monitor import alerts as A
 from asyncrl.monitor import metrics as M
 from asyncrl.types import merge_metrics
 
@@ -176,14 +177,14 @@ def test_clean_keeps_numbers_only():
 
 def _alerts(latest, **kw):
     args = dict(
-        thresholds=M.Thresholds(rollout_kl=0.05, masked_frac=0.2, staleness_frac=1.0),
+        thresholds=A.Thresholds(rollout_kl=0.05, masked_frac=0.2, staleness_frac=1.0),
         max_staleness=2,
         policy_version=10,
         generators={},
         now=1000.0,
     )
     args.update(kw)
-    return {a["kind"]: a for a in M.evaluate_alerts(latest, **args)}
+    return {a["kind"]: a for a in A.evaluate_alerts(latest, **args)}
 
 
 def test_alerts_fire_only_past_their_thresholds():
@@ -195,7 +196,7 @@ def test_alerts_fire_only_past_their_thresholds():
     assert got["rollout_kl"]["value"] == 0.07 and got["rollout_kl"]["threshold"] == 0.05
     assert got["staleness"]["threshold"] == 2.0
     # staleness_frac 0.5 of max_staleness 2 -> alert from staleness 1 on
-    assert "staleness" in _alerts({"staleness/max": 1.0}, thresholds=M.Thresholds(staleness_frac=0.5))
+    assert "staleness" in _alerts({"staleness/max": 1.0}, thresholds=A.Thresholds(staleness_frac=0.5))
     # On-policy (max_staleness 0): staleness 0 is the normal state, never an alert.
     assert _alerts({"staleness/max": 0.0}, max_staleness=0) == {}
 
@@ -206,8 +207,8 @@ def test_generator_alerts_lag_and_heartbeat():
         "g-old": {"version": 7, "heartbeat": 999.0},  # lag 3 > 2
         "g-dead": {"version": 10, "heartbeat": 980.0},  # 20 s without heartbeat
     }
-    args = dict(thresholds=M.Thresholds(), max_staleness=2, policy_version=10, generators=gens, now=1000.0)
-    alerts = M.evaluate_alerts({}, **args, heartbeat_timeout_s=10.0)
+    args = dict(thresholds=A.Thresholds(), max_staleness=2, policy_version=10, generators=gens, now=1000.0)
+    alerts = A.evaluate_alerts({}, **args, heartbeat_timeout_s=10.0)
     by = {(a["kind"], a["subject"]): a for a in alerts}
     assert set(by) == {("generator_lag", "g-old"), ("generator_heartbeat", "g-dead")}
     assert by[("generator_lag", "g-old")]["value"] == 3.0
@@ -215,7 +216,7 @@ def test_generator_alerts_lag_and_heartbeat():
     assert by[("generator_heartbeat", "g-dead")]["threshold"] == 10.0
     # Unless told otherwise the timeout is rollout.heartbeat_timeout_s's default (60 s): 20 s is not dead.
     assert M.DEFAULT_HEARTBEAT_TIMEOUT_S == 60.0
-    assert {a["kind"] for a in M.evaluate_alerts({}, **args)} == {"generator_lag"}
+    assert {a["kind"] for a in A.evaluate_alerts({}, **args)} == {"generator_lag"}
 
 
 def test_prometheus_name():

@@ -23,7 +23,8 @@ from asyncrl.control.parity_gate import (
     likely_causes,
 )
 from asyncrl.infra import ExpectedFailure
-from asyncrl.monitor.metrics import is_known, state_alerts
+from asyncrl.monitor.alerts import state_alerts
+from asyncrl.monitor.metrics import is_known
 from asyncrl.types import TrainSequence
 
 

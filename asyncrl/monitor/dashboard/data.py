@@ -21,7 +21,8 @@ from typing import Any
 import msgpack
 
 from asyncrl.config import redact_config
-from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S, Thresholds, evaluate_alerts, state_alerts
+from asyncrl.monitor.alerts import Thresholds, evaluate_alerts, state_alerts
+from asyncrl.monitor.metrics import DEFAULT_HEARTBEAT_TIMEOUT_S
 from asyncrl.queue import keys
 from asyncrl.queue.readback import count, parse_heartbeat
 from asyncrl.queue.records import unpack_small

@@ -28,8 +28,8 @@ import yaml
 
 from asyncrl.config import redact_config
 from asyncrl.infra import ExpectedFailure
+from asyncrl.monitor.alerts import Thresholds, evaluate_alerts, state_alerts
 from asyncrl.monitor.dashboard import data
-from asyncrl.monitor.metrics import Thresholds, evaluate_alerts, state_alerts
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, complete_checkpoints, read_extra
 from asyncrl.rundir.store import ObjectPath, RunPath, run_path
 
