@@ -36,6 +36,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.config import Config
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 EVAL_GRACE_S = 30.0
 """The trainer waits control.eval_timeout_s plus this (at most the timeout again) for answers."""
+
+STOP_POLL_S = 0.5
+"""How often a wait for the last step's evaluation looks at the stop flag."""
 
 EVAL_SEED_OFFSET = 1_000_003
 """Env-made eval prompts use seed + this: a stream of their own, not the generators'."""
@@ -123,14 +127,25 @@ class PendingEval:
         _, pending = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
         return not pending
 
-    def collect(self) -> dict[str, float]:
-        """eval/* metrics, waiting (to the deadline at most) for the generators still running."""
+    def collect(self, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+        """eval/* metrics, waiting (to the deadline at most) for the generators still running;
+        a ``stop`` that turns true (SIGTERM: preemption has a grace to keep) ends the wait, and
+        what is not in by then counts as timed out."""
         import ray
 
         calls = self.calls
         failed = self.prompts - sum(calls.values())  # no generator to run them
-        left = max(self.deadline_s - (time.perf_counter() - self.t0), 0.0)
-        ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=left) if calls else ([], [])
+        ready: list = []
+        pending = list(calls)
+        stopped = False
+        while pending:
+            left = self.deadline_s - (time.perf_counter() - self.t0)
+            stopped = stop is not None and stop()
+            wait = 0.0 if left <= 0 or stopped else min(left, STOP_POLL_S)
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+            ready += done  # those in by now count, whatever ends the wait
+            if wait == 0.0:
+                break
         outs: list[EvalOutcome] = []
         for ref in ready:
             try:
@@ -149,7 +164,9 @@ class PendingEval:
         for ref in pending:  # best effort: the generator abandons its own rollouts at its timeout
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
-        if pending:
+        if pending and stopped:
+            log.warning("evaluation: the run stops; %d prompts not waited for", timeouts)
+        elif pending:
             log.warning(
                 "evaluation: %d generator(s) did not answer within %.0f s (control.eval_timeout_s): %d prompts",
                 len(pending),
@@ -233,8 +250,10 @@ class EvalSchedule:
     """The loop's evaluations (control.eval_every): at most one in flight; it never holds a step
     but the run's last, which waits for it so that no evaluation is lost."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop: Callable[[], bool] | None = None):
         self.cfg = cfg
+        self.stop = stop
+        """True once the run is asked to stop: the last step's wait for an evaluation ends."""
         self.evaluator: Evaluator | None = None
         self.pending: PendingEval | None = None
         self.skipped = 0
@@ -244,7 +263,7 @@ class EvalSchedule:
         every = self.cfg.control.eval_every
         out: dict[str, float] = {}
         if self.pending is not None and (last or self.pending.ready()):
-            out = self.pending.collect()
+            out = self.pending.collect(self.stop)
             self.pending = None
         if every and step % every == 0 and generators:
             if self.pending is not None:
@@ -257,7 +276,7 @@ class EvalSchedule:
                     self.evaluator = Evaluator(self.cfg)
                 self.pending = self.evaluator.start(generators, step=step, version=version)
                 if last:
-                    out = self.pending.collect()
+                    out = self.pending.collect(self.stop)
                     self.pending = None
         if out:
             out["eval/skipped"] = float(self.skipped)

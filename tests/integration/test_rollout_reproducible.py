@@ -303,9 +303,10 @@ def test_the_loops_evaluations_do_not_hold_a_step_and_the_last_step_waits(ray_se
     the row of the step its answer came in, naming the step it was due at and the version; the
     run's last step waits for the evaluation it starts."""
     from asyncrl.control.evaluate import EvalSchedule
-    from tests.support.eval_generators import AnswersOnceFileExists
+    from tests.support.eval_generators import AnswersOnceFileExists, Hangs
 
     ray = ray_session
+    hung = None
     ev_cfg = cfg.model_copy(deep=True)
     ev_cfg.control.eval_size = 4
     ev_cfg.control.eval_every = 2
@@ -326,6 +327,15 @@ def test_the_loops_evaluations_do_not_hold_a_step_and_the_last_step_waits(ray_se
         assert row["eval/measured"] == 4 and row["eval/reward_mean"] == 1.0, row
         last = schedule.on_step(6, 6, [actor], last=True)  # due and last: waited for
         assert last["eval/step"] == 6 and last["eval/version"] == 6 and schedule.pending is None, last
+        # A run asked to stop (SIGTERM: a grace to keep) does not wait out eval_timeout_s (600 s
+        # here) for a last evaluation that hangs: what is not in counts as timed out.
+        stopping = EvalSchedule(ev_cfg, stop=lambda: True)
+        hung = ray.remote(Hangs).options(num_cpus=0, max_restarts=0).remote()
+        assert ray.get(hung.ready.remote(), timeout=120)
+        row = stopping.on_step(8, 8, [hung], last=True)
+        assert row["eval/timeouts"] == 4 and row["eval/measured"] == 0 and stopping.pending is None, row
     finally:
         schedule.close()
         ray.kill(actor)
+        if hung is not None:
+            ray.kill(hung)
