@@ -96,6 +96,7 @@ class Evaluator:
             if batch
         }
         return PendingEval(
+            generators=[gen for gen, batch in shares if batch],
             step=step,
             version=version,
             prompts=len(self.prompts),
@@ -109,6 +110,8 @@ class Evaluator:
 class PendingEval:
     """An evaluation handed to the generators: poll ``ready()``, then ``collect()`` its metrics."""
 
+    generators: list
+    """The generators it was handed to (``cancel`` stops their rollouts)."""
     step: int | None
     version: int | None
     prompts: int
@@ -176,11 +179,16 @@ class PendingEval:
         return self._metrics(outs, failed, timeouts)
 
     def cancel(self) -> None:
+        """Abandon it: ray.cancel does not reach a coroutine on a generator's loop, which would
+        go on holding its weight loads (and the trainer's last publish) to eval_timeout_s."""
         import ray
 
         for ref in self.calls:
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
+        for gen in self.generators:
+            with contextlib.suppress(Exception):  # a stand-in or a dead actor: nothing to stop
+                gen.cancel_evaluations.remote()
 
     def _metrics(self, outs: list[EvalOutcome], failed: int, timeouts: int) -> dict[str, float]:
         rewards = [x for o in outs for x in o.rewards if not math.isnan(x)]

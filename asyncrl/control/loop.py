@@ -398,6 +398,7 @@ class TrainLoop:
                     self.progress.update(self.state.step, metrics)
                 if self.on_step is not None:
                     self.on_step(self, metrics)
+            self.evals.close()  # a stopped run's evaluation would hold its publish in flight
             self.publisher.finish()
             if self.stop.is_set and self.state.unacked:
                 self.checkpoint()

@@ -236,3 +236,28 @@ def test_an_engine_that_dies_during_an_evaluation_is_rebuilt_under_its_hold():
     error = asyncio.run(main())
     assert isinstance(error, RequestAborted), error  # not a TimeoutError: no deadlock
     assert rebuilt == [1] and not engine._update_lock.locked()
+
+
+def test_a_cancelled_evaluation_lets_go_of_weight_loads_at_once():
+    """A trainer that stops cancels its evaluation (ray.cancel does not reach a coroutine on the
+    generator's loop): the rollouts stop and the hold on weight loads is let go, so the run's
+    last publish, which waits for the load, is not held to control.eval_timeout_s."""
+    engine = Engine(5)
+
+    async def main():
+        h = held_out(engine, seconds=3600.0)
+        running = asyncio.ensure_future(h.run(PROMPTS, 0.0, timeout_s=600.0, version=5))
+        while not engine.lock.locked():  # its rollouts run, holding the loads
+            await asyncio.sleep(0.01)
+        assert h.cancel() == 1
+        try:
+            await running
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the evaluation ran on")
+        await asyncio.wait_for(engine.load_after(0.0, 6), 5.0)  # the load is not held
+        return h
+
+    h = asyncio.run(main())
+    assert engine.version == 6 and h.cancel() == 0
