@@ -272,6 +272,15 @@ def test_an_evaluation_measures_one_named_version_across_generators_at_two(ray_s
         assert measured.version == version and measured.versions == [version] * 3, measured
         assert len(measured.rewards) == 3 and measured.off_version == 0, measured
         assert left_out.rewards == [] and left_out.off_version == 3, left_out
+    # A version neither reaches, abandoned (a stopping trainer): the generators' own coroutines
+    # are cancelled, not left waiting to eval_timeout_s (raised here, far past the test's wait).
+    ev_cfg.control.eval_timeout_s = 3600.0
+    pending = Evaluator(ev_cfg).start(gens, step=10, version=newer + 1)
+    pending.cancel()
+    for ref in pending.calls:
+        with pytest.raises(Exception) as raised:
+            ray.get(ref, timeout=60)
+        assert not isinstance(raised.value, ray.exceptions.GetTimeoutError), raised.value
 
 
 def test_an_evaluation_is_bounded_and_reports_what_it_lost(ray_session, cfg):
