@@ -36,6 +36,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.config import Config
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 EVAL_GRACE_S = 30.0
 """The trainer waits control.eval_timeout_s plus this (at most the timeout again) for answers."""
+
+STOP_POLL_S = 0.5
+"""How often a wait for the last step's evaluation looks at the stop flag."""
 
 EVAL_SEED_OFFSET = 1_000_003
 """Env-made eval prompts use seed + this: a stream of their own, not the generators'."""
@@ -92,6 +96,7 @@ class Evaluator:
             if batch
         }
         return PendingEval(
+            generators=[gen for gen, batch in shares if batch],
             step=step,
             version=version,
             prompts=len(self.prompts),
@@ -105,6 +110,8 @@ class Evaluator:
 class PendingEval:
     """An evaluation handed to the generators: poll ``ready()``, then ``collect()`` its metrics."""
 
+    generators: list
+    """The generators it was handed to (``cancel`` stops their rollouts)."""
     step: int | None
     version: int | None
     prompts: int
@@ -123,14 +130,25 @@ class PendingEval:
         _, pending = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
         return not pending
 
-    def collect(self) -> dict[str, float]:
-        """eval/* metrics, waiting (to the deadline at most) for the generators still running."""
+    def collect(self, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+        """eval/* metrics, waiting (to the deadline at most) for the generators still running;
+        a ``stop`` that turns true (SIGTERM: preemption has a grace to keep) ends the wait, and
+        what is not in by then counts as timed out."""
         import ray
 
         calls = self.calls
         failed = self.prompts - sum(calls.values())  # no generator to run them
-        left = max(self.deadline_s - (time.perf_counter() - self.t0), 0.0)
-        ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=left) if calls else ([], [])
+        ready: list = []
+        pending = list(calls)
+        stopped = False
+        while pending:
+            left = self.deadline_s - (time.perf_counter() - self.t0)
+            stopped = stop is not None and stop()
+            wait = 0.0 if left <= 0 or stopped else min(left, STOP_POLL_S)
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+            ready += done  # those in by now count, whatever ends the wait
+            if wait == 0.0:
+                break
         outs: list[EvalOutcome] = []
         for ref in ready:
             try:
@@ -149,7 +167,9 @@ class PendingEval:
         for ref in pending:  # best effort: the generator abandons its own rollouts at its timeout
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
-        if pending:
+        if pending and stopped:
+            log.warning("evaluation: the run stops; %d prompts not waited for", timeouts)
+        elif pending:
             log.warning(
                 "evaluation: %d generator(s) did not answer within %.0f s (control.eval_timeout_s): %d prompts",
                 len(pending),
@@ -159,11 +179,16 @@ class PendingEval:
         return self._metrics(outs, failed, timeouts)
 
     def cancel(self) -> None:
+        """Abandon it: ray.cancel does not reach a coroutine on a generator's loop, which would
+        go on holding its weight loads (and the trainer's last publish) to eval_timeout_s."""
         import ray
 
         for ref in self.calls:
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
+        for gen in self.generators:
+            with contextlib.suppress(Exception):  # a stand-in or a dead actor: nothing to stop
+                gen.cancel_evaluations.remote()
 
     def _metrics(self, outs: list[EvalOutcome], failed: int, timeouts: int) -> dict[str, float]:
         rewards = [x for o in outs for x in o.rewards if not math.isnan(x)]
@@ -233,8 +258,10 @@ class EvalSchedule:
     """The loop's evaluations (control.eval_every): at most one in flight; it never holds a step
     but the run's last, which waits for it so that no evaluation is lost."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop: Callable[[], bool] | None = None):
         self.cfg = cfg
+        self.stop = stop
+        """True once the run is asked to stop: the last step's wait for an evaluation ends."""
         self.evaluator: Evaluator | None = None
         self.pending: PendingEval | None = None
         self.skipped = 0
@@ -244,7 +271,7 @@ class EvalSchedule:
         every = self.cfg.control.eval_every
         out: dict[str, float] = {}
         if self.pending is not None and (last or self.pending.ready()):
-            out = self.pending.collect()
+            out = self.pending.collect(self.stop)
             self.pending = None
         if every and step % every == 0 and generators:
             if self.pending is not None:
@@ -257,7 +284,7 @@ class EvalSchedule:
                     self.evaluator = Evaluator(self.cfg)
                 self.pending = self.evaluator.start(generators, step=step, version=version)
                 if last:
-                    out = self.pending.collect()
+                    out = self.pending.collect(self.stop)
                     self.pending = None
         if out:
             out["eval/skipped"] = float(self.skipped)

@@ -110,7 +110,7 @@ class TrainLoop:
         self.ckpt_root = runtime.run_dir / CHECKPOINTS_DIR
         self.last_trained: list[TrainedGroup] = []
         """The last step's groups only (a run's worth would grow for days): on_step collects."""
-        self.evals = EvalSchedule(cfg)
+        self.evals = EvalSchedule(cfg, stop=lambda: self.stop.is_set)
 
         self.watchdog = GeneratorWatchdog(
             runtime.generators,
@@ -398,6 +398,7 @@ class TrainLoop:
                     self.progress.update(self.state.step, metrics)
                 if self.on_step is not None:
                     self.on_step(self, metrics)
+            self.evals.close()  # a stopped run's evaluation would hold its publish in flight
             self.publisher.finish()
             if self.stop.is_set and self.state.unacked:
                 self.checkpoint()

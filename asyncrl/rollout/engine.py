@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 
 from asyncrl.config import LoraConfig, RolloutConfig
 from asyncrl.infra import shm_segments_of
@@ -81,6 +82,9 @@ class RolloutEngine(WeightUpdates):
         """Why the engine takes no requests (its weights are not those of ``version``), or None."""
         self._requests: set[str] = set()
         self._update_lock = asyncio.Lock()
+        self._held = False
+        """An evaluation holds ``_update_lock`` (updates_held) and waits for its own requests."""
+        self._rebuild_lock = asyncio.Lock()
         self._open = asyncio.Event()
         """Set while requests may be submitted: cleared during a weight update (so a request takes
         the new version's cache salt) and while the engine holds no weights it can label."""
@@ -217,18 +221,37 @@ class RolloutEngine(WeightUpdates):
         )
         log.info("engine warmed up in %.1f s", time.perf_counter() - t0)
 
-    def updates_held(self) -> asyncio.Lock:
-        """While held, no weight load (nor rebuild) starts: an evaluation of one version holds it
+    @contextlib.asynccontextmanager
+    async def updates_held(self) -> AsyncIterator[None]:
+        """While held, no weight load starts: an evaluation of one version holds it
         (rollout/evaluation.py). An NCCL transfer is a collective with the learners and does not
-        wait for it."""
-        return self._update_lock
+        wait for it. A dead engine is still rebuilt meanwhile (``_replace_dead``): the holder
+        waits for requests that wait for that rebuild."""
+        async with self._update_lock:
+            self._held = True
+            try:
+                yield
+            finally:
+                self._held = False
+                # A rebuild started under the hold ends before a load may start.
+                async with self._rebuild_lock:
+                    pass
 
     async def _replace_dead(self, llm, error: BaseException) -> None:
         """A dead EngineCore fails every request at once and never comes back: the first caller
         to see it rebuilds the engine (under the update lock, so a load cannot interleave), the
         others find it replaced. Without this the generator would re-issue its prompts onto the
-        dead engine for ever while its heartbeat says it is alive."""
+        dead engine for ever while its heartbeat says it is alive. While an evaluation holds
+        the update lock no load can run, and it waits for these very requests: taking the lock
+        would deadlock them to the evaluation's timeout, so the rebuild goes ahead under it."""
+        if self._held:
+            await self._rebuild_once(llm, error)
+            return
         async with self._update_lock:
+            await self._rebuild_once(llm, error)
+
+    async def _rebuild_once(self, llm, error: BaseException) -> None:
+        async with self._rebuild_lock:
             if self.llm is llm:
                 log.error("the engine died (%s: %s): rebuilding it", type(error).__name__, error)
                 await self.rebuild()

@@ -146,6 +146,16 @@ class HeldOut:
         self.cfg, self.env, self.tokenizer, self.engine, self.generator_id = cfg, env, tokenizer, engine, generator_id
         self.encode = encode
         self.maker: GroupMaker | None = None
+        self._running: set[asyncio.Task] = set()
+
+    def cancel(self) -> int:
+        """Cancel the evaluations running here (the trainer stops: it no longer waits for them,
+        and their hold on weight loads would hold its last publish); how many there were.
+        Ray's cancel does not reach a coroutine on the generator's own loop: this does."""
+        running = [t for t in self._running if not t.done()]
+        for task in running:
+            task.cancel()
+        return len(running)
 
     async def run(
         self,
@@ -159,7 +169,14 @@ class HeldOut:
         weights load: its prompts are reported as not run at once instead. With ``version``,
         only rollouts sampled under that weight version count (the module's docstring)."""
         t0 = time.monotonic()
-        out = await self._run(prompts, temperature, timeout_s, version)
+        task = asyncio.current_task()
+        if task is not None:
+            self._running.add(task)
+        try:
+            out = await self._run(prompts, temperature, timeout_s, version)
+        finally:
+            if task is not None:
+                self._running.discard(task)
         out.seconds = time.monotonic() - t0
         return out
 

@@ -336,6 +336,14 @@ class GeneratorActor:
         ``timeout_s``, under weight ``version`` alone when one is named (rollout/evaluation.py)."""
         return self._call(self.held_out.run(prompts, temperature, timeout_s, version))
 
+    def cancel_evaluations(self) -> int:
+        """Stop the evaluations running here (ray.cancel does not reach them); how many."""
+
+        async def cancel() -> int:
+            return self.held_out.cancel()
+
+        return self._call(cancel())
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -7,7 +7,8 @@ WEIGHTS_POLL_S if nobody pushed them (elastic generators).
 
 A missed beat or a failed load is logged and tried again, never fatal: the watchdog judges a
 generator by its beats' age, and the watcher closes admission while announced weights fail
-to load (rollout/watcher.py).
+to load (rollout/watcher.py). The poll runs beside the beats, one at a time: a load it starts
+may wait minutes for an evaluation's hold on weight updates, and the beats must not.
 """
 
 from __future__ import annotations
@@ -49,19 +50,36 @@ class Heartbeat:
 
     async def run(self) -> None:
         last_beat = 0.0
-        while True:
-            try:
-                if time.monotonic() - last_beat >= HEARTBEAT_S:
-                    last_beat = time.monotonic()
-                    beat = self.report().heartbeat()
-                    await asyncio.to_thread(self.run_state.heartbeat, self.generator_id, beat)
+        # The poll runs beside the beats: a load waits for the engine's update lock, which an
+        # evaluation holds while its rollouts run (minutes, at most control.eval_timeout_s), and
+        # a generator that stopped beating meanwhile would be killed by the watchdog as hung.
+        polling: asyncio.Task | None = None
+        try:
+            while True:
                 try:
-                    await self.weights.poll()
-                finally:
-                    if self.engine_record.outdated():  # a failed load rebuilt the engine: new processes
-                        await asyncio.to_thread(self.engine_record.write)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a missed beat or a failed self-update is retried next second
-                log.warning("%s: heartbeat/weights poll failed: %s", self.generator_id, e)
-            await asyncio.sleep(WEIGHTS_POLL_S)
+                    if time.monotonic() - last_beat >= HEARTBEAT_S:
+                        last_beat = time.monotonic()
+                        beat = self.report().heartbeat()
+                        await asyncio.to_thread(self.run_state.heartbeat, self.generator_id, beat)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # a missed beat is retried next second
+                    log.warning("%s: heartbeat failed: %s", self.generator_id, e)
+                if polling is None or polling.done():
+                    polling = asyncio.ensure_future(self._poll())
+                await asyncio.sleep(WEIGHTS_POLL_S)
+        finally:
+            if polling is not None:
+                polling.cancel()
+
+    async def _poll(self) -> None:
+        try:
+            try:
+                await self.weights.poll()
+            finally:
+                if self.engine_record.outdated():  # a failed load rebuilt the engine: new processes
+                    await asyncio.to_thread(self.engine_record.write)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failed self-update is retried at the next poll
+            log.warning("%s: weights poll failed: %s", self.generator_id, e)

@@ -42,8 +42,10 @@ def _history_step(step: int) -> dict[str, float]:
         "queue/pending": 8.0,
         "queue/dropped_stale": float(step // 6),
         "queue/dead_lettered": 0.0,
-        "queue/outages": 0.0,
-        "queue/outage_s": 0.0,
+        # The trainer lived through 3 outages (9 s), was resumed at step 10 and lived through one
+        # (2 s) before that step: its own counts start again. Step 15's count was not a number.
+        "queue/outages": math.nan if step == 15 else 3.0 if step < 10 else 1.0,
+        "queue/outage_s": 9.0 if step < 10 else 2.0,
         "generators/restarts": 0.0,
         "drift/rollout_kl": 0.004 + 0.0005 * (step % 4),
         "drift/abs_logp_diff": 0.03,
@@ -135,8 +137,8 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
         "learner/version": 21.0,
         "queue/dead_lettered": 2.0,
         "generators/restarts": 1.0,
-        "queue/outages": 1.0,
-        "queue/outage_s": 4.5,
+        "queue/outages": 2.0,
+        "queue/outage_s": 6.5,
     }
     RedisSink(live_run, RUN).log(20, step20)
     live_run.hset(keys.state(RUN), mapping={"policy_version": 21, "weights_version": 21})
@@ -189,13 +191,16 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
     helps = page.evaluate("[...document.querySelectorAll('#charts h2, .tile')].map(e => e.getAttribute('title'))")
     assert len(helps) > 20 and all(h and len(h) > 20 for h in helps), helps
     # Events marked on every chart: the start (its parity gate), and at step 20 dead-lettered
-    # records, a generator Ray restarted and a Redis outage the trainer lived through (4.5 s).
+    # records, a generator Ray restarted and a Redis outage the trainer lived through (4.5 s);
+    # at step 10 the resumed trainer's first outage (its count fell from 3 to 1: a restart at 0),
+    # and none after step 15's gap (not a number, then the same count).
     events = page.evaluate(
         "document.getElementById('chart-reward').layout.shapes"
         ".filter(s => (s.name || '').startsWith('event')).map(s => [s.name, s.x0])"
     )
     assert events == [
         ["event: start", 0],
+        ["event: Redis outage +1 (2 s)", 10],
         ["event: dead-lettered +2", 20],
         ["event: generator restarted +1", 20],
         ["event: Redis outage +1 (4.5 s)", 20],

@@ -272,6 +272,15 @@ def test_an_evaluation_measures_one_named_version_across_generators_at_two(ray_s
         assert measured.version == version and measured.versions == [version] * 3, measured
         assert len(measured.rewards) == 3 and measured.off_version == 0, measured
         assert left_out.rewards == [] and left_out.off_version == 3, left_out
+    # A version neither reaches, abandoned (a stopping trainer): the generators' own coroutines
+    # are cancelled, not left waiting to eval_timeout_s (raised here, far past the test's wait).
+    ev_cfg.control.eval_timeout_s = 3600.0
+    pending = Evaluator(ev_cfg).start(gens, step=10, version=newer + 1)
+    pending.cancel()
+    for ref in pending.calls:
+        with pytest.raises(Exception) as raised:
+            ray.get(ref, timeout=60)
+        assert not isinstance(raised.value, ray.exceptions.GetTimeoutError), raised.value
 
 
 def test_an_evaluation_is_bounded_and_reports_what_it_lost(ray_session, cfg):
@@ -303,9 +312,10 @@ def test_the_loops_evaluations_do_not_hold_a_step_and_the_last_step_waits(ray_se
     the row of the step its answer came in, naming the step it was due at and the version; the
     run's last step waits for the evaluation it starts."""
     from asyncrl.control.evaluate import EvalSchedule
-    from tests.support.eval_generators import AnswersOnceFileExists
+    from tests.support.eval_generators import AnswersOnceFileExists, Hangs
 
     ray = ray_session
+    hung = None
     ev_cfg = cfg.model_copy(deep=True)
     ev_cfg.control.eval_size = 4
     ev_cfg.control.eval_every = 2
@@ -326,6 +336,15 @@ def test_the_loops_evaluations_do_not_hold_a_step_and_the_last_step_waits(ray_se
         assert row["eval/measured"] == 4 and row["eval/reward_mean"] == 1.0, row
         last = schedule.on_step(6, 6, [actor], last=True)  # due and last: waited for
         assert last["eval/step"] == 6 and last["eval/version"] == 6 and schedule.pending is None, last
+        # A run asked to stop (SIGTERM: a grace to keep) does not wait out eval_timeout_s (600 s
+        # here) for a last evaluation that hangs: what is not in counts as timed out.
+        stopping = EvalSchedule(ev_cfg, stop=lambda: True)
+        hung = ray.remote(Hangs).options(num_cpus=0, max_restarts=0).remote()
+        assert ray.get(hung.ready.remote(), timeout=120)
+        row = stopping.on_step(8, 8, [hung], last=True)
+        assert row["eval/timeouts"] == 4 and row["eval/measured"] == 0 and stopping.pending is None, row
     finally:
         schedule.close()
         ray.kill(actor)
+        if hung is not None:
+            ray.kill(hung)

@@ -198,3 +198,66 @@ def test_an_update_that_arrives_during_the_evaluation_waits_for_it():
 
     out = asyncio.run(main())
     assert out.versions == [5, 5] and out.off_version == 0 and engine.version == 6
+
+
+class DeadLLM:
+    """vLLM's AsyncLLM after its EngineCore died: every request fails and ``errored`` is set."""
+
+    errored = True
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        raise RuntimeError("EngineCore died")
+        yield  # an async generator, as AsyncLLM.generate
+
+
+def test_an_engine_that_dies_during_an_evaluation_is_rebuilt_under_its_hold():
+    """The evaluation holds weight updates and waits for its own requests; those requests find
+    the engine dead and rebuild it. Taking the update lock for that rebuild would wait for the
+    evaluation, which waits for them: the generator would stall to control.eval_timeout_s."""
+    from asyncrl.rollout.engine import RequestAborted, RolloutEngine
+
+    engine = RolloutEngine(DeadLLM(), Config().rollout, "unused", [], seed=0)
+    rebuilt: list[int] = []
+
+    async def rebuild() -> None:  # stands in for starting a fresh vLLM engine
+        rebuilt.append(1)
+        engine.llm = object()
+
+    engine.rebuild = rebuild  # type: ignore[method-assign]
+
+    async def main() -> BaseException:
+        async with engine.updates_held():
+            try:
+                await asyncio.wait_for(engine.generate([1, 2], 1, "eval-0"), 10.0)
+            except BaseException as e:
+                return e
+        raise AssertionError("a request on a dead engine succeeded")
+
+    error = asyncio.run(main())
+    assert isinstance(error, RequestAborted), error  # not a TimeoutError: no deadlock
+    assert rebuilt == [1] and not engine._update_lock.locked()
+
+
+def test_a_cancelled_evaluation_lets_go_of_weight_loads_at_once():
+    """A trainer that stops cancels its evaluation (ray.cancel does not reach a coroutine on the
+    generator's loop): the rollouts stop and the hold on weight loads is let go, so the run's
+    last publish, which waits for the load, is not held to control.eval_timeout_s."""
+    engine = Engine(5)
+
+    async def main():
+        h = held_out(engine, seconds=3600.0)
+        running = asyncio.ensure_future(h.run(PROMPTS, 0.0, timeout_s=600.0, version=5))
+        while not engine.lock.locked():  # its rollouts run, holding the loads
+            await asyncio.sleep(0.01)
+        assert h.cancel() == 1
+        try:
+            await running
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the evaluation ran on")
+        await asyncio.wait_for(engine.load_after(0.0, 6), 5.0)  # the load is not held
+        return h
+
+    h = asyncio.run(main())
+    assert engine.version == 6 and h.cancel() == 0

@@ -106,7 +106,8 @@ const CHARTS = [
 // (the parity gate runs once per start; a finished run dir also tells where it resumed), and steps
 // where records were dead-lettered, a generator failed to load weights, Ray restarted a generator,
 // or the trainer lived through a Redis outage (with its seconds). Counters rise at their event; a
-// trainer's own counts (outages) start again at 0 after a resume, which is no rise.
+// trainer's own counts (outages) start again at 0 after a resume: a drop is that restart, and what
+// it reads then is new. A row whose count is not a number is a gap: the next compares with the last.
 const EVENT_COUNTERS = [
   ["queue/dead_lettered", "dead-lettered"], ["sync/load_failures", "weight load failed"],
   ["generators/restarts", "generator restarted"], ["queue/outages", "Redis outage"],
@@ -124,15 +125,22 @@ function runEvents() {
   for (const [name, what] of EVENT_COUNTERS) {
     const s = view.series[name];
     if (!s) continue;
-    for (let i = 1; i < s.value.length; i++) {
-      const rise = s.value[i] - s.value[i - 1];
-      if (!(rise > 0)) continue;
-      let label = `${what} +${fmt(rise)}`;
-      if (name === "queue/outages") {
-        const secs = valueAt("queue/outage_s", s.step[i]) - valueAt("queue/outage_s", s.step[i - 1]);
-        if (secs > 0) label += ` (${fmt(secs)} s)`;
+    const resets = name === "queue/outages";
+    let prev = null;  // the last number seen: a gap (null) is no event, and no zero either
+    for (let i = 0; i < s.value.length; i++) {
+      const v = s.value[i];
+      if (!isNumber(v)) continue;
+      const rise = prev === null ? 0 : counterRise(prev.value, v, resets);
+      if (rise > 0) {
+        let label = `${what} +${fmt(rise)}`;
+        if (resets) {
+          const was = valueAt("queue/outage_s", prev.step), now = valueAt("queue/outage_s", s.step[i]);
+          const secs = isNumber(was) && isNumber(now) ? counterRise(was, now, true) : 0;
+          if (secs > 0) label += ` (${fmt(secs)} s)`;
+        }
+        events.push({ step: s.step[i], label });
       }
-      events.push({ step: s.step[i], label });
+      prev = { value: v, step: s.step[i] };
     }
   }
   return events.sort((a, b) => a.step - b.step);
@@ -224,6 +232,16 @@ function tracesOf(name, label, color, axis) {
       x: bySource[src].x, y: bySource[src].y, name: src === "trainer" ? label : `${label} (${src})`,
       type: "scatter", mode: "lines", line: { color, width: 2 }, yaxis: axis || "y",
     }));
+}
+
+function isNumber(v) {
+  return typeof v === "number" && Number.isFinite(v);
+}
+
+// How much a counter rose from `was` to `now`. A trainer's own count (`resets`: its outages)
+// starts again at 0 after a resume: a drop is that restart, and all it reads then is new.
+function counterRise(was, now, resets) {
+  return now < was && resets ? now : now - was;
 }
 
 // A metric's value in the row of `step` (the trainer's), or undefined.
