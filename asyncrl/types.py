@@ -30,6 +30,10 @@ float32 logits, >= (z_min - z_max) / T - log V: past -1e6 only with a logit spre
 T = 1 (the learner's own mask for a banned token is -1e4) or an absurd temperature; a sampled
 token that unlikely is never drawn. The bound keeps the term within a reward's (MAX_ABS_REWARD)."""
 
+PER_TOKEN_ARRAYS = ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards", "teacher_logprobs")
+"""Sample arrays with one entry per response token (when present): the codec and the batch
+builder check their lengths against response_ids."""
+
 
 @dataclass
 class Sample:

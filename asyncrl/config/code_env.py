@@ -51,6 +51,7 @@ class CodeEnvConfig(Section):
     all_or_nothing: bool = False
     """1 only when every test passes; false: the fraction of tests passed."""
     violation_reward: float = Field(0.0, allow_inf_nan=False)
+    """The reward of a response whose program broke a sandbox limit (timeout, memory, output...)."""
     hide: list[str] = Field(default_factory=list)
     """Directories the programs must not see, each covered by an empty tmpfs (mount namespace
     only, i.e. root): the problems' own files above all, whose expected outputs a program could
@@ -67,8 +68,6 @@ class CodeEnvConfig(Section):
                 raise ValueError(f"{p!r} is not an absolute path of a directory other than / (a tmpfs covers each)")
             out.append(full)
         return out
-
-    """The reward of a response whose program broke a sandbox limit (timeout, memory, output...)."""
 
 
 def code_env_config(env_kwargs: dict[str, Any], where: str = "rollout.env_kwargs") -> CodeEnvConfig:

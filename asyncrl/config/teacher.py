@@ -12,7 +12,6 @@ tokenizers, which only the run has resolved).
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field
@@ -59,8 +58,6 @@ class TeacherConfig(Section):
 def check_teacher(spec: TeacherConfig) -> str:
     """The teacher's architecture from its config.json; ConfigError naming rollout.teacher otherwise."""
     key = f"rollout.teacher.model={spec.model!r}"
-    if not math.isfinite(spec.coef):
-        raise ConfigError(f"rollout.teacher.coef={spec.coef!r}: must be a finite number > 0")
     path, _, architecture = read_model_dir(
         key,
         spec.model,

@@ -45,7 +45,7 @@ from asyncrl.algo.reduction import reduction_weights
 from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
 from asyncrl.config import AlgoConfig
 from asyncrl.config.teacher import TeacherConfig
-from asyncrl.types import RolloutGroup, Sample, TrainSequence
+from asyncrl.types import PER_TOKEN_ARRAYS, RolloutGroup, Sample, TrainSequence
 
 
 @dataclass
@@ -65,7 +65,7 @@ class _Row:
 
 def _check_sample(g: RolloutGroup, i: int, s: Sample) -> None:
     n = s.response_ids.shape[0]
-    for name in ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards", "teacher_logprobs"):
+    for name in PER_TOKEN_ARRAYS:
         arr = getattr(s, name)
         if arr is not None and arr.shape != (n,):
             raise ValueError(f"group {g.group_id!r} sample {i}: {name} has shape {arr.shape}, response has {n} tokens")

@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncrl.types import SCHEMA_VERSION, RolloutGroup, Sample
+from asyncrl.types import PER_TOKEN_ARRAYS, SCHEMA_VERSION, RolloutGroup, Sample
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 """Largest record accepted by default (matches QueueConfig.max_record_bytes)."""
@@ -52,8 +52,6 @@ _SAMPLE_ARRAYS = {
 }
 _NATIVE = {"<i4": np.int32, "<f4": np.float32, "|u1": np.uint8}
 _OPTIONAL_SAMPLE_ARRAYS = ("token_versions", "token_rewards", "prompt_ids", "teacher_logprobs")
-# Arrays that must have one entry per response token.
-_PER_TOKEN = ("rollout_logprobs", "loss_mask", "token_versions", "token_rewards", "teacher_logprobs")
 # Sample fields a writer may leave out (added after schema 1's first writers; absent = nil).
 _ABSENT_OK = frozenset({"teacher_logprobs"})
 
@@ -208,7 +206,7 @@ def _decode_sample(obj: Any, i: int) -> Sample:
             optional[name] = _decode_array(f[name], wire, f"{where}.{name}")
     arrays: dict[str, np.ndarray | None] = {**required, **optional}
     n = required["response_ids"].shape[0]
-    for name in _PER_TOKEN:
+    for name in PER_TOKEN_ARRAYS:
         a = arrays[name]
         if a is not None and a.shape[0] != n:
             raise RecordError("length_mismatch", f"{where}.{name}: {a.shape[0]} entries for {n} response tokens")
