@@ -57,6 +57,12 @@ def validate(cfg: Config) -> None:
                 why,
             )
     _dapo_rules(a, r)
+    if c.eval_every > c.total_steps:
+        log.warning(
+            "control.eval_every=%d is past control.total_steps=%d: no evaluation will run",
+            c.eval_every,
+            c.total_steps,
+        )
     if r.env == "verifiers" and c.eval_prompts and c.eval_every:
         # Its episodes are its taskset's tasks, found by the index make_prompt gives them: a
         # prompt read from a file names no task, so every held-out prompt would fail.

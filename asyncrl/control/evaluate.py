@@ -273,7 +273,11 @@ class EvalSchedule:
         if self.pending is not None and (last or self.pending.ready()):
             out = self.pending.collect(self.stop)
             self.pending = None
-        if every and step % every == 0 and generators:
+        skipped = self.skipped
+        if every and step % every == 0 and not generators:
+            self.skipped += 1
+            log.warning("evaluation due at step %d skipped: no generator is running", step)
+        elif every and step % every == 0:
             if self.pending is not None:
                 self.skipped += 1
                 log.warning(
@@ -286,7 +290,7 @@ class EvalSchedule:
                 if last:
                     out = self.pending.collect(self.stop)
                     self.pending = None
-        if out:
+        if out or self.skipped != skipped:
             out["eval/skipped"] = float(self.skipped)
         return out
 

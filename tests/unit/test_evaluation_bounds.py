@@ -261,3 +261,29 @@ def test_a_cancelled_evaluation_lets_go_of_weight_loads_at_once():
 
     h = asyncio.run(main())
     assert engine.version == 6 and h.cancel() == 0
+
+
+def test_an_evaluation_due_with_no_generator_is_skipped_and_counted_in_that_steps_row(caplog):
+    """No generator running when one is due (all restarting, or none joined yet): nothing is
+    handed out, and the skip is counted in that step's row, not silently dropped."""
+    from asyncrl.control.evaluate import EvalSchedule
+
+    cfg = Config()
+    cfg.control.eval_every = 2
+    schedule = EvalSchedule(cfg)
+    assert schedule.on_step(1, 1, [], last=False) == {}
+    with caplog.at_level("WARNING"):
+        assert schedule.on_step(2, 2, [], last=False) == {"eval/skipped": 1.0}
+    assert schedule.pending is None and "no generator is running" in caplog.text
+    assert schedule.on_step(3, 3, [], last=False) == {}  # reported once, when it changes
+    assert schedule.on_step(4, 4, [], last=True) == {"eval/skipped": 2.0}
+
+
+def test_eval_every_past_the_last_step_is_warned_about(caplog):
+    from asyncrl.config.tree import validate
+
+    cfg = Config()
+    cfg.control.total_steps, cfg.control.eval_every = 10, 20
+    with caplog.at_level("WARNING"):
+        validate(cfg)
+    assert "control.eval_every=20" in caplog.text and "no evaluation" in caplog.text
