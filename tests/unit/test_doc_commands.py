@@ -61,10 +61,20 @@ E2E = (
     "tests/integration/test_trainer_e2e.py",
     "test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator",
 )
+WALK = ("tests/integration/test_readme_walkthrough.py", "test_the_readme_followed_in_a_fresh_copy")
 HEAVY: list[tuple[str, tuple[str, str | None], str]] = [
-    (r"bash scripts/demo\.sh$", E2E, "trains configs/demo.yaml, which is what demo.sh runs"),
+    (r"bash scripts/demo\.sh$", WALK, "the README's demo command, run as written in a fresh copy"),
     (r"bash scripts/test\.sh$", (".ci/run", None), "CI runs exactly this command"),
-    (r"asyncrl train configs/demo\.yaml(?! .*rollout\.model=)", E2E, "the demo config as a job"),
+    (
+        r"asyncrl train configs/demo\.yaml .*control\.run_dir=runs/my-(reward|env) ",
+        WALK,
+        "the README's own reward and own environment runs, as written, in a fresh copy",
+    ),
+    (
+        r"asyncrl train configs/demo\.yaml(?! .*(rollout\.model=|control\.run_dir=runs/my-))",
+        E2E,
+        "the demo config as a job",
+    ),
     (
         r"asyncrl train --resume ",
         (
