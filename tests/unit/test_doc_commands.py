@@ -412,3 +412,17 @@ def test_the_examples_own_train_commands_pass_check(command, capsys, monkeypatch
 
 def test_the_examples_show_train_commands():
     assert {c.doc for c in EXAMPLE_COMMANDS} >= {"examples/custom_reward.py", "examples/multiturn_env.py"}
+
+
+def test_every_subcommand_and_option_has_its_help_line():
+    """`asyncrl SUB --help` opens with what SUB does, and describes every option it lists."""
+    import argparse
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {name: p for name, p in sub.choices.items() if name != "dashboard"}
+    parsers["dashboard"] = dashboard_parser()
+    assert set(parsers) >= {"train", "generate", "dashboard", "export", "bench", "tiny-model"}
+    for name, parser in parsers.items():
+        assert parser.description, f"asyncrl {name} --help has no description"
+        for action in parser._actions:
+            assert action.help and action.help is not argparse.SUPPRESS, f"asyncrl {name}: {action.dest} has no help"
