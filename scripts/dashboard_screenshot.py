@@ -10,7 +10,6 @@ on PATH (Debian's `chromium`) and Playwright (the `dev` extra).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import threading
@@ -25,22 +24,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=1440, help="viewport width in pixels (default 1440)")
     args = p.parse_args(argv)
 
+    import httpx
     import uvicorn
     from playwright.sync_api import sync_playwright
 
     from asyncrl.infra import free_port
     from asyncrl.monitor.dashboard.app import create_run_dir_app
+    from asyncrl.monitor.dashboard.rundir import NotARunDir
 
+    run_dir = Path(args.run_dir)
+    try:
+        app = create_run_dir_app(run_dir)
+    except NotARunDir as e:
+        print(e, file=sys.stderr)
+        return 2
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         print("chromium not found on PATH (apt-get install -y chromium)", file=sys.stderr)
         return 2
-    run_dir = Path(args.run_dir)
-    rows = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    last_step = json.loads(rows[-1])["step"]
-
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_run_dir_app(run_dir), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -50,11 +53,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         time.sleep(0.05)
     try:
+        base = f"http://127.0.0.1:{port}"
+        # The page is ready once it shows the step the run ended at.
+        last_step = httpx.get(f"{base}/api/run/{app.state.default_run}/summary", timeout=30).json()["step"]
         with sync_playwright() as pw:
             # --no-sandbox: as root (CI, containers) Chromium's sandbox refuses to start.
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": args.width, "height": 1000})
-            page.goto(f"http://127.0.0.1:{port}/")
+            page.goto(f"{base}/")
             page.wait_for_function(
                 f"document.getElementById('stat-step').textContent === '{last_step}'", timeout=30_000
             )
