@@ -201,6 +201,7 @@ def test_the_readme_followed_in_a_fresh_copy(tmp_path):
     # The finished demo's dashboard, as "First commands" gives it, read through its API.
     dashboard = re.findall(r"`(asyncrl dashboard [^`]+)`", sections["First commands"])
     assert dashboard == [f"asyncrl dashboard {demo_cfg.control.run_dir}"], dashboard
+    summary_file = (demo_dir / "summary.json").read_bytes()
     port = free_port()
     proc, log = sh.popen(f"{dashboard[0]} --port {port}")
     try:
@@ -227,4 +228,6 @@ def test_the_readme_followed_in_a_fresh_copy(tmp_path):
         assert httpx.get(f"{base}/run/{name}", timeout=10).status_code == 200
     finally:
         stop(proc, signal.SIGTERM)
-    assert f"{base}/ (finished run '{name}' from " in log.read_text(), log.read_text()[-2000:]
+    said = re.search(rf"{re.escape(base)}/ \(finished run '{name}' from (\S+)\)", log.read_text())
+    assert said and (copy / said[1]).resolve() == demo_dir.resolve(), log.read_text()[-2000:]
+    assert (demo_dir / "summary.json").read_bytes() == summary_file  # it only reads the run

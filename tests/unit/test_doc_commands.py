@@ -6,7 +6,9 @@ A fenced block's info string says what its commands are:
     ```bash            run here: --help, --help-config, `asyncrl train CONFIG ... --check`,
                        `python scripts/config_reference.py --check` (nothing else is allowed)
     ```bash heavy      a training job or a finished run's command: cited in HEAVY below, by a
-                       test that already runs it (the suite starts no job for the docs)
+                       test that already runs it (the README's quickstart jobs are run as
+                       written by tests/integration/test_readme_walkthrough.py; the rest
+                       are jobs other tests run anyway)
     ```bash external   needs what CI lacks (GPUs, a running job's Redis, a bucket, a cluster)
 
 Every `asyncrl` command in any of them is parsed by the real argument parsers (the subcommand
@@ -83,11 +85,7 @@ HEAVY: list[tuple[str, tuple[str, str | None], str]] = [
         ),
         "asyncrl train --resume RUN_DIR after a crash (tests/support/job.py)",
     ),
-    (
-        r"asyncrl dashboard runs/\S+$",
-        ("tests/integration/test_dashboard_run_dir.py", "test_the_command_serves_a_finished_run"),
-        "the command over a finished run's directory",
-    ),
+    (r"asyncrl dashboard runs/\S+$", WALK, "the command over the finished demo's directory, read through its API"),
     (r"asyncrl export runs/demo( --step \d+)?$", E2E, "asyncrl export RUN_DIR of the finished run"),
     (
         r"asyncrl export runs/demo_lora( --adapter)?$",
