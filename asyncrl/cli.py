@@ -34,6 +34,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
+from typing import Any
 
 from asyncrl.config import ConfigError, load_config, redact_config, schema_text
 from asyncrl.control.allowlist import ImportAllowList
@@ -59,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help=verbose)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    t = sub.add_parser("train", help="run a training job (async or sync mode)")
+    def command(name: str, text: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """A subcommand whose own --help opens with the line `asyncrl --help` lists it by."""
+        return sub.add_parser(name, help=text, description=text, **kwargs)
+
+    t = command("train", "run a training job (async or sync mode)")
     t.add_argument("config", nargs="?", help="YAML config (see configs/)")
     t.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     t.add_argument("--resume", metavar="RUN_DIR", help="resume from RUN_DIR's last checkpoint")
@@ -72,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     # Also after the subcommand (`asyncrl train cfg.yaml --verbose`); SUPPRESS keeps `asyncrl -v train`.
     t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
-    g = sub.add_parser("generate", help="join a running job as an elastic generator")
+    g = command("generate", "join a running job as an elastic generator")
     g.add_argument("--redis", required=True, metavar="URL", help="the job's Redis URL (the trainer logs it)")
     g.add_argument("--run", required=True, metavar="NAME", help="the job's run name (control.run_name)")
     g.add_argument(
@@ -141,17 +146,15 @@ def _parser() -> argparse.ArgumentParser:
 
     # The dashboard parses its own arguments (asyncrl.monitor.dashboard.__main__), so that
     # `python -m asyncrl.monitor.dashboard` is the same command and needs nothing from here.
-    sub.add_parser(
-        "dashboard", help="serve the staleness/drift dashboard (a live run's Redis or a run dir)", add_help=False
-    )
+    command("dashboard", "serve the staleness/drift dashboard (a live run's Redis or a run dir)", add_help=False)
 
-    b = sub.add_parser("bench", help=f"run a benchmark from bench/ ({', '.join(BENCHES)})")
+    b = command("bench", f"run a benchmark from bench/ ({', '.join(BENCHES)})")
     b.add_argument(
         "name", choices=BENCHES, help="the benchmark (bench/NAME.py; bench/README.md says what each measures)"
     )
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
 
-    e = sub.add_parser("export", help="write a Hugging Face folder (save_pretrained) from a run's checkpoint")
+    e = command("export", "write a Hugging Face folder (save_pretrained) from a run's checkpoint")
     e.add_argument("run_dir", help="the run directory (control.run_dir)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
     e.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/hf/step_N)")
@@ -162,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
 
-    m = sub.add_parser("tiny-model", help="write a tiny random model (a Llama by default) + char tokenizer")
+    m = command("tiny-model", "write a tiny random model (a Llama by default) + char tokenizer")
     m.add_argument("path", help="the directory to write it to")
     m.add_argument("--arch", default="llama", choices=sorted(ARCHS), help="the model family (docs/guide/models.md)")
     m.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")

@@ -2,6 +2,7 @@
 functions with TRL's signature.
 
     PYTHONPATH=. asyncrl train configs/demo.yaml rollout.env=examples.custom_reward:EchoFirstEnv 'rollout.env_kwargs={}'
+    PYTHONPATH=. asyncrl train configs/demo.yaml 'rollout.rewards=[{fn: examples.custom_reward:letters_in_place}]'
     PYTHONPATH=. asyncrl train configs/demo.yaml \
         'rollout.rewards=[{fn: examples.custom_reward:exact_copy}, {fn: examples.custom_reward:brevity, weight: 0.1}]'
 
@@ -39,6 +40,17 @@ class EchoFirstEnv(Environment):
 
 # Reward functions as TRL users write them: batched lists in, one float (or None) per completion
 # out; the prompt's metadata fields (here the copy task's "target") arrive as keyword lists.
+
+
+def letters_in_place(prompts, completions, target, **_):
+    """The share of the target's letters in place, less 0.1 per letter too many or too few: the
+    partial credit a random policy needs to start learning (it almost never copies all of it,
+    so exact_copy alone teaches it little)."""
+    scores = []
+    for c, t in zip(completions, target, strict=True):
+        right = sum(a == b for a, b in zip(c.strip(), t, strict=False))
+        scores.append(right / len(t) - 0.1 * abs(len(c.strip()) - len(t)))
+    return scores
 
 
 def exact_copy(prompts, completions, target, **_):

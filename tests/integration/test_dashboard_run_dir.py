@@ -1,20 +1,17 @@
-"""`asyncrl dashboard RUN_DIR`: the dashboard's endpoints over a finished run's files, no Redis."""
+"""`asyncrl dashboard RUN_DIR`: the dashboard's endpoints over a finished run's files, no Redis.
+The command itself is started on a real finished run by tests/integration/test_readme_walkthrough.py."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from starlette.testclient import TestClient
 
 from asyncrl.monitor.dashboard.app import create_run_dir_app
 from asyncrl.monitor.dashboard.rundir import NotARunDir
-from asyncrl.queue.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,30 +130,3 @@ def test_a_dir_that_is_not_a_run_dir_is_refused_by_name(tmp_path, capsys):
     assert "give a RUN_DIR (a finished run) or --redis URL (live): both given" in capsys.readouterr().err
     assert module_main([str(tmp_path)]) == 2
     assert "is not a run directory: it has no metrics.jsonl" in capsys.readouterr().err
-
-
-def test_the_command_serves_a_finished_run(finished_run_dir):
-    run_dir, _ = finished_run_dir
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "dashboard", str(run_dir), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                summary = httpx.get(f"http://127.0.0.1:{port}/api/run/fin/summary", timeout=5).json()
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-                time.sleep(0.2)
-        assert summary["mode"] == "finished" and summary["step"] == 30
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    assert f"http://127.0.0.1:{port}/ (finished run 'fin' from {run_dir})" in out
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"  # read-only

@@ -6,7 +6,9 @@ A fenced block's info string says what its commands are:
     ```bash            run here: --help, --help-config, `asyncrl train CONFIG ... --check`,
                        `python scripts/config_reference.py --check` (nothing else is allowed)
     ```bash heavy      a training job or a finished run's command: cited in HEAVY below, by a
-                       test that already runs it (the suite starts no job for the docs)
+                       test that already runs it (the README's quickstart jobs are run as
+                       written by tests/integration/test_readme_walkthrough.py; the rest
+                       are jobs other tests run anyway)
     ```bash external   needs what CI lacks (GPUs, a running job's Redis, a bucket, a cluster)
 
 Every `asyncrl` command in any of them is parsed by the real argument parsers (the subcommand
@@ -61,10 +63,20 @@ E2E = (
     "tests/integration/test_trainer_e2e.py",
     "test_async_run_learns_within_the_staleness_bound_with_an_elastic_generator",
 )
+WALK = ("tests/integration/test_readme_walkthrough.py", "test_the_readme_followed_in_a_fresh_copy")
 HEAVY: list[tuple[str, tuple[str, str | None], str]] = [
-    (r"bash scripts/demo\.sh$", E2E, "trains configs/demo.yaml, which is what demo.sh runs"),
+    (r"bash scripts/demo\.sh$", WALK, "the README's demo command, run as written in a fresh copy"),
     (r"bash scripts/test\.sh$", (".ci/run", None), "CI runs exactly this command"),
-    (r"asyncrl train configs/demo\.yaml(?! .*rollout\.model=)", E2E, "the demo config as a job"),
+    (
+        r"asyncrl train configs/demo\.yaml .*control\.run_dir=runs/my-(reward|env) ",
+        WALK,
+        "the README's own reward and own environment runs, as written, in a fresh copy",
+    ),
+    (
+        r"asyncrl train configs/demo\.yaml(?! .*(rollout\.model=|control\.run_dir=runs/my-))",
+        E2E,
+        "the demo config as a job",
+    ),
     (
         r"asyncrl train --resume ",
         (
@@ -73,11 +85,7 @@ HEAVY: list[tuple[str, tuple[str, str | None], str]] = [
         ),
         "asyncrl train --resume RUN_DIR after a crash (tests/support/job.py)",
     ),
-    (
-        r"asyncrl dashboard runs/\S+$",
-        ("tests/integration/test_dashboard_run_dir.py", "test_the_command_serves_a_finished_run"),
-        "the command over a finished run's directory",
-    ),
+    (r"asyncrl dashboard runs/\S+$", WALK, "the command over the finished demo's directory, read through its API"),
     (r"asyncrl export runs/demo( --step \d+)?$", E2E, "asyncrl export RUN_DIR of the finished run"),
     (
         r"asyncrl export runs/demo_lora( --adapter)?$",
@@ -402,3 +410,17 @@ def test_the_examples_own_train_commands_pass_check(command, capsys, monkeypatch
 
 def test_the_examples_show_train_commands():
     assert {c.doc for c in EXAMPLE_COMMANDS} >= {"examples/custom_reward.py", "examples/multiturn_env.py"}
+
+
+def test_every_subcommand_and_option_has_its_help_line():
+    """`asyncrl SUB --help` opens with what SUB does, and describes every option it lists."""
+    import argparse
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {name: p for name, p in sub.choices.items() if name != "dashboard"}
+    parsers["dashboard"] = dashboard_parser()
+    assert set(parsers) >= {"train", "generate", "dashboard", "export", "bench", "tiny-model"}
+    for name, parser in parsers.items():
+        assert parser.description, f"asyncrl {name} --help has no description"
+        for action in parser._actions:
+            assert action.help and action.help is not argparse.SUPPRESS, f"asyncrl {name}: {action.dest} has no help"

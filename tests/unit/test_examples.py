@@ -80,6 +80,16 @@ def test_custom_and_multiturn_environments_load_and_score():
     assert "examples" in sys.modules
 
 
+def test_the_readmes_reward_gives_partial_credit_where_exact_copy_gives_none():
+    from examples.custom_reward import exact_copy, letters_in_place
+
+    answers = ["abc", " abc ", "abx", "ab", "abcd", "xyz", "", "cba"]
+    target = ["abc"] * len(answers)
+    scores = letters_in_place(None, answers, target)
+    assert scores == pytest.approx([1.0, 1.0, 2 / 3, 2 / 3 - 0.1, 1.0 - 0.1, 0.0, -0.3, 1 / 3])
+    assert exact_copy(None, answers, target) == [1.0, 1.0, 0, 0, 0, 0, 0, 0]
+
+
 def test_slow_reward_config_times_out_the_stuck_verifier_and_scores_the_rest():
     import asyncio
 
