@@ -33,14 +33,14 @@ def merge_into(path: Path, seconds: dict[str, float]) -> dict[str, float]:
     """Write `seconds` (rounded to 0.1 s) over PATH's entries, under a lock: two sessions that
     end together both land. Returns the table written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         table: dict[str, float] = {}
         if path.exists() and path.read_text().strip():
             table = json.loads(path.read_text())
         table.update({f: round(s, 1) for f, s in seconds.items()})
         table = dict(sorted(table.items()))
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=1) + "\n")
         tmp.replace(path)
     return table
