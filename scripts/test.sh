@@ -21,16 +21,12 @@ if ! .venv/bin/mypy asyncrl; then
     echo "[test] type check failed: .venv/bin/mypy asyncrl"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-if [ $# -eq 0 ]; then
-    # The two-node tests get a fresh driver process: one that already ran (and shut down) the
-    # session's local Ray mis-scheduled actors on the new cluster, as no real driver would.
-    .venv/bin/python -m pytest --durations=20 tests --ignore=tests/multinode
-    rc=$?
-    .venv/bin/python -m pytest --durations=5 tests/multinode
-    rc2=$?
-    [ "$rc" = 0 ] && rc=$rc2
-else
+if [ $# -gt 0 ]; then
     .venv/bin/python -m pytest --durations=20 "$@"
+    rc=$?
+else
+    # The whole suite, as two lanes side by side (scripts/lanes.sh says how and why).
+    bash scripts/lanes.sh
     rc=$?
 fi
 # pytest exits 5 when it collected no test: that is a broken suite here, not a pass.

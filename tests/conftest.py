@@ -8,6 +8,8 @@ import pytest
 
 from tests.support.sigint import AT_IMPORT, sigint_state  # read before any test module is imported
 
+pytest_plugins = ["tests.support.durations"]  # per-file seconds, when ASYNCRL_FILE_DURATIONS asks
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -201,7 +201,7 @@ def test_the_engines_version_0_adapter_is_zeros_in_the_runs_format(tiny):
         slot.close()
 
 
-def test_target_modules_the_family_lacks_fail_before_an_engine_starts_and_leave_no_folder(tiny, monkeypatch):
+def test_target_modules_the_family_lacks_fail_before_an_engine_starts_and_leave_no_folder(tiny, monkeypatch, tmp_path):
     """The version-0 adapter is built from the model's own layers, so a target module the family
     does not have is refused there: by PEFT's own message, before the engine (minutes on a GPU,
     processes to stop) is started, and without leaving the slot's temp folder behind."""
@@ -215,6 +215,9 @@ def test_target_modules_the_family_lacks_fail_before_an_engine_starts_and_leave_
     from asyncrl.rollout.engine import RolloutEngine
 
     bad = LoraConfig(r=4, target_modules=["no_such_proj"])
+    # A temp dir of its own: LoRA jobs running meanwhile (the suite's other lane) make and
+    # remove asyncrl-lora-* folders in the shared one.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     folders = set(glob.glob(f"{tempfile.gettempdir()}/asyncrl-lora-*"))
     with pytest.raises(ValueError, match="no_such_proj"):
         AdapterSlot(bad, tiny)
