@@ -22,9 +22,10 @@ working, or stop doing what it says, fails this test:
   `--port`, a free one, as the guide's dashboard page shows), read through its HTTP API.
 
 Cost: three training jobs, each its own process with its own start-up (the demo's 200 steps,
-about 50 s on an idle 2-core box per docs/results.md, then 100 steps each, about 40 s), and one
-dashboard start (a few seconds): about 2.5 minutes. No other test runs these jobs; the
-dashboard command's own start on a synthetic run was dropped for this one.
+then 100 steps each), and one dashboard start. Measured 256 s on a 2-core box other jobs
+shared (runs of 113, 62 and 59 s with start-ups of 33-35 s; idle, a start-up is about 24 s).
+No other test runs these jobs; the dashboard command's own start on a synthetic run was
+dropped for this one.
 """
 
 from __future__ import annotations
