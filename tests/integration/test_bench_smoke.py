@@ -10,8 +10,8 @@ process importing vLLM, then its engine process importing it again, while the ot
 idles once the learner is up. So simulate and queue run first, alone (queue times 1 s
 windows), and the other seven run as two lanes side by side (LANES: e2e, sync, generate | learner,
 soak, peers, staleness), each lane one bench after another: never more than two engines in memory.
-staleness starts no Ray, engine or job (one process, six 3-step cells of a tiny model: ~18 s
-of CPU, 2026-11-28); it rides at the end of the shorter lane (learner, soak, peers: ~105 s one
+staleness starts no Ray, engine or job (one process, six 3-step cells of a tiny model: 11.7 s
+alone, 2026-11-28); it rides at the end of the shorter lane (learner, soak, peers: ~105 s one
 after another against ~120 s for e2e, sync, generate), so it adds a few seconds at most.
 
 Measured one after another (2026-11-27, the 2-core box shared with other work): learner 28.0 s,
