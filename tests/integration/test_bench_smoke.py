@@ -1,16 +1,18 @@
 """Benchmarks that cannot rot: every bench under bench/ runs in its smoke mode (`--smoke`: tiny
 sizes, seconds), as a subprocess the way a user runs it, and must exit 0 with its JSON as the
 last stdout line (whatever Ray and vLLM print meanwhile), carrying its headline keys and its
-own checks, all passed. All eight run in the default suite.
+own checks, all passed. All nine run in the default suite.
 
 Their cost is start-ups, not work: a vLLM engine, a training job, Ray and learner actors.
 A job's start-up (measured 2026-11-27, `asyncrl train` of the soak smoke on the loaded 2-core
 box: ready after 24.1 s: Ray up at 3.9 s, the learner at 12.6 s, the generator at 24.1 s) is mostly one
 process importing vLLM, then its engine process importing it again, while the other core
 idles once the learner is up. So simulate and queue run first, alone (queue times 1 s
-windows), and the other six run as two lanes side by side (LANES: e2e, sync, generate | learner,
-soak, peers), each lane one bench after another: never more than two engines in memory.
-Where the suite itself runs as two lanes (scripts/test.sh sets ASYNCRL_TEST_LANE), the six run
+windows), and the other seven run as two lanes side by side (LANES: e2e, sync, generate | learner,
+soak, peers, staleness), each lane one bench after another: never more than two engines in memory.
+staleness starts no Ray, engine or job (one process, six 3-step cells of a tiny model: 11.7 s
+alone, 2026-11-28); it rides at the end of the shorter lane, so it adds a few seconds at most.
+Where the suite itself runs as two lanes (scripts/test.sh sets ASYNCRL_TEST_LANE), the seven run
 one after another instead: the other lane is the second.
 
 Measured one after another (2026-11-27, the 2-core box shared with other work): learner 28.0 s,
@@ -39,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The benches past simulate and queue, in two lanes that run side by side, each lane's benches
 # one after another. Two at a time: a job's start-up is mostly one process importing
 # (vLLM, torch) while the other core idles, and at most two engines are in memory at once.
-LANES = (("e2e", "sync", "generate"), ("learner", "soak", "peers"))
+LANES = (("e2e", "sync", "generate"), ("learner", "soak", "peers", "staleness"))
 if os.environ.get("ASYNCRL_TEST_LANE"):
     # The suite runs as two lanes already (scripts/test.sh): one bench at a time here, so the
     # box holds two lanes' work, not three.
@@ -158,6 +160,7 @@ def lanes(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-smoke")
     args = {
         "e2e": ["--out", str(out / "e2e")],
+        "staleness": ["--out", str(out / "staleness")],
         "soak": ["--run-dir", str(out / "soak" / "soak")],
         "peers": ["--out", str(out / "peers"), "--plot", ""],
     }
@@ -226,3 +229,15 @@ def test_peers_smoke(lanes):
     assert ours["error"] is None and ours["completions_per_s"] > 0
     assert ours["useful_tokens_per_s"] == ours["tokens_per_s"] > 0
     assert r["by_workload"]["demo"]["role"] == "engine overhead"
+
+
+def test_staleness_smoke(lanes):
+    """The study's harness ran a synchronous and a stale cell per task and correction: at k = 0
+    the sampler's log-probs were the learner's, at k = 2 the learner saw off-policy data."""
+    r = lanes.result("staleness")
+    assert set(r["summary"]) == {"reverse", "arithmetic"}
+    for task in r["summary"].values():
+        for row in task["corrections"].values():
+            assert row["0"]["abs_logp_diff"] < 1e-4 < row["2"]["abs_logp_diff"]
+    out = lanes.out / "staleness"
+    assert (out / "staleness.png").exists() and (out / "staleness.md").exists()

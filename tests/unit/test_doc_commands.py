@@ -126,6 +126,12 @@ HEAVY: list[tuple[str, tuple[str, str | None], str]] = [
         "test; the example job itself is not started by any test (its numbers: docs/results.md)",
     ),
     (
+        r"\.venv/bin/python bench/staleness\.py( --[a-z-]+)*$",
+        ("tests/integration/test_bench_smoke.py", "test_staleness_smoke"),
+        "the staleness bench's --smoke runs in the suite; --quick, the full grid and --report-only are "
+        "the same code at other sizes",
+    ),
+    (
         r"asyncrl tiny-model \S+ --arch \S+$",
         ("tests/parity/test_model_matrix.py", "test_gemma2_job_trains_at_parity_resumes_and_exports"),
         "a tiny model of a family, trained as a job at lr 0",
