@@ -122,3 +122,27 @@ def test_a_logprob_pass_between_steps_leaves_the_next_gradient_alone(mesh):
         got_stats, got = _stats(sharded, algo, micro, None)
         assert float((got - want).abs().max()) <= TOL * float(want.abs().max()), reduction
         assert abs(got_stats.grad_norm - want_stats.grad_norm) <= TOL * want_stats.grad_norm
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"num_ranks": 3, "context_parallel": 2}, "must divide learner.num_ranks=3"),
+        ({"num_ranks": 2, "context_parallel": 2, "packing": False}, "needs learner.packing=true"),
+    ],
+)
+def test_config_refuses_what_context_parallelism_cannot_run(overrides, says):
+    from asyncrl.config import ConfigError
+    from asyncrl.config.training import LearnerConfig
+
+    with pytest.raises((ConfigError, ValueError), match=says):
+        LearnerConfig(**overrides)
+    assert LearnerConfig(num_ranks=4, context_parallel=2).context_parallel == 2
+
+
+def test_a_model_whose_attention_rules_live_in_its_mask_is_refused():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(attention_chunk_size=8)
+    with pytest.raises(ValueError, match="context_parallel=2: LlamaConfig has attention rules"):
+        fsdp.attention_implementation(torch.device("cpu"), "float32", config, context_parallel=2)
