@@ -76,7 +76,9 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         mb = mbatch.collate_packed([mbatch.seq_fields(seq)], pad_token_id=0)
         mb[mbatch.PADDING_KEY] = False
         sampling = Sampling()
-        cp = ContextParallel.build(rank=rank, world_size=args.cp, size=args.cp, sampling=sampling) if args.cp > 1 else None
+        cp = None
+        if args.cp > 1:
+            cp = ContextParallel.build(rank=rank, world_size=args.cp, size=args.cp, sampling=sampling)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
         loss_fn = learner_loss_fn(AlgoConfig(), sampling, old_from_current=True)
@@ -85,9 +87,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         for _ in range(args.steps):
             dist.barrier()
             t0 = time.perf_counter()
-            step.train_step(
-                model, opt, sched, [dict(mb)], loss_fn, grad_clip=1.0, device=torch.device("cpu"), cp=cp
-            )
+            step.train_step(model, opt, sched, [dict(mb)], loss_fn, grad_clip=1.0, device=torch.device("cpu"), cp=cp)
             times.append(time.perf_counter() - t0)
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"step_mib": peak_mib() - before, "seconds": float(np.median(times[1:] or times))}, f)
@@ -101,7 +101,10 @@ def worker(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
         mp.spawn(_rank, args=(args, os.path.join(tmp, "store"), out), nprocs=args.cp, join=True)
-        ranks = [json.load(open(f"{out}.{r}")) for r in range(args.cp)]
+        ranks = []
+        for r in range(args.cp):
+            with open(f"{out}.{r}") as f:
+                ranks.append(json.load(f))
     print(json.dumps({"step_mib": max(r["step_mib"] for r in ranks), "seconds": max(r["seconds"] for r in ranks)}))
 
 
@@ -134,7 +137,8 @@ def main() -> None:
         args.lengths, args.hidden, args.layers, args.vocab, args.steps = [63], 32, 2, 128, 2
     points = [point(args, cp, n) for n in args.lengths for cp in (1, 2)]
     for p in points:
-        print(p if "error" in p else f"cp={p['cp']} length={p['length']}: step {p['step_mib']:.0f} MiB, {p['seconds']:.2f} s")
+        said = "error" if "error" in p else f"step {p['step_mib']:.0f} MiB, {p['seconds']:.2f} s"
+        print(f"cp={p['cp']} length={p['length']}: {said}", p.get("error", ""))
     ok = [p for p in points if "error" not in p]
     longest = {
         cp: max([p["length"] for p in ok if p["cp"] == cp and p["step_mib"] <= args.cap_mib], default=None)
