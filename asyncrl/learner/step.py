@@ -164,14 +164,18 @@ def _grad_norm(model: nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def reshard(model: nn.Module) -> None:
+def reshard(model: Any) -> None:
     """Free every FSDP unit's gathered parameters; called after each no-grad pass. Such a
     pass (a later mini-batch's proximal log-probs, compute_logprobs) leaves the units that
     keep theirs after forward (the root, the last block) gathered, and the next training
     step's gradient of those units then came out wrong (the previous step's added in)."""
     from torch.distributed.fsdp import FSDPModule  # kept next to its only use
 
-    for module in model.modules():
+    # A LoRA run's reference is the model behind a wrapper (asyncrl.learner.lora.AdapterDisabled).
+    net = model if isinstance(model, nn.Module) else getattr(model, "model", None)
+    if not isinstance(net, nn.Module):
+        return
+    for module in net.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
 
