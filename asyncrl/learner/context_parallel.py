@@ -212,24 +212,42 @@ def attend(
 ) -> Tensor:
     """Causal attention of this rank's query chunks ([1, H, n, D]) over the whole row's keys
     and values (all-gathered), each query inside its own sequence; [1, H, n, D] out."""
+    kw = {"dropout": dropout, "scaling": scaling, "sliding_window": sliding_window, "gqa": gqa}
     keys, values = gather(key, layout, 2), gather(value, layout, 2)
     out, offset = [], 0
     for a, b in layout.chunks:
         for s, e in layout.spans:
-            lo, hi = max(a, s), min(b, e)
-            if lo >= hi:
-                continue
-            q = query[:, :, offset + lo - a : offset + hi - a]
-            k, v = keys[:, :, s:hi], values[:, :, s:hi]
-            qi = torch.arange(lo, hi, device=query.device).view(-1, 1)
-            kj = torch.arange(s, hi, device=query.device).view(1, -1)
-            mask = kj <= qi
-            if sliding_window is not None:
-                mask = mask & (qi - kj < sliding_window)
-            out.append(
-                F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
-                )
-            )
+            for lo in range(max(a, s), min(b, e), QUERY_BLOCK):
+                hi = min(lo + QUERY_BLOCK, b, e)
+                out.append(_span(query[:, :, offset + lo - a : offset + hi - a], keys, values, s, lo, hi, **kw))
         offset += b - a
     return torch.cat(out, 2)
+
+
+QUERY_BLOCK = 512
+"""Queries per SDPA call: a query span that starts after its sequence does needs an explicit
+mask (SDPA's is_causal aligns the diagonal top-left), which CPU SDPA turns into a float
+[queries, keys] tensor; blocks of this many queries bound it."""
+
+
+def _span(q: Tensor, keys: Tensor, values: Tensor, s: int, lo: int, hi: int, **kw: Any) -> Tensor:
+    """Row positions [lo, hi) of the sequence starting at s, attending to its keys [s, hi)."""
+    k, v = keys[:, :, s:hi], values[:, :, s:hi]
+    qi = torch.arange(lo, hi, device=q.device).view(-1, 1)
+    kj = torch.arange(s, hi, device=q.device).view(1, -1)
+    mask: Tensor | None = kj <= qi
+    window = kw["sliding_window"]
+    if window is not None:
+        mask = (kj <= qi) & (qi - kj < window)
+    elif lo == s:  # the sequence's first queries: square, plain causal, no mask to build
+        mask = None
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=kw["dropout"],
+        scale=kw["scaling"],
+        is_causal=mask is None and hi - lo > 1,
+        enable_gqa=kw["gqa"],
+    )
