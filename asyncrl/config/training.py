@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import CREDENTIALS_URL, SECRET, ConfigError, Section, cpu_list, custom_resources, prompt_source
 
@@ -58,6 +58,10 @@ class LearnerConfig(Section):
     mini_batches_per_step: int = Field(1, ge=1)
     """Optimizer steps per trainer step (each bumps the policy version)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    context_parallel: int = Field(1, ge=1)
+    """Ranks that share one packed row: each runs the model on 1/context_parallel of it (keys
+    and values gathered per block), so a sequence too long for one rank trains. Must divide
+    num_ranks; needs packing. Gradients are unchanged (docs/guide/context-parallel.md)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them:
     activation memory drops to about one block's worth plus each block's input, for one more
@@ -78,6 +82,20 @@ class LearnerConfig(Section):
     """A rank that does not answer a collective in this long fails the step (LearnerError), not a hang."""
     cpu_affinity: str = ""
     """CPU cores for the learner ranks, e.g. "1" ("" = no pinning); see rollout.cpu_affinity."""
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> LearnerConfig:
+        cp = self.context_parallel
+        if cp > 1 and self.num_ranks % cp:
+            raise ConfigError(
+                f"learner.context_parallel={cp} must divide learner.num_ranks={self.num_ranks} "
+                "(each group of context_parallel ranks shares one row)"
+            )
+        if cp > 1 and not self.packing:
+            raise ConfigError(
+                f"learner.context_parallel={cp} needs learner.packing=true: it splits a micro-batch's packed row"
+            )
+        return self
 
     @field_validator("resources", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from asyncrl.config import Config, LoraConfig, parse_cpu_list
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.tokens import sampleable_ids
 from asyncrl.learner import checkpoint, fsdp, hf_format, lora, loss, optim, step
+from asyncrl.learner.context_parallel import ContextParallel
 from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
@@ -90,6 +91,16 @@ class LearnerActor:
             timeout_s=self.collective_timeout_s,
         )
         mesh = fsdp.build_mesh(self.device, self.world_size)
+        # The sampling settings: every logprob and entropy here is taken from the
+        # distribution the engines sampled from (their temperature, top-k and top-p).
+        self.sampling = loss.Sampling.of(self.cfg.rollout)
+        # FSDP shards over every rank; a CP group's ranks hold the same micro-batches and
+        # their gradients add up to the whole row's (asyncrl.learner.context_parallel).
+        self.cp: ContextParallel | None = None
+        if lc.context_parallel > 1:
+            self.cp = ContextParallel.build(
+                rank=self.rank, world_size=self.world_size, size=lc.context_parallel, sampling=self.sampling
+            )
         loaded = fsdp.load_sharded_model(
             self.model_path,
             mesh,
@@ -97,6 +108,7 @@ class LearnerActor:
             dtype=lc.dtype,
             activation_checkpointing=lc.activation_checkpointing,
             lora=lc.lora,
+            context_parallel=lc.context_parallel,
         )
         self.lora_cfg, self.lora_publish = lc.lora, lora_publish(lc.lora, self.cfg.sync)
         # With LoRA, the HF model inside PEFT's wrappers (asyncrl.learner.lora).
@@ -107,14 +119,16 @@ class LearnerActor:
             self.reference = lora.AdapterDisabled(self.model)
         elif self.cfg.algo.kl_coef > 0:
             self.reference = fsdp.load_sharded_model(
-                self.model_path, mesh, device=self.device, dtype=lc.dtype, trainable=False
+                self.model_path,
+                mesh,
+                device=self.device,
+                dtype=lc.dtype,
+                trainable=False,
+                context_parallel=lc.context_parallel,
             )
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
-        # The engines' temperature, top-k and top-p: every logprob and entropy here is taken
-        # from the distribution they sampled from.
-        self.sampling = loss.Sampling.of(self.cfg.rollout)
         self.logprob_fn = self.sampling.logprob_fn()
         self.disallowed = self._disallowed_tokens()
         self.pad_token_id = int(cast(Any, self.model).config.pad_token_id or 0)  # an HF model under FSDP
@@ -176,6 +190,7 @@ class LearnerActor:
             logprob_fn=self.logprob_fn,
             device=self.device,
             disallowed=self.disallowed,
+            cp=self.cp,
         )
         self._proximal[key] = [mb["old_logprobs"] for mb in mbs]
         return time.perf_counter() - t0
@@ -203,6 +218,7 @@ class LearnerActor:
             logprob_fn=self.logprob_fn,
             device=self.device,
             disallowed=self.disallowed,
+            cp=self.cp,
         )
         if proximal_key is not None:
             for mb, old in zip(mbs, self._proximal.pop(proximal_key), strict=True):
@@ -212,7 +228,7 @@ class LearnerActor:
         loss_fn = loss.learner_loss_fn(
             self.cfg.algo,
             self.sampling,
-            num_microbatches=count * self.world_size,
+            num_microbatches=count * self.world_size // (self.cp.size if self.cp else 1),
             old_from_current=proximal_key is None,
         )
         lc = self.cfg.learner
@@ -226,11 +242,15 @@ class LearnerActor:
                 grad_clip=lc.grad_clip,
                 device=self.device,
                 disallowed=self.disallowed,
+                cp=self.cp,
             )
         self.version += 1
         self.step_count += 1
         real = sum(mbatch.computed_tokens(mb) for mb in mbs if not mb[mbatch.PADDING_KEY])
         tokens = sum(len(s["input_ids"]) for p in plan for s in p)
+        idle = count - len(plan)
+        if self.cp is not None and self.cp.rank > 0:  # its group's first rank reports their micro-batches
+            stats.metrics, real, tokens, idle = {}, 0, 0, 0
         return RankStepResult(
             metrics=stats.metrics,
             grad_norm=stats.grad_norm,
@@ -239,7 +259,7 @@ class LearnerActor:
             tokens=tokens,
             padded_tokens=real,
             microbatches=count,
-            padding_microbatches=count - len(plan),
+            padding_microbatches=idle,
             seconds_prepass=t1 - t0,
             seconds_forward_backward=stats.seconds_forward_backward,
             seconds_optimizer=stats.seconds_optimizer,
@@ -258,6 +278,7 @@ class LearnerActor:
             logprob_fn=self.logprob_fn,
             device=self.device,
             disallowed=self.disallowed,
+            cp=self.cp,
         )
 
     def full_state(self) -> dict[str, torch.Tensor]:

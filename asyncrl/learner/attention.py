@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.learner import context_parallel
+
 VARLEN_SDPA = "asyncrl_sdpa_varlen"
 """The attention implementation's name (it contains "sdpa": transformers then checks that the
 model supports SDPA before loading it with this)."""
@@ -153,6 +155,21 @@ def varlen_sdpa_forward(
             f"{VARLEN_SDPA}: {type(module).__name__} passes no position_ids to its attention, so the "
             "sequences of a packed row cannot be told apart; load this model with attn_implementation='sdpa'"
         )
+    layout = context_parallel.active()
+    if layout is not None:  # this rank holds chunks of a row split over its CP group
+        if kwargs.get("softcap") is not None:
+            raise NotImplementedError(f"{VARLEN_SDPA}: context parallelism with soft-capped attention")
+        out = context_parallel.attend(
+            query,
+            key,
+            value,
+            layout,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            gqa=getattr(module, "num_key_value_groups", 1) > 1,
+        )
+        return out.transpose(1, 2).contiguous(), None
     attend = functools.partial(
         _causal_sdpa,
         dropout=dropout,

@@ -73,7 +73,7 @@ def mixed_precision(dtype: str, device: torch.device) -> MixedPrecisionPolicy | 
     return None
 
 
-def attention_implementation(device: torch.device, dtype: str, config: Any = None) -> str:
+def attention_implementation(device: torch.device, dtype: str, config: Any = None, context_parallel: int = 1) -> str:
     """flash_attention_2 where it can run (CUDA, bf16 compute, the flash_attn package
     installed), else the varlen SDPA of asyncrl.learner.attention; both run each sequence of a
     packed row alone and compute no attention between sequences. A model whose attention
@@ -82,12 +82,20 @@ def attention_implementation(device: torch.device, dtype: str, config: Any = Non
     has (its mask, soft-capping, sinks) and keeps a packed row's sequences apart with a dense
     block-diagonal mask: exact, at the dense mask's cost. Never SDPA there: it drops the
     arguments it has no parameter for (soft-capping, sinks) without a word, so the learner
-    would score another function than the engine samples."""
+    would score another function than the engine samples.
+
+    With context parallelism the varlen SDPA always: it is where a rank's chunk of the row
+    attends to the keys gathered from its group (asyncrl.learner.context_parallel)."""
     from transformers.utils import is_flash_attn_2_available  # transformers: heavy at import
 
     from asyncrl.learner import attention
 
-    if device.type == "cuda" and dtype == "bfloat16" and is_flash_attn_2_available():
+    if context_parallel > 1 and config is not None and not attention.supports(config):
+        raise ValueError(
+            f"learner.context_parallel={context_parallel}: {type(config).__name__} has attention rules "
+            "(a chunked or non-causal mask) that the context-parallel attention cannot honour"
+        )
+    if context_parallel == 1 and device.type == "cuda" and dtype == "bfloat16" and is_flash_attn_2_available():
         return "flash_attention_2"
     if config is not None and not attention.supports(config):
         return "eager"
@@ -179,6 +187,7 @@ def load_sharded_model(
     trainable: bool = True,
     activation_checkpointing: bool = False,
     lora: LoraConfig | None = None,
+    context_parallel: int = 1,
 ) -> nn.Module:
     """Load the HF causal LM in float32 (master weights), shard it with FSDP2 over `mesh`.
 
@@ -203,7 +212,7 @@ def load_sharded_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)  # read once: it picks the attention, then builds the model
-    attn = attention_implementation(device, dtype, config)
+    attn = attention_implementation(device, dtype, config, context_parallel)
     model = AutoModelForCausalLM.from_pretrained(
         model_path, config=config, dtype=torch.float32, attn_implementation=attn
     )

@@ -92,6 +92,11 @@ class LearnerGroup:
         self.num_ranks = num_ranks or cfg.learner.num_ranks
         if self.num_ranks < 1:
             raise ValueError(f"num_ranks={self.num_ranks}: must be >= 1")
+        self.context_parallel = cfg.learner.context_parallel
+        if self.num_ranks % self.context_parallel:
+            raise ValueError(
+                f"learner.context_parallel={self.context_parallel} must divide the {self.num_ranks} learner ranks"
+            )
         self.micro_batch_tokens = cfg.learner.micro_batch_tokens
         self.collective_timeout_s = collective_timeout_s
         hf = AutoConfig.from_pretrained(model_path)
@@ -203,7 +208,10 @@ class LearnerGroup:
         """Deal to ranks, split each share by the budget; return per-rank micro-batch lists of
         sequences, the common count, and where each (rank, micro-batch, row) came from."""
         lengths = [len(s["input_ids"]) for s in sequences]
-        shares = mbatch.deal_to_ranks(lengths, self.num_ranks)
+        # Dealt to the data-parallel groups; the ranks of a context-parallel group (consecutive
+        # ranks) all get their group's share and split each packed row among themselves.
+        cp = self.context_parallel
+        shares = [s for s in mbatch.deal_to_ranks(lengths, self.num_ranks // cp) for _ in range(cp)]
         plans, count = mbatch.plan_microbatches(
             [[lengths[i] for i in share] for share in shares], self.micro_batch_tokens, packing=self.cfg.learner.packing
         )

@@ -75,6 +75,29 @@ def _rows(values: Tensor, mb: dict[str, Tensor]) -> Tensor:
 
 
 @dataclass(frozen=True)
+class RowScores:
+    """Per-token values of a micro-batch over its [B, L] layout, taken where its logits are
+    (context parallelism: each rank holds part of the row, asyncrl.learner.context_parallel)."""
+
+    logprobs: Tensor
+    """[B, L] as token_logprobs after unpacking: slot t scores input_ids[t]; 0 at t = 0."""
+    entropy: Callable[[bool], Tensor]
+    """[B, L] as token_entropy after unpacking; True: differentiable."""
+    vocab_size: int
+
+
+def _scores(logits: Tensor, mb: dict[str, Tensor], temperature: float, top_k: int, top_p: float) -> RowScores:
+    """RowScores of a forward whose logits are all here."""
+
+    def entropy(grad: bool) -> Tensor:
+        src = logits if grad else logits.detach()
+        return _rows(token_entropy(src, temperature, top_k=top_k, top_p=top_p), mb)
+
+    logp = _rows(token_logprobs(logits, mbatch.forward_ids(mb), temperature, top_k=top_k, top_p=top_p), mb)
+    return RowScores(logprobs=logp, entropy=entropy, vocab_size=int(logits.shape[-1]))
+
+
+@dataclass(frozen=True)
 class Sampling:
     """What the engines did to the logits before recording a token's log-prob, and whether
     they recorded one at all: the learner must compute the same quantity."""
@@ -170,7 +193,7 @@ def _metric(name: str, value: Tensor, count: Tensor) -> tuple[str, MetricValue]:
 
 
 def microbatch_loss(
-    logits: Tensor,
+    logits: Tensor | RowScores,
     mb: dict[str, Tensor],
     algo: AlgoConfig,
     *,
@@ -185,7 +208,8 @@ def microbatch_loss(
 
     Args:
         logits: [B, L, V] model output for ``mb["input_ids"]``; for a packed micro-batch
-            [R, W, V] for its packed rows (``mb[PACKED_IDS]``).
+            [R, W, V] for its packed rows (``mb[PACKED_IDS]``); or the RowScores a
+            context-parallel forward took from them.
         mb: [B, L] tensors ``input_ids, loss_mask, rollout_logprobs, old_logprobs, advantages,
             reduction_weights`` and ``ref_logprobs`` when ``algo.kl_coef > 0``.
         algo: the algo branch of the config (read here, never passed into the math).
@@ -209,7 +233,8 @@ def microbatch_loss(
         raise ValueError("micro-batch is missing field 'input_ids'")
     _check_fields(mb, algo, shape, old_from_current=old_from_current)
     # All loss math runs in float32 at least (logp is upcast from bf16 logits).
-    logp = _rows(token_logprobs(logits, mbatch.forward_ids(mb), temperature, top_k=top_k, top_p=top_p), mb)
+    scores = logits if isinstance(logits, RowScores) else _scores(logits, mb, temperature, top_k, top_p)
+    logp = scores.logprobs
     dtype = logp.dtype
     mask = mb["loss_mask"].to(dtype)
     if algo.policy_loss.type == "cross_entropy":
@@ -221,7 +246,7 @@ def microbatch_loss(
     # probability 0 under that policy, so its IS weight is 0. It is masked, counted, and its
     # values are replaced by 0 so no exp/multiply downstream meets an inf (its gradient is 0).
     outside = (mask > 0) & (torch.isneginf(logp) | torch.isneginf(old))
-    truncated = truncates(top_k, top_p, logits.shape[-1])
+    truncated = truncates(top_k, top_p, scores.vocab_size)
     n_before = mask.sum().detach()
     if truncated:
         mask = mask * ~outside
@@ -292,14 +317,14 @@ def microbatch_loss(
                 metrics["drift/logprob_abs_diff_max"] = MetricValue("max", worst, 1.0)
 
     if algo.entropy_coef > 0:
-        ent = _rows(token_entropy(logits, temperature, top_k=top_k, top_p=top_p), mb)
+        ent = scores.entropy(True)
         ent_term = (weights * torch.where(mask > 0, ent, torch.zeros_like(ent))).sum()
         total = total - algo.entropy_coef * ent_term
         metrics["loss/entropy"] = MetricValue("sum", ent_term.detach())
         ent_sum = torch.where(mask > 0, ent, torch.zeros_like(ent)).sum().detach()
     else:
         with torch.no_grad():
-            ent = _rows(token_entropy(logits.detach(), temperature, top_k=top_k, top_p=top_p), mb)
+            ent = scores.entropy(False)
             ent_sum = torch.where(mask > 0, ent, torch.zeros_like(logp)).sum()
     metrics["policy/entropy"] = MetricValue("mean", ent_sum, n_tokens)
     metrics["loss/total"] = MetricValue("sum", total.detach())

@@ -24,9 +24,11 @@ from torch import nn
 
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.microbatch import PADDING_KEY
+from asyncrl.learner.context_parallel import ContextParallel
 from asyncrl.types import MetricValue, merge_metrics
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, MetricValue]]]
+LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, MetricValue]]]
+"""(logits, or a context-parallel forward's RowScores; micro-batch) -> (loss, metrics)."""
 LogprobFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -103,9 +105,15 @@ def microbatch_logprobs(
     logprob_fn: LogprobFn,
     device: torch.device,
     disallowed: torch.Tensor | None = None,
+    cp: ContextParallel | None = None,
 ) -> torch.Tensor:
-    """[B, L] token logprobs of the micro-batch's rows (position 0 is 0), packed or not."""
+    """[B, L] token logprobs of the micro-batch's rows (position 0 is 0), packed or not; with
+    `cp`, a packed row is split over the CP group (asyncrl.learner.context_parallel)."""
     fwd = {k: v.to(device) for k, v in mb.items() if k in ("input_ids", *mbatch.PACKING_FIELDS)}
+    if cp is not None and mbatch.is_packed(fwd):
+        cp = cp.at(temperature)
+        with cp.scope(fwd) as layout:
+            return cp.scores(model, fwd, layout, disallowed).logprobs
     logp = logprob_fn(forward_logits(model, fwd, disallowed), mbatch.forward_ids(fwd), temperature)
     return mbatch.unpack(logp, fwd) if mbatch.is_packed(fwd) else logp
 
@@ -120,6 +128,7 @@ def add_prepass_logprobs(
     logprob_fn: LogprobFn,
     device: torch.device,
     disallowed: torch.Tensor | None = None,
+    cp: ContextParallel | None = None,
 ) -> None:
     """Fill mb['old_logprobs'] (the proximal policy: `model`'s current weights; skipped when
     `model` is None) and, with a reference model, mb['ref_logprobs'], in place. Runs on
@@ -129,8 +138,17 @@ def add_prepass_logprobs(
         for key, net in (("old_logprobs", model), ("ref_logprobs", reference)):
             if net is not None:
                 mb[key] = microbatch_logprobs(
-                    net, mb, temperature=temperature, logprob_fn=logprob_fn, device=device, disallowed=disallowed
+                    net,
+                    mb,
+                    temperature=temperature,
+                    logprob_fn=logprob_fn,
+                    device=device,
+                    disallowed=disallowed,
+                    cp=cp,
                 ).cpu()
+    for net in (model, reference):
+        if net is not None:
+            reshard(net)
 
 
 def _to_float(metrics: dict[str, MetricValue]) -> dict[str, MetricValue]:
@@ -146,6 +164,22 @@ def _grad_norm(model: nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
+def reshard(model: Any) -> None:
+    """Free every FSDP unit's gathered parameters; called after each no-grad pass. Such a
+    pass (a later mini-batch's proximal log-probs, compute_logprobs) leaves the units that
+    keep theirs after forward (the root, the last block) gathered, and the next training
+    step's gradient of those units then came out wrong (the previous step's added in)."""
+    from torch.distributed.fsdp import FSDPModule  # kept next to its only use
+
+    # A LoRA run's reference is the model behind a wrapper (asyncrl.learner.lora.AdapterDisabled).
+    net = model if isinstance(model, nn.Module) else getattr(model, "model", None)
+    if not isinstance(net, nn.Module):
+        return
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -156,20 +190,30 @@ def train_step(
     grad_clip: float,
     device: torch.device,
     disallowed: torch.Tensor | None = None,
+    cp: ContextParallel | None = None,
 ) -> StepStats:
     """Accumulate gradients over `microbatches`, clip, take one AdamW step and one lr step.
 
     Per micro-batch: backward of loss_mb = loss_fn(logits, mb) = sum_t w_t * term_t. Padding
     micro-batches run the same forward/backward (collectives) and contribute exactly 0; their
     metrics are dropped.
+
+    With `cp` every rank of the CP group holds the same micro-batches; a packed one is split
+    over the group, each rank computes the whole micro-batch's loss from the gathered
+    log-probs and backpropagates 1/cp.size of it (asyncrl.learner.context_parallel).
     """
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     parts = []
     for mb in microbatches:
         tensors = tensors_on(mb, device)
-        loss, metrics = loss_fn(forward_logits(model, tensors, disallowed), tensors)
-        loss.backward()
+        if cp is not None and mbatch.is_packed(tensors):
+            with cp.scope(tensors) as layout:  # the backward too: recomputed blocks gather again
+                loss, metrics = loss_fn(cp.scores(model, tensors, layout, disallowed), tensors)
+                (loss / cp.size).backward()
+        else:
+            loss, metrics = loss_fn(forward_logits(model, tensors, disallowed), tensors)
+            (loss if cp is None else loss / cp.size).backward()
         if not mb.get(PADDING_KEY, False):
             parts.append(metrics)
     t1 = time.perf_counter()
@@ -196,16 +240,24 @@ def sequence_logprobs(
     logprob_fn: LogprobFn,
     device: torch.device,
     disallowed: torch.Tensor | None = None,
+    cp: ContextParallel | None = None,
 ) -> list[list[Any]]:
     """Per micro-batch, per real row: token logprobs trimmed to the row's length (numpy)."""
     out = []
     for mb, lens in zip(microbatches, lengths, strict=True):
         logp = (
             microbatch_logprobs(
-                model, mb, temperature=temperature, logprob_fn=logprob_fn, device=device, disallowed=disallowed
+                model,
+                mb,
+                temperature=temperature,
+                logprob_fn=logprob_fn,
+                device=device,
+                disallowed=disallowed,
+                cp=cp,
             )
             .cpu()
             .numpy()
         )
         out.append([] if mb.get(PADDING_KEY, False) else [logp[k, :n].copy() for k, n in enumerate(lens)])
+    reshard(model)
     return out

@@ -13,7 +13,7 @@ so the matrix is folded):
 
 | run | covers |
 |---|---|
-| A | async, top_p 0.9, top_k 20, temperature 0.7, chat template, mini_batches_per_step 2, inflight recompute |
+| A | async, top_p 0.9, top_k 20, T 0.7, chat template, mini_batches_per_step 2, inflight recompute, 2 ranks CP=2 |
 | B | sync mode, temperature 1.3, no template, multi-turn step-wise, a model with dropout in its config |
 | C | async, multi-turn interleaved, chat template, inflight keep, crash + resume mid-run, elastic generator |
 | D | the tools env (tool results in context, some cut by the context), LoRA adapter publishes, async on-policy |
@@ -98,7 +98,9 @@ def check(parity_report, variant: str, covers: str, run_dir: Path, dtype: str = 
 
 def run_a(tmp_path: Path, model: str, *extra: str) -> Path:
     """A: the sampling options users set (top_p, top_k, temperature != 1) on chat-templated
-    prompts, trained as two mini-batches per step by the async loop."""
+    prompts, trained as two mini-batches per step by the async loop, on two learner ranks
+    that split every packed row between them (learner.context_parallel=2): the proximal and
+    training passes score each token from half a row, with the other half's keys gathered."""
     cfg = parity_config(
         tmp_path,
         "parity-a",
@@ -112,6 +114,8 @@ def run_a(tmp_path: Path, model: str, *extra: str) -> Path:
         "rollout.temperature=0.7",
         "rollout.chat_template=true",
         "learner.mini_batches_per_step=2",
+        "learner.num_ranks=2",
+        "learner.context_parallel=2",
         "sync.inflight=recompute",
         *extra,
     )
@@ -124,7 +128,7 @@ def test_parity_async_top_p_top_k_temperature_template_two_minibatches(
     ray_session, tmp_path, chat_model, parity_report
 ):
     run_a(tmp_path, chat_model)
-    covers = "async, top_p 0.9, top_k 20, T 0.7, chat template, m=2, inflight recompute"
+    covers = "async, top_p 0.9, top_k 20, T 0.7, chat template, m=2, inflight recompute, 2 ranks CP=2"
     check(parity_report, "A", covers, tmp_path / "parity-a")
 
 
