@@ -57,6 +57,11 @@ def validate(cfg: Config) -> None:
                 why,
             )
     _dapo_rules(a, r)
+    if a.critic.enabled and r.teacher is not None:
+        raise ConfigError(
+            "algo.critic with rollout.teacher: the teacher's term is added to the advantages on the driver, "
+            "which a critic's advantages (computed in the learner) would not carry; use one or the other"
+        )
     if r.env == "verifiers" and c.eval_prompts and c.eval_every:
         # Its episodes are its taskset's tasks, found by the index make_prompt gives them: a
         # prompt read from a file names no task, so every held-out prompt would fail.
