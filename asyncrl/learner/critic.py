@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.algo.advantages import AdvantageParams, gae
+from asyncrl.algo.reduction import per_microbatch_token_mean_weights
 from asyncrl.algo.value import clipped_value_loss, explained_variance, gae_returns, moments, whiten
 from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
@@ -165,7 +166,7 @@ class Critic:
             per_token, clipped = clipped_value_loss(
                 token_values(self.model, t), t["old_values"], t["returns"], mask, clip=self.spec.value_clip
             )
-            weighted = (t["reduction_weights"] * (mask > 0) * per_token).sum()
+            weighted = (self._weights(t, len(microbatches)) * per_token).sum()
             (self.spec.value_loss_coef * weighted).backward()
             if not mb.get(mbatch.PADDING_KEY, False):
                 loss_sum += weighted.detach().double().cpu()
@@ -181,6 +182,15 @@ class Critic:
             "critic/grad_norm": MetricValue("mean", grad_norm, 1.0),
             "time/learner_critic": MetricValue("max", time.perf_counter() - t0, 1.0),
         }
+
+    def _weights(self, mb: dict[str, torch.Tensor], count: int) -> torch.Tensor:
+        """The policy terms' own reduction weights (the legacy per-micro-batch mean computed
+        here, as the policy's loss computes it)."""
+        mask = mb["loss_mask"]
+        if self.cfg.algo.loss_reduction == "token_mean_per_microbatch":
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            return per_microbatch_token_mean_weights(mask, count * world)
+        return mb["reduction_weights"] * (mask > 0)
 
     # ------------------------------------------------------------------ checkpoints
 
