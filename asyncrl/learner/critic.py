@@ -46,9 +46,12 @@ CRITIC_DIR = "critic"
 """A checkpoint's critic: its own DCP shards and rank files under <checkpoint>/critic."""
 
 
-def load_value_model(model_path: str, mesh: Any, *, device: torch.device, dtype: str) -> nn.Module:
+def load_value_model(
+    model_path: str, mesh: Any, *, device: torch.device, dtype: str, activation_checkpointing: bool = False
+) -> nn.Module:
     """The value model from `model_path` (a causal LM: trunk + fresh zero head; or a saved critic),
-    float32 master weights, sharded with FSDP2 over `mesh` as the policy is."""
+    float32 master weights, sharded with FSDP2 over `mesh` as the policy is (and its blocks
+    checkpointed as the policy's are, with learner.activation_checkpointing)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
@@ -75,7 +78,9 @@ def load_value_model(model_path: str, mesh: Any, *, device: torch.device, dtype:
             for p in head.parameters():
                 p.zero_()
     model.train(False)  # no dropout (the classifier's included), as the policy
-    return fsdp.shard_model(model, mesh, fsdp.mixed_precision(dtype, device))
+    return fsdp.shard_model(
+        model, mesh, fsdp.mixed_precision(dtype, device), activation_checkpointing=activation_checkpointing
+    )
 
 
 def token_values(model: nn.Module, mb: dict[str, Any]) -> torch.Tensor:
@@ -110,7 +115,11 @@ class Critic:
     @classmethod
     def load(cls, cfg: Config, policy_path: str, mesh: Any, *, device: torch.device) -> Critic:
         path = cfg.algo.critic.model or policy_path
-        return cls(cfg, load_value_model(path, mesh, device=device, dtype=cfg.learner.dtype), device=device)
+        lc = cfg.learner
+        model = load_value_model(
+            path, mesh, device=device, dtype=lc.dtype, activation_checkpointing=lc.activation_checkpointing
+        )
+        return cls(cfg, model, device=device)
 
     @torch.no_grad()
     def values(self, microbatches: list[dict[str, Any]]) -> list[torch.Tensor]:
