@@ -142,6 +142,9 @@ class TrainSequence:
     behavior_version: int
     group_id: str = ""
     sample_index: int = 0
+    token_rewards: np.ndarray | None = None
+    """float32 [L], only with algo.critic: the reward of each policy token (the outcome on the
+    last one unless the sample carries its own), from which the learner computes GAE."""
 
     @property
     def num_tokens(self) -> int:

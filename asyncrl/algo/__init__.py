@@ -10,6 +10,7 @@ worker can import the same function):
     get_policy_loss(name_or_path)          ppo, dual_clip, gspo, sapo, cispo, gmpo, clip_cov, kl_cov, cross_entropy,
                                            importance_sampling, rollout_is, dppo (is_losses.py)
     get_advantage_estimator(name_or_path)  grpo, dr_grpo, rloo, reinforce_pp, gae, maxrl
+    clipped_value_loss / gae_returns / whiten / explained_variance    the critic's math (value.py)
 Other entry points:
     kl_penalty(logp, other_logp, estimator)                      k1, abs, k2, k3       (kl.py)
     off_policy_correction(old, rollout, mask, params=...)        TIS + token/sequence masks (correction.py)
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from asyncrl.algo.losses import POLICY_LOSS_REGISTRY, corrected_policy_loss, get_policy_loss
     from asyncrl.algo.reduction import LOSS_REDUCTIONS, per_microbatch_token_mean_weights, reduction_weights
     from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
+    from asyncrl.algo.value import clipped_value_loss, explained_variance, gae_returns, whiten
 
 # The config tree imports asyncrl.algo.params, which runs this file first: the torch-backed
 # entry points are loaded on first use, so that reading a config never imports torch.
@@ -48,6 +50,7 @@ _LAZY = {
     "losses": ("POLICY_LOSS_REGISTRY", "corrected_policy_loss", "get_policy_loss"),
     "reduction": ("LOSS_REDUCTIONS", "per_microbatch_token_mean_weights", "reduction_weights"),
     "stepwise": ("broadcast_trajectory_advantages", "merge_prefix_steps"),
+    "value": ("clipped_value_loss", "explained_variance", "gae_returns", "whiten"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
@@ -69,8 +72,11 @@ __all__ = [
     "CorrectionParams",
     "LossParams",
     "broadcast_trajectory_advantages",
+    "clipped_value_loss",
     "corrected_policy_loss",
     "entropy_from_logits",
+    "explained_variance",
+    "gae_returns",
     "get_advantage_estimator",
     "get_policy_loss",
     "kl_penalty",
@@ -80,4 +86,5 @@ __all__ = [
     "params_for",
     "per_microbatch_token_mean_weights",
     "reduction_weights",
+    "whiten",
 ]

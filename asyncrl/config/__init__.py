@@ -26,6 +26,7 @@ from asyncrl.config.base import (
     ConfigError,
     parse_cpu_list,
 )
+from asyncrl.config.critic import CriticConfig
 from asyncrl.config.help import schema_text
 from asyncrl.config.load import apply_overrides, config_from_dict, load_config, params_for
 from asyncrl.config.losses import POLICY_LOSSES, CustomLoss, LossParams, PolicyLoss
@@ -49,6 +50,7 @@ __all__ = [
     "ConfigError",
     "ControlConfig",
     "CorrectionConfig",
+    "CriticConfig",
     "CustomLoss",
     "LearnerConfig",
     "LoraConfig",

@@ -19,6 +19,7 @@ from asyncrl.config.base import (
     Section,
     one_of,
 )
+from asyncrl.config.critic import CriticConfig, check_critic
 from asyncrl.config.losses import LOSS_FIELDS, PolicyLoss, moved_loss_field, normalise_loss
 
 log = logging.getLogger("asyncrl.config")
@@ -107,6 +108,8 @@ class AlgoConfig(Section):
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     """Truncated responses: {mask: true} drops them from the loss, {soft_penalty: {buffer: N, coef: c}}
     penalises length near the budget (DAPO)."""
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """PPO's value model, trained beside the policy; advantage_estimator='gae' needs it (docs/guide/critic.md)."""
 
     @property
     def rollout_anchored(self) -> bool:
@@ -177,11 +180,18 @@ class AlgoConfig(Section):
                 f"step-wise trajectories broadcast one scalar advantage per trajectory, so only outcome "
                 f"estimators work ({', '.join(OUTCOME_ESTIMATORS)})"
             )
-        if self.advantage_estimator == "gae":
+        if self.advantage_estimator == "gae" and not self.critic.enabled:
             raise ConfigError(
-                "algo.advantage_estimator='gae' needs a value model (critic), which asyncrl does not train yet; "
-                f"use one of {', '.join(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')}"
+                "algo.advantage_estimator='gae' needs a value model: set algo.critic.enabled=true "
+                f"(or use one of {', '.join(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')})"
             )
+        if self.critic.enabled and self.advantage_estimator != "gae":
+            raise ConfigError(
+                f"algo.critic.enabled=true with algo.advantage_estimator={self.advantage_estimator!r}: only 'gae' "
+                "uses the critic's values, so it would train for nothing; set advantage_estimator='gae' or turn it off"
+            )
+        if self.critic.enabled:
+            check_critic(self.critic)
         return self
 
 

@@ -63,6 +63,16 @@ def validate(cfg: Config) -> None:
             c.eval_every,
             c.total_steps,
         )
+    if a.critic.enabled and r.teacher is not None:
+        raise ConfigError(
+            "algo.critic with rollout.teacher: the teacher's term is added to the advantages on the driver, "
+            "which a critic's advantages (computed in the learner) would not carry; use one or the other"
+        )
+    if a.critic.enabled and lr.context_parallel > 1:
+        raise ConfigError(
+            f"algo.critic with learner.context_parallel={lr.context_parallel}: the critic's value model runs "
+            "whole rows on each rank; split rows are not built for it yet. Use learner.context_parallel=1"
+        )
     if r.env == "verifiers" and c.eval_prompts and c.eval_every:
         # Its episodes are its taskset's tasks, found by the index make_prompt gives them: a
         # prompt read from a file names no task, so every held-out prompt would fail.

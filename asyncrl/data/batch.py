@@ -26,7 +26,9 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
    ``prompt_ids`` when it has them (every multi-turn sample: what the engine was given),
    else the group's; rollout_logprobs, advantages and
    loss_mask at the response positions (position t predicts input_ids[t]); token_versions
-   from the sample's token_versions, else its behavior_version.
+   from the sample's token_versions, else its behavior_version. With ``algo.critic``
+   (estimator gae) the advantages are left 0 and each sequence carries its per-token rewards
+   (``token_rewards``): the learner computes GAE with its critic's values at train time.
 """
 
 from __future__ import annotations
@@ -108,21 +110,34 @@ def _advantage_params(algo: AlgoConfig) -> AdvantageParams:
     return AdvantageParams(norm_std=algo.grpo_norm_std, gamma=algo.gamma, lam=algo.lam)
 
 
-def _token_rewards(r: _Row) -> np.ndarray:
-    """The sample's per-token rewards, or its outcome reward on its last loss token."""
+def _token_rewards(r: _Row, outcome: float | None = None) -> np.ndarray:
+    """The sample's per-token rewards, or its outcome reward (``outcome``, default the
+    sample's) on its last loss token."""
     if r.sample.token_rewards is not None:
         return r.sample.token_rewards
     out = np.zeros(r.sample.num_tokens)
     live = np.flatnonzero(r.sample.loss_mask)
     if live.size:
-        out[live[-1]] = r.sample.reward
+        out[live[-1]] = r.sample.reward if outcome is None else outcome
     return out
+
+
+def _critic_rewards(r: _Row) -> np.ndarray:
+    """What the learner's GAE sees (algo.critic): the per-token rewards of a trained row (with the
+    soft overlong penalty on its last policy token), 0 on a row left out of the loss."""
+    mask = _response_mask(r)
+    if not mask.any():
+        return np.zeros(r.sample.num_tokens)
+    out = _token_rewards(r, r.reward).astype(np.float64)
+    if r.sample.token_rewards is not None and r.reward != r.sample.reward:
+        out[np.flatnonzero(mask)[-1]] += r.reward - r.sample.reward
+    return out * (mask > 0)
 
 
 def _outcome_advantages(rows: list[_Row], algo: AlgoConfig) -> list[np.ndarray]:
     """Per-row response-aligned advantages (0 on excluded rows), non-step-wise."""
-    if algo.advantage_estimator == "gae":
-        raise ValueError("algo.advantage_estimator='gae' needs a value model; asyncrl has no critic yet")
+    if algo.advantage_estimator == "gae":  # the learner computes them with its critic (token_rewards)
+        return [np.zeros(r.sample.num_tokens, dtype=np.float32) for r in rows]
     estimator = get_advantage_estimator(algo.advantage_estimator)
     valid = [r for r in rows if r.valid]
     out = [np.zeros(r.sample.num_tokens, dtype=np.float32) for r in rows]
@@ -268,6 +283,9 @@ def build_minibatches(
     advs = _stepwise_advantages(rows, algo) if algo.stepwise else _outcome_advantages(rows, algo)
     teacher_metrics = _add_teacher(rows, advs, teacher) if teacher is not None else {}
     fields = [_sequence_fields(r, a) for r, a in zip(rows, advs, strict=True)]
+    if algo.critic.enabled:
+        for r, f in zip(rows, fields, strict=True):
+            f["token_rewards"] = torch.as_tensor(np.concatenate([np.zeros(r.prompt.shape[0]), _critic_rewards(r)]))
     metrics = _metrics(rows, advs) | teacher_metrics
     if algo.overlong.mask or algo.overlong.soft_penalty is not None:
         metrics |= _overlong_metrics(rows)
@@ -319,6 +337,7 @@ def _train_sequence(f: dict, w: torch.Tensor, src: list[_Row], groups: list[Roll
         behavior_version=min(r.sample.behavior_version for r in src),
         group_id=groups[src[0].group_index].group_id,
         sample_index=src[0].sample_index,
+        token_rewards=f["token_rewards"].numpy().astype(np.float32) if "token_rewards" in f else None,
     )
 
 

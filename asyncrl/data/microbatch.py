@@ -46,6 +46,8 @@ from asyncrl.types import TrainSequence
 # Per-token fields a TrainSequence carries into the learner (all aligned to input_ids).
 SEQUENCE_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
 INTEGER_FIELDS = ("input_ids", "token_versions")
+CRITIC_FIELDS = ("token_rewards",)
+"""Carried as well when the run trains a critic (TrainSequence.token_rewards)."""
 PADDING_KEY = "is_padding"
 # The packed layout's extra fields (module docstring): the forward's input row, its
 # per-sequence positions, and where each [B, L] slot's value sits in that row (-1: none).
@@ -61,6 +63,8 @@ def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
     for name in SEQUENCE_FIELDS:
         value = np.asarray(getattr(seq, name))
         out[name] = value.astype(np.int64 if name in INTEGER_FIELDS else np.float32, copy=False)
+    if seq.token_rewards is not None:
+        out["token_rewards"] = np.asarray(seq.token_rewards).astype(np.float32, copy=False)
     return out
 
 

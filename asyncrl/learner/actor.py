@@ -26,6 +26,7 @@ from asyncrl.data import microbatch as mbatch
 from asyncrl.data.tokens import sampleable_ids
 from asyncrl.learner import checkpoint, fsdp, hf_format, lora, loss, optim, step
 from asyncrl.learner.context_parallel import ContextParallel
+from asyncrl.learner.critic import Critic
 from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
 from asyncrl.seeding import learner_seed
@@ -61,6 +62,8 @@ class LearnerActor:
         self.version = 0
         self.step_count = 0
         self._proximal: dict[int, list[torch.Tensor]] = {}
+        self._proximal_values: dict[int, list[torch.Tensor]] = {}
+        self.critic: Critic | None = None
 
     def rendezvous_point(self) -> tuple[str, int]:
         return rendezvous_point()
@@ -126,6 +129,8 @@ class LearnerActor:
                 trainable=False,
                 context_parallel=lc.context_parallel,
             )
+        if self.cfg.algo.critic.enabled:  # its own module and optimizer: the policy's are untouched
+            self.critic = Critic.load(self.cfg, self.model_path, mesh, device=self.device)
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
@@ -193,6 +198,8 @@ class LearnerActor:
             cp=self.cp,
         )
         self._proximal[key] = [mb["old_logprobs"] for mb in mbs]
+        if self.critic is not None:  # the critic's "old" values: before this step's first update too
+            self._proximal_values[key] = self.critic.values(mbs)
         return time.perf_counter() - t0
 
     def train_minibatch(
@@ -223,6 +230,10 @@ class LearnerActor:
         if proximal_key is not None:
             for mb, old in zip(mbs, self._proximal.pop(proximal_key), strict=True):
                 mb["old_logprobs"] = old
+        critic_metrics = {}
+        if self.critic is not None:  # GAE from the critic's values: the advantages the policy reads
+            stored = self._proximal_values.pop(proximal_key) if proximal_key is not None else None
+            critic_metrics = self.critic.prepare(mbs, stored if stored is not None else self.critic.values(mbs))
         t1 = time.perf_counter()
 
         loss_fn = loss.learner_loss_fn(
@@ -244,6 +255,8 @@ class LearnerActor:
                 disallowed=self.disallowed,
                 cp=self.cp,
             )
+        if self.critic is not None:
+            critic_metrics |= self.critic.train(mbs)
         self.version += 1
         self.step_count += 1
         real = sum(mbatch.computed_tokens(mb) for mb in mbs if not mb[mbatch.PADDING_KEY])
@@ -252,7 +265,7 @@ class LearnerActor:
         if self.cp is not None and self.cp.rank > 0:  # its group's first rank reports their micro-batches
             stats.metrics, real, tokens, idle = {}, 0, 0, 0
         return RankStepResult(
-            metrics=stats.metrics,
+            metrics=stats.metrics | critic_metrics,
             grad_norm=stats.grad_norm,
             lr=stats.lr,
             version=self.version,
@@ -348,6 +361,14 @@ class LearnerActor:
             version=self.version,
             storage_options=self.cfg.control.storage_options,
         )
+        if self.critic is not None:
+            self.critic.save(
+                directory,
+                rank=self.rank,
+                step=self.step_count,
+                version=self.version,
+                storage_options=self.cfg.control.storage_options,
+            )
         return self.version
 
     def load(self, directory: str) -> int:
@@ -359,6 +380,8 @@ class LearnerActor:
             rank=self.rank,
             storage_options=self.cfg.control.storage_options,
         )
+        if self.critic is not None:
+            self.critic.load_state(directory, rank=self.rank, storage_options=self.cfg.control.storage_options)
         return self.version
 
     def get_version(self) -> int:

@@ -243,13 +243,14 @@ class LearnerGroup:
         t0 = time.perf_counter()
         results: list[list[RankStepResult]] = []
         plans = [self._plan([mbatch.seq_fields(s) for s in mb])[:2] for mb in minibatches]
+        fields = FIELD_DTYPES | ({f: "float32" for f in mbatch.CRITIC_FIELDS} if self.cfg.algo.critic.enabled else {})
         several = len(minibatches) > 1
         if several:  # every mini-batch's proximal policy is the weights before the first update
             for j, (per_rank, count) in enumerate(plans):
-                self._call("store_proximal", [(j, p, count, FIELD_DTYPES) for p in per_rank], what="train_step")
+                self._call("store_proximal", [(j, p, count, fields) for p in per_rank], what="train_step")
         for j, (per_rank, count) in enumerate(plans):
             key = j if several else None
-            out = self._call("train_minibatch", [(p, count, FIELD_DTYPES, key) for p in per_rank], what="train_step")
+            out = self._call("train_minibatch", [(p, count, fields, key) for p in per_rank], what="train_step")
             results.append(out)
             self._version = out[0].version
         seconds = time.perf_counter() - t0

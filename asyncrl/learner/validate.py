@@ -46,6 +46,14 @@ def _check_sequence(
         arr = np.asarray(value)
         if arr.shape != ids.shape:
             raise ValueError(f"{where}: field {name!r} has shape {arr.shape}, input_ids has {ids.shape}")
+    if algo.critic.enabled:
+        # The critic's GAE reads the per-token rewards; without them it would train on zeros.
+        rewards = getattr(seq, "token_rewards", None)
+        if rewards is None or np.asarray(rewards).shape != ids.shape:
+            got = "missing" if rewards is None else f"shape {np.asarray(rewards).shape}"
+            raise ValueError(f"{where}: field 'token_rewards' is {got}; algo.critic needs it as input_ids {ids.shape}")
+        if not np.isfinite(np.asarray(rewards, dtype=np.float64)).all():
+            raise ValueError(f"{where}: field 'token_rewards' has NaN/inf")
     mask = np.asarray(seq.loss_mask, dtype=np.float64)
     for name in ("loss_mask", "advantages", "reduction_weights"):
         arr = np.asarray(getattr(seq, name), dtype=np.float64)

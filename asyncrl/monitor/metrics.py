@@ -194,6 +194,15 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("teacher/kl_seq_mean", "mean", "reverse KL to the teacher summed over a sample, mean over samples", "nats"),
     _m("teacher/adv_abs_mean", "mean", "mean |teacher advantage term| per trained token"),
     _m("teacher/missing_samples", "sum", "samples left out of the loss for want of teacher log-probs", "samples"),
+    # The PPO critic (algo.critic): its values V, GAE returns R = A + V, one step per mini-batch.
+    _m("critic/value_loss", "sum", "the critic's clipped value loss (weighted like the policy's terms)"),
+    _m("critic/value_mean", "mean", "mean value V of the trained tokens, before the critic's step"),
+    _m("critic/return_mean", "mean", "mean GAE return R = A + V of the trained tokens"),
+    _m("critic/advantage_mean", "mean", "mean GAE advantage before whitening"),
+    _m("critic/explained_variance", "mean", "1 - Var(R - V) / Var(R) over the trained tokens, before the step"),
+    _m("critic/clip_frac", "mean", "fraction of trained tokens whose value loss the value clip held back"),
+    _m("critic/grad_norm", "mean", "the critic's gradient norm before clipping (learner.grad_clip)"),
+    _m("time/learner_critic", "max", "seconds of the critic's optimizer step (its value pass is in the prepass)", "s"),
     # Evaluation (control.eval_every): the held-out set, greedy unless control.eval_temperature.
     _m("eval/reward_mean", "mean", "mean reward on the held-out prompts"),
     _m("eval/reward_std", "mean", "std of rewards on the held-out prompts"),

@@ -13,9 +13,9 @@ so the matrix is folded):
 
 | run | covers |
 |---|---|
-| A | async, top_p 0.9, top_k 20, T 0.7, chat template, mini_batches_per_step 2, inflight recompute, 2 ranks CP=2 |
-| B | sync mode, temperature 1.3, no template, multi-turn step-wise, a model with dropout in its config |
-| C | async, multi-turn interleaved, chat template, inflight keep, crash + resume mid-run, elastic generator |
+| A | async, top_p 0.9, top_k 20, temperature 0.7, chat template, mini_batches_per_step 2, inflight recompute, 2 ranks CP=2 |
+| B | sync, temperature 1.3, no template, multi-turn step-wise, dropout in the model config, a teacher |
+| C | async, multi-turn interleaved, chat template, inflight keep, crash + resume, elastic generator, a critic |
 | D | the tools env (tool results in context, some cut by the context), LoRA adapter publishes, async on-policy |
 | E | a verifiers env (multi-turn), LoRA with merged publishes, sync mode |
 
@@ -29,6 +29,7 @@ the session's tmp dir; the table is also printed at the end of the session.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -39,6 +40,8 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.train import train
+from asyncrl.learner import checkpoint
+from asyncrl.rundir import CHECKPOINTS_DIR
 from tests.support.job import elastic_generator_argv, stop_process_tree
 from tests.support.parity import PARITY_OVERRIDES, gate_problems, parity_of_run, read_metrics
 
@@ -159,9 +162,21 @@ def run_b(tmp_path: Path, model: str, *extra: str) -> Path:
 
 
 def test_parity_sync_temperature_stepwise_multiturn_dropout_model(ray_session, tmp_path, dropout_model, parity_report):
-    run_b(tmp_path, dropout_model)
-    covers = "sync, T 1.3, no template, multi-turn step-wise, dropout 0.1 in the model config"
-    check(parity_report, "B", covers, tmp_path / "parity-b")
+    """B with on-policy distillation switched on: the teacher (rollout.teacher) is the student's
+    own model, so its log-prob of each sampled token (no top-k/top-p here, T 1.3 both) is the
+    engine's: the teacher term |coef * (rollout logp - teacher logp)| must be ~0 on every
+    trained token. A teacher that scored the wrong token (an off-by-one: ~0.09 nats a token
+    on this model), at another temperature or with dropout on is far off."""
+    coef = 0.1
+    run_dir = run_b(tmp_path, dropout_model, f"rollout.teacher={{model: {dropout_model}, coef: {coef}}}")
+    covers = "sync, T 1.3, no template, multi-turn step-wise, dropout 0.1 in the model config, teacher"
+    check(parity_report, "B", covers, run_dir)
+    rows = read_metrics(run_dir)
+    per_token = [row.get("teacher/adv_abs_mean") for row in rows]  # coef * mean |diff| per trained token
+    assert len(per_token) == 4 and all(d is not None and d / coef < 1e-3 for d in per_token), per_token
+    assert all(
+        row.get("teacher/kl_mean") is not None and row.get("teacher/missing_samples") is not None for row in rows
+    )
 
 
 class _Crash(RuntimeError):
@@ -238,9 +253,17 @@ def run_c(tmp_path: Path, model: str, *extra: str) -> Path:
 def test_parity_multiturn_interleaved_keep_resume_and_elastic_generator(
     ray_session, tmp_path, chat_model, parity_report
 ):
-    run_dir = run_c(tmp_path, chat_model)
-    covers = "async, multi-turn interleaved, chat template, inflight keep, crash+resume at 3, elastic generator"
+    """C with a PPO critic: the learner's advantages come from its value model (GAE over the
+    policy tokens, observations stepped over), which must not move the policy's log-probs; the
+    critic is checkpointed at step 3 and resumed with the run, and reports its metrics."""
+    run_dir = run_c(tmp_path, chat_model, "algo.advantage_estimator=gae", "algo.lam=0.95", "algo.critic.enabled=true")
+    covers = "async, multi-turn interleaved, chat template, inflight keep, crash+resume at 3, elastic generator, critic"
     check(parity_report, "C", covers, run_dir, starts=2)  # the gate ran again after the resume
+    names = ("value_loss", "value_mean", "explained_variance", "clip_frac", "grad_norm")
+    for row in read_metrics(run_dir):
+        values = [row.get(f"critic/{name}") for name in names]
+        assert all(v is not None and math.isfinite(v) for v in values), (row.get("step"), values)
+    assert (checkpoint.resolve(run_dir / CHECKPOINTS_DIR) / "critic" / "dcp").is_dir()
 
 
 # LoRA at lr=0 would prove nothing: PEFT starts every adapter at B = 0, the base model, so an

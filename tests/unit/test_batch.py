@@ -127,3 +127,31 @@ def test_reinforce_pp_mixes_token_rewards_and_outcome_rewards():
     returns = np.array([1.0, 0.0, 2.0, 2.0])
     expected = (returns - returns.mean()) / returns.std(ddof=1)
     np.testing.assert_allclose(np.concatenate([s.advantages[1:] for s in mb]), expected, rtol=1e-5)
+
+
+def test_critic_batches_carry_token_rewards_not_advantages():
+    """algo.critic: the learner computes GAE, so the driver sends each sequence's reward on its
+    last policy token (observation tokens after it get none), 0 for a failed sample, and
+    advantages 0; the soft overlong penalty lands on the last policy token too."""
+    algo = AlgoConfig(
+        advantage_estimator="gae",
+        critic={"enabled": True},
+        overlong={"soft_penalty": {"buffer": 2, "coef": 1.0}},
+    )
+    groups = [
+        RolloutGroup(
+            "g0",
+            "p0",
+            np.array([1, 2]),
+            [
+                sample([5, 6, 7, 8], 1.0, mask=[1, 1, 0, 0]),  # an observation after the last policy token
+                sample([5, 6, 7], math.nan, error="boom"),
+            ],
+        )
+    ]
+    (mb,), _ = build_minibatches(groups, algo, num_minibatches=1, max_new_tokens=5)
+    ok, failed = mb
+    assert ok.token_rewards is not None and failed.token_rewards is not None
+    # 4 tokens of a 5-token budget: the soft penalty (buffer 2, from 3 tokens) is -(4 - 3) / 2
+    assert ok.token_rewards.tolist() == [0, 0, 0, 1.0 - 0.5, 0, 0]
+    assert not failed.token_rewards.any() and not ok.advantages.any() and not failed.loss_mask.any()

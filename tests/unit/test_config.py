@@ -198,9 +198,34 @@ def test_queue_outage_deadline_is_none_or_at_least_the_retry_deadline():
     assert load_config(None, ["queue.retry_deadline_s=2", "queue.outage_deadline_s=5"]).queue.outage_deadline_s == 5
 
 
-def test_gae_is_rejected_until_there_is_a_critic():
-    with pytest.raises(ConfigError, match=r"algo\.advantage_estimator='gae'.*critic"):
+def test_gae_and_the_critic_need_each_other():
+    with pytest.raises(ConfigError, match=r"algo\.advantage_estimator='gae' needs a value model: set algo\.critic"):
         load_config(None, ["algo.advantage_estimator=gae"])
+    with pytest.raises(ConfigError, match=r"algo\.critic\.enabled=true with algo\.advantage_estimator='grpo'"):
+        load_config(None, ["algo.critic.enabled=true"])
+    cfg = load_config(None, ["algo.advantage_estimator=gae", "algo.critic.enabled=true", "algo.critic.value_clip=null"])
+    assert cfg.algo.critic.enabled and cfg.algo.critic.value_clip is None and cfg.algo.critic.lr == 1e-5
+
+
+def test_critic_model_is_checked_at_load(tmp_path):
+    gae = ["algo.advantage_estimator=gae", "algo.critic.enabled=true"]
+    with pytest.raises(ConfigError, match=r"algo\.critic\.model=.*no such directory"):
+        load_config(None, [*gae, f"algo.critic.model={tmp_path / 'missing'}"])
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    with pytest.raises(ConfigError, match=r"algo\.critic\.model=.*ForCausalLM or a \*ForTokenClassification"):
+        load_config(None, [*gae, f"algo.critic.model={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"algo\.critic\.lr"):
+        load_config(None, [*gae, "algo.critic.lr=0"])
+
+
+def test_critic_refuses_a_teacher(tmp_path):
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    teacher = write_tiny_model(tmp_path / "teacher")
+    with pytest.raises(ConfigError, match=r"algo\.critic with rollout\.teacher"):
+        load_config(
+            None, ["algo.advantage_estimator=gae", "algo.critic.enabled=true", f"rollout.teacher.model={teacher}"]
+        )
 
 
 def test_registry_keys_equal_the_config_name_tuples():

@@ -141,6 +141,11 @@ def test_catalogue_covers_the_data_contract():
     contract += ["teacher/kl_mean", "teacher/kl_seq_mean", "teacher/adv_abs_mean", "teacher/missing_samples"]
     contract += ["eval/step", "eval/version", "eval/measured", "eval/off_version", "eval/wall_s", "eval/generator_s"]
     contract += ["eval/skipped"]
+    contract += [
+        f"critic/{k}"
+        for k in ("value_loss", "value_mean", "return_mean", "advantage_mean", "explained_variance", "clip_frac")
+    ]
+    contract += ["critic/grad_norm", "time/learner_critic"]
     contract += ["queue/outages", "queue/outage_s", "generators/restarts"]
     assert set(contract) == set(M.CATALOGUE)
     assert M.spec("drift/rollout_kl").reduce == "mean"

@@ -81,6 +81,11 @@ const CHARTS = [
     metrics: [["teacher/kl_mean", "per token"], ["teacher/kl_seq_mean", "per sample"]],
     help: "On-policy distillation: the student's log-prob minus the teacher's on the tokens the student sampled, " +
           "per trained token and summed per sample. It falls as the student learns the teacher." },
+  { id: "critic", title: "Critic (PPO value model)", yTitle: "loss", y2Title: "explained variance",
+    nodata: "no critic (algo.critic is off)",
+    metrics: [["critic/value_loss", "value loss"], ["critic/explained_variance", "explained variance", "y2"]],
+    help: "The clipped value loss of algo.critic and the share of the returns' variance its values explain " +
+          "(1 perfect, 0 no better than the mean return). Explained variance should rise as it learns." },
   { id: "loss", title: "Loss terms",
     metrics: [["loss/total", "total"], ["loss/policy", "policy"], ["loss/kl_ref", "KL ref"],
               ["loss/rollout_kl", "rollout KL"], ["loss/entropy", "entropy"]],

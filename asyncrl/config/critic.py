@@ -1,0 +1,62 @@
+"""algo.critic: the PPO value model (asyncrl.learner.critic), trained beside the policy in the
+learner's ranks; algo.advantage_estimator='gae' takes its values.
+
+    algo:
+      advantage_estimator: gae
+      gamma: 1.0
+      lam: 0.95
+      critic: {enabled: true, lr: 1.0e-5, value_clip: 0.2}
+
+Its model directory, when given, is checked here from its config.json alone.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from asyncrl.config.base import ConfigError, Section
+from asyncrl.config.reward_model import read_model_dir
+
+
+class CriticConfig(Section):
+    """The value model: the policy's trunk (or a given model's) with a scalar head, its own optimizer."""
+
+    enabled: bool = False
+    """Train a critic; required by (and only allowed with) algo.advantage_estimator='gae'."""
+    model: str | None = None
+    """None: the policy's own model (rollout.model), its LM head replaced by a fresh scalar
+    value head. Else a local directory written by save_pretrained: a *ForCausalLM (its trunk
+    is taken, the head is fresh) or a *ForTokenClassification with num_labels=1 (a critic
+    exported by an earlier run: its head too)."""
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    """The critic's AdamW learning rate (same betas, weight decay, warm-up and schedule shape as
+    learner.*); it has its own optimizer, so it never moves the policy."""
+    value_loss_coef: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
+    """c1 of PPO's L^VF term: the critic's loss is value_loss_coef * the clipped value loss
+    (the critic's own optimizer: with AdamW it mostly matters through learner.grad_clip)."""
+    value_clip: float | None = Field(0.2, gt=0, allow_inf_nan=False)
+    """eps of PPO2's value clipping: V stays within eps of the critic's value before the step;
+    None: no clipping (plain 0.5 * (V - R)^2)."""
+    whiten_advantages: bool = True
+    """Normalise the GAE advantages to mean 0, std 1 over each mini-batch's policy tokens."""
+
+
+def check_critic(spec: CriticConfig) -> None:
+    """A given critic model's config.json names a causal LM or a token classifier."""
+    if spec.model is None:
+        return
+    key = f"algo.critic.model={spec.model!r}"
+    _, config, arch = read_model_dir(
+        key,
+        spec.model,
+        "critic",
+        "",
+        "Hugging Face model",
+        "a critic starts from a *ForCausalLM (its trunk) or a *ForTokenClassification with num_labels=1",
+    )
+    if arch.endswith("ForTokenClassification") and len(config.get("id2label") or {"0": ""}) != 1:
+        raise ConfigError(f"{key}: a token classifier with {len(config['id2label'])} labels; a critic has one")
+    if not (arch.endswith("ForCausalLM") or arch.endswith("ForTokenClassification")):
+        raise ConfigError(
+            f"{key}: architecture {arch!r}; a critic starts from a *ForCausalLM or a *ForTokenClassification"
+        )
