@@ -482,3 +482,16 @@ def test_the_default_correction_is_token_tis_where_it_composes(caplog):
         tis("algo.correction.tis=none", "control.mode=sync", "control.max_staleness=0")
         tis("algo.correction.tis=none", "algo.correction.geo_mask=true")
     assert "no off-policy correction" not in caplog.text
+
+
+def test_critic_refuses_context_parallel():
+    with pytest.raises(ConfigError, match=r"algo\.critic with learner\.context_parallel=2"):
+        load_config(
+            None,
+            [
+                "algo.advantage_estimator=gae",
+                "algo.critic.enabled=true",
+                "learner.num_ranks=2",
+                "learner.context_parallel=2",
+            ],
+        )
