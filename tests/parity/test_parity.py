@@ -13,7 +13,7 @@ so the matrix is folded):
 
 | run | covers |
 |---|---|
-| A | async, top_p 0.9, top_k 20, temperature 0.7, chat template, mini_batches_per_step 2, inflight recompute, 2 ranks CP=2 |
+| A | async, top_p 0.9, top_k 20, T 0.7, chat template, mini_batches_per_step 2, inflight recompute, 2 ranks CP=2 |
 | B | sync, temperature 1.3, no template, multi-turn step-wise, dropout in the model config, a teacher |
 | C | async, multi-turn interleaved, chat template, inflight keep, crash + resume, elastic generator, a critic |
 | D | the tools env (tool results in context, some cut by the context), LoRA adapter publishes, async on-policy |
