@@ -64,6 +64,7 @@ class LearnerActor:
         self._proximal: dict[int, list[torch.Tensor]] = {}
         self._proximal_values: dict[int, list[torch.Tensor]] = {}
         self.critic: Critic | None = None
+        self.cp: ContextParallel | None = None  # setup() builds it when learner.context_parallel > 1
 
     def rendezvous_point(self) -> tuple[str, int]:
         return rendezvous_point()
@@ -99,7 +100,6 @@ class LearnerActor:
         self.sampling = loss.Sampling.of(self.cfg.rollout)
         # FSDP shards over every rank; a CP group's ranks hold the same micro-batches and
         # their gradients add up to the whole row's (asyncrl.learner.context_parallel).
-        self.cp: ContextParallel | None = None
         if lc.context_parallel > 1:
             self.cp = ContextParallel.build(
                 rank=self.rank, world_size=self.world_size, size=lc.context_parallel, sampling=self.sampling
