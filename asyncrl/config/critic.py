@@ -12,10 +12,12 @@ Its model directory, when given, is checked here from its config.json alone.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from asyncrl.config.base import ConfigError, Section
-from asyncrl.config.reward_model import read_model_dir
+from asyncrl.config.reward_model import read_config_json, read_model_dir
 
 
 class CriticConfig(Section):
@@ -60,3 +62,29 @@ def check_critic(spec: CriticConfig) -> None:
         raise ConfigError(
             f"{key}: architecture {arch!r}; a critic starts from a *ForCausalLM or a *ForTokenClassification"
         )
+
+
+def check_critic_vocabulary(spec: CriticConfig, policy_model: str) -> None:
+    """A given critic reads the policy's token ids: its embedding must have a row for every id
+    the policy's vocabulary holds (else the first learner step fails indexing it, or, on a
+    GPU, asserts in a kernel). Checked when both are local directories with a config.json."""
+    if spec.model is None:
+        return
+    policy_dir = Path(policy_model)
+    if not (policy_dir / "config.json").is_file():
+        return  # a hub id: the preflight reads it later; nothing to compare here
+    key = f"algo.critic.model={spec.model!r}"
+    theirs = _vocab_size(read_config_json(Path(spec.model), key))
+    ours = _vocab_size(read_config_json(policy_dir, f"rollout.model={policy_model!r}"))
+    if theirs is not None and ours is not None and theirs < ours:
+        raise ConfigError(
+            f"{key}: a vocabulary of {theirs} tokens, the policy's (rollout.model) has {ours}: the critic "
+            "reads the policy's token ids, so it must share the policy's tokenizer (a model of the same family)"
+        )
+
+
+def _vocab_size(config: dict) -> int | None:
+    size, text = config.get("vocab_size"), config.get("text_config")
+    if size is None and isinstance(text, dict):  # a multimodal model's language part
+        size = text.get("vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None

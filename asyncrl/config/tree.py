@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.algo import AlgoConfig
 from asyncrl.config.base import ADVANTAGE_ESTIMATORS, GROUP_BASELINE_ESTIMATORS, ConfigError, Section
+from asyncrl.config.critic import check_critic_vocabulary
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.config.services import MonitorConfig, QueueConfig
 from asyncrl.config.training import ControlConfig, LearnerConfig, SyncConfig
@@ -68,6 +69,8 @@ def validate(cfg: Config) -> None:
             "algo.critic with rollout.teacher: the teacher's term is added to the advantages on the driver, "
             "which a critic's advantages (computed in the learner) would not carry; use one or the other"
         )
+    if a.critic.enabled:
+        check_critic_vocabulary(a.critic, r.model)
     if a.critic.enabled and lr.context_parallel > 1:
         raise ConfigError(
             f"algo.critic with learner.context_parallel={lr.context_parallel}: the critic's value model runs "

@@ -25,6 +25,7 @@ included (their loss mask is 0, so they add nothing).
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -148,6 +149,14 @@ class Critic:
             advs.append(adv)
             stats += torch.stack([moments(adv, mask), moments(ret, mask), moments(ret - v, mask), moments(v, mask)])
         stats = _all_sum(stats, self.device)
+        if not torch.isfinite(stats).all():
+            # Summed over every rank, so all of them stop here together (no rank is left in a
+            # collective); the policy's step never sees NaN advantages.
+            raise FloatingPointError(
+                "the critic diverged: its values on this mini-batch's policy tokens are NaN/inf, so GAE's "
+                "advantages would be too and the policy's step would take them in; lower algo.critic.lr, "
+                "or resume from a checkpoint before the divergence"
+            )
         for mb, adv in zip(microbatches, advs, strict=True):
             mask = mb["loss_mask"]
             mb["advantages"] = (whiten(adv, mask, stats[0]) if self.spec.whiten_advantages else adv).float()
@@ -183,6 +192,11 @@ class Critic:
                 tokens += float((mask > 0).sum())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(grad_norm):  # the same global norm on every rank: all of them stop
+            raise FloatingPointError(
+                f"the critic's gradient norm is {grad_norm}: its step would write NaN/inf into its weights "
+                "(and the next mini-batch's advantages); lower algo.critic.lr or algo.critic.value_loss_coef"
+            )
         self.optimizer.step()
         self.scheduler.step()
         return {

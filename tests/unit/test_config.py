@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -216,6 +217,23 @@ def test_critic_model_is_checked_at_load(tmp_path):
         load_config(None, [*gae, f"algo.critic.model={tmp_path}"])
     with pytest.raises(ConfigError, match=r"algo\.critic\.lr"):
         load_config(None, [*gae, "algo.critic.lr=0"])
+
+
+def test_critic_model_must_cover_the_policy_vocabulary(tmp_path):
+    """A critic with fewer embedding rows than the policy has token ids would fail at the first
+    learner step (an index error; a device assert on a GPU): refused at load. A larger one (the
+    same tokenizer, a padded embedding) is accepted."""
+    dirs = {}
+    for name, vocab in (("policy", 100), ("small", 50), ("padded", 128)):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        (dirs[name] / "config.json").write_text(
+            json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab})
+        )
+    gae = ["algo.advantage_estimator=gae", "algo.critic.enabled=true", f"rollout.model={dirs['policy']}"]
+    with pytest.raises(ConfigError, match=r"algo\.critic\.model=.*a vocabulary of 50 tokens, the policy's .* has 100"):
+        load_config(None, [*gae, f"algo.critic.model={dirs['small']}"])
+    assert load_config(None, [*gae, f"algo.critic.model={dirs['padded']}"]).algo.critic.model == str(dirs["padded"])
 
 
 def test_critic_refuses_a_teacher(tmp_path):

@@ -194,3 +194,28 @@ def test_values_are_shifted_to_the_action_position(cfg, mesh):
         b[0, 3] = 21
         va, vb = token_values(critic.model, {"input_ids": a}), token_values(critic.model, {"input_ids": b})
     assert va[0, 0] == 0 and torch.equal(va[0, :4], vb[0, :4]) and not torch.equal(va[0, 4:], vb[0, 4:])
+
+
+def test_a_diverged_critic_stops_the_step_before_the_policy_takes_its_nan(cfg, mesh):
+    """NaN values would make every advantage NaN and the policy's AdamW step would write NaN
+    into its weights (even at lr 0: 0 * NaN); the step stops first, with the reason."""
+    actor = learner(cfg, cfg.rollout.model, mesh)
+    per_rank, count, _ = plan(cfg)
+    with torch.no_grad():
+        for p in actor.critic.model.parameters():
+            p.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="the critic diverged"):
+        actor.train_minibatch(per_rank, count, FIELDS)
+    ids = torch.as_tensor(np.stack([s["input_ids"] for s in per_rank[0]]))
+    assert torch.isfinite(actor.model(input_ids=ids).logits).all()
+
+
+def test_a_non_finite_critic_gradient_is_not_stepped_into_its_weights(cfg, mesh):
+    critic = learner(cfg, cfg.rollout.model, mesh).critic
+    per_rank, count, _ = plan(cfg)
+    mbs = learner(cfg, cfg.rollout.model, mesh)._microbatches(per_rank, count, FIELDS)
+    critic.prepare(mbs, critic.values(mbs))
+    mbs[0]["returns"][mbs[0]["loss_mask"] > 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="the critic's gradient norm is"):
+        critic.train(mbs)
+    assert all(torch.isfinite(v).all() for v in critic.values(mbs))
