@@ -269,7 +269,7 @@ def build_minibatches(
         (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std`` (left out when
         no reward succeeded, rather than NaN),
         ``reward/num_failed``, ``response/length_mean``, ``response/length_max``,
-        ``advantages/mean``, ``advantages/abs_mean``, ``batch/num_sequences``,
+        ``advantages/mean``, ``advantages/abs_mean`` (not with algo.critic), ``batch/num_sequences``,
         ``batch/num_loss_tokens``, with a teacher ``teacher/kl_mean`` (per loss token),
         ``teacher/kl_seq_mean`` (summed per sample), ``teacher/adv_abs_mean`` and
         ``teacher/missing_samples``, and, step-wise,
@@ -287,6 +287,8 @@ def build_minibatches(
         for r, f in zip(rows, fields, strict=True):
             f["token_rewards"] = torch.as_tensor(np.concatenate([np.zeros(r.prompt.shape[0]), _critic_rewards(r)]))
     metrics = _metrics(rows, advs) | teacher_metrics
+    if algo.critic.enabled:  # the driver's advantages are all 0 there: the learner's critic/advantage_mean says
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("advantages/")}
     if algo.overlong.mask or algo.overlong.soft_penalty is not None:
         metrics |= _overlong_metrics(rows)
     if algo.stepwise and algo.merge_stepwise:

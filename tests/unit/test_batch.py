@@ -149,8 +149,10 @@ def test_critic_batches_carry_token_rewards_not_advantages():
             ],
         )
     ]
-    (mb,), _ = build_minibatches(groups, algo, num_minibatches=1, max_new_tokens=5)
+    (mb,), metrics = build_minibatches(groups, algo, num_minibatches=1, max_new_tokens=5)
     ok, failed = mb
+    # The driver's advantages are all 0 here: reporting their mean (0) would read as no signal.
+    assert not any(k.startswith("advantages/") for k in metrics) and "reward/mean" in metrics
     assert ok.token_rewards is not None and failed.token_rewards is not None
     # 4 tokens of a 5-token budget: the soft penalty (buffer 2, from 3 tokens) is -(4 - 3) / 2
     assert ok.token_rewards.tolist() == [0, 0, 0, 1.0 - 0.5, 0, 0]
