@@ -28,8 +28,9 @@ class CriticConfig(Section):
     model: str | None = None
     """None: the policy's own model (rollout.model), its LM head replaced by a fresh scalar
     value head. Else a local directory written by save_pretrained: a *ForCausalLM (its trunk
-    is taken, the head is fresh) or a *ForTokenClassification with num_labels=1 (a critic
-    exported by an earlier run: its head too)."""
+    is taken, the head is fresh) or a *ForTokenClassification with num_labels=1 (a value model
+    saved with save_pretrained: its head too; a run's own critic is not exported, it lives in
+    its checkpoints). Its tokenizer must be the policy's: it reads the policy's token ids."""
     lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
     """The critic's AdamW learning rate (same betas, weight decay, warm-up and schedule shape as
     learner.*); it has its own optimizer, so it never moves the policy."""
@@ -38,7 +39,9 @@ class CriticConfig(Section):
     (the critic's own optimizer: with AdamW it mostly matters through learner.grad_clip)."""
     value_clip: float | None = Field(0.2, gt=0, allow_inf_nan=False)
     """eps of PPO2's value clipping: V stays within eps of the critic's value before the step;
-    None: no clipping (plain 0.5 * (V - R)^2)."""
+    None: no clipping (plain 0.5 * (V - R)^2). It acts only with learner.mini_batches_per_step
+    > 1: with one mini-batch per step the critic is trained on the very values it just
+    computed (V = V_old), so nothing is clipped and critic/clip_frac is 0."""
     whiten_advantages: bool = True
     """Normalise the GAE advantages to mean 0, std 1 over each mini-batch's policy tokens."""
 

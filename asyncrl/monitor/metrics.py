@@ -202,7 +202,12 @@ _CATALOGUE: tuple[MetricSpec, ...] = (
     _m("critic/explained_variance", "mean", "1 - Var(R - V) / Var(R) over the trained tokens, before the step"),
     _m("critic/clip_frac", "mean", "fraction of trained tokens whose value loss the value clip held back"),
     _m("critic/grad_norm", "mean", "the critic's gradient norm before clipping (learner.grad_clip)"),
-    _m("time/learner_critic", "max", "seconds of the critic's optimizer step (its value pass is in the prepass)", "s"),
+    _m(
+        "time/learner_critic",
+        "max",
+        "seconds of the critic's forward, backward and optimizer step (its value pass is in the prepass)",
+        "s",
+    ),
     # Evaluation (control.eval_every): the held-out set, greedy unless control.eval_temperature.
     _m("eval/reward_mean", "mean", "mean reward on the held-out prompts"),
     _m("eval/reward_std", "mean", "std of rewards on the held-out prompts"),
