@@ -24,12 +24,12 @@ import torch
 
 from asyncrl.algo.advantages import AdvantageParams, gae
 from asyncrl.algo.value import moments, whiten
-from asyncrl.config import Config, load_config
+from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.batch import build_minibatches
 from asyncrl.learner import checkpoint, fsdp, loss, optim
 from asyncrl.learner.actor import LearnerActor
-from asyncrl.learner.critic import CRITIC_DIR, Critic, token_values
+from asyncrl.learner.critic import CRITIC_DIR, Critic, check_value_model_family, load_value_model, token_values
 from asyncrl.learner.group import FIELD_DTYPES
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.types import RolloutGroup, Sample
@@ -219,3 +219,15 @@ def test_a_non_finite_critic_gradient_is_not_stepped_into_its_weights(cfg, mesh)
     with pytest.raises(FloatingPointError, match="the critic's gradient norm is"):
         critic.train(mbs)
     assert all(torch.isfinite(v).all() for v in critic.values(mbs))
+
+
+def test_a_family_without_a_token_classifier_is_refused_by_name(cfg, mesh, tmp_path):
+    """OLMo-2 (like Granite and Gemma 3) has no *ForTokenClassification in transformers: the run
+    is refused before anything starts (runtime calls the check) and the loader says the same,
+    rather than failing in every learner after Ray and the engines are up."""
+    olmo = write_tiny_model(tmp_path / "olmo2", arch="olmo2")
+    with pytest.raises(ConfigError, match=r"algo\.critic: the value model .* is a 'olmo2'"):
+        check_value_model_family(str(olmo))
+    with pytest.raises(ConfigError, match=r"'olmo2', a family transformers has no \*ForTokenClassification"):
+        load_value_model(str(olmo), mesh, device=torch.device("cpu"), dtype="float32")
+    check_value_model_family(cfg.rollout.model)  # a Llama: accepted
