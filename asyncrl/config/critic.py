@@ -12,6 +12,7 @@ Its model directory, when given, is checked here from its config.json alone.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import Field
@@ -91,3 +92,22 @@ def _vocab_size(config: dict) -> int | None:
     if size is None and isinstance(text, dict):  # a multimodal model's language part
         size = text.get("vocab_size")
     return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def check_value_model_family(model_path: str, key: str = "algo.critic") -> None:
+    """ConfigError naming ``key`` when the model directory's family has no token-classification
+    class in transformers (the value model's form: OLMo-2, Granite, Gemma 3 have none), so a run
+    is refused before anything starts rather than when its learners load. A hub id or a
+    directory without a readable config.json is left to the loaders."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    try:
+        model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(model_type, str) and model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        raise ConfigError(
+            f"{key}: the value model {model_path!r} is a {model_type!r}, a family transformers has no "
+            "*ForTokenClassification for (the critic's form: the trunk with a scalar head); set "
+            "algo.critic.model to a model of a family that has one, with the policy's tokenizer"
+        )

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.config.critic import check_value_model_family
 from asyncrl.control import bringup
 from asyncrl.control.cluster import actor_state, lost_actors
 from asyncrl.control.restart import own_generator_ids
-from asyncrl.learner.critic import check_value_model_family
 from asyncrl.queue import RolloutQueue, RunState
 from asyncrl.rollout import families
 from asyncrl.rollout.generator import GeneratorActor

@@ -37,7 +37,8 @@ from torch import nn
 from asyncrl.algo.advantages import AdvantageParams, gae
 from asyncrl.algo.reduction import per_microbatch_token_mean_weights
 from asyncrl.algo.value import clipped_value_loss, explained_variance, gae_returns, moments, whiten
-from asyncrl.config import Config, ConfigError
+from asyncrl.config import Config
+from asyncrl.config.critic import check_value_model_family
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import checkpoint, fsdp, optim
 from asyncrl.learner.step import tensors_on
@@ -45,27 +46,6 @@ from asyncrl.types import MetricValue
 
 CRITIC_DIR = "critic"
 """A checkpoint's critic: its own DCP shards and rank files under <checkpoint>/critic."""
-
-
-def check_value_model_family(model_path: str, key: str = "algo.critic") -> None:
-    """ConfigError naming ``key`` when the model directory's family has no token-classification
-    class in transformers (the value model's form: OLMo-2, Granite, Gemma 3 have none), so a run
-    is refused before anything starts rather than when its learners load. A hub id or a
-    directory without a readable config.json is left to the loaders."""
-    import json
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
-
-    try:
-        model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return
-    if isinstance(model_type, str) and model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
-        raise ConfigError(
-            f"{key}: the value model {model_path!r} is a {model_type!r}, a family transformers has no "
-            "*ForTokenClassification for (the critic's form: the trunk with a scalar head); set "
-            "algo.critic.model to a model of a family that has one, with the policy's tokenizer"
-        )
 
 
 def load_value_model(

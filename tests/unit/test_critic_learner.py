@@ -25,11 +25,12 @@ import torch
 from asyncrl.algo.advantages import AdvantageParams, gae
 from asyncrl.algo.value import moments, whiten
 from asyncrl.config import Config, ConfigError, load_config
+from asyncrl.config.critic import check_value_model_family
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.batch import build_minibatches
 from asyncrl.learner import checkpoint, fsdp, loss, optim
 from asyncrl.learner.actor import LearnerActor
-from asyncrl.learner.critic import CRITIC_DIR, Critic, check_value_model_family, load_value_model, token_values
+from asyncrl.learner.critic import CRITIC_DIR, Critic, load_value_model, token_values
 from asyncrl.learner.group import FIELD_DTYPES
 from asyncrl.rollout.tiny import write_tiny_model
 from asyncrl.types import RolloutGroup, Sample
