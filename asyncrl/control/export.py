@@ -129,18 +129,24 @@ def export_checkpoint(
     run_dir = run_path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    from asyncrl.learner.critic import CRITIC_DIR  # torch, with it: imported when an export runs
+
     ckpt = checkpoint_dir(run_dir, step)
     cfg = load_config(run_dir / CONFIG_FILE)
+    n = step_of(ckpt)
+    target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
+    policy_out = target or run_dir / HF_DIR / (f"step_{n}-adapter" if adapter else f"step_{n}")
+    critic_out = policy_out.parent / f"{policy_out.name}-critic"
+    if (ckpt / CRITIC_DIR / "dcp").exists():
+        with private_files(cfg.control.private_files):
+            export_critic(cfg, ckpt, resolve_model(cfg, local_dir_for(run_dir, cfg.control.local_dir)), critic_out)
     lora = cfg.learner.lora
     if adapter and lora is None:
         raise ValueError(f"{run_dir}: --adapter needs a LoRA run (its config has no learner.lora)")
     model_path = resolve_model(cfg, local_dir_for(run_dir, cfg.control.local_dir))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    n = step_of(ckpt)
-    target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
     if lora is not None:
-        default = run_dir / HF_DIR / (f"step_{n}-adapter" if adapter else f"step_{n}")
-        return _export_lora(model, cfg, ckpt, model_path, target or default, adapter)
+        return _export_lora(model, cfg, ckpt, model_path, policy_out, adapter)
     state = model.state_dict()
     # The checkpoint holds {"model", "optim"}; only the model's entries are asked for.
     dcp.load({"model": state}, **dcp_storage(ckpt, reader=True))
@@ -151,7 +157,32 @@ def export_checkpoint(
         _save_weights(checkpoint_format(model, state), file, {"step": str(n)})
 
     with private_files(cfg.control.private_files):  # as private as the run's own exports
-        return _assemble(target or run_dir / HF_DIR / f"step_{n}", model_path, write)
+        return _assemble(policy_out, model_path, write)
+
+
+def export_critic(cfg, ckpt: RunPath, model_path: str, out: RunPath) -> RunPath:
+    """A checkpoint's PPO critic (``<checkpoint>/critic``) as an HF folder at ``out``: the value
+    model as ``*ForTokenClassification`` with one label, which ``algo.critic.model`` takes back
+    (a later run's critic starts from it) and transformers loads as any such model."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    from asyncrl.learner.critic import CRITIC_DIR
+
+    source = cfg.algo.critic.model or model_path  # the architecture it was built from
+    config = AutoConfig.from_pretrained(source)
+    config.num_labels = 1
+    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    state = model.state_dict()
+    dcp.load({"model": state}, **dcp_storage(ckpt / CRITIC_DIR, reader=True))
+    model.load_state_dict(state)
+
+    def fill(stage: Path) -> None:
+        model.save_pretrained(stage)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(stage)
+
+    return _stage(out, fill)
 
 
 def _export_lora(model, cfg, ckpt: RunPath, model_path: str, out: RunPath, adapter: bool) -> RunPath:

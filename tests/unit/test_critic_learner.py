@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from asyncrl.algo.advantages import AdvantageParams, gae
 from asyncrl.algo.value import moments, whiten
@@ -33,6 +34,7 @@ from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.critic import CRITIC_DIR, Critic, load_value_model, token_values
 from asyncrl.learner.group import FIELD_DTYPES
 from asyncrl.rollout.tiny import write_tiny_model
+from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from asyncrl.types import RolloutGroup, Sample
 
 D = torch.float64
@@ -158,7 +160,10 @@ def test_critic_checkpoint_resumes_its_weights_and_optimizer(cfg, mesh, tmp_path
     trained = learner(cfg, cfg.rollout.model, mesh)
     for _ in range(2):
         trained.train_minibatch(per_rank, count, FIELDS)
-    final = Path(tmp_path) / "step_000002"
+    run = Path(tmp_path) / "run"
+    (run / CHECKPOINTS_DIR).mkdir(parents=True)
+    (run / CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    final = run / CHECKPOINTS_DIR / "step_000002"
     staging = checkpoint.staging_dir(final)
     assert trained.save(str(staging)) == 2
     checkpoint.publish(staging, final, {})
@@ -172,6 +177,21 @@ def test_critic_checkpoint_resumes_its_weights_and_optimizer(cfg, mesh, tmp_path
     assert not torch.equal(fresh[0], want[0])  # the load changed something
     for a, b in zip(resumed.critic.values(mbs), want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    # `asyncrl export RUN --step 2`: the policy's folder, and the critic's beside it, which
+    # transformers loads to the same values and a later run's algo.critic.model takes back.
+    from transformers import AutoModelForTokenClassification
+
+    from asyncrl.control.export import export_checkpoint
+
+    assert export_checkpoint(run, step=2) == run / "hf" / "step_2"
+    exported = run / "hf" / "step_2-critic"
+    plain = AutoModelForTokenClassification.from_pretrained(exported, dtype=torch.float32)
+    assert plain.config.num_labels == 1 and plain.score.weight.abs().sum() > 0  # the trained head, not a fresh one
+    again = Critic.load(cfg, str(exported), mesh, device=torch.device("cpu"))  # algo.critic.model unset
+    for a, b in zip(again.values(mbs), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
     trained.train_minibatch(per_rank, count, FIELDS)
     resumed.train_minibatch(per_rank, count, FIELDS)  # equal only if the moments and schedule came back
     for a, b in zip(resumed.critic.values(mbs), trained.critic.values(mbs), strict=True):
