@@ -30,8 +30,8 @@ class CriticConfig(Section):
     """None: the policy's own model (rollout.model), its LM head replaced by a fresh scalar
     value head. Else a local directory written by save_pretrained: a *ForCausalLM (its trunk
     is taken, the head is fresh) or a *ForTokenClassification with num_labels=1 (a value model
-    saved with save_pretrained: its head too; a run's own critic is not exported, it lives in
-    its checkpoints). Its tokenizer must be the policy's: it reads the policy's token ids."""
+    saved with save_pretrained, e.g. an earlier run's critic as `asyncrl export` writes it beside
+    the policy: hf/step_N-critic). Its tokenizer must be the policy's: it reads the policy's token ids."""
     lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
     """The critic's AdamW learning rate (same betas, weight decay, warm-up and schedule shape as
     learner.*); it has its own optimizer, so it never moves the policy."""
