@@ -157,8 +157,6 @@ def varlen_sdpa_forward(
         )
     layout = context_parallel.active()
     if layout is not None:  # this rank holds chunks of a row split over its CP group
-        if kwargs.get("softcap") is not None:
-            raise NotImplementedError(f"{VARLEN_SDPA}: context parallelism with soft-capped attention")
         out = context_parallel.attend(
             query,
             key,
@@ -168,6 +166,7 @@ def varlen_sdpa_forward(
             scaling=scaling,
             sliding_window=sliding_window,
             gqa=getattr(module, "num_key_value_groups", 1) > 1,
+            softcap=kwargs.get("softcap"),
         )
         return out.transpose(1, 2).contiguous(), None
     attend = functools.partial(
