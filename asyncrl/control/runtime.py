@@ -30,6 +30,7 @@ from asyncrl.config import Config
 from asyncrl.control import bringup
 from asyncrl.control.cluster import actor_state, lost_actors
 from asyncrl.control.restart import own_generator_ids
+from asyncrl.learner import attention
 from asyncrl.queue import RolloutQueue, RunState
 from asyncrl.rollout import families
 from asyncrl.rollout.generator import GeneratorActor
@@ -97,6 +98,9 @@ class Runtime:
 
         # A family that cannot train here is refused before anything starts (one line, the reason).
         families.check_model(cfg.rollout.model)
+        attention.check_context_parallel(
+            cfg.rollout.model, families.read_config(cfg.rollout.model), cfg.learner.context_parallel
+        )
         # Before anything starts: the redis-server and Ray started below keep the umask they start with.
         stack.enter_context(private_files(cfg.control.private_files))
         local_dir.mkdir(parents=True, exist_ok=True)

@@ -190,3 +190,30 @@ def test_a_model_whose_attention_rules_live_in_its_mask_is_refused():
     config = LlamaConfig(attention_chunk_size=8)
     with pytest.raises(ValueError, match="context_parallel=2: LlamaConfig has attention rules"):
         fsdp.attention_implementation(torch.device("cpu"), "float32", config, context_parallel=2)
+
+
+def test_a_model_whose_attention_cp_cannot_honour_stops_a_run_before_anything_starts(tmp_path):
+    """Refused by `asyncrl train` (and its --check) in one line, before Redis or Ray start,
+    not when the learner ranks load the model."""
+    import json
+    from pathlib import Path
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import preflight
+    from asyncrl.control.train import train
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    model = Path(write_tiny_model(tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_chunk_size": 8}))
+    root = Path(__file__).resolve().parents[2]
+    overrides = [f"rollout.model={model}", f"control.run_dir={tmp_path / 'run'}", "learner.num_ranks=2"]
+    cfg = load_config(root / "configs" / "demo.yaml", [*overrides, "learner.context_parallel=2"])
+    says = "learner.context_parallel=2: .* has attention rules"
+    with pytest.raises(ConfigError, match=says):  # first: should it pass, train below would start a run
+        preflight(cfg)
+    with pytest.raises(ConfigError, match=says) as refused:
+        train(cfg)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run" / "redis").exists()  # no Redis (nor Ray, started after it)
+    preflight(load_config(root / "configs" / "demo.yaml", overrides))  # without CP the model is fine
