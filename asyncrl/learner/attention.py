@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import types
 from typing import Any
 
 import torch
@@ -51,6 +52,19 @@ def supports(config: Any) -> bool:
     if not getattr(config, "is_causal", True):
         return False
     return all(getattr(config, name, None) is None for name in _UNSUPPORTED_CONFIG)
+
+
+def check_context_parallel(model: str, config: dict[str, Any] | None, context_parallel: int) -> None:
+    """Refuse, before anything starts, a model whose attention rules the context-parallel
+    attention cannot honour (`supports`); `config` is its config.json (None for a hub id, which
+    is not read at start-up: the learner refuses it when it loads the model)."""
+    from asyncrl.config import ConfigError  # the config package is light; kept with its one use
+
+    if context_parallel > 1 and config is not None and not supports(types.SimpleNamespace(**config)):
+        raise ConfigError(
+            f"learner.context_parallel={context_parallel}: {model!r} has attention rules (a chunked or "
+            "non-causal mask) that the context-parallel attention cannot honour"
+        )
 
 
 def segments(position_ids: torch.Tensor, batch: int) -> list[list[tuple[int, int]]]:
@@ -157,8 +171,6 @@ def varlen_sdpa_forward(
         )
     layout = context_parallel.active()
     if layout is not None:  # this rank holds chunks of a row split over its CP group
-        if kwargs.get("softcap") is not None:
-            raise NotImplementedError(f"{VARLEN_SDPA}: context parallelism with soft-capped attention")
         out = context_parallel.attend(
             query,
             key,
@@ -168,6 +180,7 @@ def varlen_sdpa_forward(
             scaling=scaling,
             sliding_window=sliding_window,
             gqa=getattr(module, "num_key_value_groups", 1) > 1,
+            softcap=kwargs.get("softcap"),
         )
         return out.transpose(1, 2).contiguous(), None
     attend = functools.partial(

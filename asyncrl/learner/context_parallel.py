@@ -209,10 +209,12 @@ def attend(
     scaling: float | None,
     sliding_window: int | None,
     gqa: bool,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of this rank's query chunks ([1, H, n, D]) over the whole row's keys
-    and values (all-gathered), each query inside its own sequence; [1, H, n, D] out."""
-    kw = {"dropout": dropout, "scaling": scaling, "sliding_window": sliding_window, "gqa": gqa}
+    and values (all-gathered), each query inside its own sequence; [1, H, n, D] out. With
+    `softcap`, the scores are soft-capped as the one-rank attention does (Gemma 2)."""
+    kw = {"dropout": dropout, "scaling": scaling, "sliding_window": sliding_window, "gqa": gqa, "softcap": softcap}
     keys, values = gather(key, layout, 2), gather(value, layout, 2)
     out, offset = [], 0
     for a, b in layout.chunks:
@@ -241,6 +243,10 @@ def _span(q: Tensor, keys: Tensor, values: Tensor, s: int, lo: int, hi: int, **k
         mask = (kj <= qi) & (qi - kj < window)
     elif lo == s:  # the sequence's first queries: square, plain causal, no mask to build
         mask = None
+    if kw["softcap"] is not None:
+        from asyncrl.learner.attention import _softcapped  # attention imports this module
+
+        return _softcapped(q, k, v, mask=mask, dropout=kw["dropout"], scaling=kw["scaling"], softcap=kw["softcap"])
     return F.scaled_dot_product_attention(
         q,
         k,

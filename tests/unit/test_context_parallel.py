@@ -82,6 +82,9 @@ def _worker(rank: int, store: str) -> None:
             context_parallel.QUERY_BLOCK = 3 if checkpointing else 512
             sharded = fsdp.shard_model(copy.deepcopy(base), mesh, None, activation_checkpointing=checkpointing)
             check_against_one_rank(base, sharded, cp, checkpointing)
+        context_parallel.QUERY_BLOCK = 3
+        check_soft_capped_attention(mesh, cp)
+        context_parallel.QUERY_BLOCK = 512
         assert context_parallel.active() is None
     finally:
         dist.destroy_process_group()
@@ -103,6 +106,46 @@ def check_against_one_rank(base, sharded, cp, checkpointing: bool) -> None:
         assert got_stats.metrics.keys() == want_stats.metrics.keys()
         for k, m in want_stats.metrics.items():
             assert abs(got_stats.metrics[k].value - m.value) <= TOL * max(1.0, abs(m.value)), (what, k)
+
+
+def tiny_gemma2():
+    """Gemma 2's attention: scores soft-capped before the mask, every other layer windowed."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        sliding_window=4,
+        attn_logit_softcapping=2.0,
+    )
+    config._attn_implementation = fsdp.attention_implementation(torch.device("cpu"), "float32", config, CP)
+    return Gemma2ForCausalLM(config).to(torch.float64).train(False)
+
+
+def check_soft_capped_attention(mesh, cp) -> None:
+    """A soft-capped model (Gemma 2) trains under CP as on one rank: the cap is applied to the
+    scores of every query block against the gathered keys. Gemma 2's norms compute in
+    float32 (their weights' gradients sum over tokens there), so those match to float32."""
+    base = tiny_gemma2()
+    sharded = fsdp.shard_model(copy.deepcopy(base), mesh, None)
+    algo = algo_for("entropy", "token_mean").model_copy(update={"entropy_coef": 0.05})
+    micro = micro_batches(algo)
+    for want, got in zip(_logprobs(base, micro, None), _logprobs(sharded, micro, cp), strict=True):
+        assert (got - want).abs().max() <= TOL
+    want_stats, want_grad = _stats(base, algo, micro, None)
+    got_stats, got_grad = _stats(sharded, algo, micro, cp)
+    norms = torch.cat([torch.full((p.numel(),), "norm" in n) for n, p in base.named_parameters()])
+    scale = float(want_grad.abs().max())
+    assert float((got_grad - want_grad)[~norms].abs().max()) <= TOL * scale
+    assert float((got_grad - want_grad)[norms].abs().max()) <= 1e-6 * scale
+    assert abs(got_stats.grad_norm - want_stats.grad_norm) <= 1e-6 * want_stats.grad_norm
 
 
 def test_cp2_equals_cp1_in_float64_with_and_without_activation_checkpointing(tmp_path):
@@ -147,3 +190,30 @@ def test_a_model_whose_attention_rules_live_in_its_mask_is_refused():
     config = LlamaConfig(attention_chunk_size=8)
     with pytest.raises(ValueError, match="context_parallel=2: LlamaConfig has attention rules"):
         fsdp.attention_implementation(torch.device("cpu"), "float32", config, context_parallel=2)
+
+
+def test_a_model_whose_attention_cp_cannot_honour_stops_a_run_before_anything_starts(tmp_path):
+    """Refused by `asyncrl train` (and its --check) in one line, before Redis or Ray start,
+    not when the learner ranks load the model."""
+    import json
+    from pathlib import Path
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import preflight
+    from asyncrl.control.train import train
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    model = Path(write_tiny_model(tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_chunk_size": 8}))
+    root = Path(__file__).resolve().parents[2]
+    overrides = [f"rollout.model={model}", f"control.run_dir={tmp_path / 'run'}", "learner.num_ranks=2"]
+    cfg = load_config(root / "configs" / "demo.yaml", [*overrides, "learner.context_parallel=2"])
+    says = "learner.context_parallel=2: .* has attention rules"
+    with pytest.raises(ConfigError, match=says):  # first: should it pass, train below would start a run
+        preflight(cfg)
+    with pytest.raises(ConfigError, match=says) as refused:
+        train(cfg)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run" / "redis").exists()  # no Redis (nor Ray, started after it)
+    preflight(load_config(root / "configs" / "demo.yaml", overrides))  # without CP the model is fine
