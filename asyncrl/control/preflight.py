@@ -34,7 +34,6 @@ from asyncrl.config.base import is_hub_id
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.control.preflight_gpu import cuda_devices, gpu_fit
 from asyncrl.control.preflight_model import check_model, hub_offline_if_unreachable
-from asyncrl.learner import attention
 from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
@@ -91,7 +90,10 @@ def preflight(cfg: Config) -> list[str]:
     lines.append(f"engine: {model}, dtype {args.dtype}, weight_transfer_config {transfer or 'none'}")
     lines.append(model_line)
     lines.append(families.describe(r.model))
-    attention.check_context_parallel(r.model, families.read_config(r.model), learner.context_parallel)
+    if learner.context_parallel > 1:
+        from asyncrl.learner import attention  # torch: only when context parallelism asks for the check
+
+        attention.check_context_parallel(r.model, families.read_config(r.model), learner.context_parallel)
 
     cuda = torch.cuda.is_available()
     needs = [

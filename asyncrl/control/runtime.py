@@ -31,7 +31,6 @@ from asyncrl.config.critic import check_value_model_family
 from asyncrl.control import bringup
 from asyncrl.control.cluster import actor_state, lost_actors
 from asyncrl.control.restart import own_generator_ids
-from asyncrl.learner import attention
 from asyncrl.queue import RolloutQueue, RunState
 from asyncrl.rollout import families
 from asyncrl.rollout.generator import GeneratorActor
@@ -101,9 +100,12 @@ class Runtime:
         families.check_model(cfg.rollout.model)
         if cfg.algo.critic.enabled:  # its value model's form, before anything starts too
             check_value_model_family(cfg.algo.critic.model or cfg.rollout.model)
-        attention.check_context_parallel(
-            cfg.rollout.model, families.read_config(cfg.rollout.model), cfg.learner.context_parallel
-        )
+        if cfg.learner.context_parallel > 1:
+            from asyncrl.learner import attention  # torch: only when context parallelism asks for the check
+
+            attention.check_context_parallel(
+                cfg.rollout.model, families.read_config(cfg.rollout.model), cfg.learner.context_parallel
+            )
         # Before anything starts: the redis-server and Ray started below keep the umask they start with.
         stack.enter_context(private_files(cfg.control.private_files))
         local_dir.mkdir(parents=True, exist_ok=True)
