@@ -283,9 +283,8 @@ def test_a_crashed_reward_worker_leaves_no_program_running():
     )
     worker = subprocess.Popen([sys.executable, "-c", code])
     try:
-        for _ in range(3000):  # until its program runs
-            if _sandbox_processes():
-                break
+        deadline = time.monotonic() + 180  # until its program runs (the worker imports first: slow on a loaded box)
+        while not _sandbox_processes() and time.monotonic() < deadline and worker.poll() is None:
             time.sleep(0.01)
         assert _sandbox_processes()
     finally:
