@@ -40,6 +40,7 @@ from asyncrl.config import ConfigError, load_config, redact_config, schema_text
 from asyncrl.control.allowlist import ImportAllowList
 from asyncrl.control.elastic import run_elastic_generator
 from asyncrl.control.preflight import preflight
+from asyncrl.control.preflight_gpu import cannot_start_here, cuda_devices
 from asyncrl.control.state import PREEMPTED_EXIT
 from asyncrl.control.train import train
 from asyncrl.infra import run_command
@@ -198,6 +199,10 @@ def _cmd_train(args) -> int:
 
         for line in preflight(cfg):
             print(f"check: {line}")
+        reason = cannot_start_here(cfg, cuda_devices())
+        if reason is not None:
+            print(f"asyncrl train --check: the run cannot start here: {reason}", file=sys.stderr)
+            return 2
         return 0
 
     # The weights a killed run leaves in shm_dir go with it (a clean stop deletes them itself).

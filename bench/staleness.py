@@ -18,7 +18,7 @@ under each correction:
                                                            leaves 0.99-1.01 are masked
     rollout_is  policy_loss=rollout_is, tis=none           no proximal anchor: the ratio to the
                                                            behaviour policy, tokens outside
-                                                           (0.8, 1.28) dropped
+                                                           (0.8, 1.2) dropped (its own clip)
 
 At one mini-batch per step (the default, and here) the proximal policy is the current weights,
 so the PPO clip of `none`, `tis` and `tis_geo` never acts: their only difference is the
@@ -33,7 +33,8 @@ that bound allows. Reported per cell: reward of the current policy on a fixed ev
 (every `eval_every` steps and at the end) against samples trained and against a modeled
 wall-clock (bench/simulate.py's pipeline with the per-step generation and training times
 measured here, generator and learner on their own devices: the sync run pays both, an async
-one about the larger), `drift/abs_logp_diff` (|learner - behaviour| log-prob, per token),
+one about the larger; plus an assumed 0.05 s per weight publish on each side),
+`drift/abs_logp_diff` (|learner - behaviour| log-prob, per token),
 `drift/rollout_kl` (k3) and the masked fraction (`drift/masked_frac`; rollout_is: its dropped
 fraction `policy/clip_frac`). Written to --out: staleness.json, staleness.md (the tables),
 staleness.png. The last stdout line is the JSON summary.
@@ -224,10 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="every k and correction, 2 seeds, 60 steps (~25 min)")
     p.add_argument("--smoke", action="store_true", help="k 0 and 2, two corrections, 3 steps (seconds)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    p.add_argument("--seeds", type=int, help="override the mode's seed count")
-    p.add_argument("--steps", type=int, help="override the mode's steps per run")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--jobs", type=int, default=2, help="cells run at once, one process each")
+    p.add_argument("--seeds", type=_positive, help="override the mode's seed count")
+    p.add_argument("--steps", type=_positive, help="override the mode's steps per run")
+    p.add_argument("--threads", type=_positive, default=1, help="torch threads per process")
+    p.add_argument("--jobs", type=_positive, default=2, help="cells run at once, one process each")
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --out's cells.jsonl")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "staleness"))
     args = p.parse_args(argv)
@@ -238,14 +239,62 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     with JsonStdout() as stdout:
         if args.report_only:  # the cells a run wrote so far (e.g. one stopped after its first seed)
-            lines = (out / "cells.jsonl").read_text().splitlines()
-            cells = [Cell(**json.loads(line)) for line in lines if line.strip()]
+            cells = read_cells(out / "cells.jsonl", p)
+            # The cells' own seeds and steps, not the mode flag's (a --quick run reported
+            # without --quick would otherwise be costed at the full grid's 100 steps).
             seeds = len({c.seed for c in cells})
-            mode = Mode(**{**asdict(mode), "seeds": seeds})
+            steps = max(len(c.train_s) for c in cells)
+            mode = Mode(**{**asdict(mode), "seeds": seeds, "steps": steps})
             stdout.result = write_report(args, cells, mode, out, time.perf_counter())
         else:
             stdout.result = run(args, mode, out, stdout)
     return stdout.result
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
+def read_cells(path: Path, parser: argparse.ArgumentParser) -> list[Cell]:
+    """The finished cells in `path`; a line that is not a whole cell (a run killed while
+    writing it, a hand edit) is skipped and named on stderr, so the rest still report."""
+    if not path.exists():
+        parser.error(f"--report-only: {path} does not exist (run the study with this --out first)")
+    cells = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            cell = Cell(**json.loads(line))
+            if not cell.train_s or len(cell.samples) != len(cell.eval_reward):
+                raise ValueError("no training steps, or samples and eval_reward of different lengths")
+        except (ValueError, TypeError) as e:
+            print(f"{path}:{n}: skipped, not a whole cell ({e})", file=sys.stderr)
+            continue
+        cells.append(cell)
+    if not cells:
+        parser.error(f"--report-only: {path} holds no whole cell")
+    return cells
+
+
+def drain(futures, report) -> list[BaseException]:
+    """Report each cell as it finishes; a cell that fails (its worker raised or died) is
+    named on stderr and the others still report. Returns the failures."""
+    from concurrent.futures import as_completed
+
+    failures = []
+    for future in as_completed(futures):
+        try:
+            cell = future.result()
+        except Exception as e:  # one cell's failure must not lose the others'
+            print(f"a cell failed: {type(e).__name__}: {e}", file=sys.stderr)
+            failures.append(e)
+            continue
+        report(cell)
+    return failures
 
 
 def run(args, mode: Mode, out: Path, stdout: JsonStdout) -> dict:
@@ -287,12 +336,17 @@ def run(args, mode: Mode, out: Path, stdout: JsonStdout) -> dict:
                 report(run_cell(*item))
         else:  # cells are independent: one per process (each its own one-rank gloo group)
             import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor, as_completed
+            from concurrent.futures import ProcessPoolExecutor
 
             ctx = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-                for future in as_completed([pool.submit(run_cell, *item) for item in work]):
-                    report(future.result())
+                failures = drain([pool.submit(run_cell, *item) for item in work], report)
+            if failures:
+                log.close()
+                raise RuntimeError(
+                    f"{len(failures)} of {len(plan)} cells failed (first: {failures[0]!r}); the "
+                    f"{len(cells)} that finished are in {out / 'cells.jsonl'} (--report-only reports them)"
+                )
     log.close()
     order = [c.name for c in plan]
     cells.sort(key=lambda c: order.index(c.name))

@@ -183,6 +183,9 @@ class HarnessLearner(LearnerActor):
         self.reference = None
         if cfg.algo.kl_coef > 0:
             raise ValueError("the harness runs without a reference model (algo.kl_coef = 0)")
+        if lc.context_parallel > 1:
+            raise ValueError("the harness runs one rank (learner.context_parallel = 1)")
+        self.cp = None  # every attribute train_minibatch reads that setup would set
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)

@@ -43,13 +43,14 @@ class EchoFirstEnv(Environment):
 
 
 def letters_in_place(prompts, completions, target, **_):
-    """The share of the target's letters in place, less 0.1 per letter too many or too few: the
-    partial credit a random policy needs to start learning (it almost never copies all of it,
-    so exact_copy alone teaches it little)."""
+    """The share of the target's letters in place, less 0.1 per letter too many or too few, at
+    least -1: the partial credit a random policy needs to start learning (it almost never
+    copies all of it, so exact_copy alone teaches it little)."""
     scores = []
     for c, t in zip(completions, target, strict=True):
-        right = sum(a == b for a, b in zip(c.strip(), t, strict=False))
-        scores.append(right / len(t) - 0.1 * abs(len(c.strip()) - len(t)))
+        c = c.strip()
+        right = sum(a == b for a, b in zip(c, t, strict=False))
+        scores.append(max(-1.0, right / max(len(t), 1) - 0.1 * abs(len(c) - len(t))))
     return scores
 
 

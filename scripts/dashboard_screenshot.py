@@ -38,9 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     except NotARunDir as e:
         print(e, file=sys.stderr)
         return 2
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        print("chromium not found on PATH (apt-get install -y chromium)", file=sys.stderr)
+    if not Path(args.out).resolve().parent.is_dir():
+        print(f"{args.out}: its directory does not exist", file=sys.stderr)
         return 2
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -56,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{port}"
         # The page is ready once it shows the step the run ended at.
         last_step = httpx.get(f"{base}/api/run/{app.state.default_run}/summary", timeout=30).json()["step"]
+        if last_step is None:  # the page would never show a step to wait for
+            print(f"{run_dir}: metrics.jsonl holds no step yet: nothing to picture", file=sys.stderr)
+            return 2
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+        if chromium is None:
+            print("chromium not found on PATH (apt-get install -y chromium)", file=sys.stderr)
+            return 2
         with sync_playwright() as pw:
             # --no-sandbox: as root (CI, containers) Chromium's sandbox refuses to start.
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])

@@ -86,6 +86,8 @@ def gpu_fit(cfg: Config, backend: str, devices: list[Device]) -> list[str]:
     needed = math.ceil(total - 1e-9)
     head = f"GPUs: the config asks for {total:g} ({asked}): {needed} device(s)"
     if not devices:
+        if cfg.control.ray_address is not None:
+            return [f"{head}; this host has NO GPU: the cluster (control.ray_address) must hold them"]
         return [
             f"{head}; this host has NO GPU (torch sees no CUDA device): the run cannot start here, checked up to here"
         ]
@@ -106,3 +108,17 @@ def gpu_fit(cfg: Config, backend: str, devices: list[Device]) -> list[str]:
             f"{engine_share * memory:.1f} GiB per engine{where}"
         )
     return lines
+
+
+def cannot_start_here(cfg: Config, devices: list[Device]) -> str | None:
+    """Why the run cannot start from this host, or None: it asks for GPUs, this host has none,
+    and no cluster (control.ray_address) could hold them. `--check` prints every line first,
+    then exits 2 with this reason (a refusal, as for a config it rejects)."""
+    requests = _requests(cfg)
+    if not requests or devices or cfg.control.ray_address is not None:
+        return None
+    total = sum(n * each for _, n, each in requests)
+    return (
+        f"the config asks for {total:g} GPU(s) and this host has none (torch sees no CUDA device); "
+        "run it on a GPU host, or on a cluster (control.ray_address)"
+    )

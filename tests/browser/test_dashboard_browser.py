@@ -252,7 +252,7 @@ def test_finished_run_dir_renders_as_finished(chromium, serve_dashboard, finishe
     assert page.url == f"{base}/run/fin"
     assert _text(page, "#conn-text") == "finished" and _text(page, "#run-status") == "finished"
     banner = _text(page, "#finished-banner")
-    assert banner.startswith("Finished run (finished): final step 30 · wall time 56.0 s · start-up 22.7 s"), banner
+    assert banner.startswith("Finished run: final step 30 · wall time 56.0 s · start-up 22.7 s"), banner
     assert str(run_dir) in banner
     assert page.locator("#gen-panel").is_hidden()
     assert _text(page, "#stat-policy-version") == "30" and _text(page, "#stat-trained") == "240"

@@ -44,3 +44,29 @@ def test_it_refuses_a_directory_that_is_not_a_run(tmp_path):
     )
     assert done.returncode == 2 and "is not a run directory: it has no metrics.jsonl" in done.stderr, done.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "scripts/dashboard_screenshot.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_it_refuses_a_run_with_no_step_yet_at_once(tmp_path):
+    """An empty metrics.jsonl (a run that has not logged): no step to wait for, so a clear
+    refusal, not a 30 s wait for the page to show step None."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    done = _run(str(tmp_path), str(tmp_path / "x.png"))
+    assert done.returncode == 2, done.stderr
+    assert f"{tmp_path}: metrics.jsonl holds no step yet: nothing to picture" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_it_refuses_an_output_in_a_missing_directory(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    done = _run(str(tmp_path), str(tmp_path / "nope" / "x.png"))
+    assert done.returncode == 2 and "its directory does not exist" in done.stderr, done.stderr

@@ -88,6 +88,11 @@ def test_the_readmes_reward_gives_partial_credit_where_exact_copy_gives_none():
     scores = letters_in_place(None, answers, target)
     assert scores == pytest.approx([1.0, 1.0, 2 / 3, 2 / 3 - 0.1, 1.0 - 0.1, 0.0, -0.3, 1 / 3])
     assert exact_copy(None, answers, target) == [1.0, 1.0, 0, 0, 0, 0, 0, 0]
+    # Hostile answers: a runaway one costs no more than -1 (it must not outweigh a whole group),
+    # an empty target is no division by zero, unicode is compared as characters.
+    assert letters_in_place(None, ["a" * 1_000_000, "", "xy", "äbc"], ["abc", "", "", "abc"]) == pytest.approx(
+        [-1.0, 0.0, -0.2, 2 / 3]
+    )
 
 
 def test_slow_reward_config_times_out_the_stuck_verifier_and_scores_the_rest():

@@ -42,9 +42,14 @@ def gsm_file(tmp_path) -> list[str]:
     return [f"rollout.prompts={path}", f"control.eval_prompts={path}"]
 
 
+# Where the run cannot start (a GPU config on a host without one), --check prints every line and
+# then refuses as for a bad config.
+CAN_START = 0 if torch.cuda.is_available() else 2
+
+
 def test_the_gpu_config_passes_up_to_cuda_with_nccl_engines(capsys, gsm_file):
     rc, lines, err = check(capsys, GPU_CONFIG, *gsm_file)
-    assert rc == 0, err
+    assert rc == CAN_START, err
     assert "check: rollout.env=gsm8k: imported and built" in lines
     assert sum(line.endswith("gsm.jsonl: 1 records read and valid") for line in lines) == 2  # train and eval
     assert "check: weight sync: nccl" in lines
@@ -69,7 +74,7 @@ def test_the_one_gpu_config_shares_a_device_through_shared_memory(capsys, gsm_fi
     assert cfg.learner.gpus_per_rank + cfg.rollout.gpus_per_generator == 1
     assert cfg.sync.backend == "shm" and cfg.rollout.engine_kwargs["gpu_memory_utilization"] == 0.3
     rc, lines, err = check(capsys, ONE_GPU_CONFIG, *gsm_file)
-    assert rc == 0, err
+    assert rc == CAN_START, err
     assert "check: weight sync: shm" in lines
     assert "check: engine: Qwen/Qwen2.5-0.5B-Instruct, dtype float32, weight_transfer_config none" in lines or (
         torch.cuda.is_available()
@@ -82,6 +87,32 @@ def test_the_one_gpu_config_shares_a_device_through_shared_memory(capsys, gsm_fi
         )
     else:
         assert any(line.startswith("check: engine memory: gpu_memory_utilization 0.3 of") for line in lines)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without a GPU")
+def test_a_gpu_config_on_a_host_without_one_is_refused_after_every_line(capsys, gsm_file):
+    rc, lines, err = check(capsys, ONE_GPU_CONFIG, *gsm_file)
+    assert rc == 2
+    assert lines[-1].endswith("the run cannot start here, checked up to here")
+    assert err.strip().splitlines()[-1] == (
+        "asyncrl train --check: the run cannot start here: the config asks for 1 GPU(s) and this host has none "
+        "(torch sees no CUDA device); run it on a GPU host, or on a cluster (control.ray_address)"
+    )
+    # A cluster may hold the GPUs: nothing to refuse from here.
+    rc, lines, err = check(capsys, ONE_GPU_CONFIG, *gsm_file, "control.ray_address=ray://head:10001")
+    assert rc == 0, err
+    assert lines[-1].endswith("this host has NO GPU: the cluster (control.ray_address) must hold them")
+
+
+def test_cannot_start_here_only_without_gpus_and_without_a_cluster():
+    from asyncrl.config import load_config
+    from asyncrl.control.preflight_gpu import Device, cannot_start_here
+
+    cfg = load_config(ONE_GPU_CONFIG)
+    assert cannot_start_here(cfg, []) is not None
+    assert cannot_start_here(cfg, [Device("H100", 80.0)]) is None
+    assert cannot_start_here(load_config(ONE_GPU_CONFIG, ["control.ray_address=auto"]), []) is None
+    assert cannot_start_here(load_config("configs/demo.yaml"), []) is None  # asks for no GPU
 
 
 def test_a_shared_gpu_needs_shared_memory_sync_and_an_engine_memory_share(capsys, gsm_file):
@@ -111,7 +142,7 @@ def test_an_unreachable_hub_is_one_line_and_checked_offline(capsys, monkeypatch)
     endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens: refused at once
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     rc, lines, err = check(capsys, GPU_CONFIG)
-    assert rc == 0, err
+    assert rc == CAN_START, err
     hub = [line for line in lines if line.startswith("check: hub:")]
     assert hub == [
         f"check: hub: {endpoint} does not answer from this host (ConnectError): checked offline (HF_HUB_OFFLINE=1); "

@@ -404,7 +404,11 @@ function drawFinished(s) {
   b.hidden = !f;
   document.getElementById("gen-panel").hidden = !!f;  // no generator outlives its run
   if (!f) return;
-  const parts = [`Finished run (${s.status}): final step ${fmt(f.final_step)}`,
+  // "finished" is the banner's own word; any other end (failed, stopped, ended without a
+  // summary) is named once.
+  const head = s.status === "finished" ? "Finished run"
+    : s.status === "ended" ? "Run ended" : `Run ended (${s.status})`;
+  const parts = [`${head}: final step ${fmt(f.final_step)}`,
                  f.wall_s != null ? `wall time ${fmtDuration(f.wall_s)}` : null,
                  f.startup_s != null ? `start-up ${fmtDuration(f.startup_s)}` : null,
                  f.ended_at ? `ended ${fmtTime(f.ended_at)}` : null,
