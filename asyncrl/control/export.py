@@ -121,7 +121,8 @@ def export_checkpoint(
     no learner or process group; written to `out` or ``run_dir/hf/step_N``. A URL is read with
     its filesystem's standard credentials (asyncrl.rundir.store.run_path). A LoRA run's
     checkpoint holds only its adapter: it is loaded onto the base model and merged, or with
-    ``adapter`` written alone in PEFT's format (``run_dir/hf/step_N-adapter`` by default)."""
+    ``adapter`` written alone in PEFT's format (``run_dir/hf/step_N-adapter`` by default). A
+    checkpoint with a PPO critic also gives the critic's folder beside it (``<out>-critic``)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
@@ -133,17 +134,16 @@ def export_checkpoint(
 
     ckpt = checkpoint_dir(run_dir, step)
     cfg = load_config(run_dir / CONFIG_FILE)
-    n = step_of(ckpt)
-    target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
-    policy_out = target or run_dir / HF_DIR / (f"step_{n}-adapter" if adapter else f"step_{n}")
-    critic_out = policy_out.parent / f"{policy_out.name}-critic"
-    if (ckpt / CRITIC_DIR / "dcp").exists():
-        with private_files(cfg.control.private_files):
-            export_critic(cfg, ckpt, resolve_model(cfg, local_dir_for(run_dir, cfg.control.local_dir)), critic_out)
     lora = cfg.learner.lora
     if adapter and lora is None:
         raise ValueError(f"{run_dir}: --adapter needs a LoRA run (its config has no learner.lora)")
+    n = step_of(ckpt)
+    target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
+    policy_out = target or run_dir / HF_DIR / (f"step_{n}-adapter" if adapter else f"step_{n}")
     model_path = resolve_model(cfg, local_dir_for(run_dir, cfg.control.local_dir))
+    if (ckpt / CRITIC_DIR / "dcp").exists():
+        with private_files(cfg.control.private_files):
+            export_critic(cfg, ckpt, model_path, policy_out.parent / f"{policy_out.name}-critic")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if lora is not None:
         return _export_lora(model, cfg, ckpt, model_path, policy_out, adapter)
