@@ -36,6 +36,7 @@ import logging
 import math
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,8 +91,9 @@ class Evaluator:
     def start(self, generators: list, step: int | None = None, version: int | None = None) -> PendingEval:
         """Hand each generator its share of the prompts and return at once."""
         shares = [(gen, self.prompts[i :: len(generators)]) for i, gen in enumerate(generators)] if generators else []
+        eval_id = uuid.uuid4().hex
         calls = {
-            gen.evaluate.remote(batch, self.temperature, self.timeout_s, version): len(batch)
+            gen.evaluate.remote(batch, self.temperature, self.timeout_s, version, eval_id): len(batch)
             for gen, batch in shares
             if batch
         }
@@ -101,6 +103,7 @@ class Evaluator:
             version=version,
             prompts=len(self.prompts),
             calls=calls,
+            eval_id=eval_id,
             deadline_s=self.timeout_s + self.grace_s,
             timeout_s=self.timeout_s,
         )
@@ -117,6 +120,8 @@ class PendingEval:
     prompts: int
     calls: dict
     """Ray call -> how many prompts it carries."""
+    eval_id: str
+    """Names it on the generators, for ``cancel``."""
     deadline_s: float
     timeout_s: float
     t0: float = field(default_factory=time.perf_counter)
@@ -188,7 +193,7 @@ class PendingEval:
                 ray.cancel(ref)
         for gen in self.generators:
             with contextlib.suppress(Exception):  # a stand-in or a dead actor: nothing to stop
-                gen.cancel_evaluations.remote()
+                gen.cancel_evaluations.remote(self.eval_id)
 
     def _metrics(self, outs: list[EvalOutcome], failed: int, timeouts: int) -> dict[str, float]:
         rewards = [x for o in outs for x in o.rewards if not math.isnan(x)]

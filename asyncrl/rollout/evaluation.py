@@ -22,6 +22,7 @@ evaluation is never a mix of versions.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
@@ -34,6 +35,10 @@ from asyncrl.rollout.prompts import PromptItem
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
+
+CANCELS_KEPT = 64
+"""Cancelled evaluation ids a generator remembers (an evaluation's call may reach it after its
+cancel); evaluations run one at a time, so a few would do."""
 
 
 @dataclass
@@ -146,13 +151,18 @@ class HeldOut:
         self.cfg, self.env, self.tokenizer, self.engine, self.generator_id = cfg, env, tokenizer, engine, generator_id
         self.encode = encode
         self.maker: GroupMaker | None = None
-        self._running: set[asyncio.Task] = set()
+        self._running: dict[asyncio.Task, str | None] = {}
+        self._cancelled: collections.deque[str] = collections.deque(maxlen=CANCELS_KEPT)
 
-    def cancel(self) -> int:
-        """Cancel the evaluations running here (the trainer stops: it no longer waits for them,
-        and their hold on weight loads would hold its last publish); how many there were.
-        Ray's cancel does not reach a coroutine on the generator's own loop: this does."""
-        running = [t for t in self._running if not t.done()]
+    def cancel(self, eval_id: str | None = None) -> int:
+        """Cancel the evaluation ``eval_id`` (None: every one) running here: the trainer stops, no
+        longer waits for it, and its hold on weight loads would hold the last publish. How many
+        were running. Ray's cancel does not reach a coroutine on the generator's own loop: this
+        does. The id is kept, so that an evaluation whose call had not yet reached the loop when
+        its cancel came (both are calls on the actor's threads, in no set order) never starts."""
+        if eval_id is not None:
+            self._cancelled.append(eval_id)
+        running = [t for t, i in self._running.items() if not t.done() and eval_id in (None, i)]
         for task in running:
             task.cancel()
         return len(running)
@@ -163,20 +173,24 @@ class HeldOut:
         temperature: float,
         timeout_s: float | None = None,
         version: int | None = None,
+        eval_id: str | None = None,
     ) -> EvalOutcome:
         """(prompt id, text, metadata) -> one rollout each; the prompt id is its request id.
         An engine without weights it can sample (``closed``) would hold every request until new
         weights load: its prompts are reported as not run at once instead. With ``version``,
-        only rollouts sampled under that weight version count (the module's docstring)."""
+        only rollouts sampled under that weight version count (the module's docstring).
+        ``eval_id`` names it for ``cancel``; one cancelled before it got here raises at once."""
+        if eval_id is not None and eval_id in self._cancelled:
+            raise asyncio.CancelledError(f"evaluation {eval_id} was cancelled before it started")
         t0 = time.monotonic()
         task = asyncio.current_task()
         if task is not None:
-            self._running.add(task)
+            self._running[task] = eval_id
         try:
             out = await self._run(prompts, temperature, timeout_s, version)
         finally:
             if task is not None:
-                self._running.discard(task)
+                self._running.pop(task, None)
         out.seconds = time.monotonic() - t0
         return out
 

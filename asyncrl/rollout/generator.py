@@ -331,16 +331,18 @@ class GeneratorActor:
         temperature: float,
         timeout_s: float | None = None,
         version: int | None = None,
+        eval_id: str | None = None,
     ) -> EvalOutcome:
         """Held-out (prompt id, text, metadata), each rolled out once as training would, within
         ``timeout_s``, under weight ``version`` alone when one is named (rollout/evaluation.py)."""
-        return self._call(self.held_out.run(prompts, temperature, timeout_s, version))
+        return self._call(self.held_out.run(prompts, temperature, timeout_s, version, eval_id))
 
-    def cancel_evaluations(self) -> int:
-        """Stop the evaluations running here (ray.cancel does not reach them); how many."""
+    def cancel_evaluations(self, eval_id: str | None = None) -> int:
+        """Stop evaluation ``eval_id`` (None: all) here, also if its call has not reached the
+        loop yet (ray.cancel does not reach them); how many were running."""
 
         async def cancel() -> int:
-            return self.held_out.cancel()
+            return self.held_out.cancel(eval_id)
 
         return self._call(cancel())
 

@@ -263,6 +263,37 @@ def test_a_cancelled_evaluation_lets_go_of_weight_loads_at_once():
     assert engine.version == 6 and h.cancel() == 0
 
 
+def test_a_cancel_that_arrives_before_its_evaluation_stops_that_one_and_no_other():
+    """The trainer's evaluate call and its cancel are calls on the generator's threads, in no
+    set order: a cancel that reaches the loop first must still stop that evaluation (else it
+    holds weight loads to control.eval_timeout_s), and must not stop a later evaluation."""
+    engine = Engine(5)
+
+    async def main():
+        h = held_out(engine, seconds=3600.0)
+        assert h.cancel("first") == 0  # nothing running yet: remembered
+        try:
+            await asyncio.wait_for(h.run(PROMPTS, 0.0, timeout_s=600.0, version=5, eval_id="first"), 5.0)
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("a cancelled evaluation ran")
+        assert not engine.lock.locked()  # it never held the loads
+        later = asyncio.ensure_future(h.run(PROMPTS, 0.0, timeout_s=600.0, version=5, eval_id="second"))
+        while not engine.lock.locked():
+            await asyncio.sleep(0.01)
+        assert h.cancel("first") == 0 and not later.done()  # another's cancel leaves it running
+        assert h.cancel("second") == 1
+        try:
+            await later
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the evaluation ran on")
+
+    asyncio.run(main())
+
+
 def test_an_evaluation_due_with_no_generator_is_skipped_and_counted_in_that_steps_row(caplog):
     """No generator running when one is due (all restarting, or none joined yet): nothing is
     handed out, and the skip is counted in that step's row, not silently dropped."""
