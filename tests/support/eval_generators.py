@@ -17,7 +17,7 @@ class Up:
 class Answers(Up):
     """A generator's evaluate as the trainer calls it, answering for every prompt."""
 
-    def evaluate(self, prompts, temperature, timeout_s=None, version=None):
+    def evaluate(self, prompts, temperature, timeout_s=None, version=None, eval_id=None):
         from asyncrl.rollout.evaluation import EvalOutcome
 
         n = len(prompts)
@@ -28,21 +28,21 @@ class Answers(Up):
 class Hangs(Up):
     """A generator whose evaluate never answers (an engine holding its requests)."""
 
-    def evaluate(self, prompts, temperature, timeout_s=None, version=None):
+    def evaluate(self, prompts, temperature, timeout_s=None, version=None, eval_id=None):
         time.sleep(3600)
 
 
 class Dies(Up):
     """A generator whose process dies mid-evaluation."""
 
-    def evaluate(self, prompts, temperature, timeout_s=None, version=None):
+    def evaluate(self, prompts, temperature, timeout_s=None, version=None, eval_id=None):
         os._exit(1)
 
 
 class Lies(Up):
     """A generator whose answer claims rewards it was never given prompts for."""
 
-    def evaluate(self, prompts, temperature, timeout_s=None, version=None):
+    def evaluate(self, prompts, temperature, timeout_s=None, version=None, eval_id=None):
         from asyncrl.rollout.evaluation import EvalOutcome
 
         n = len(prompts) + 5
@@ -55,7 +55,7 @@ class AnswersOnceFileExists(Answers):
     def __init__(self, path: str):
         self.path = path
 
-    def evaluate(self, prompts, temperature, timeout_s=None, version=None):
+    def evaluate(self, prompts, temperature, timeout_s=None, version=None, eval_id=None):
         while not os.path.exists(self.path):
             time.sleep(0.05)
         return super().evaluate(prompts, temperature, timeout_s, version)
