@@ -123,7 +123,8 @@ class MonitorConfig(Section):
     alert_rollout_kl: float = 0.05
     alert_masked_frac: float = 0.2
     alert_staleness_frac: float = 1.0
-    """Alert when max staleness reaches this fraction of max_staleness."""
+    """Alert when a step's mean staleness reaches this fraction of max_staleness (the mean: an
+    async run trains some groups at the bound as a matter of course)."""
     alert_reward_failure_rate: float = Field(0.5, gt=0, le=1)
     """Alert (console and dashboard, naming the reward) when more than this share of a
     generator's latest reward scorings failed (rollout/scoring.py: raised, timed out or not a

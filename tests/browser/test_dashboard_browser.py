@@ -270,6 +270,13 @@ def test_finished_run_dir_renders_as_finished(chromium, serve_dashboard, finishe
     ev = page.evaluate("document.getElementById('chart-eval').data[0]")
     assert ev["x"] == [5, 10, 15, 20, 25, 30] and ev["y"][-1] == pytest.approx(0.85)
     assert page.locator("#nodata-eval").is_hidden() and page.locator("#nodata-staleness").is_hidden()
+    # What a finished run never logged folds into one line, not empty charts.
+    assert page.locator("#panel-teacher").is_hidden() and page.locator("#panel-critic").is_hidden()
+    unlogged = _text(page, "#unlogged")
+    assert unlogged.startswith("Not logged by this run. "), unlogged
+    assert "Reverse KL to the teacher: no teacher (rollout.teacher is not set)." in unlogged, unlogged
+    assert "Critic (PPO value model)" in unlogged and "Evaluation" not in unlogged, unlogged
+    assert page.locator("#panel-eval").is_visible() and page.locator("#panel-reward").is_visible()
     badge = page.locator('.badge.alert[data-kind="rollout_kl"]')
     assert badge.count() == 1 and "rollout KL 0.0625 > 0.05" in badge.inner_text()
     page.wait_for_timeout(1500)  # long enough for a live page to have opened its stream

@@ -257,13 +257,13 @@ def test_stream_sends_new_points_live(api, filled):
             if len(events) == 1:
                 assert events[0]["series"] == {}  # nothing after `since` yet
                 assert events[0]["summary"]["policy_version"] == 10
-                RedisSink(filled, RUN).log(10, {"reward/mean": 0.97, "staleness/max": 2.0})
+                RedisSink(filled, RUN).log(10, {"reward/mean": 0.97, "staleness/mean": 2.0, "staleness/max": 2.0})
             elif events[-1]["series"]:
                 break
     latest = events[-1]
     assert latest["series"]["reward/mean"]["value"] == [0.97]
     assert latest["summary"]["step"] == 10 and latest["summary"]["latest"]["reward/mean"] == 0.97
-    assert "staleness" in {a["kind"] for a in latest["alerts"]}  # staleness/max 2 >= 1.0 * 2
+    assert "staleness" in {a["kind"] for a in latest["alerts"]}  # staleness/mean 2 >= 1.0 * 2
 
 
 def test_prometheus_metrics(api):

@@ -46,9 +46,12 @@ const CHARTS = [
     // The start-up gate (once per start or resume, before any update): a marker where it ran.
     metrics: [["drift/logprob_abs_diff_max", "max |Δlogp|"], ["parity/gate_max_abs_diff", "start-up gate"]],
     markerMetrics: ["parity/gate_max_abs_diff"],
-    refLine: s => ({ y: s.thresholds.logprob_diff_max, label: "parity alert" }),
+    refLine: s => ({ y: s.thresholds.logprob_diff_max, label: "parity alert (staleness-0 steps)" }),
     help: "Largest per-token difference between the learner's and the engine's log-prob of the same token. " +
-          "The star is the start-up parity gate (same weights, so it should be near 0)." },
+          "On a step that trained only fresh groups (staleness 0) both hold the same weights, so it is float " +
+          "noise, and the alert (dashed) applies there only; on stale steps it also holds the policy's own " +
+          "updates since sampling, and large values are expected. The star is the start-up parity gate " +
+          "(same weights, so it should be near 0)." },
   { id: "tis", title: "Importance ratio exp(old − rollout)",
     metrics: [["drift/tis_ratio_mean", "mean"], ["drift/tis_ratio_max", "max"], ["drift/tis_capped_frac", "capped frac"]],
     help: "Importance weights correcting for off-policy samples (1 = on-policy). A large max or capped fraction " +
@@ -331,7 +334,10 @@ function drawChart(c) {
   }
   const nodata = document.getElementById(`nodata-${c.id}`);
   nodata.hidden = hasData;
-  if (view.snapshot && view.snapshot.summary.finished) nodata.textContent = "not logged by this run";
+  // A finished run will never log what it has not: its empty panels fold into one line (unlogged).
+  const panel = document.getElementById(`panel-${c.id}`);
+  panel.hidden = !hasData && finishedRun();
+  if (panel.hidden) return;
   Plotly.react(`chart-${c.id}`, traces, layout, { displaylogo: false, responsive: true,
                                                   modeBarButtonsToRemove: ["lasso2d", "select2d"] });
 }
@@ -433,6 +439,15 @@ function redraw() {
     drawGenerators(view.snapshot.generators);
   }
   CHARTS.forEach(drawChart);
+  const folded = CHARTS.filter(c => document.getElementById(`panel-${c.id}`).hidden);
+  const unlogged = document.getElementById("unlogged");
+  unlogged.hidden = !folded.length;
+  unlogged.textContent = "Not logged by this run. " +
+    folded.map(c => c.nodata ? `${c.title}: ${c.nodata}` : c.title).join(". ") + ".";
+}
+
+function finishedRun() {
+  return Boolean(view.snapshot && view.snapshot.summary.finished);
 }
 
 // ------------------------------------------------------------------ run page: live updates
