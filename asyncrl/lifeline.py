@@ -111,13 +111,16 @@ def _alive(records: Iterable[tuple[int, float]]) -> list[int]:
 
 
 def _prune_dead(records: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
-    """The records whose process is still the one registered (a reused pid is not)."""
+    """The records whose process is still the one registered (a reused pid is not) and still
+    running: a zombie has ended (Ray's idle workers exit by themselves as its raylet goes, and
+    wait, reparented, for init to reap them), so there is nothing of it to stop."""
     import psutil
 
     out = set()
     for pid, created in records:
         with contextlib.suppress(psutil.Error):
-            if abs(psutil.Process(pid).create_time() - created) < 1e-3:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
                 out.add((pid, created))
     return out
 

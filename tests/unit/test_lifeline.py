@@ -159,3 +159,21 @@ def test_short_lived_children_do_not_pile_up_in_the_registry(monkeypatch):
     gone = [(keep.pid, 1.0), (2**22 + 1, 2.0)]
     me = (os.getpid(), psutil.Process().create_time())
     assert _prune_dead({me, *gone}) == {me}
+
+
+def test_a_zombie_is_not_counted_as_left_running():
+    """A process that has ended but is not yet reaped (Ray's idle workers as the raylet goes) is
+    nothing to stop: the sweep neither signals nor reports it as one the run left."""
+    from asyncrl.lifeline import _alive
+
+    child = subprocess.Popen(["true"])
+    try:
+        proc = psutil.Process(child.pid)
+        record = (child.pid, proc.create_time())
+        deadline = time.monotonic() + 30
+        while proc.status() != psutil.STATUS_ZOMBIE:  # ended; not reaped, since we do not wait yet
+            assert time.monotonic() < deadline, "the child never ended"
+            time.sleep(0.01)
+        assert _alive([record]) == []
+    finally:
+        child.wait()
