@@ -1,0 +1,159 @@
+"""Routing replay: a mixture-of-experts learner routes each token to the experts the engine chose.
+
+    install_routing_replay(model)            # once, before FSDP wrapping (idempotent)
+    with replayed_routing(model, experts):   # experts: [tokens, layers, k] int, the forward's layout
+        loss = loss_fn(model(input_ids=...).logits, ...)
+        loss.backward()                      # inside: recomputed (checkpointed) blocks replay too
+
+An off-policy learner scores tokens that an older policy sampled; in an MoE model a small change
+of the router's logits flips a token's top-k experts, and the learner's log-prob then comes from
+different experts than the engine's (the train/inference mismatch grows with staleness). Replay
+takes the experts from the engine and keeps the learner's own router for their weights:
+
+- which experts: the given indices, not the learner's top-k;
+- their weights: the learner router's softmax over all experts, gathered at the given indices
+  (renormalised over them when the model's ``norm_topk_prob`` is set), so the router's logits
+  still receive the policy gradient through the weights;
+- the router logits the model reports (``output_router_logits``) are the learner's own, whole:
+  a load-balancing (aux) loss computed from them is unchanged by replay. asyncrl's policy loss
+  does not add that aux loss (the model's ``router_aux_loss_coef`` only enters transformers'
+  own ``labels`` loss, which the learner never passes), so with or without replay the router
+  learns from the policy gradient alone.
+
+The patch replaces the forward of each transformers ``Qwen3MoeTopKRouter`` (the block's
+``gate``); the experts and the sparse block are untouched. Outside a ``replayed_routing`` block
+the patched router computes exactly what the original does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PATCHED = "_asyncrl_routing_replay"
+"""The attribute a patched router carries: its layer index among the model's MoE layers."""
+
+
+def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[N, E] logits of N tokens' hidden states [N, H] under a router weight [E, H]."""
+    return F.linear(hidden, weight)
+
+
+def own_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, k] the router's own choice: the k experts of highest probability (transformers' order)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    return torch.topk(probs, k, dim=-1).indices
+
+
+def replay_weights(logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """[N, k] routing weights of the given experts [N, k]: the softmax over all E experts taken at
+    those indices, renormalised over them with ``norm_topk_prob`` (as the router normalises its
+    own top-k). Differentiable in ``logits``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights = probs.gather(-1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def mismatch_fraction(engine: torch.Tensor, learner: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Fraction of (token, layer) pairs whose top-k expert SETS differ between two routings
+    [..., layers, k] (order within the top-k ignored); ``valid`` [...] selects the tokens
+    counted (e.g. the response tokens). 0 when no token is counted."""
+    same = (engine.sort(dim=-1).values == learner.sort(dim=-1).values).all(dim=-1)  # [..., layers]
+    differ = (~same).to(torch.float64)
+    if valid is not None:
+        differ = differ[valid.to(torch.bool)]
+    return differ.mean() if differ.numel() else torch.zeros((), dtype=torch.float64)
+
+
+class _Replay:
+    """The routing of the forward in progress, shared by the model's patched routers."""
+
+    def __init__(self) -> None:
+        self.experts: torch.Tensor | None = None  # [N, layers, k], N = the forward's tokens
+        self.seen: list[torch.Tensor | None] = []  # per layer: the learner's own top-k, last forward
+
+
+def _patched_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden = hidden_states.reshape(-1, self.hidden_dim)
+    logits = router_logits(hidden, self.weight)
+    layer: int = getattr(self, PATCHED)
+    replay: _Replay = self._asyncrl_replay
+    own = own_topk(logits, self.top_k)
+    replay.seen[layer] = own.detach()
+    chosen = own
+    if replay.experts is not None:
+        if replay.experts.shape[0] != hidden.shape[0]:
+            raise ValueError(
+                f"routing replay: {replay.experts.shape[0]} tokens of replayed experts "
+                f"for a forward of {hidden.shape[0]}"
+            )
+        chosen = replay.experts[:, layer, :].to(device=logits.device, dtype=torch.long)
+    weights = replay_weights(logits, chosen, self.norm_topk_prob)
+    return logits, weights, chosen
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The model's top-k routers in layer order (transformers' Qwen3-MoE ``gate`` modules)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Qwen3MoeTopKRouter")]
+
+
+def install_routing_replay(model: nn.Module) -> int:
+    """Patch every Qwen3-MoE router of ``model`` for replay; returns how many layers. Idempotent.
+    A model without such routers is refused: replay on a dense model (or an MoE family whose
+    router this module does not know) would silently do nothing."""
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(
+            "algo.routing_replay: the model has no Qwen3-MoE router (Qwen3MoeTopKRouter); "
+            "routing replay supports the Qwen3-MoE family only"
+        )
+    replay = getattr(model, "_asyncrl_replay", None) or _Replay()
+    replay.seen = [None] * len(routers)
+    object.__setattr__(model, "_asyncrl_replay", replay)
+    for layer, router in enumerate(routers):
+        object.__setattr__(router, PATCHED, layer)
+        object.__setattr__(router, "_asyncrl_replay", replay)
+        router.forward = _patched_forward.__get__(router)
+    return len(routers)
+
+
+def _state(model: nn.Module) -> _Replay:
+    replay = getattr(model, "_asyncrl_replay", None)
+    if replay is None:
+        raise RuntimeError("routing replay: install_routing_replay(model) was not called")
+    return replay
+
+
+@contextlib.contextmanager
+def replayed_routing(model: nn.Module, experts: torch.Tensor | None) -> Iterator[None]:
+    """Within the block every forward of ``model`` (and every activation-checkpoint
+    recomputation in a backward run inside it) routes token n of layer l to ``experts[n, l]``.
+    ``experts`` is [N, layers, k] over the forward's flattened tokens (rows x length, or the
+    packed row); None: the model routes itself."""
+    replay = _state(model)
+    if experts is not None and (experts.dim() != 3 or experts.shape[1] != len(replay.seen)):
+        raise ValueError(
+            f"routing replay: experts of shape {tuple(experts.shape)}, want [tokens, {len(replay.seen)}, k]"
+        )
+    before = replay.experts
+    replay.experts = experts
+    try:
+        yield
+    finally:
+        replay.experts = before
+
+
+def learner_routing(model: nn.Module) -> torch.Tensor:
+    """[N, layers, k] the top-k the learner's own routers chose in the last forward (replayed or
+    not): what the mismatch metric compares with the engine's."""
+    seen = _state(model).seen
+    if any(s is None for s in seen):
+        raise RuntimeError("routing replay: no forward has run since install")
+    return torch.stack([s for s in seen if s is not None], dim=1)
