@@ -66,6 +66,10 @@ class Sample:
     first token (every multi-turn sample: step-wise steps and interleaved); None means the group's."""
     trajectory_id: int = 0
     """Step-wise: which trajectory of the group this step belongs to."""
+    routed_experts: np.ndarray | None = None
+    """uint8 [P + T - 1, layers, k] or None: the experts the engine routed each forwarded
+    position to (prompt, then response but the last token; asyncrl.data.routing), for routing
+    replay (algo.routing_replay)."""
     step_index: int = 0
 
     def __post_init__(self) -> None:
