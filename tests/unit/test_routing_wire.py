@@ -91,3 +91,14 @@ def test_models_past_one_byte_of_experts_are_refused():
         check_expert_count(257)
     with pytest.raises(ValueError, match="outside"):
         encode_routing(np.full((1, 1, 1), 300))
+
+
+def test_routing_replay_config_off_by_default_and_rollout_refused_at_start_up():
+    from asyncrl.config import ConfigError, load_config
+
+    assert load_config(None, []).algo.routing_replay == "off"
+    with pytest.raises(ConfigError, match="algo.routing_replay='rollout' is not available") as err:
+        load_config(None, ["algo.routing_replay=rollout"])
+    assert "enable_return_routed_experts" in str(err.value)
+    with pytest.raises(ConfigError, match="routing_replay"):
+        load_config(None, ["algo.routing_replay=always"])
