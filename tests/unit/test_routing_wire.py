@@ -97,7 +97,7 @@ def test_routing_replay_config_off_by_default_and_rollout_refused_at_start_up():
     from asyncrl.config import ConfigError, load_config
 
     assert load_config(None, []).algo.routing_replay == "off"
-    with pytest.raises(ConfigError, match="algo.routing_replay='rollout' is not available") as err:
+    with pytest.raises(ConfigError, match=r"algo\.routing_replay='rollout' is not available") as err:
         load_config(None, ["algo.routing_replay=rollout"])
     assert "enable_return_routed_experts" in str(err.value)
     with pytest.raises(ConfigError, match="routing_replay"):
