@@ -72,6 +72,34 @@ def mismatch_fraction(engine: torch.Tensor, learner: torch.Tensor, valid: torch.
     return differ.mean() if differ.numel() else torch.zeros((), dtype=torch.float64)
 
 
+def forward_routing(
+    routings: list[torch.Tensor], lengths: list[int], *, packed: bool, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts of a micro-batch's forward, [N, layers, k], and which of its N positions the
+    engine routed ([N] bool), from each sequence's engine routing ([n_i - 1, layers, k]: every
+    position but its last, asyncrl.data.routing) and its length n_i.
+
+    ``packed``: the sequences back to back (N = sum n_i, the packed row); else right-padded
+    rows of ``width`` (N = B * width). A position the engine did not route (a sequence's last
+    token, padding) gets experts 0..k-1: under causal attention no scored log-prob reads its
+    output (the last token predicts nothing, padding is on the right)."""
+    if not routings or len(routings) != len(lengths):
+        raise ValueError(f"forward_routing: {len(routings)} routings for {len(lengths)} sequences")
+    _, layers, k = routings[0].shape
+    for i, (r, n) in enumerate(zip(routings, lengths, strict=True)):
+        if r.shape != (max(n - 1, 0), layers, k):
+            raise ValueError(f"forward_routing: sequence {i} of {n} tokens has routing {tuple(r.shape)}")
+    row = sum(lengths) if packed else (width if width is not None else max(lengths))
+    starts = [sum(lengths[:i]) for i in range(len(lengths))] if packed else [i * row for i in range(len(lengths))]
+    total = row if packed else row * len(lengths)
+    experts = torch.arange(k, dtype=torch.long).expand(total, layers, k).clone()
+    routed = torch.zeros(total, dtype=torch.bool)
+    for r, start in zip(routings, starts, strict=True):
+        experts[start : start + r.shape[0]] = r.to(torch.long)
+        routed[start : start + r.shape[0]] = True
+    return experts, routed
+
+
 class _Replay:
     """The routing of the forward in progress, shared by the model's patched routers."""
 

@@ -119,3 +119,44 @@ def test_replay_weights_and_mismatch_math():
     assert mismatch_fraction(a, b).item() == pytest.approx(1 / 3)
     assert mismatch_fraction(a, b, valid=torch.tensor([False, True, True])).item() == pytest.approx(1 / 2)
     assert mismatch_fraction(a, b, valid=torch.zeros(3, dtype=torch.bool)).item() == 0
+
+
+def test_forward_routing_layouts():
+    from asyncrl.learner.routing_replay import forward_routing
+
+    a = torch.full((2, 1, 2), 3)  # a 3-token sequence: its first 2 positions routed
+    b = torch.full((3, 1, 2), 2)  # a 4-token sequence
+    packed, routed = forward_routing([a, b], [3, 4], packed=True)
+    assert packed.shape == (7, 1, 2)
+    assert routed.tolist() == [True, True, False, True, True, True, False]
+    assert packed[:, 0, 0].tolist() == [3, 3, 0, 2, 2, 2, 0]
+    padded, routed = forward_routing([a, b], [3, 4], packed=False, width=5)
+    assert padded.shape == (10, 1, 2)
+    assert routed.tolist() == [True, True, False, False, False, True, True, True, False, False]
+    assert padded[:, 0, 1].tolist() == [3, 3, 1, 1, 1, 2, 2, 2, 1, 1]
+    with pytest.raises(ValueError, match="sequence 1 of 5 tokens"):
+        forward_routing([a, b], [3, 5], packed=True)
+
+
+def test_replay_in_padded_rows_equals_each_sequence_alone(moe):
+    """Right-padded rows replay each sequence's positions as the sequence alone does."""
+    from asyncrl.learner.routing_replay import forward_routing
+
+    seqs = [IDS[0, :5], IDS[1, :7]]
+    with torch.no_grad():
+        routings = []
+        for s in seqs:
+            _logprobs(moe, s[None])
+            routings.append((learner_routing(moe)[:-1] + 1) % moe.config.num_experts)
+        padded_ids = torch.zeros(2, 7, dtype=torch.long)
+        padded_ids[0, :5], padded_ids[1] = seqs[0], seqs[1]
+        experts, _ = forward_routing(routings, [5, 7], packed=False, width=7)
+        with replayed_routing(moe, experts):
+            padded = _logprobs(moe, padded_ids)
+        singles = []
+        for s, r in zip(seqs, routings, strict=True):
+            e, _ = forward_routing([r], [len(s)], packed=True)
+            with replayed_routing(moe, e):
+                singles.append(_logprobs(moe, s[None])[0])
+    assert torch.allclose(padded[0, :4], singles[0], atol=1e-5)
+    assert torch.allclose(padded[1], singles[1], atol=1e-5)
