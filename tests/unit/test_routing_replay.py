@@ -160,3 +160,34 @@ def test_replay_in_padded_rows_equals_each_sequence_alone(moe):
                 singles.append(_logprobs(moe, s[None])[0])
     assert torch.allclose(padded[0, :4], singles[0], atol=1e-5)
     assert torch.allclose(padded[1], singles[1], atol=1e-5)
+
+
+def test_replay_under_fsdp2_and_activation_checkpointing_matches_the_plain_model(moe, mesh):
+    """The learner's own wrapping (fsdp.shard_model: FSDP2 on a one-rank gloo group, every
+    block checkpointed): the patched routers survive it, and the backward's recomputation
+    replays too, so the gradients equal the unwrapped model's under the same replay."""
+    import copy
+
+    from asyncrl.learner import fsdp
+
+    with torch.no_grad():
+        _logprobs(moe, IDS)
+        other = (learner_routing(moe) + 1) % moe.config.num_experts
+    sharded = fsdp.shard_model(copy.deepcopy(moe), mesh, None, activation_checkpointing=True)
+    assert install_routing_replay(sharded) == moe.config.num_hidden_layers
+    grads = []
+    for model in (moe, sharded):
+        model.zero_grad(set_to_none=True)
+        with replayed_routing(model, other):
+            _logprobs(model, IDS).sum().backward()
+        grads.append(
+            torch.cat(
+                [
+                    (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                    for p in model.parameters()
+                ]
+            )
+        )
+    moe.zero_grad(set_to_none=True)
+    assert grads[0].abs().max() > 1e-4
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
