@@ -122,3 +122,31 @@ def test_cpu_engine_refuses_routing_replay_and_cuda_engine_args_ask_for_routed_e
     plain = engine_args(rollout, str(tmp_path), 0, platform="cuda")
     assert not plain.enable_return_routed_experts
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_the_engine_output_routing_reaches_the_completion():
+    """vLLM's own output classes (what a CUDA engine with enable_return_routed_experts returns):
+    completions() keeps each sample's routed experts as uint8; an engine not asked for them
+    leaves None, so a dense run's samples are as before."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from asyncrl.rollout.completions import completions
+
+    routed = np.arange(24, dtype=np.int32).reshape(4, 3, 2) % 8  # prompt 3 + response 2 - 1 rows, 3 layers, top-2
+    outs = [
+        CompletionOutput(
+            index=i,
+            text="",
+            token_ids=[5, 6],
+            cumulative_logprob=None,
+            logprobs=None,
+            routed_experts=r,
+            finish_reason="stop",
+        )
+        for i, r in enumerate([routed, None])
+    ]
+    final = RequestOutput("r", None, [1, 2, 3], None, outs, finished=True)
+    got = completions(final, version=0, submitted=0)
+    assert got[0].routed_experts is not None and got[0].routed_experts.dtype == np.uint8
+    assert np.array_equal(got[0].routed_experts, routed)
+    assert got[1].routed_experts is None
