@@ -13,7 +13,6 @@ numpy dicts (cheap to ship through Ray) and are collated here.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from pathlib import Path
@@ -30,14 +29,12 @@ from asyncrl.learner.context_parallel import ContextParallel
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
-from asyncrl.learner.routing_replay import attach_replay, install_routing_replay
+from asyncrl.learner.routing_replay import attach_replay, setup_replay
 from asyncrl.seeding import learner_seed
 from asyncrl.sync.model_ship import local_model
 from asyncrl.sync.objstore import weights_packet
 from asyncrl.sync.shm import temp_beside
 from asyncrl.sync.weight_sync import lora_publish
-
-_LOG = logging.getLogger(__name__)
 
 
 class LearnerActor:
@@ -136,8 +133,8 @@ class LearnerActor:
             )
         if self.cfg.algo.critic.enabled:  # its own module and optimizer: the policy's are untouched
             self.critic = Critic.load(self.cfg, self.model_path, mesh, device=self.device)
-        if self.cfg.algo.routing_replay == "rollout":
-            self._install_replay()
+        if self.cfg.algo.routing_replay == "rollout":  # a model it cannot serve stops the run here
+            setup_replay(self.model, context_parallel=lc.context_parallel)
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
@@ -167,29 +164,12 @@ class LearnerActor:
         vocab_size: int = self.model.config.vocab_size  # type: ignore[union-attr,assignment]  # a HF PreTrainedModel's config
         return step.disallowed_mask(allowed, vocab_size, self.device)
 
-    def _install_replay(self) -> None:
-        """algo.routing_replay='rollout': patch the policy's routers (asyncrl.learner.routing_replay);
-        a model they cannot serve stops the run here, at start-up."""
-        from asyncrl.data.routing import check_expert_count
-
-        if self.cp is not None:
-            raise ValueError(
-                "algo.routing_replay='rollout' with learner.context_parallel > 1: a context-parallel "
-                "forward splits the packed row, which the replayed routing does not follow; use one or the other"
-            )
-        install_routing_replay(self.model)
-        check_expert_count(int(cast(Any, self.model).config.num_experts))
-
     def _microbatches(
         self, plan: list[list[dict[str, np.ndarray]]], count: int, fields: dict[str, str]
     ) -> list[dict[str, Any]]:
         mbs = self._collate(plan, count, fields)
-        if self.cfg.algo.routing_replay == "rollout":
-            for reason in attach_replay(self.model, mbs):
-                # Untrusted routing (from Redis): that micro-batch routes itself; said once per reason.
-                if reason not in self._routing_refusals:
-                    self._routing_refusals.add(reason)
-                    _LOG.warning("routing replay: routing refused, the micro-batch routes itself: %s", reason)
+        if self.cfg.algo.routing_replay == "rollout":  # a refused routing: that micro-batch routes itself
+            attach_replay(self.model, mbs, logged=self._routing_refusals)
         return mbs
 
     def _collate(

@@ -28,12 +28,15 @@ the patched router computes exactly what the original does.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_LOG = logging.getLogger(__name__)
 
 PATCHED = "_asyncrl_routing_replay"
 """The attribute a patched router carries: its layer index among the model's MoE layers."""
@@ -197,13 +200,28 @@ def model_routing_shape(model: nn.Module) -> tuple[int, int, int]:
     return int(cfg.num_experts), len(_state(model).seen), int(cfg.num_experts_per_tok)
 
 
-def attach_replay(model: nn.Module, mbs: list[dict[str, Any]]) -> list[str]:
+def setup_replay(model: nn.Module, *, context_parallel: int) -> None:
+    """algo.routing_replay='rollout' on a learner rank, at start-up: patch the policy's routers,
+    or refuse a model (or a layout) replay cannot serve."""
+    from asyncrl.data.routing import check_expert_count
+
+    if context_parallel > 1:
+        raise ValueError(
+            "algo.routing_replay='rollout' with learner.context_parallel > 1: a context-parallel "
+            "forward splits the packed row, which the replayed routing does not follow; use one or the other"
+        )
+    install_routing_replay(model)
+    check_expert_count(model_routing_shape(model)[0])
+
+
+def attach_replay(model: nn.Module, mbs: list[dict[str, Any]], *, logged: set[str] | None = None) -> list[str]:
     """Lay out each micro-batch's sequence routings (asyncrl.data.microbatch.ROUTED_EXPERTS) as its
     forward's experts (REPLAY_EXPERTS), in place; returns the reasons of the routings refused.
 
     The routing came from Redis: ``check_expert_range`` (layer and top-k counts, expert index) runs
     here, where the model is known. A refused routing drops the replay of its micro-batch (it routes
-    itself, the way a sample without routing does) and loses no data; the caller logs the reason.
+    itself, the way a sample without routing does) and loses no data; its reason is logged once
+    (``logged``: the reasons already logged, updated).
     Dropping it changes no collective: the forward's shape is the same either way."""
     from asyncrl.data.microbatch import PACKED_IDS, ROUTED_EXPERTS
     from asyncrl.data.routing import RoutingError, check_expert_range
@@ -236,6 +254,9 @@ def attach_replay(model: nn.Module, mbs: list[dict[str, Any]]) -> list[str]:
             )
         except (RoutingError, ValueError) as err:
             refused.append(str(err))
+            if logged is not None and str(err) not in logged:
+                logged.add(str(err))
+                _LOG.warning("routing replay: routing refused, the micro-batch routes itself: %s", err)
             continue
         mb[REPLAY_EXPERTS] = experts
     return refused

@@ -22,7 +22,7 @@ from asyncrl.data.microbatch import seq_fields
 from asyncrl.learner import fsdp, loss, optim
 from asyncrl.learner.actor import LearnerActor
 from asyncrl.learner.group import FIELD_DTYPES
-from asyncrl.learner.routing_replay import learner_routing
+from asyncrl.learner.routing_replay import learner_routing, setup_replay
 from asyncrl.types import RolloutGroup, Sample
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -61,7 +61,7 @@ def _learner(path: str, mesh, overrides: list[str]) -> LearnerActor:
     actor.device = torch.device("cpu")
     actor.model = fsdp.load_sharded_model(path, mesh, device=actor.device, dtype="float32")
     if cfg.algo.routing_replay == "rollout":
-        actor._install_replay()
+        setup_replay(actor.model, context_parallel=cfg.learner.context_parallel)
     actor.optimizer = optim.build_optimizer(actor.model.parameters(), cfg.learner)
     actor.scheduler = optim.build_scheduler(actor.optimizer, cfg.learner, total_steps=cfg.control.total_steps)
     actor.sampling = loss.Sampling.of(cfg.rollout)
@@ -153,3 +153,22 @@ def test_out_of_range_routing_is_refused_not_a_crash(moe_path, mesh, caplog):
     assert "expert_range" in caplog.text and "expert 200" in caplog.text
     result = replay.train_minibatch(_plan(replay, _records(bad)), 1, dict(FIELD_DTYPES))
     assert "router/mismatch_frac" not in result.metrics
+
+
+def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path, mesh):
+    """A micro-batch replays only when each of its sequences has a routing (one without: the
+    whole micro-batch routes itself, its fields as a dense model's); context parallelism, whose
+    forward splits the packed row, is refused at start-up."""
+    from asyncrl.data.microbatch import ROUTED_EXPERTS, collate_packed
+
+    replay = _learner(moe_path, mesh, ["algo.routing_replay=rollout"])
+    own = _own_routing(replay, RESPONSES[0])
+    both = _plan(replay, _records([own, _own_routing(replay, RESPONSES[1])]))[0]
+    half = _plan(replay, _records([own, None]))[0]
+    assert len(collate_packed(both, pad_token_id=0)[ROUTED_EXPERTS]) == 2
+    mixed = collate_packed(half, pad_token_id=0)
+    dense = collate_packed([{k: v for k, v in s.items() if k != ROUTED_EXPERTS} for s in half], pad_token_id=0)
+    assert ROUTED_EXPERTS not in mixed and mixed.keys() == dense.keys()
+    assert all(torch.equal(mixed[k], dense[k]) for k in dense)
+    with pytest.raises(ValueError, match="context_parallel"):
+        setup_replay(replay.model, context_parallel=2)
