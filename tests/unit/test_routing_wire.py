@@ -150,3 +150,12 @@ def test_the_engine_output_routing_reaches_the_completion():
     assert got[0].routed_experts is not None and got[0].routed_experts.dtype == np.uint8
     assert np.array_equal(got[0].routed_experts, routed)
     assert got[1].routed_experts is None
+
+
+def test_generator_drops_an_engine_routing_of_the_wrong_row_count_not_the_sample():
+    from asyncrl.rollout.groups import _routing
+
+    good = np.zeros((3 + 2 - 1, 3, 2), np.uint8)
+    assert _routing(good, 3, 2) is good
+    assert _routing(None, 3, 2) is None
+    assert _routing(np.zeros((5, 3, 2), np.uint8), 3, 2) is None  # prompt + response rows: not the record's layout
