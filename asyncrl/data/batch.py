@@ -310,7 +310,7 @@ def build_minibatches(
         weights = reduction_weights(masks, algo.loss_reduction, constant=algo.reduction_constant, group_ids=group_ids)
         minibatches.append(
             [
-                _train_sequence(fields[i], weights[j], [rows[k] for k in sources[i]], groups)
+                _train_sequence(fields[i], weights[j], [rows[k] for k in sources[i]], groups, algo)
                 for j, i in enumerate(members)
             ]
         )
@@ -327,7 +327,17 @@ def minibatch_of(group_id: str, minibatches: list[list[TrainSequence]]) -> int:
     return 0
 
 
-def _train_sequence(f: dict, w: torch.Tensor, src: list[_Row], groups: list[RolloutGroup]) -> TrainSequence:
+def _routing(src: list[_Row], n: int, algo: AlgoConfig) -> np.ndarray | None:
+    """The engine routing a sequence of n tokens replays: with algo.routing_replay='rollout',
+    its (last) sample's, when that covers the whole sequence (rows n - 1). A merged step-wise
+    sequence whose last step's routing does not cover it routes itself."""
+    routed = src[-1].sample.routed_experts if algo.routing_replay == "rollout" else None
+    return routed if routed is not None and routed.shape[0] == n - 1 else None
+
+
+def _train_sequence(
+    f: dict, w: torch.Tensor, src: list[_Row], groups: list[RolloutGroup], algo: AlgoConfig
+) -> TrainSequence:
     n = f["input_ids"].shape[0]
     return TrainSequence(
         input_ids=f["input_ids"].numpy().astype(np.int32),
@@ -340,6 +350,7 @@ def _train_sequence(f: dict, w: torch.Tensor, src: list[_Row], groups: list[Roll
         group_id=groups[src[0].group_index].group_id,
         sample_index=src[0].sample_index,
         token_rewards=f["token_rewards"].numpy().astype(np.float32) if "token_rewards" in f else None,
+        routed_experts=_routing(src, n, algo),
     )
 
 

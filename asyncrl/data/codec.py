@@ -12,7 +12,8 @@ Wire format (schema 1): one msgpack map
               "token_versions": ARRAY | nil, "token_rewards": ARRAY | nil, "prompt_ids": ARRAY | nil,
               "teacher_logprobs": ARRAY | nil (may be absent: a record without a teacher),
               "reward": float, "behavior_version": int, "stop_reason": str, "generator_id": str,
-              "timings": {str: float}, "error": str | nil, "trajectory_id": int, "step_index": int}
+              "timings": {str: float}, "error": str | nil, "trajectory_id": int, "step_index": int,
+              "routed_experts": ROUTING | nil (may be absent: asyncrl.data.routing)}
     ARRAY = {"dtype": "<i4" | "<f4" | "|u1", "shape": [n], "data": bin (raw little-endian)}
 
 Arrays travel as raw bytes (not msgpack lists): ~70k records/s instead of ~4k
@@ -32,6 +33,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from asyncrl.data.routing import RoutingError, decode_routing, encode_routing, routed_rows
 from asyncrl.types import PER_TOKEN_ARRAYS, SCHEMA_VERSION, RolloutGroup, Sample
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -53,7 +55,7 @@ _SAMPLE_ARRAYS = {
 _NATIVE = {"<i4": np.int32, "<f4": np.float32, "|u1": np.uint8}
 _OPTIONAL_SAMPLE_ARRAYS = ("token_versions", "token_rewards", "prompt_ids", "teacher_logprobs")
 # Sample fields a writer may leave out (added after schema 1's first writers; absent = nil).
-_ABSENT_OK = frozenset({"teacher_logprobs"})
+_ABSENT_OK = frozenset({"teacher_logprobs", "routed_experts"})
 
 _GROUP_FIELDS = {"schema", "group_id", "prompt_id", "prompt_ids", "env", "metadata", "samples"}
 _SAMPLE_FIELDS = set(_SAMPLE_ARRAYS) | {
@@ -65,6 +67,7 @@ _SAMPLE_FIELDS = set(_SAMPLE_ARRAYS) | {
     "error",
     "trajectory_id",
     "step_index",
+    "routed_experts",
 }
 _ARRAY_FIELDS = {"dtype", "shape", "data"}
 
@@ -108,6 +111,8 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
         trajectory_id=int(s.trajectory_id),
         step_index=int(s.step_index),
     )
+    if s.routed_experts is not None:  # written only when present: a dense model's record is as before
+        out["routed_experts"] = encode_routing(s.routed_experts)
     return out
 
 
@@ -192,7 +197,7 @@ def _check_plain(value: Any, where: str, depth: int = 0) -> None:
     raise RecordError("bad_type", f"{where}: {type(value).__name__} is not plain data")
 
 
-def _decode_sample(obj: Any, i: int) -> Sample:
+def _decode_sample(obj: Any, i: int, group_prompt_len: int) -> Sample:
     where = f"samples[{i}]"
     f = _fields(obj, _SAMPLE_FIELDS, where, _ABSENT_OK)
     required: dict[str, np.ndarray] = {}
@@ -228,6 +233,14 @@ def _decode_sample(obj: Any, i: int) -> Sample:
     error = f["error"]
     if error is not None:
         _typed(error, str, f"{where}.error")
+    routed = None
+    if f.get("routed_experts") is not None:
+        prompt = arrays["prompt_ids"]
+        rows = routed_rows(group_prompt_len if prompt is None else prompt.shape[0], n)
+        try:
+            routed = decode_routing(f["routed_experts"], rows=rows, where=f"{where}.routed_experts")
+        except RoutingError as e:
+            raise RecordError(e.reason, e.detail) from None
     behavior_version = _typed(f["behavior_version"], int, f"{where}.behavior_version")
     if behavior_version < 0:
         raise RecordError("bad_type", f"{where}.behavior_version: {behavior_version} < 0")
@@ -247,6 +260,7 @@ def _decode_sample(obj: Any, i: int) -> Sample:
         teacher_logprobs=teacher,
         trajectory_id=_typed(f["trajectory_id"], int, f"{where}.trajectory_id"),
         step_index=_typed(f["step_index"], int, f"{where}.step_index"),
+        routed_experts=routed,
     )
 
 
@@ -288,11 +302,12 @@ def decode_group(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutG
         raise RecordError("empty_group", "group has no samples")
     metadata = _typed(f["metadata"], dict, "group.metadata")
     _check_plain(metadata, "group.metadata")
+    prompt_ids = _decode_array(f["prompt_ids"], _GROUP_ARRAYS["prompt_ids"], "group.prompt_ids")
     return RolloutGroup(
         group_id=_typed(f["group_id"], str, "group.group_id"),
         prompt_id=_typed(f["prompt_id"], str, "group.prompt_id"),
-        prompt_ids=_decode_array(f["prompt_ids"], _GROUP_ARRAYS["prompt_ids"], "group.prompt_ids"),
-        samples=[_decode_sample(s, i) for i, s in enumerate(samples_raw)],
+        prompt_ids=prompt_ids,
+        samples=[_decode_sample(s, i, prompt_ids.shape[0]) for i, s in enumerate(samples_raw)],
         env=_typed(f["env"], str, "group.env"),
         metadata=metadata,
         schema_version=schema,

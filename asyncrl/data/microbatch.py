@@ -49,6 +49,11 @@ INTEGER_FIELDS = ("input_ids", "token_versions")
 CRITIC_FIELDS = ("token_rewards",)
 """Carried as well when the run trains a critic (TrainSequence.token_rewards)."""
 PADDING_KEY = "is_padding"
+ROUTED_EXPERTS = "routed_experts"
+"""A sequence's engine routing (TrainSequence.routed_experts, uint8 [L - 1, layers, k]): not a
+per-token [L] field. A micro-batch carries its sequences' routings as a list under this key only
+when every one of them has one (the learner lays them out for its forward: asyncrl.learner.
+routing_replay.attach_replay); a dense model's sequences have none and nothing changes."""
 # The packed layout's extra fields (module docstring): the forward's input row, its
 # per-sequence positions, and where each [B, L] slot's value sits in that row (-1: none).
 PACKED_IDS = "packed_input_ids"
@@ -65,6 +70,8 @@ def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
         out[name] = value.astype(np.int64 if name in INTEGER_FIELDS else np.float32, copy=False)
     if seq.token_rewards is not None:
         out["token_rewards"] = np.asarray(seq.token_rewards).astype(np.float32, copy=False)
+    if seq.routed_experts is not None:
+        out[ROUTED_EXPERTS] = np.asarray(seq.routed_experts, dtype=np.uint8)
     return out
 
 
@@ -163,6 +170,8 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
     """
     if not seqs:
         raise ValueError("collate: a micro-batch needs at least one sequence (use padding_microbatch)")
+    routings = [s.get(ROUTED_EXPERTS) for s in seqs]
+    seqs = [{n: a for n, a in s.items() if n != ROUTED_EXPERTS} for s in seqs]
     names = list(seqs[0])
     for k, s in enumerate(seqs):
         if list(s) != names:
@@ -182,6 +191,8 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
                 )
             rows[k, : len(arr)] = arr
         out[name] = torch.from_numpy(rows)
+    if all(r is not None for r in routings):  # a list (not a tensor): the learner lays it out
+        out[ROUTED_EXPERTS] = routings  # type: ignore[assignment]
     return out
 
 
@@ -191,7 +202,7 @@ def collate_packed(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> d
     total length) and UNPACK_INDEX [B, L], the position in that row of each slot's value, -1
     at each sequence's position 0 (it has no predecessor) and on padding.
     """
-    out = collate(seqs, pad_token_id=pad_token_id)
+    out: dict[str, Any] = collate(seqs, pad_token_id=pad_token_id)
     lengths = [len(s["input_ids"]) for s in seqs]
     ids = np.empty(sum(lengths), dtype=np.int64)
     positions = np.empty(sum(lengths), dtype=np.int64)
@@ -288,7 +299,7 @@ def build_rank_microbatches(
             if packing
             else collate(members, pad_token_id=pad_token_id)
         )
-        if set(mb) - set(PACKING_FIELDS) != set(fields):
+        if set(mb) - {*PACKING_FIELDS, ROUTED_EXPERTS} != set(fields):
             raise ValueError(f"micro-batch fields {sorted(mb)} differ from the mini-batch's {sorted(fields)}")
         mb[PADDING_KEY] = False
         mbs.append(mb)

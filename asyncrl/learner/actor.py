@@ -29,6 +29,7 @@ from asyncrl.learner.context_parallel import ContextParallel
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.placement import rendezvous_point
 from asyncrl.learner.result import RankStepResult
+from asyncrl.learner.routing_replay import attach_replay, setup_replay
 from asyncrl.seeding import learner_seed
 from asyncrl.sync.model_ship import local_model
 from asyncrl.sync.objstore import weights_packet
@@ -65,6 +66,7 @@ class LearnerActor:
         self._proximal_values: dict[int, list[torch.Tensor]] = {}
         self.critic: Critic | None = None
         self.cp: ContextParallel | None = None  # setup() builds it when learner.context_parallel > 1
+        self._routing_refusals: set[str] = set()
 
     def rendezvous_point(self) -> tuple[str, int]:
         return rendezvous_point()
@@ -131,6 +133,8 @@ class LearnerActor:
             )
         if self.cfg.algo.critic.enabled:  # its own module and optimizer: the policy's are untouched
             self.critic = Critic.load(self.cfg, self.model_path, mesh, device=self.device)
+        if self.cfg.algo.routing_replay == "rollout":  # a model it cannot serve stops the run here
+            setup_replay(self.model, context_parallel=lc.context_parallel)
         self.optimizer = optim.build_optimizer(self.model.parameters(), lc)
         total = self.cfg.control.total_steps * lc.mini_batches_per_step
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
@@ -161,6 +165,14 @@ class LearnerActor:
         return step.disallowed_mask(allowed, vocab_size, self.device)
 
     def _microbatches(
+        self, plan: list[list[dict[str, np.ndarray]]], count: int, fields: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        mbs = self._collate(plan, count, fields)
+        if self.cfg.algo.routing_replay == "rollout":  # a refused routing: that micro-batch routes itself
+            attach_replay(self.model, mbs, logged=self._routing_refusals)
+        return mbs
+
+    def _collate(
         self, plan: list[list[dict[str, np.ndarray]]], count: int, fields: dict[str, str]
     ) -> list[dict[str, Any]]:
         flat = [seq for mb in plan for seq in mb]

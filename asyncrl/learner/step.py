@@ -25,6 +25,7 @@ from torch import nn
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.microbatch import PADDING_KEY
 from asyncrl.learner.context_parallel import ContextParallel
+from asyncrl.learner.routing_replay import mismatch_metric, replay_scope
 from asyncrl.types import MetricValue, merge_metrics
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, MetricValue]]]
@@ -114,7 +115,9 @@ def microbatch_logprobs(
         cp = cp.at(temperature)
         with cp.scope(fwd) as layout:
             return cp.scores(model, fwd, layout, disallowed).logprobs
-    logp = logprob_fn(forward_logits(model, fwd, disallowed), mbatch.forward_ids(fwd), temperature)
+    with replay_scope(model, mb):  # routing replay: the engine's experts, when the micro-batch has them
+        logits = forward_logits(model, fwd, disallowed)
+    logp = logprob_fn(logits, mbatch.forward_ids(fwd), temperature)
     return mbatch.unpack(logp, fwd) if mbatch.is_packed(fwd) else logp
 
 
@@ -212,8 +215,12 @@ def train_step(
                 loss, metrics = loss_fn(cp.scores(model, tensors, layout, disallowed), tensors)
                 (loss / cp.size).backward()
         else:
-            loss, metrics = loss_fn(forward_logits(model, tensors, disallowed), tensors)
-            (loss if cp is None else loss / cp.size).backward()
+            with replay_scope(model, tensors):  # the backward too: recomputed blocks replay as well
+                loss, metrics = loss_fn(forward_logits(model, tensors, disallowed), tensors)
+                mismatch = mismatch_metric(model, tensors)
+                (loss if cp is None else loss / cp.size).backward()
+            if mismatch is not None:
+                metrics = metrics | {"router/mismatch_frac": MetricValue("mean", *mismatch)}
         if not mb.get(PADDING_KEY, False):
             parts.append(metrics)
     t1 = time.perf_counter()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass
 class Completion:
@@ -27,6 +29,10 @@ class Completion:
     """The engine's version when the request was submitted, which salts its prefix-cache lookups.
     A token labelled later ran after an update: in "keep" mode it may attend to the older
     weights' KV (a request queued at the update may even have had its whole prompt from the cache)."""
+    routed_experts: np.ndarray | None = None
+    """uint8 [prompt + response - 1, layers, k]: the experts the engine routed each forwarded
+    position to, from an engine started with enable_return_routed_experts (algo.routing_replay);
+    None otherwise."""
 
 
 def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
@@ -52,9 +58,16 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
             ]
         else:
             logps = [0.0] * len(ids)
+        routed = getattr(c, "routed_experts", None)  # set only by an engine asked for it
         out.append(
             Completion(
-                ids, logps, token_versions(c.weight_versions, len(ids), version), c.finish_reason, cached, submitted
+                ids,
+                logps,
+                token_versions(c.weight_versions, len(ids), version),
+                c.finish_reason,
+                cached,
+                submitted,
+                routed_experts=None if routed is None else np.asarray(routed).astype(np.uint8),
             )
         )
     return out

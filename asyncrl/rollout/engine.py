@@ -94,6 +94,8 @@ class RolloutEngine(WeightUpdates):
         self.learner_dtype = "float32"
         """learner.dtype, which the engine's dtype follows (a rebuild keeps it)."""
         self.lora: LoraConfig | None = None
+        self.routing_replay = False
+        """algo.routing_replay='rollout': the engine returns routed experts (a rebuild keeps it)."""
         self.adapter: AdapterSlot | None = None
         """A LoRA run's adapter slot (each load replaces the adapter, the base stays), or None:
         loads replace the weights themselves."""
@@ -109,6 +111,7 @@ class RolloutEngine(WeightUpdates):
         weight_transfer: str | None = None,
         learner_dtype: str = "float32",
         lora: LoraConfig | None = None,
+        routing_replay: bool = False,
     ) -> RolloutEngine:
         import psutil
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -119,7 +122,15 @@ class RolloutEngine(WeightUpdates):
         before = {p.pid for p in me.children(recursive=True)}
         try:
             llm = AsyncLLM.from_engine_args(
-                engine_args(rollout, model_path, seed, weight_transfer, learner_dtype=learner_dtype, lora=lora)
+                engine_args(
+                    rollout,
+                    model_path,
+                    seed,
+                    weight_transfer,
+                    learner_dtype=learner_dtype,
+                    lora=lora,
+                    routing_replay=routing_replay,
+                )
             )
         except BaseException:
             if adapter is not None:
@@ -134,6 +145,7 @@ class RolloutEngine(WeightUpdates):
         engine.weight_transfer = weight_transfer
         engine.learner_dtype = learner_dtype
         engine.lora = lora
+        engine.routing_replay = routing_replay
         if adapter is not None:  # every request names the slot from the first (rollout/adapters.py)
             engine.adapter = adapter
             try:
@@ -273,6 +285,7 @@ class RolloutEngine(WeightUpdates):
             weight_transfer=self.weight_transfer,
             learner_dtype=self.learner_dtype,
             lora=self.lora,
+            routing_replay=self.routing_replay,
         )
         if fresh.adapter is not None:  # ours (its folder) stays and is loaded by _load_last_good
             fresh.adapter.close()

