@@ -177,3 +177,34 @@ def test_group_image_checks_name_the_bad_one():
     ]:
         with pytest.raises(RecordError, match=why):
             check_group_images(meta, limits)
+
+
+def test_intake_dead_letters_a_group_with_a_bad_image_and_hands_out_the_good_one():
+    """Images read back from the queue are checked where they are read: a forged one is
+    dead-lettered with its reason, the consumer goes on."""
+    from asyncrl.data.codec import encode_group
+    from asyncrl.data.contract import RecordContract
+    from asyncrl.queue import keys
+    from asyncrl.queue.intake import sort_entries
+    from asyncrl.types import RolloutGroup, Sample
+
+    limits = ImageLimits()
+    contract = RecordContract(vocab_size=16, max_len=12, group_size=2, stepwise=False, max_version=5, images=limits)
+    _, meta = ColourEnv().make_prompt(random.Random(0))
+
+    def group(gid: str, images) -> bytes:
+        samples = [Sample([3] * 4, [-0.5] * 4, [1] * 4, 1.0, 3, generator_id="gen-0") for _ in range(2)]
+        return encode_group(RolloutGroup(gid, gid, [1, 2, 3], samples, env="colour", metadata={IMAGES_KEY: images}))
+
+    entries = [
+        ("1-1", {keys.RECORD_FIELD: group("good", meta[IMAGES_KEY])}),
+        ("1-2", {keys.RECORD_FIELD: group("bomb", [_png_header_only(4000, 4000)])}),
+        ("1-3", {keys.RECORD_FIELD: group("not-png", [b"\x00" * 10])}),
+    ]
+    intake = sort_entries(entries, 0, set(), 1 << 20, 0, contract=contract)
+    assert [g.group_id for _, g in intake.out] == ["good"]
+    assert [(d["group_id"], d["reason"]) for d in intake.dead] == [("bomb", "bad_image"), ("not-png", "bad_image")]
+    assert "max_pixels" in str(intake.dead[0]["detail"])
+    # a text run's contract does not look at images (main's behaviour)
+    text = RecordContract(vocab_size=16, max_len=12, group_size=2, stepwise=False, max_version=5)
+    assert len(sort_entries(entries, 0, set(), 1 << 20, 0, contract=text).out) == 3
