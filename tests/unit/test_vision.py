@@ -208,3 +208,23 @@ def test_intake_dead_letters_a_group_with_a_bad_image_and_hands_out_the_good_one
     # a text run's contract does not look at images (main's behaviour)
     text = RecordContract(vocab_size=16, max_len=12, group_size=2, stepwise=False, max_version=5)
     assert len(sort_entries(entries, 0, set(), 1 << 20, 0, contract=text).out) == 3
+
+
+def test_check_reads_and_decodes_a_drawn_prompts_images():
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import _image_lines, check_imports
+
+    cfg = load_config(None, ["rollout.env=asyncrl.rollout.envs.colour:ColourEnv", "rollout.env_kwargs={}"])
+    lines = check_imports(cfg)
+    assert any("a drawn prompt's 1 image(s) read and decoded (56x56)" in line for line in lines), lines
+    assert _image_lines("copy", {"target": "abc"}) == []  # a text task: no image line
+    with pytest.raises(ConfigError, match=r"images: bad_image: images\[0\]: not a PNG"):
+        _image_lines("mine", {IMAGES_KEY: [b"BM not a png"]})
+
+
+def test_a_vision_language_model_is_refused_with_the_reason(tiny_vl):
+    """No generator hands images to the engine yet: a run would train the model on text alone."""
+    from asyncrl.rollout import families
+
+    with pytest.raises(families.ModelRefused, match=r"model_type qwen2_vl\): a vision-language model.*torchvision"):
+        families.check_model(str(tiny_vl))
