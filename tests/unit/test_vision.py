@@ -228,3 +228,20 @@ def test_a_vision_language_model_is_refused_with_the_reason(tiny_vl):
 
     with pytest.raises(families.ModelRefused, match=r"model_type qwen2_vl\): a vision-language model.*torchvision"):
         families.check_model(str(tiny_vl))
+
+
+def test_the_learner_loss_reaches_the_vision_tower(prompter, model):
+    """Training on a response's log-probs moves the image encoder too, not the text model alone."""
+    from asyncrl.learner.vision import response_logprobs
+
+    _, meta = ColourEnv().make_prompt(random.Random(1))
+    vp = prompter.encode(_messages(), check_group_images(meta, ImageLimits()))
+    model.zero_grad()
+    response_logprobs(
+        model, vp, np.array([prompter.tokenizer.convert_tokens_to_ids(c) for c in "red"])
+    ).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(".visual." in n or n.startswith("visual.") for n in grads if grads[n].abs().sum() > 0), list(grads)[:5]
+    model.zero_grad()
+    with pytest.raises(ValueError, match="image-pad token"):
+        response_logprobs(model, vp, np.array([prompter.image_pad_id]))
