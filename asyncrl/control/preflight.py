@@ -145,14 +145,28 @@ def _sync_class(backend: str) -> type:
     return ShmWeightSync
 
 
+def _image_lines(env: str, metadata: dict) -> list[str]:
+    """A drawn prompt's images (group metadata ``images``), read and decoded as the intake will."""
+    from asyncrl.data.codec import RecordError
+    from asyncrl.data.images import IMAGES_KEY, ImageLimits, check_group_images
+
+    if IMAGES_KEY not in metadata:
+        return []
+    try:
+        images = check_group_images(metadata, ImageLimits())
+    except RecordError as e:
+        raise ConfigError(f"rollout.env={env!r}: a drawn prompt's images: {e}") from None
+    sizes = ", ".join(f"{i.size[0]}x{i.size[1]}" for i in images)
+    return [f"rollout.env={env}: a drawn prompt's {len(images)} image(s) read and decoded ({sizes})"]
+
+
 def check_imports(cfg: Config) -> list[str]:
     """Import and resolve every import path the config names, as generators and learners do."""
     r, algo = cfg.rollout, cfg.algo
     try:
         try:
             env = make_rollout_env(r)
-            if not r.prompts:
-                env.make_prompt(random.Random(0))  # an environment that makes no prompts needs rollout.prompts
+            metadata = {} if r.prompts else env.make_prompt(random.Random(0))[1]  # none made: rollout.prompts
         except (ValueError, NotImplementedError):
             raise
         except Exception as e:  # the user's constructor or make_prompt: a generator would die of it
@@ -168,6 +182,7 @@ def check_imports(cfg: Config) -> list[str]:
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from e
     lines = [f"rollout.env={r.env}: imported and built" + (" (makes the prompts)" if not r.prompts else "")]
+    lines += _image_lines(r.env, metadata)
     lines += [_reward_line(i, spec) for i, spec in enumerate(r.rewards)]
     if r.teacher is not None:
         from asyncrl.rollout.teacher import check_line

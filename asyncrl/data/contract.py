@@ -35,6 +35,10 @@ Rules, each a `RecordError.reason`:
   succeeded has no teacher log-probs (a generator of another config): trained, it would be
   plain RL without the teacher's signal. ``positive_logprob`` covers them too (the teacher's
   are computed in float32 as the learner's are; non-finite ones are the codec's).
+- ``bad_image``: the run takes images (``images`` set) and the group's prompt images
+  (metadata ``images``, asyncrl.data.images) are not a list of at most ``max_images`` PNGs, each
+  within ``max_bytes`` and ``max_pixels`` and decodable. Images are checked once per group:
+  they travel once per group, not per sample.
 - ``logprob_out_of_range``: a rollout or teacher log-prob of a policy token below ``types.MIN_LOGPROB`` (finite,
   yet under rollout.teacher it is the token's reward, and its advantage would swamp the batch's).
 """
@@ -47,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncrl.data.codec import RecordError
+from asyncrl.data.images import ImageLimits, check_group_images
 from asyncrl.types import MAX_ABS_REWARD, MIN_LOGPROB, RolloutGroup, Sample
 
 LOGPROB_TOLERANCE = 1e-4
@@ -70,6 +75,8 @@ class RecordContract:
     """The learner's current version: no behaviour version can be newer."""
     teacher: bool = False
     """rollout.teacher is set: every sample whose reward succeeded carries teacher log-probs."""
+    images: ImageLimits | None = None
+    """The run's prompts carry images within these limits (None: a text run, images unchecked)."""
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
@@ -167,5 +174,7 @@ def check_group(group: RolloutGroup, contract: RecordContract) -> None:
             raise RecordError("bad_id", f"group.{name}: {len(value)} characters > {MAX_ID_CHARS}")
     _check_group_size(group, contract)
     _check_ids(group.prompt_ids, contract.vocab_size, "group.prompt_ids")
+    if contract.images is not None:
+        check_group_images(group.metadata, contract.images)
     for i, s in enumerate(group.samples):
         _check_sample(group, s, contract, f"samples[{i}]")

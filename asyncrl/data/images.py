@@ -1,0 +1,99 @@
+"""Images on the wire: PNG bytes, once per group, bounded, decoded only after checks.
+
+    data = encode_image(img, limits)            # ImageTooLarge past limits.max_bytes
+    group.metadata[IMAGES_KEY] = [data]         # the group's prompt images: once, not per sample
+    check_group_images(group.metadata, limits)  # RecordError("bad_image", ...) for a bad one
+    img = decode_image(data, limits)            # RGB PIL image, or RecordError
+
+Every image read back (from Redis, a prompt file, a published record) is untrusted: the bytes
+must be a PNG (the signature is checked before PIL sees them, so no other decoder runs), at
+most ``max_bytes`` long, and its header must declare at most ``max_pixels`` pixels before any
+pixel is decompressed (a small PNG can inflate to gigabytes). A failure is a RecordError, the
+reason the intake dead-letters a record with; never pickle, never a crash.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.data.codec import RecordError
+
+IMAGES_KEY = "images"
+"""Group metadata key: the prompt's images, a list of PNG bytes, in prompt order."""
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = 256 << 10
+    """One encoded image, in bytes."""
+    max_pixels: int = 512 * 512
+    """One image's width x height, as its header declares it."""
+    max_images: int = 4
+    """Images per prompt."""
+
+
+class ImageTooLarge(ValueError):
+    """A prompt image past the limits, on the writing side: the message says which limit."""
+
+
+def encode_image(image: Any, limits: ImageLimits) -> bytes:
+    """A PIL image as PNG bytes; ImageTooLarge past ``limits``."""
+    width, height = image.size
+    if width * height > limits.max_pixels:
+        raise ImageTooLarge(f"image {width}x{height} = {width * height} pixels > max_pixels {limits.max_pixels}")
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="PNG")
+    data = buf.getvalue()
+    if len(data) > limits.max_bytes:
+        raise ImageTooLarge(f"image {width}x{height} is {len(data)} bytes as PNG > max_bytes {limits.max_bytes}")
+    return data
+
+
+def decode_image(data: Any, limits: ImageLimits) -> Any:
+    """Untrusted bytes -> an RGB PIL image, or RecordError("bad_image", why)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(data, bytes):
+        raise RecordError("bad_image", f"an image is {type(data).__name__}, expected PNG bytes")
+    if len(data) > limits.max_bytes:
+        raise RecordError("bad_image", f"image of {len(data)} bytes > max_bytes {limits.max_bytes}")
+    if not data.startswith(PNG_SIGNATURE):
+        raise RecordError("bad_image", "not a PNG (signature missing)")
+    try:
+        image = Image.open(io.BytesIO(data), formats=["PNG"])  # reads the header only
+        width, height = image.size
+        if width * height > limits.max_pixels:
+            raise RecordError("bad_image", f"image {width}x{height} > max_pixels {limits.max_pixels}")
+        image.load()
+        return image.convert("RGB")
+    except RecordError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise RecordError("bad_image", f"PNG does not decode: {type(e).__name__}: {e}") from None
+
+
+def images_of(metadata: dict[str, Any], limits: ImageLimits) -> list[bytes]:
+    """The group's image bytes, checked for shape and count (not decoded)."""
+    images = metadata.get(IMAGES_KEY, [])
+    if not isinstance(images, list):
+        raise RecordError("bad_image", f"metadata[{IMAGES_KEY!r}] is {type(images).__name__}, expected a list")
+    if len(images) > limits.max_images:
+        raise RecordError("bad_image", f"{len(images)} images > max_images {limits.max_images}")
+    for i, data in enumerate(images):
+        if not isinstance(data, bytes):
+            raise RecordError("bad_image", f"images[{i}] is {type(data).__name__}, expected PNG bytes")
+    return images
+
+
+def check_group_images(metadata: dict[str, Any], limits: ImageLimits) -> list[Any]:
+    """Every image of a group's metadata decoded (RGB PIL images), or RecordError naming the bad one."""
+    out = []
+    for i, data in enumerate(images_of(metadata, limits)):
+        try:
+            out.append(decode_image(data, limits))
+        except RecordError as e:
+            raise RecordError("bad_image", f"images[{i}]: {str(e).removeprefix('bad_image: ')}") from None
+    return out

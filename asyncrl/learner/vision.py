@@ -1,0 +1,50 @@
+"""The learner's forward for a vision-language prompt: log-probs of the response tokens given
+the image, in one pass.
+
+    lp = response_logprobs(model, prompt, response_ids, temperature=0.7)   # float32 [R]
+
+``model`` is a Qwen2-VL-style ``AutoModelForImageTextToText``; ``prompt`` the VisionPrompt the
+generator built (asyncrl.data.vision), with the image's patches. The model computes its own
+multimodal RoPE positions from the ids and the patch grid (three position streams: time,
+height, width; text tokens advance all three), which is what the engine does while it decodes
+token by token; the test checks the two agree. Temperature as in the engine's processed
+log-probs: log_softmax(logits / T).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from asyncrl.data.vision import VisionPrompt
+
+
+def mm_token_type_ids(model: Any, ids: Any) -> Any:
+    """1 at image tokens, 0 at text: what the model places its RoPE grid by."""
+    return (ids == int(model.config.image_token_id)).long()
+
+
+def response_logprobs(model: Any, prompt: VisionPrompt, response_ids: np.ndarray, temperature: float = 1.0) -> Any:
+    """log p(response[t] | prompt, image, response[:t]) for every t: a float32 tensor [R]
+    (with grad when the model is in training)."""
+    import torch
+
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+    response = torch.as_tensor(np.asarray(response_ids, np.int64))
+    if bool((response == int(model.config.image_token_id)).any()):
+        # the model places image features at every image-pad id: one in a response cannot be scored
+        raise ValueError("the response holds an image-pad token: generators must not sample special tokens")
+    ids = torch.cat([torch.as_tensor(prompt.input_ids.astype(np.int64)), response])[None]
+    kwargs: dict[str, Any] = {}
+    if len(prompt.image_grid_thw):
+        param = next(model.parameters())
+        kwargs["pixel_values"] = torch.as_tensor(prompt.pixel_values).to(param.device, param.dtype)
+        kwargs["image_grid_thw"] = torch.as_tensor(prompt.image_grid_thw).to(param.device)
+        kwargs["mm_token_type_ids"] = mm_token_type_ids(model, ids).to(param.device)
+    logits = model(input_ids=ids.to(next(model.parameters()).device), use_cache=False, **kwargs).logits[0]
+    p = int(prompt.input_ids.shape[0])
+    # Position t predicts token t+1: the response's tokens are predicted from p-1 .. p+R-2.
+    scores = logits[p - 1 : p - 1 + response.shape[0]].float() / temperature
+    return torch.log_softmax(scores, dim=-1).gather(-1, response.to(scores.device)[:, None])[:, 0]
