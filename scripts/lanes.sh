@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole suite as two pytest sessions side by side ("lanes"), then the two-node tests at the
-# end of whichever lane finishes first (scripts/test.sh runs this after lint). A test's cost is mostly start-ups (Ray, a vLLM
-# engine, a trainer: one process importing on one core while the other idles), so two lanes
-# overlap them. tests.support.lanes splits the test files by their measured seconds
-# (tests/lanes.json); every file is in exactly one lane.
+# end of whichever lane finishes first (scripts/test.sh runs this after lint). A test's cost is
+# mostly start-ups (Ray, a vLLM engine, a trainer: one process importing on one core while the
+# other idles), so two lanes overlap them. tests.support.lanes splits the test files by their
+# measured seconds (tests/lanes.json); every file is in exactly one lane.
 #
 # Output: lane a streams here; lane b writes to a log, shown after lane a's output (complete,
 # then live until lane b ends), each with its --durations table; the last line gives each
