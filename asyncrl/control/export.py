@@ -24,8 +24,6 @@ import uuid
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.control.runtime import resolve_model
-from asyncrl.learner.checkpoint import dcp_storage, replace_dir
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, complete_checkpoints, private_files, step_of
 from asyncrl.rundir.store import ObjectPath, RunPath, local_dir_for, remove_tree, run_path, upload_tree
 
@@ -44,6 +42,8 @@ def _stage(out: RunPath, fill) -> RunPath:
             remove_tree(out)
             upload_tree(staged, out)
         return out
+    from asyncrl.learner.checkpoint import replace_dir  # the learner package: torch
+
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
@@ -122,21 +122,27 @@ def export_checkpoint(
     its filesystem's standard credentials (asyncrl.rundir.store.run_path). A LoRA run's
     checkpoint holds only its adapter: it is loaded onto the base model and merged, or with
     ``adapter`` written alone in PEFT's format (``run_dir/hf/step_N-adapter`` by default). A
-    checkpoint with a PPO critic also gives the critic's folder beside it (``<out>-critic``)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
+    checkpoint with a PPO critic also gives the critic's folder beside it (``<out>-critic``).
 
+    A run dir, step or --adapter it cannot export is refused before torch and transformers are
+    imported (seconds of start-up): a mistyped step fails at once."""
     run_dir = run_path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    from asyncrl.learner.critic import CRITIC_DIR  # torch, with it: imported when an export runs
-
     ckpt = checkpoint_dir(run_dir, step)
     cfg = load_config(run_dir / CONFIG_FILE)
     lora = cfg.learner.lora
     if adapter and lora is None:
         raise ValueError(f"{run_dir}: --adapter needs a LoRA run (its config has no learner.lora)")
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.control.runtime import resolve_model
+    from asyncrl.learner.checkpoint import dcp_storage
+    from asyncrl.learner.critic import CRITIC_DIR
+
     n = step_of(ckpt)
     target = run_path(out, getattr(run_dir, "storage_options", None)) if out is not None else None
     policy_out = target or run_dir / HF_DIR / (f"step_{n}-adapter" if adapter else f"step_{n}")
@@ -168,6 +174,7 @@ def export_critic(cfg, ckpt: RunPath, model_path: str, out: RunPath) -> RunPath:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
+    from asyncrl.learner.checkpoint import dcp_storage
     from asyncrl.learner.critic import CRITIC_DIR
 
     source = cfg.algo.critic.model or model_path  # the architecture it was built from
@@ -189,6 +196,7 @@ def _export_lora(model, cfg, ckpt: RunPath, model_path: str, out: RunPath, adapt
     """The checkpoint's adapter on ``model`` (the base): merged into an HF folder, or alone."""
     import torch.distributed.checkpoint as dcp
 
+    from asyncrl.learner.checkpoint import dcp_storage
     from asyncrl.learner.lora import apply_lora, is_adapter
 
     peft_model = apply_lora(model, cfg.learner.lora, model_path)

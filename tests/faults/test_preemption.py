@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.support.job import elastic_generator_argv
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 GRACE = 90  # control.shutdown_grace_s: a loaded 2-core box must not need the hard exit
@@ -60,7 +61,12 @@ def test_sigterm_to_generate_and_train_stops_everything_exits_143_and_the_resume
         "preempt", "control.total_steps=100000", "control.checkpoint_every=100", f"control.shutdown_grace_s={GRACE}"
     )
     job.start()
-    job.wait_for_step(2, timeout=500)
+    # The elastic generator starts as soon as the job has published its config (a joiner needs
+    # nothing more): its own start-up (vLLM's imports, its engine's) then overlaps the trainer's
+    # learner and engine start-up instead of following it, with the trainer training at full
+    # speed and writing checkpoints meanwhile.
+    wait_for(lambda: "model_path" in job.state() or not job.running(), 500, "the job's published config")
+    assert job.running(), job.diagnosis()
 
     # 1. An elastic generator joins, produces, and is SIGTERMed: it drains and leaves with 143,
     #    its engine processes stopped.
@@ -72,6 +78,7 @@ def test_sigterm_to_generate_and_train_stops_everything_exits_143_and_the_resume
         start_new_session=True,
     )
     try:
+        job.wait_for_step(2, timeout=500)  # JobDied, with its log, if the job ends instead
         deadline = time.monotonic() + 400
         while _generator_groups(job, "elastic-1") < 1:
             assert gen.poll() is None and time.monotonic() < deadline, (tmp_path / "elastic.log").read_text()[-3000:]

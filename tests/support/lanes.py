@@ -1,5 +1,6 @@
 """The suite's two lanes: `bash scripts/test.sh` runs two pytest sessions side by side, each
-over its lane's test files, then tests/multinode after lane "b".
+over its lane's test files, then tests/multinode at the end of the lane that finishes first
+(planned as lane "b"'s).
 
     python -m tests.support.lanes a        # lane a's test files, one a line
     python -m tests.support.lanes b
@@ -27,7 +28,8 @@ TABLE = TESTS / "lanes.json"
 LANES = ("a", "b")
 DEFAULT_LANE = "a"
 SEPARATE = ("tests/multinode",)
-"""Run on their own after lane "b" (a fresh driver process: tests/multinode/conftest.py)."""
+"""Run on their own (a fresh driver process: tests/multinode/conftest.py) at the end of the lane
+that finishes first; the split counts them in lane "b"'s work."""
 SAME_LANE = (
     # Both run programs as the code sandbox's slot uids, and test_code_sandbox checks that no
     # process of any slot uid is left: the other lane's programs would be seen as its leftovers.

@@ -145,7 +145,8 @@ def _heavy_loaded_by(module: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["asyncrl.config", "asyncrl.cli", "asyncrl.control.train", "asyncrl.control.preflight"]
+    "module",
+    ["asyncrl.config", "asyncrl.cli", "asyncrl.control.train", "asyncrl.control.preflight", "asyncrl.control.export"],
 )
 def test_start_up_modules_load_no_heavy_library(module):
     """`asyncrl train --check` and `--help-config` answer in about a second, and `asyncrl
@@ -153,6 +154,25 @@ def test_start_up_modules_load_no_heavy_library(module):
     them stay inside the functions that need them."""
     loaded = _heavy_loaded_by(module)
     assert loaded == [], f"import {module} loads {loaded}"
+
+
+def test_an_export_it_cannot_do_is_refused_before_torch_loads(tmp_path):
+    """`asyncrl export RUN --step N` with no such checkpoint fails at once, not after the
+    seconds torch and transformers take to import."""
+    (tmp_path / "config.yaml").write_text("{}\n")
+    code = (
+        "import sys\n"
+        "from asyncrl.control.export import export_checkpoint\n"
+        "try:\n"
+        f"    export_checkpoint({str(tmp_path)!r}, step=3)\n"
+        "except FileNotFoundError as e:\n"
+        "    print('refused:', e)\n"
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    refused, loaded = out.stdout.splitlines()
+    assert refused.startswith("refused: ") and "no complete checkpoint" in refused, out.stdout
+    assert loaded.split() == [], loaded
 
 
 def test_the_start_up_check_sees_a_heavy_import():
