@@ -89,6 +89,13 @@ const CHARTS = [
     metrics: [["critic/value_loss", "value loss"], ["critic/explained_variance", "explained variance", "y2"]],
     help: "The clipped value loss of algo.critic and the share of the returns' variance its values explain " +
           "(1 perfect, 0 no better than the mean return). Explained variance should rise as it learns." },
+  { id: "router", title: "Routing replay: experts the learner would choose differently", yTitle: "fraction",
+    nodata: "no routing replay (algo.routing_replay is off)",
+    metrics: [["router/mismatch_frac", "mismatch"]],
+    help: "Mixture-of-experts runs with algo.routing_replay = rollout: the share of (scored token, layer) pairs " +
+          "whose top-k experts under the learner's own router differ from the engine's, which the learner " +
+          "replays. It grows with staleness; without replay these tokens would be trained through other experts " +
+          "than the ones that sampled them." },
   { id: "loss", title: "Loss terms",
     metrics: [["loss/total", "total"], ["loss/policy", "policy"], ["loss/kl_ref", "KL ref"],
               ["loss/rollout_kl", "rollout KL"], ["loss/entropy", "entropy"]],
