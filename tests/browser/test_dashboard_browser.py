@@ -48,6 +48,7 @@ def _history_step(step: int) -> dict[str, float]:
         "drift/tis_ratio_mean": 1.0 + 0.01 * (step % 3),
         "drift/tis_ratio_max": 1.8 + 0.1 * (step % 3),
         "drift/tis_capped_frac": 0.01,
+        "router/mismatch_frac": 0.01 * (step % 5),
         "drift/masked_frac": 0.03 + 0.005 * (step % 3),
         "drift/geo_masked_frac": 0.02,
         "drift/product_masked_frac": 0.01,
@@ -168,6 +169,10 @@ def test_live_page_follows_new_metrics(chromium, serve_dashboard, live_run, redi
     ev = page.evaluate("document.getElementById('chart-eval').data[0]")
     assert ev["name"] == "eval reward mean" and ev["x"] == [0, 10, 20] and ev["y"][-1] == 0.6
     assert page.locator("#nodata-eval").is_hidden()
+    router = page.evaluate("document.getElementById('chart-router').data[0]")
+    assert router["name"] == "mismatch" and router["y"][:5] == pytest.approx([0, 0.01, 0.02, 0.03, 0.04])
+    # A live run shows every chart, an empty one with why; only a finished run folds them.
+    assert page.locator("#panel-teacher").is_visible() and page.locator("#unlogged").is_hidden()
     assert page.locator("#finished-banner").is_hidden() and _text(page, "#conn-text") == "live"
     # The KL alert is drawn on the axis of the rollout KL; mean |Δlogp| has its own (right) axis.
     drift = page.evaluate(
