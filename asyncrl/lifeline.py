@@ -110,17 +110,26 @@ def _alive(records: Iterable[tuple[int, float]]) -> list[int]:
     return [pid for pid, _ in _prune_dead(records)]
 
 
+def _ended(proc) -> bool:
+    """Exited, not yet reaped: a zombie whose every thread is gone (the main thread's exit alone
+    shows the process as a zombie too, while its other threads run)."""
+    import psutil
+
+    return proc.status() == psutil.STATUS_ZOMBIE and proc.num_threads() <= 1
+
+
 def _prune_dead(records: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
     """The records whose process is still the one registered (a reused pid is not) and still
     running: a zombie has ended (Ray's idle workers exit by themselves as its raylet goes, and
-    wait, reparented, for init to reap them), so there is nothing of it to stop."""
+    wait, reparented, for init to reap them), so there is nothing of it to stop. A zombie with
+    threads left is not ended: its main thread exited (pthread_exit) while the others run on."""
     import psutil
 
     out = set()
     for pid, created in records:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+            if abs(proc.create_time() - created) < 1e-3 and not _ended(proc):
                 out.add((pid, created))
     return out
 
