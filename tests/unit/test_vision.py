@@ -136,13 +136,13 @@ def test_encode_refuses_an_image_past_the_limits():
         encode_image(noisy, ImageLimits(max_bytes=1000))
 
 
-def _png_header_only(width: int, height: int) -> bytes:
+def _png_header_only(width: int, height: int, depth: int = 8) -> bytes:
     """A PNG whose header claims width x height (a decompression bomb's shape), with no pixels."""
 
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, 2, 0, 0, 0)
     return PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
@@ -153,14 +153,20 @@ def _png_header_only(width: int, height: int) -> bytes:
         (b"GIF89a....", "not a PNG"),
         (b"x" * 2000, "max_bytes"),
         (_png_header_only(2000, 2000), "max_pixels"),
-        (PNG_SIGNATURE + b"garbage", "does not decode"),
+        (PNG_SIGNATURE + b"garbage", "without an IHDR"),
+        (_png_header_only(16, 16), "does not decode"),  # no pixel data
+        (_png_header_only(0, 16), "0x16 has no pixels"),
+        (_png_header_only(2**32 - 1, 2**32 - 1), "max_pixels"),
+        (_png_header_only(16, 16, depth=3), "PNG header 16x16 does not parse"),
     ],
+    ids=["str", "gif", "past-max-bytes", "bomb-header", "no-ihdr", "no-pixel-data", "zero-width", "2^64-px", "depth-3"],
 )
 def test_untrusted_image_bytes_are_a_record_error_not_a_crash(value, why):
     limits = ImageLimits(max_bytes=1500)
     with pytest.raises(RecordError, match=why) as e:
         decode_image(value, limits)
     assert e.value.reason == "bad_image"
+    assert "BytesIO" not in str(e.value) and " at 0x" not in str(e.value)  # says what, not PIL's buffer object
 
 
 def test_group_image_checks_name_the_bad_one():
