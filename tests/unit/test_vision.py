@@ -228,6 +228,33 @@ def test_check_reads_and_decodes_a_drawn_prompts_images():
         _image_lines("mine", {IMAGES_KEY: [b"BM not a png"]})
 
 
+class NoMetadataEnv(ColourEnv):
+    """make_prompt gives no metadata dict: every generator would die at its metadata.get."""
+
+    def make_prompt(self, rng):
+        return "colour?", None
+
+
+class Base64ImageEnv(ColourEnv):
+    """An image as a base64 string (as JSON carries it), not PNG bytes."""
+
+    def make_prompt(self, rng):
+        return "colour?", {"target": "red", IMAGES_KEY: ["iVBORw0KGgo="]}
+
+
+def test_check_refuses_a_drawn_prompt_it_cannot_read_with_the_reason():
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import check_imports
+
+    def check(env: str) -> list[str]:
+        return check_imports(load_config(None, [f"rollout.env=tests.unit.test_vision:{env}", "rollout.env_kwargs={}"]))
+
+    with pytest.raises(ConfigError, match=r"NoMetadataEnv'?: make_prompt returned \(str, NoneType\), expected"):
+        check("NoMetadataEnv")
+    with pytest.raises(ConfigError, match=r"images\[0\] is str, expected PNG bytes"):
+        check("Base64ImageEnv")
+
+
 def test_a_vision_language_model_is_refused_with_the_reason(tiny_vl):
     """No generator hands images to the engine yet: a run would train the model on text alone."""
     from asyncrl.rollout import families
