@@ -175,7 +175,11 @@ def _image_lines(env: str, metadata: dict) -> list[str]:
     except RecordError as e:
         raise ConfigError(f"rollout.env={env!r}: a drawn prompt's images: {e}") from None
     sizes = ", ".join(f"{i.size[0]}x{i.size[1]}" for i in images)
-    return [f"rollout.env={env}: a drawn prompt's {len(images)} image(s) read and decoded ({sizes})"]
+    return [
+        f"rollout.env={env}: a drawn prompt's {len(images)} image(s) read and decoded ({sizes}); note: no "
+        "generator hands images to the engine yet, so a run samples and trains on the prompt's text alone "
+        "(docs/guide/vision.md)"
+    ]
 
 
 def check_imports(cfg: Config) -> list[str]:

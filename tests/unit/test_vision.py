@@ -222,7 +222,9 @@ def test_check_reads_and_decodes_a_drawn_prompts_images():
 
     cfg = load_config(None, ["rollout.env=asyncrl.rollout.envs.colour:ColourEnv", "rollout.env_kwargs={}"])
     lines = check_imports(cfg)
-    assert any("a drawn prompt's 1 image(s) read and decoded (56x56)" in line for line in lines), lines
+    (line,) = [line for line in lines if "a drawn prompt's 1 image(s) read and decoded (56x56)" in line]
+    # --check does not let a user believe the images reach the model: no generator hands them on yet
+    assert "a run samples and trains on the prompt's text alone" in line
     assert _image_lines("copy", {"target": "abc"}) == []  # a text task: no image line
     with pytest.raises(ConfigError, match=r"images: bad_image: images\[0\]: not a PNG"):
         _image_lines("mine", {IMAGES_KEY: [b"BM not a png"]})
