@@ -63,12 +63,22 @@ WATCH_S = 2.0
 
 def _environ_has(pid: int, entry: bytes) -> bool:
     """Whether the process's initial environment (what it was exec'd with) holds `entry`
-    ("NAME=value"); False for a process we may not read (another user's) or one that is gone."""
+    ("NAME=value"); False for a process we may not read (another user's) or one that is gone.
+    A process whose main thread has exited (the others run on) has no environ of its own: its
+    threads' hold the same one."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return entry in f.read().split(b"\0")
     except OSError:
+        pass
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return False
+    for tid in tids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    return False
 
 
 def marked_processes(name: str, value: str, exclude: Iterable[int] = ()) -> list[int]:

@@ -188,7 +188,7 @@ def test_a_process_whose_main_thread_exited_is_still_swept():
         "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(300,)).start(); "
         "ctypes.CDLL(None).pthread_exit(None)"
     )
-    child = subprocess.Popen([sys.executable, "-c", code])
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, TOKEN_ENV: "main-thread-exited"})
     try:
         proc = psutil.Process(child.pid)
         record = (child.pid, proc.create_time())
@@ -198,6 +198,8 @@ def test_a_process_whose_main_thread_exited_is_still_swept():
             time.sleep(0.01)
         assert proc.num_threads() == 2  # the sleeping thread runs on
         assert _alive([record]) == [child.pid]
+        # exec'd with the run's token, it is found by it too (the leader's environ is gone)
+        assert child.pid in marked_processes(TOKEN_ENV, "main-thread-exited")
     finally:
         child.kill()
         child.wait()
