@@ -85,6 +85,10 @@ REFUSED: dict[str, str] = {
 """model_type -> why a run of it is refused (beyond the rule below)."""
 
 ENCODER_DECODER = "an encoder-decoder model: the learner trains decoder-only causal LMs (AutoModelForCausalLM)"
+VISION_TOWER = (
+    "a vision-language model (its config has a vision_config): the generators do not hand prompt images to "
+    "the engine yet, so a run would train it on text alone (docs/guide/vision.md)"
+)
 
 
 def family_of(model_type: str) -> Family | None:
@@ -113,7 +117,11 @@ def check_config(model: str, config: dict | None) -> Family | None:
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         return None
-    reason = REFUSED.get(model_type) or (ENCODER_DECODER if config.get("is_encoder_decoder") else None)
+    reason = (
+        REFUSED.get(model_type)
+        or (ENCODER_DECODER if config.get("is_encoder_decoder") else None)
+        or (VISION_TOWER if isinstance(config.get("vision_config"), dict) else None)
+    )
     if reason is not None:
         raise ModelRefused(f"rollout.model={model!r} (model_type {model_type}): {reason}")
     return family_of(model_type)

@@ -280,3 +280,15 @@ def test_the_learner_loss_reaches_the_vision_tower(prompter, model):
     model.zero_grad()
     with pytest.raises(ValueError, match="image-pad token"):
         response_logprobs(model, vp, np.array([prompter.image_pad_id]))
+
+
+def test_any_model_with_a_vision_tower_is_refused_not_only_qwen2_vl():
+    """Qwen3-VL, LLaVA, a multimodal Gemma 3: no generator hands them images either."""
+    from asyncrl.rollout import families
+
+    for model_type in ("qwen3_vl", "llava", "gemma3"):
+        config = {"model_type": model_type, "vision_config": {"hidden_size": 64}, "text_config": {}}
+        with pytest.raises(families.ModelRefused, match=rf"model_type {model_type}\): a vision-language model"):
+            families.check_config("m", config)
+    # the text model of the same family is not
+    assert families.check_config("m", {"model_type": "gemma3_text"}).name == "Gemma 3 (text)"
