@@ -63,12 +63,22 @@ WATCH_S = 2.0
 
 def _environ_has(pid: int, entry: bytes) -> bool:
     """Whether the process's initial environment (what it was exec'd with) holds `entry`
-    ("NAME=value"); False for a process we may not read (another user's) or one that is gone."""
+    ("NAME=value"); False for a process we may not read (another user's) or one that is gone.
+    A process whose main thread has exited (the others run on) has no environ of its own: its
+    threads' hold the same one."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return entry in f.read().split(b"\0")
     except OSError:
+        pass
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return False
+    for tid in tids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    return False
 
 
 def marked_processes(name: str, value: str, exclude: Iterable[int] = ()) -> list[int]:
@@ -110,17 +120,26 @@ def _alive(records: Iterable[tuple[int, float]]) -> list[int]:
     return [pid for pid, _ in _prune_dead(records)]
 
 
+def _ended(proc) -> bool:
+    """Exited, not yet reaped: a zombie whose every thread is gone (the main thread's exit alone
+    shows the process as a zombie too, while its other threads run)."""
+    import psutil
+
+    return proc.status() == psutil.STATUS_ZOMBIE and proc.num_threads() <= 1
+
+
 def _prune_dead(records: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
     """The records whose process is still the one registered (a reused pid is not) and still
     running: a zombie has ended (Ray's idle workers exit by themselves as its raylet goes, and
-    wait, reparented, for init to reap them), so there is nothing of it to stop."""
+    wait, reparented, for init to reap them), so there is nothing of it to stop. A zombie with
+    threads left is not ended: its main thread exited (pthread_exit) while the others run on."""
     import psutil
 
     out = set()
     for pid, created in records:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+            if abs(proc.create_time() - created) < 1e-3 and not _ended(proc):
                 out.add((pid, created))
     return out
 

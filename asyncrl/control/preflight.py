@@ -145,6 +145,24 @@ def _sync_class(backend: str) -> type:
     return ShmWeightSync
 
 
+def _drawn_metadata(env: str, drawn: object) -> dict:
+    """A drawn prompt's metadata; ValueError unless make_prompt gave (text, metadata dict), which
+    every generator reads (``metadata.get``) and the record's codec requires."""
+    if not (
+        isinstance(drawn, (tuple, list))
+        and len(drawn) == 2
+        and isinstance(drawn[0], str)
+        and isinstance(drawn[1], dict)
+    ):
+        what = (
+            type(drawn).__name__
+            if not isinstance(drawn, (tuple, list))
+            else f"({', '.join(type(v).__name__ for v in drawn)})"
+        )
+        raise ValueError(f"rollout.env={env!r}: make_prompt returned {what}, expected (text: str, metadata: dict)")
+    return drawn[1]
+
+
 def _image_lines(env: str, metadata: dict) -> list[str]:
     """A drawn prompt's images (group metadata ``images``), read and decoded as the intake will."""
     from asyncrl.data.codec import RecordError
@@ -157,7 +175,11 @@ def _image_lines(env: str, metadata: dict) -> list[str]:
     except RecordError as e:
         raise ConfigError(f"rollout.env={env!r}: a drawn prompt's images: {e}") from None
     sizes = ", ".join(f"{i.size[0]}x{i.size[1]}" for i in images)
-    return [f"rollout.env={env}: a drawn prompt's {len(images)} image(s) read and decoded ({sizes})"]
+    return [
+        f"rollout.env={env}: a drawn prompt's {len(images)} image(s) read and decoded ({sizes}); note: no "
+        "generator hands images to the engine yet, so a run samples and trains on the prompt's text alone "
+        "(docs/guide/vision.md)"
+    ]
 
 
 def check_imports(cfg: Config) -> list[str]:
@@ -166,7 +188,7 @@ def check_imports(cfg: Config) -> list[str]:
     try:
         try:
             env = make_rollout_env(r)
-            metadata = {} if r.prompts else env.make_prompt(random.Random(0))[1]  # none made: rollout.prompts
+            metadata = {} if r.prompts else _drawn_metadata(r.env, env.make_prompt(random.Random(0)))
         except (ValueError, NotImplementedError):
             raise
         except Exception as e:  # the user's constructor or make_prompt: a generator would die of it

@@ -62,17 +62,36 @@ def decode_image(data: Any, limits: ImageLimits) -> Any:
         raise RecordError("bad_image", f"image of {len(data)} bytes > max_bytes {limits.max_bytes}")
     if not data.startswith(PNG_SIGNATURE):
         raise RecordError("bad_image", "not a PNG (signature missing)")
+    width, height = _declared_size(data)
+    if width * height > limits.max_pixels:
+        raise RecordError("bad_image", f"image {width}x{height} > max_pixels {limits.max_pixels}")
     try:
         image = Image.open(io.BytesIO(data), formats=["PNG"])  # reads the header only
-        width, height = image.size
-        if width * height > limits.max_pixels:
-            raise RecordError("bad_image", f"image {width}x{height} > max_pixels {limits.max_pixels}")
+        if image.size != (width, height):  # PIL read another header than the first chunk's
+            raise RecordError("bad_image", f"image header {width}x{height}, PIL read {image.size}")
         image.load()
         return image.convert("RGB")
     except RecordError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:
+        # PIL's own message names only the buffer object (its address): say what it refused.
+        raise RecordError(
+            "bad_image", f"PNG header {width}x{height} does not parse (bit depth, colour type or method)"
+        ) from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise RecordError("bad_image", f"PNG does not decode: {type(e).__name__}: {e}") from None
+
+
+def _declared_size(data: bytes) -> tuple[int, int]:
+    """The width and height the first chunk (IHDR, 13 bytes) declares, read before PIL sees the
+    bytes: a size with no pixel is refused here, and one past max_pixels never reaches a decoder."""
+    ihdr = data[len(PNG_SIGNATURE) : len(PNG_SIGNATURE) + 16]
+    if len(ihdr) < 16 or ihdr[4:8] != b"IHDR" or int.from_bytes(ihdr[:4], "big") != 13:
+        raise RecordError("bad_image", "PNG without an IHDR header chunk first")
+    width, height = int.from_bytes(ihdr[8:12], "big"), int.from_bytes(ihdr[12:16], "big")
+    if width == 0 or height == 0:
+        raise RecordError("bad_image", f"image {width}x{height} has no pixels")
+    return width, height
 
 
 def images_of(metadata: dict[str, Any], limits: ImageLimits) -> list[bytes]:

@@ -24,6 +24,14 @@ class Thresholds:
     reward_failure_rate: float = 0.5
 
 
+def staleness_bound(value: Any) -> int | None:
+    """A max_staleness read from a run's files or state: a non-negative int, else None (unknown).
+    A string, a list or a negative number from a hand-edited summary.json is no bound to judge by."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
 def evaluate_alerts(
     latest: Mapping[str, float],
     *,
@@ -51,6 +59,7 @@ def evaluate_alerts(
                   message names the reward through its last failure)
     """
     alerts: list[dict[str, Any]] = []
+    max_staleness = staleness_bound(max_staleness)
 
     def add(kind: str, value: float, threshold: float, message: str, subject: str = "") -> None:
         alerts.append({"kind": kind, "value": value, "threshold": threshold, "message": message, "subject": subject})

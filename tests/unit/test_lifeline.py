@@ -177,3 +177,29 @@ def test_a_zombie_is_not_counted_as_left_running():
         assert _alive([record]) == []
     finally:
         child.wait()
+
+
+def test_a_process_whose_main_thread_exited_is_still_swept():
+    """A process whose main thread ended (pthread_exit) while another runs shows as a zombie, yet
+    runs on: it is still one the run left, and the sweep stops it."""
+    from asyncrl.lifeline import _alive
+
+    code = (
+        "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(300,)).start(); "
+        "ctypes.CDLL(None).pthread_exit(None)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, TOKEN_ENV: "main-thread-exited"})
+    try:
+        proc = psutil.Process(child.pid)
+        record = (child.pid, proc.create_time())
+        deadline = time.monotonic() + 30
+        while proc.status() != psutil.STATUS_ZOMBIE:  # the main thread has exited
+            assert time.monotonic() < deadline, "the main thread never exited"
+            time.sleep(0.01)
+        assert proc.num_threads() == 2  # the sleeping thread runs on
+        assert _alive([record]) == [child.pid]
+        # exec'd with the run's token, it is found by it too (the leader's environ is gone)
+        assert child.pid in marked_processes(TOKEN_ENV, "main-thread-exited")
+    finally:
+        child.kill()
+        child.wait()

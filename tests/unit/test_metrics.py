@@ -207,6 +207,30 @@ def test_alerts_fire_only_past_their_thresholds():
     assert _alerts({"staleness/mean": 0.0, "staleness/max": 0.0}, max_staleness=0) == {}
 
 
+def test_a_hostile_staleness_bound_is_no_bound(tmp_path):
+    """max_staleness read from a run's summary.json or config.yaml is untrusted: a string, a list,
+    a bool or a negative number is no bound (no staleness or lag alert), never a crash."""
+    latest = {"staleness/mean": 4.0, "staleness/max": 4.0}
+    gens = {"g": {"version": 1, "heartbeat": 1000.0}}
+    for bad in ("4", [1], True, -1, 4.5, None):
+        assert _alerts(latest, max_staleness=bad, generators=gens) == {}, bad
+    assert set(_alerts(latest, max_staleness=4, generators=gens)) == {"staleness", "generator_lag"}
+
+    from asyncrl.monitor.dashboard.rundir import RunDirSource
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "staleness/mean": 4.0}\n')
+    (tmp_path / "config.yaml").write_text('control:\n  max_staleness: "4"\n')
+    src = RunDirSource(tmp_path)
+    for bad in ('"4"', "[1]", "-1"):
+        (tmp_path / "summary.json").write_text(f'{{"max_staleness": {bad}}}')
+        snap = src.snapshot(src.run)
+        assert snap["summary"]["max_staleness"] is None and snap["alerts"] == [], bad
+    (tmp_path / "summary.json").unlink()  # no summary: config.yaml's string is no bound either
+    assert src.snapshot(src.run)["summary"]["max_staleness"] is None
+    (tmp_path / "summary.json").write_text('{"max_staleness": 4}')
+    assert [a["kind"] for a in src.snapshot(src.run)["alerts"]] == ["staleness"]
+
+
 def test_generator_alerts_lag_and_heartbeat():
     gens = {
         "g-ok": {"version": 8, "heartbeat": 995.0},  # lag 2 = max_staleness: fine

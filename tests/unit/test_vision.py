@@ -136,13 +136,13 @@ def test_encode_refuses_an_image_past_the_limits():
         encode_image(noisy, ImageLimits(max_bytes=1000))
 
 
-def _png_header_only(width: int, height: int) -> bytes:
+def _png_header_only(width: int, height: int, depth: int = 8) -> bytes:
     """A PNG whose header claims width x height (a decompression bomb's shape), with no pixels."""
 
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, 2, 0, 0, 0)
     return PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
@@ -153,14 +153,20 @@ def _png_header_only(width: int, height: int) -> bytes:
         (b"GIF89a....", "not a PNG"),
         (b"x" * 2000, "max_bytes"),
         (_png_header_only(2000, 2000), "max_pixels"),
-        (PNG_SIGNATURE + b"garbage", "does not decode"),
+        (PNG_SIGNATURE + b"garbage", "without an IHDR"),
+        (_png_header_only(16, 16), "does not decode"),  # no pixel data
+        (_png_header_only(0, 16), "0x16 has no pixels"),
+        (_png_header_only(2**32 - 1, 2**32 - 1), "max_pixels"),
+        (_png_header_only(16, 16, depth=3), "PNG header 16x16 does not parse"),
     ],
+    ids=["str", "gif", "past-max-bytes", "bomb-header", "no-ihdr", "no-pixel-data", "zero-width", "2^64-px", "depth-3"],
 )
 def test_untrusted_image_bytes_are_a_record_error_not_a_crash(value, why):
     limits = ImageLimits(max_bytes=1500)
     with pytest.raises(RecordError, match=why) as e:
         decode_image(value, limits)
     assert e.value.reason == "bad_image"
+    assert "BytesIO" not in str(e.value) and " at 0x" not in str(e.value)  # says what, not PIL's buffer object
 
 
 def test_group_image_checks_name_the_bad_one():
@@ -216,10 +222,39 @@ def test_check_reads_and_decodes_a_drawn_prompts_images():
 
     cfg = load_config(None, ["rollout.env=asyncrl.rollout.envs.colour:ColourEnv", "rollout.env_kwargs={}"])
     lines = check_imports(cfg)
-    assert any("a drawn prompt's 1 image(s) read and decoded (56x56)" in line for line in lines), lines
+    (line,) = [line for line in lines if "a drawn prompt's 1 image(s) read and decoded (56x56)" in line]
+    # --check does not let a user believe the images reach the model: no generator hands them on yet
+    assert "a run samples and trains on the prompt's text alone" in line
     assert _image_lines("copy", {"target": "abc"}) == []  # a text task: no image line
     with pytest.raises(ConfigError, match=r"images: bad_image: images\[0\]: not a PNG"):
         _image_lines("mine", {IMAGES_KEY: [b"BM not a png"]})
+
+
+class NoMetadataEnv(ColourEnv):
+    """make_prompt gives no metadata dict: every generator would die at its metadata.get."""
+
+    def make_prompt(self, rng):
+        return "colour?", None
+
+
+class Base64ImageEnv(ColourEnv):
+    """An image as a base64 string (as JSON carries it), not PNG bytes."""
+
+    def make_prompt(self, rng):
+        return "colour?", {"target": "red", IMAGES_KEY: ["iVBORw0KGgo="]}
+
+
+def test_check_refuses_a_drawn_prompt_it_cannot_read_with_the_reason():
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import check_imports
+
+    def check(env: str) -> list[str]:
+        return check_imports(load_config(None, [f"rollout.env=tests.unit.test_vision:{env}", "rollout.env_kwargs={}"]))
+
+    with pytest.raises(ConfigError, match=r"NoMetadataEnv'?: make_prompt returned \(str, NoneType\), expected"):
+        check("NoMetadataEnv")
+    with pytest.raises(ConfigError, match=r"images\[0\] is str, expected PNG bytes"):
+        check("Base64ImageEnv")
 
 
 def test_a_vision_language_model_is_refused_with_the_reason(tiny_vl):
@@ -245,3 +280,15 @@ def test_the_learner_loss_reaches_the_vision_tower(prompter, model):
     model.zero_grad()
     with pytest.raises(ValueError, match="image-pad token"):
         response_logprobs(model, vp, np.array([prompter.image_pad_id]))
+
+
+def test_any_model_with_a_vision_tower_is_refused_not_only_qwen2_vl():
+    """Qwen3-VL, LLaVA, a multimodal Gemma 3: no generator hands them images either."""
+    from asyncrl.rollout import families
+
+    for model_type in ("qwen3_vl", "llava", "gemma3"):
+        config = {"model_type": model_type, "vision_config": {"hidden_size": 64}, "text_config": {}}
+        with pytest.raises(families.ModelRefused, match=rf"model_type {model_type}\): a vision-language model"):
+            families.check_config("m", config)
+    # the text model of the same family is not
+    assert families.check_config("m", {"model_type": "gemma3_text"}).name == "Gemma 3 (text)"

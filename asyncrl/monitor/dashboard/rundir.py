@@ -28,7 +28,7 @@ import yaml
 
 from asyncrl.config import redact_config
 from asyncrl.infra import ExpectedFailure
-from asyncrl.monitor.alerts import Thresholds, evaluate_alerts, state_alerts
+from asyncrl.monitor.alerts import Thresholds, evaluate_alerts, staleness_bound, state_alerts
 from asyncrl.monitor.dashboard import data
 from asyncrl.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, complete_checkpoints, read_extra
 from asyncrl.rundir.store import ObjectPath, RunPath, run_path
@@ -203,7 +203,7 @@ class RunDirSource:
         logged_version = latest.get("learner/version")
         if version is None and logged_version is not None:
             version = int(logged_version)
-        max_staleness = summary_file.get("max_staleness", self._setting("control", "max_staleness"))
+        max_staleness = staleness_bound(summary_file.get("max_staleness", self._setting("control", "max_staleness")))
         thresholds = self._thresholds()
         alerts = evaluate_alerts(
             {k: v for k, v in latest.items() if v is not None},
