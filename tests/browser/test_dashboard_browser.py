@@ -275,7 +275,8 @@ def test_finished_run_dir_renders_as_finished(chromium, serve_dashboard, finishe
     ev = page.evaluate("document.getElementById('chart-eval').data[0]")
     assert ev["x"] == [5, 10, 15, 20, 25, 30] and ev["y"][-1] == pytest.approx(0.85)
     assert page.locator("#nodata-eval").is_hidden() and page.locator("#nodata-staleness").is_hidden()
-    # What a finished run never logged folds into one line, not empty charts.
+    # What a finished run never logged (or logged only as NaN: the critic's loss) folds into one
+    # line, not empty charts.
     assert page.locator("#panel-teacher").is_hidden() and page.locator("#panel-critic").is_hidden()
     unlogged = _text(page, "#unlogged")
     assert unlogged.startswith("Not logged by this run. "), unlogged

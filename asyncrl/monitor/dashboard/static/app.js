@@ -312,7 +312,8 @@ function drawChart(c) {
                                                hovertemplate: "%{y}<br>%{text}<extra>%{fullData.name}</extra>" }));
   if (c.stacked) traces = traces.map(t => ({ ...t, type: "bar", mode: undefined, line: undefined,
                                              marker: { color: t.line.color } }));
-  const hasData = traces.length > 0;
+  // A metric logged only as null (NaN in the run) has nothing to draw: no data, as if not logged.
+  const hasData = traces.some(t => t.y.some(isNumber));
   if (c.extra) traces.push(...c.extra());
   const layout = JSON.parse(JSON.stringify(LAYOUT));
   if (c.stacked) layout.barmode = "stack";
