@@ -27,6 +27,9 @@ import numpy as np
 WIRE_DTYPE = "|u1"
 MAX_EXPERTS = 256
 """The most experts an index of the wire form (one byte) can name."""
+MAX_LAYERS = 4096
+"""The most MoE layers a wire routing may declare: far past any model, and small enough that a
+declared shape with zero positions never asks numpy for an impossible array."""
 _FIELDS = {"dtype", "shape", "data"}
 
 
@@ -71,10 +74,15 @@ def decode_routing(obj: Any, *, rows: int, where: str) -> np.ndarray:
         not isinstance(shape, list)
         or len(shape) != 3
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        or shape[1] == 0
-        or shape[2] == 0
+        or not 0 < shape[1] <= MAX_LAYERS
+        or not 0 < shape[2] <= MAX_EXPERTS
     ):
-        raise RoutingError("bad_shape", f"{where}: shape {shape!r}, expected [positions, layers > 0, k > 0]")
+        # Bounded here, not only by the byte count: [0, 2**40, 2**40] has zero bytes, and numpy
+        # refuses to shape it with a ValueError the queue would not dead-letter.
+        raise RoutingError(
+            "bad_shape",
+            f"{where}: shape {shape!r}, expected [positions, 0 < layers <= {MAX_LAYERS}, 0 < k <= {MAX_EXPERTS}]",
+        )
     data = obj["data"]
     if not isinstance(data, bytes) or len(data) != shape[0] * shape[1] * shape[2]:
         raise RoutingError("bad_shape", f"{where}: {len(data) if isinstance(data, bytes) else 'no'} bytes for {shape}")

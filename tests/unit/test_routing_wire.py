@@ -78,6 +78,24 @@ def test_malformed_routing_is_dead_lettered_with_its_reason(changes, reason):
     assert err.value.reason == reason
 
 
+@pytest.mark.parametrize("shape", [[0, 2**40, 2**40], [0, 2**63, 1], [0, 1, 2**63], [0, 5000, 1], [0, 1, 257]])
+def test_a_zero_row_routing_with_absurd_layers_or_k_is_dead_lettered_not_a_crash(shape):
+    """A prompt of one token and an empty response route no position: a declared shape of zero
+    rows has zero bytes whatever its other dimensions, which numpy cannot shape (ValueError)."""
+    group = RolloutGroup(
+        group_id="g",
+        prompt_id="p",
+        prompt_ids=np.array([7], dtype=np.int32),
+        samples=[routed_group(np.zeros((0, 2, 2), dtype=np.uint8), response_len=0).samples[0]],
+    )
+    record = msgpack.unpackb(encode_group(group))
+    assert decode_group(msgpack.packb(record, use_bin_type=True)).samples[0].routed_experts.shape == (0, 2, 2)
+    record["samples"][0]["routed_experts"].update(shape=shape, data=b"")
+    with pytest.raises(RecordError) as err:
+        decode_group(msgpack.packb(record, use_bin_type=True))
+    assert err.value.reason == "bad_shape"
+
+
 def test_learner_side_checks_layers_k_and_expert_range():
     e = experts()
     check_expert_range(e, num_experts=4, layers=2, k=2, where="s")
