@@ -98,10 +98,21 @@ def routed_rows(prompt_len: int, response_len: int) -> int:
 
 def check_expert_range(experts: np.ndarray, num_experts: int, layers: int, k: int, where: str) -> None:
     """The learner's check, with the model known: the layer and top-k counts are the model's
-    and every index names one of its experts; raises RoutingError (bad_shape, expert_range)."""
+    every index names one of its experts, and no position's top-k names an expert twice; raises
+    RoutingError (bad_shape, expert_range, duplicate_expert)."""
     if experts.shape[1:] != (layers, k):
         raise RoutingError(
             "bad_shape", f"{where}: [.., {experts.shape[1]}, {experts.shape[2]}], model has [.., {layers}, {k}]"
         )
     if experts.size and int(experts.max()) >= num_experts:
         raise RoutingError("expert_range", f"{where}: expert {int(experts.max())} of a model with {num_experts}")
+    # A router's top-k names k distinct experts; a repeat would run the token through one expert
+    # twice with the weights renormalised over the repeat: a forward no engine ran, trained silently.
+    ordered = np.sort(experts, axis=-1)
+    repeats = np.argwhere((ordered[..., 1:] == ordered[..., :-1]).any(axis=-1))
+    if repeats.size:
+        pos, layer = (int(x) for x in repeats[0])
+        raise RoutingError(
+            "duplicate_expert",
+            f"{where}: position {pos} layer {layer} names experts {experts[pos, layer].tolist()} (a top-k repeats none)",
+        )

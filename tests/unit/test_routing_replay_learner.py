@@ -140,17 +140,22 @@ def test_learner_replays_record_routing_in_both_passes(moe_path, mesh, packing):
     assert "router/mismatch_frac" not in step_plain.metrics  # a run without replay: no such metric
 
 
-def test_out_of_range_routing_is_refused_not_a_crash(moe_path, mesh, caplog):
-    """An expert index past the model's (the wire's byte allows up to 255) is refused where the
-    model is known; that micro-batch routes itself, the step runs, and the reason is logged."""
+@pytest.mark.parametrize(
+    "experts, says",
+    [([200, None], "expert_range: micro-batch 0 sequence 1: expert 200"), ([1, 1], "duplicate_expert")],
+)
+def test_out_of_range_routing_is_refused_not_a_crash(moe_path, mesh, caplog, experts, says):
+    """An expert index past the model's (the wire's byte allows up to 255), or a top-k naming one
+    expert twice, is refused where the model is known; that micro-batch routes itself, the step
+    runs, and the reason is logged."""
     replay = _learner(moe_path, mesh, ["algo.routing_replay=rollout"])
     plain_logp = _proximal(replay, _plan(replay, _records([None, None])))
     bad = [_own_routing(replay, r) for r in RESPONSES]
-    bad[1][0, 0, 0] = 200
+    bad[1][0, 0, : len(experts)] = [e if e is not None else bad[1][0, 0, i] for i, e in enumerate(experts)]
     with caplog.at_level("WARNING"):
         logp = _proximal(replay, _plan(replay, _records(bad)))
     torch.testing.assert_close(logp, plain_logp, rtol=0, atol=1e-6)
-    assert "expert_range" in caplog.text and "expert 200" in caplog.text
+    assert says in caplog.text
     result = replay.train_minibatch(_plan(replay, _records(bad)), 1, dict(FIELD_DTYPES))
     assert "router/mismatch_frac" not in result.metrics
 

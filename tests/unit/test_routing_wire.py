@@ -103,6 +103,10 @@ def test_learner_side_checks_layers_k_and_expert_range():
         check_expert_range(e, num_experts=3, layers=2, k=2, where="s")
     with pytest.raises(RoutingError, match="bad_shape"):
         check_expert_range(e, num_experts=4, layers=3, k=2, where="s")
+    repeat = e.copy()
+    repeat[4, 1] = [3, 3]  # in range, but a top-k of one expert twice: no engine routes that
+    with pytest.raises(RoutingError, match=r"duplicate_expert: s: position 4 layer 1 names experts \[3, 3\]"):
+        check_expert_range(repeat, num_experts=4, layers=2, k=2, where="s")
 
 
 def test_models_past_one_byte_of_experts_are_refused():
