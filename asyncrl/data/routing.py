@@ -114,5 +114,5 @@ def check_expert_range(experts: np.ndarray, num_experts: int, layers: int, k: in
         pos, layer = (int(x) for x in repeats[0])
         raise RoutingError(
             "duplicate_expert",
-            f"{where}: position {pos} layer {layer} names experts {experts[pos, layer].tolist()} (a top-k repeats none)",
+            f"{where}: position {pos} layer {layer} names experts {experts[pos, layer].tolist()}",
         )
