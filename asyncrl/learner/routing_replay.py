@@ -233,9 +233,17 @@ def attach_replay(model: nn.Module, mbs: list[dict[str, Any]], *, logged: set[st
         if routings is None:
             continue
         packed = PACKED_IDS in mb
-        # A routing covers its sequence but the last token (rows n - 1: asyncrl.data.batch).
-        lengths = [int(r.shape[0]) + 1 if r.ndim == 3 else 0 for r in routings]
         try:
+            # A forward replays or routes itself as a whole: one sequence without a routing (its
+            # sample's engine routing was dropped) makes the micro-batch route itself, said once.
+            missing = [i for i, r in enumerate(routings) if r is None]
+            if missing:
+                raise RoutingError(
+                    "unrouted_sequence",
+                    f"micro-batch {j}: {len(missing)} of its {len(routings)} sequences carry no routing",
+                )
+            # A routing covers its sequence but the last token (rows n - 1: asyncrl.data.batch).
+            lengths = [int(r.shape[0]) + 1 if r.ndim == 3 else 0 for r in routings]
             for i, r in enumerate(routings):
                 if r.ndim != 3:
                     raise RoutingError("bad_shape", f"micro-batch {j} sequence {i}: routing of shape {r.shape}")

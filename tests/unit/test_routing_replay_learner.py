@@ -160,11 +160,12 @@ def test_out_of_range_routing_is_refused_not_a_crash(moe_path, mesh, caplog, exp
     assert "router/mismatch_frac" not in result.metrics
 
 
-def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path, mesh):
+def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path, mesh, caplog):
     """A micro-batch replays only when each of its sequences has a routing (one without: the
-    whole micro-batch routes itself, its fields as a dense model's); context parallelism, whose
-    forward splits the packed row, is refused at start-up."""
+    whole micro-batch routes itself, its fields as a dense model's, and the reason is logged
+    once); context parallelism, whose forward splits the packed row, is refused at start-up."""
     from asyncrl.data.microbatch import ROUTED_EXPERTS, collate_packed
+    from asyncrl.learner.routing_replay import REPLAY_EXPERTS, attach_replay
 
     replay = _learner(moe_path, mesh, ["algo.routing_replay=rollout"])
     own = _own_routing(replay, RESPONSES[0])
@@ -172,8 +173,15 @@ def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path,
     half = _plan(replay, _records([own, None]))[0]
     assert len(collate_packed(both, pad_token_id=0)[ROUTED_EXPERTS]) == 2
     mixed = collate_packed(half, pad_token_id=0)
+    assert [r is None for r in mixed[ROUTED_EXPERTS]] == [False, True]
+    logged: set[str] = set()
+    with caplog.at_level("WARNING"):
+        refused = attach_replay(replay.model, [mixed], logged=logged)
+        attach_replay(replay.model, [collate_packed(half, pad_token_id=0)], logged=logged)
+    assert refused == ["unrouted_sequence: micro-batch 0: 1 of its 2 sequences carry no routing"]
+    assert caplog.text.count("unrouted_sequence") == 1  # said once, not per micro-batch
     dense = collate_packed([{k: v for k, v in s.items() if k != ROUTED_EXPERTS} for s in half], pad_token_id=0)
-    assert ROUTED_EXPERTS not in mixed and mixed.keys() == dense.keys()
+    assert REPLAY_EXPERTS not in mixed and mixed.keys() == dense.keys()
     assert all(torch.equal(mixed[k], dense[k]) for k in dense)
     with pytest.raises(ValueError, match="context_parallel"):
         setup_replay(replay.model, context_parallel=2)
