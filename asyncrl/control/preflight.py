@@ -73,7 +73,7 @@ def preflight(cfg: Config) -> list[str]:
         raise ConfigError(f"sync.backend={backend!r}: {cls.__name__} does not implement WeightSync")
 
     try:  # the generators' engine platform, as a run's start-up refuses it (asyncrl.control.train)
-        check_routing_replay(cfg.algo.routing_replay, r, cfg.control.ray_address)
+        check_routing_replay(cfg.algo.routing_replay, r, cfg.control.ray_address, learner.context_parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model_line = check_model(r.model)

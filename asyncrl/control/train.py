@@ -56,7 +56,9 @@ def train(
         raise ConfigError(f"control.run_dir: {e}") from None
     try:  # the user's code and env_kwargs: refused here in one line, not by a generator after Ray's start-up
         check_rollout_code(cfg.rollout)
-        check_routing_replay(cfg.algo.routing_replay, cfg.rollout, cfg.control.ray_address)
+        check_routing_replay(
+            cfg.algo.routing_replay, cfg.rollout, cfg.control.ray_address, cfg.learner.context_parallel
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e
     stop = StopFlag(grace_s=cfg.control.shutdown_grace_s)

@@ -51,6 +51,35 @@ def check_expert_count(num_experts: int) -> None:
         )
 
 
+REPLAY_MODEL_TYPE = "qwen3_moe"
+"""The model family whose router the learner's replay patches (asyncrl.learner.routing_replay)."""
+
+
+def check_replay_model(model: str, config: dict[str, Any] | None, context_parallel: int) -> None:
+    """algo.routing_replay='rollout' at start-up (``asyncrl train`` and ``--check``, before the
+    learners load): refuse a local model replay cannot serve (not Qwen3-MoE, or more experts
+    than a byte names) and context parallelism; ``config`` is its config.json (None for a hub
+    id, not read at start-up: the learner refuses it when it loads the model). ValueError."""
+    if context_parallel > 1:
+        raise ValueError(
+            f"algo.routing_replay='rollout' with learner.context_parallel={context_parallel}: a context-parallel "
+            "forward splits the packed row, which the replayed routing does not follow; use one or the other"
+        )
+    if config is None:
+        return
+    model_type = config.get("model_type")
+    if model_type != REPLAY_MODEL_TYPE:
+        raise ValueError(
+            f"algo.routing_replay='rollout': rollout.model={model!r} is model_type {model_type!r}; routing "
+            f"replay patches the Qwen3-MoE router ({REPLAY_MODEL_TYPE!r}) only (a dense model has none to replay)"
+        )
+    # transformers writes the count under either name (its attribute map); absent: the class's
+    # default, checked by the learner once the model is built.
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if isinstance(experts, int) and not isinstance(experts, bool):
+        check_expert_count(experts)
+
+
 def encode_routing(experts: np.ndarray) -> dict[str, Any]:
     """uint8 [N, layers, k] -> {dtype, shape, data} (raw bytes, as the codec's other arrays)."""
     a = np.asarray(experts)

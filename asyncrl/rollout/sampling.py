@@ -73,12 +73,21 @@ def generator_platform(rollout: RolloutConfig, ray_address: str | None) -> str:
     return engine_platform() if ray_address is None else "cuda"
 
 
-def check_routing_replay(routing_replay: str, rollout: RolloutConfig, ray_address: str | None) -> None:
-    """algo.routing_replay='rollout' with generators on a CPU engine: refused at start-up (``asyncrl
-    train`` and ``--check``, before Ray, learners or engines start) with the reason, rather than by
-    every generator when its engine starts (ValueError)."""
-    if routing_replay == "rollout" and generator_platform(rollout, ray_address) == "cpu":
+def check_routing_replay(
+    routing_replay: str, rollout: RolloutConfig, ray_address: str | None, context_parallel: int = 1
+) -> None:
+    """algo.routing_replay='rollout' with generators on a CPU engine, a local model replay cannot
+    serve, or context parallelism: refused at start-up (``asyncrl train`` and ``--check``, before
+    Ray, learners or engines start) with the reason, rather than by every generator when its
+    engine starts or by the learners when they load (ValueError)."""
+    from asyncrl.data.routing import check_replay_model
+    from asyncrl.rollout.families import read_config
+
+    if routing_replay != "rollout":
+        return
+    if generator_platform(rollout, ray_address) == "cpu":
         raise ValueError(ROUTING_REPLAY_REFUSAL)
+    check_replay_model(rollout.model, read_config(rollout.model), context_parallel)
 
 
 def engine_dtype(learner_dtype: str, platform: str) -> str:

@@ -115,6 +115,12 @@ def test_models_past_one_byte_of_experts_are_refused():
         check_expert_count(257)
     with pytest.raises(ValueError, match="outside"):
         encode_routing(np.full((1, 1, 1), 300))
+    from asyncrl.data.routing import check_replay_model
+
+    check_replay_model("m", {"model_type": "qwen3_moe", "num_local_experts": 256}, 1)
+    check_replay_model("hub/id", None, 1)  # a hub id's config is not read at start-up: the learner checks it
+    with pytest.raises(ValueError, match="300 experts"):  # at start-up, not when the learners load
+        check_replay_model("m", {"model_type": "qwen3_moe", "num_experts": 300}, 1)
 
 
 def test_routing_replay_config_off_by_default_and_rollout_accepted():
@@ -209,6 +215,23 @@ def test_routing_replay_with_cpu_engines_is_refused_at_start_up_not_by_each_gene
     gpu = ["rollout.gpus_per_generator=1", "algo.routing_replay=rollout"]
     local = load_config(root / "configs" / "demo.yaml", [*overrides, *gpu])
     assert generator_platform(local.rollout, None) == engine_platform()  # this host's vLLM
-    cluster = load_config(root / "configs" / "demo.yaml", [*overrides, *gpu, "control.ray_address=auto"])
-    assert generator_platform(cluster.rollout, "auto") == "cuda"
-    assert any(line.startswith("needs CUDA") for line in preflight(cluster))  # checked up to there, as any GPU config
+    cluster = [*gpu, "control.ray_address=auto"]
+    assert (
+        generator_platform(load_config(root / "configs" / "demo.yaml", [*overrides, *cluster]).rollout, "auto")
+        == "cuda"
+    )
+    # GPU generators: a model replay cannot serve is refused at start-up too, not by the learners.
+    with pytest.raises(ConfigError, match="model_type 'llama'; routing replay patches the Qwen3-MoE"):
+        preflight(load_config(root / "configs" / "demo.yaml", [*overrides, *cluster]))
+    moe = [
+        f"rollout.model={write_tiny_model(tmp_path / 'moe', arch='qwen3-moe')}",
+        f"control.run_dir={tmp_path / 'run'}",
+    ]
+    with pytest.raises(ConfigError, match=r"learner\.context_parallel=2"):
+        preflight(
+            load_config(
+                root / "configs" / "demo.yaml", [*moe, *cluster, "learner.num_ranks=2", "learner.context_parallel=2"]
+            )
+        )
+    lines = preflight(load_config(root / "configs" / "demo.yaml", [*moe, *cluster]))
+    assert any(line.startswith("needs CUDA") for line in lines)  # checked up to there, as any GPU config
