@@ -179,6 +179,16 @@ def test_the_engine_output_routing_reaches_the_completion():
     assert np.array_equal(got[0].routed_experts, routed)
     assert got[1].routed_experts is None
 
+    # An index one byte cannot hold is not wrapped into another expert (-1 -> 255, 300 -> 44).
+    from asyncrl.rollout.completions import engine_routing
+
+    for value in (-1, 300):
+        bad = routed.copy()
+        bad[2, 1, 0] = value
+        assert engine_routing(bad) is None
+    assert engine_routing(routed.astype(np.float32) + 0.5) is None
+    assert np.array_equal(engine_routing(routed), routed)
+
 
 def test_generator_drops_an_engine_routing_of_the_wrong_row_count_not_the_sample():
     from asyncrl.rollout.groups import _routing
