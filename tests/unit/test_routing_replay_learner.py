@@ -175,12 +175,16 @@ def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path,
     mixed = collate_packed(half, pad_token_id=0)
     assert [r is None for r in mixed[ROUTED_EXPERTS]] == [False, True]
     logged: set[str] = set()
-    with caplog.at_level("WARNING"):
-        refused = attach_replay(replay.model, [mixed], logged=logged)
-        attach_replay(replay.model, [collate_packed(half, pad_token_id=0)], logged=logged)
-    assert refused == ["unrouted_sequence: micro-batch 0: 1 of its 2 sequences carry no routing"]
-    assert caplog.text.count("unrouted_sequence") == 1  # said once, not per micro-batch
     dense = collate_packed([{k: v for k, v in s.items() if k != ROUTED_EXPERTS} for s in half], pad_token_id=0)
+    unrouted = dict(dense)  # records with no routing at all (an engine that returned none): said too
+    with caplog.at_level("WARNING"):
+        refused = attach_replay(replay.model, [mixed, unrouted], logged=logged)
+        attach_replay(replay.model, [collate_packed(half, pad_token_id=0)], logged=logged)
+    assert refused == [
+        "unrouted_sequence: micro-batch 0: 1 of its 2 sequences carry no routing",
+        "unrouted_sequence: micro-batch 1: none of its sequences carries a routing",
+    ]
+    assert caplog.text.count("unrouted_sequence") == 1  # said once per reason, not per micro-batch or step
     assert REPLAY_EXPERTS not in mixed and mixed.keys() == dense.keys()
     assert all(torch.equal(mixed[k], dense[k]) for k in dense)
     with pytest.raises(ValueError, match="context_parallel"):
