@@ -172,6 +172,9 @@ def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path,
     both = _plan(replay, _records([own, _own_routing(replay, RESPONSES[1])]))[0]
     half = _plan(replay, _records([own, None]))[0]
     assert len(collate_packed(both, pad_token_id=0)[ROUTED_EXPERTS]) == 2
+    routed = collate_packed(both, pad_token_id=0)
+    assert attach_replay(replay.model, [routed]) == []
+    assert routed[REPLAY_EXPERTS].dtype == torch.uint8  # one byte per index held per micro-batch, as on the wire
     mixed = collate_packed(half, pad_token_id=0)
     assert [r is None for r in mixed[ROUTED_EXPERTS]] == [False, True]
     logged: set[str] = set()
