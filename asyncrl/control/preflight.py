@@ -38,7 +38,7 @@ from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import PromptSourceError, SourceCheck, check_chat_template, check_source
-from asyncrl.rollout.sampling import engine_args, transfer_backend
+from asyncrl.rollout.sampling import check_routing_replay, engine_args, transfer_backend
 from asyncrl.rundir.store import StorageError, check_writable, is_url, run_path
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.nccl import NcclWeightSync
@@ -72,6 +72,10 @@ def preflight(cfg: Config) -> list[str]:
     if not issubclass(cls, WeightSync):
         raise ConfigError(f"sync.backend={backend!r}: {cls.__name__} does not implement WeightSync")
 
+    try:  # the generators' engine platform, as a run's start-up refuses it (asyncrl.control.train)
+        check_routing_replay(cfg.algo.routing_replay, r, cfg.control.ray_address, learner.context_parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     model_line = check_model(r.model)
     model = "tiny-model" if r.model == "tiny" else r.model
     # The engine reads nothing here, but with HF_HUB_OFFLINE vLLM's engine arguments look a

@@ -29,6 +29,7 @@ from asyncrl.infra import ExpectedFailure
 from asyncrl.monitor.sinks import build_metrics_logger
 from asyncrl.queue.connection import redact_url
 from asyncrl.rollout.envs.reward_fns import check_rollout_code, task_target_length
+from asyncrl.rollout.sampling import check_routing_replay
 from asyncrl.rundir import METRICS_FILE, latest_checkpoint
 from asyncrl.rundir.store import RunPath, StorageError, run_path
 
@@ -55,6 +56,9 @@ def train(
         raise ConfigError(f"control.run_dir: {e}") from None
     try:  # the user's code and env_kwargs: refused here in one line, not by a generator after Ray's start-up
         check_rollout_code(cfg.rollout)
+        check_routing_replay(
+            cfg.algo.routing_replay, cfg.rollout, cfg.control.ray_address, cfg.learner.context_parallel
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e
     stop = StopFlag(grace_s=cfg.control.shutdown_grace_s)

@@ -51,8 +51,9 @@ CRITIC_FIELDS = ("token_rewards",)
 PADDING_KEY = "is_padding"
 ROUTED_EXPERTS = "routed_experts"
 """A sequence's engine routing (TrainSequence.routed_experts, uint8 [L - 1, layers, k]): not a
-per-token [L] field. A micro-batch carries its sequences' routings as a list under this key only
-when every one of them has one (the learner lays them out for its forward: asyncrl.learner.
+per-token [L] field. A micro-batch carries its sequences' routings as a list under this key (None
+for a sequence without one) when any of them has one (the learner lays them out for its forward,
+or refuses a micro-batch with an unrouted sequence with the reason: asyncrl.learner.
 routing_replay.attach_replay); a dense model's sequences have none and nothing changes."""
 # The packed layout's extra fields (module docstring): the forward's input row, its
 # per-sequence positions, and where each [B, L] slot's value sits in that row (-1: none).
@@ -191,7 +192,7 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
                 )
             rows[k, : len(arr)] = arr
         out[name] = torch.from_numpy(rows)
-    if all(r is not None for r in routings):  # a list (not a tensor): the learner lays it out
+    if any(r is not None for r in routings):  # a list (not a tensor): the learner lays it out
         out[ROUTED_EXPERTS] = routings  # type: ignore[assignment]
     return out
 

@@ -191,7 +191,10 @@ def learner_routing(model: nn.Module) -> torch.Tensor:
 
 
 REPLAY_EXPERTS = "replay_experts"
-"""A micro-batch's forward routing, [N, layers, k] long (``attach_replay``)."""
+"""A micro-batch's forward routing, [N, layers, k] uint8 (``attach_replay``): held for every
+micro-batch of a rank's step (and moved to its device with them), it stays one byte per index
+(int64 would be 8x: 400 MB for 16 rows of 8192 tokens of a 48-layer top-8 model); each router
+takes its layer's column as long when it runs."""
 
 
 def model_routing_shape(model: nn.Module) -> tuple[int, int, int]:
@@ -221,21 +224,32 @@ def attach_replay(model: nn.Module, mbs: list[dict[str, Any]], *, logged: set[st
     The routing came from Redis: ``check_expert_range`` (layer and top-k counts, expert index) runs
     here, where the model is known. A refused routing drops the replay of its micro-batch (it routes
     itself, the way a sample without routing does) and loses no data; its reason is logged once
-    (``logged``: the reasons already logged, updated).
+    (``logged``: the reason words already logged, updated). A non-padding micro-batch without
+    routings is refused as ``unrouted_sequence`` too: replay that never happens is said.
     Dropping it changes no collective: the forward's shape is the same either way."""
-    from asyncrl.data.microbatch import PACKED_IDS, ROUTED_EXPERTS
+    from asyncrl.data.microbatch import PACKED_IDS, PADDING_KEY, ROUTED_EXPERTS
     from asyncrl.data.routing import RoutingError, check_expert_range
 
     num_experts, layers, k = model_routing_shape(model)
     refused = []
     for j, mb in enumerate(mbs):
         routings = mb.pop(ROUTED_EXPERTS, None)
-        if routings is None:
-            continue
+        if mb.get(PADDING_KEY, False):
+            continue  # a padding micro-batch: nothing to replay, nothing to say
         packed = PACKED_IDS in mb
-        # A routing covers its sequence but the last token (rows n - 1: asyncrl.data.batch).
-        lengths = [int(r.shape[0]) + 1 if r.ndim == 3 else 0 for r in routings]
         try:
+            if routings is None:  # records without routing (an engine that returned none, multi-turn)
+                raise RoutingError("unrouted_sequence", f"micro-batch {j}: none of its sequences carries a routing")
+            # A forward replays or routes itself as a whole: one sequence without a routing (its
+            # sample's engine routing was dropped) makes the micro-batch route itself, said once.
+            missing = [i for i, r in enumerate(routings) if r is None]
+            if missing:
+                raise RoutingError(
+                    "unrouted_sequence",
+                    f"micro-batch {j}: {len(missing)} of its {len(routings)} sequences carry no routing",
+                )
+            # A routing covers its sequence but the last token (rows n - 1: asyncrl.data.batch).
+            lengths = [int(r.shape[0]) + 1 if r.ndim == 3 else 0 for r in routings]
             for i, r in enumerate(routings):
                 if r.ndim != 3:
                     raise RoutingError("bad_shape", f"micro-batch {j} sequence {i}: routing of shape {r.shape}")
@@ -254,11 +268,14 @@ def attach_replay(model: nn.Module, mbs: list[dict[str, Any]], *, logged: set[st
             )
         except (RoutingError, ValueError) as err:
             refused.append(str(err))
-            if logged is not None and str(err) not in logged:
-                logged.add(str(err))
+            # Once per reason word, not per message: a stream of bad routings (each naming its
+            # micro-batch, sequence and expert) must not log a line per micro-batch per step.
+            reason = err.reason if isinstance(err, RoutingError) else "bad_layout"
+            if logged is not None and reason not in logged:
+                logged.add(reason)
                 _LOG.warning("routing replay: routing refused, the micro-batch routes itself: %s", err)
             continue
-        mb[REPLAY_EXPERTS] = experts
+        mb[REPLAY_EXPERTS] = experts.to(torch.uint8)  # the wire's range: checked above
     return refused
 
 

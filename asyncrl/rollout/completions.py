@@ -10,10 +10,13 @@ them); per-token versions come from vLLM's ``weight_versions`` spans (rollout/en
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,7 +70,31 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
                 c.finish_reason,
                 cached,
                 submitted,
-                routed_experts=None if routed is None else np.asarray(routed).astype(np.uint8),
+                routed_experts=engine_routing(routed),
             )
         )
     return out
+
+
+_ROUTING_REFUSED: list[bool] = []  # the warning is given once per process
+
+
+def engine_routing(routed: Any) -> np.ndarray | None:
+    """An engine's routed experts as uint8 (asyncrl.data.routing's one byte per index), or None
+    for an index a byte cannot hold (negative, as a fill value, or past 255): a plain cast would
+    wrap it into another expert (-1 -> 255) that the learner would replay. The sample keeps its
+    tokens and trains with the learner's own routing; said once."""
+    if routed is None:
+        return None
+    a = np.asarray(routed)
+    if a.size and (not np.issubdtype(a.dtype, np.integer) or int(a.min()) < 0 or int(a.max()) > 255):
+        if not _ROUTING_REFUSED:
+            _ROUTING_REFUSED.append(True)
+            _LOG.warning(
+                "routing replay: engine routing of dtype %s in [%s, %s] does not fit one byte per expert; dropped",
+                a.dtype,
+                a.min(),
+                a.max(),
+            )
+        return None
+    return a.astype(np.uint8)

@@ -64,6 +64,32 @@ def engine_platform() -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
+def generator_platform(rollout: RolloutConfig, ray_address: str | None) -> str:
+    """The engine platform this config's generators would run: "cpu" for a generator given no GPU
+    (Ray hides the devices from an actor that asked for none, so no CUDA engine can start), else
+    where vLLM runs on this host for a local run, and "cuda" for one on a cluster (its GPU nodes)."""
+    if rollout.gpus_per_generator <= 0:
+        return "cpu"
+    return engine_platform() if ray_address is None else "cuda"
+
+
+def check_routing_replay(
+    routing_replay: str, rollout: RolloutConfig, ray_address: str | None, context_parallel: int = 1
+) -> None:
+    """algo.routing_replay='rollout' with generators on a CPU engine, a local model replay cannot
+    serve, or context parallelism: refused at start-up (``asyncrl train`` and ``--check``, before
+    Ray, learners or engines start) with the reason, rather than by every generator when its
+    engine starts or by the learners when they load (ValueError)."""
+    from asyncrl.data.routing import check_replay_model
+    from asyncrl.rollout.families import read_config
+
+    if routing_replay != "rollout":
+        return
+    if generator_platform(rollout, ray_address) == "cpu":
+        raise ValueError(ROUTING_REPLAY_REFUSAL)
+    check_replay_model(rollout.model, read_config(rollout.model), context_parallel)
+
+
 def engine_dtype(learner_dtype: str, platform: str) -> str:
     """The engine computes in the learner's compute dtype, so both sides score the same
     rounding: on CUDA that is ``learner.dtype`` (bfloat16 there is the learner's FSDP

