@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.data.routing import routed_rows
+
 _LOG = logging.getLogger(__name__)
 
 
@@ -62,6 +64,7 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
         else:
             logps = [0.0] * len(ids)
         routed = getattr(c, "routed_experts", None)  # set only by an engine asked for it
+        rows = None if final.prompt_token_ids is None else routed_rows(len(final.prompt_token_ids), len(ids))
         out.append(
             Completion(
                 ids,
@@ -70,7 +73,7 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
                 c.finish_reason,
                 cached,
                 submitted,
-                routed_experts=engine_routing(routed),
+                routed_experts=engine_routing(routed, rows),
             )
         )
     return out
@@ -79,22 +82,24 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
 _ROUTING_REFUSED: list[bool] = []  # the warning is given once per process
 
 
-def engine_routing(routed: Any) -> np.ndarray | None:
-    """An engine's routed experts as uint8 (asyncrl.data.routing's one byte per index), or None
-    for an index a byte cannot hold (negative, as a fill value, or past 255): a plain cast would
-    wrap it into another expert (-1 -> 255) that the learner would replay. The sample keeps its
-    tokens and trains with the learner's own routing; said once."""
+def engine_routing(routed: Any, rows: int | None = None) -> np.ndarray | None:
+    """An engine's routed experts as the sample carries them (asyncrl.data.routing: uint8, one
+    byte per index, rows = prompt + response - 1), or None for one the record cannot carry as
+    is: an index a byte cannot hold (negative, as a fill value, or past 255), which a plain cast
+    would wrap into another expert (-1 -> 255) that the learner would replay; or, given
+    ``rows``, another layout (a vLLM whose row count differs), which the record's decoder would
+    dead-letter with the whole group. The sample keeps its tokens and trains with the learner's
+    own routing; said once."""
     if routed is None:
         return None
     a = np.asarray(routed)
     if a.size and (not np.issubdtype(a.dtype, np.integer) or int(a.min()) < 0 or int(a.max()) > 255):
-        if not _ROUTING_REFUSED:
-            _ROUTING_REFUSED.append(True)
-            _LOG.warning(
-                "routing replay: engine routing of dtype %s in [%s, %s] does not fit one byte per expert; dropped",
-                a.dtype,
-                a.min(),
-                a.max(),
-            )
-        return None
-    return a.astype(np.uint8)
+        why = f"of dtype {a.dtype} in [{a.min()}, {a.max()}] does not fit one byte per expert"
+    elif rows is not None and (a.ndim != 3 or a.shape[0] != rows):
+        why = f"{a.shape} does not hold one row for each of {rows} positions"
+    else:
+        return a.astype(np.uint8)
+    if not _ROUTING_REFUSED:
+        _ROUTING_REFUSED.append(True)
+        _LOG.warning("routing replay: engine routing %s; dropped", why)
+    return None

@@ -19,7 +19,6 @@ group, is fixed by (rollout.seed, prompt id, sample index) and the weights that 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from typing import Any, cast
@@ -28,7 +27,6 @@ import numpy as np
 
 from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, penalised_rewards, rewards_tie
 from asyncrl.config import Config, ConfigError
-from asyncrl.data.routing import routed_rows
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.envs import RewardError, make_env
 from asyncrl.rollout.envs.multiturn import (
@@ -111,9 +109,7 @@ class GroupMaker:
                 ignore_eos=item.metadata.get("ignore_eos") is True,
             )
             # Scored concurrently: one slow reward holds up its own group only, never the loop.
-            scored = await asyncio.gather(
-                *(self._sample(item.text, item.metadata, c, t0, len(item.ids)) for c in completions)
-            )
+            scored = await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions))
             samples = [s for s, _ in scored]
             failed = [i for i, (_, score) in enumerate(scored) if score.failed]
             for _, score in scored:  # a reward's own counts (the code env's tests, timeouts...)
@@ -177,7 +173,7 @@ class GroupMaker:
             return False
         return rewards_tie([r for _, r in seen])
 
-    async def _sample(self, prompt: str, metadata: dict, c, t0: float, prompt_len: int) -> tuple[Sample, Score]:
+    async def _sample(self, prompt: str, metadata: dict, c, t0: float) -> tuple[Sample, Score]:
         """The sample, and its scoring (whether its reward failed, the reward's counts)."""
         score = await self.scorer.score_completion(self.tokenizer, prompt, c.token_ids, metadata)
         n = len(c.token_ids)
@@ -198,7 +194,7 @@ class GroupMaker:
             generator_id=self.generator_id,
             timings={"generate_s": time.time() - t0, "finished_at": time.time()},
             error=score.error,
-            routed_experts=_routing(c.routed_experts, prompt_len, n),
+            routed_experts=c.routed_experts,
         )
         return sample, score
 
@@ -262,21 +258,3 @@ class GroupMaker:
             self.scorer.succeeded()
             return None
         return self.scorer.failed(failure or RewardError(f"the episode's return is {traj.total_reward}"))
-
-
-_LOG = logging.getLogger(__name__)
-_ROUTING_DROPPED: list[bool] = []  # the warning is given once per process
-
-
-def _routing(routed: np.ndarray | None, prompt_len: int, response_len: int) -> np.ndarray | None:
-    """The engine's routed experts (algo.routing_replay) as the sample carries them: rows
-    prompt + response - 1 (asyncrl.data.routing). An engine that returned another row count
-    (a vLLM whose layout differs) loses the routing, not the sample: the record's decoder would
-    dead-letter the whole group, and the learner routes such a sample itself. Said once."""
-    want = routed_rows(prompt_len, response_len)
-    if routed is None or (routed.ndim == 3 and routed.shape[0] == want):
-        return routed
-    if not _ROUTING_DROPPED:
-        _ROUTING_DROPPED.append(True)
-        _LOG.warning("routing replay: engine routing %s for %d positions; dropped", routed.shape, want)
-    return None

@@ -191,12 +191,14 @@ def test_the_engine_output_routing_reaches_the_completion():
 
 
 def test_generator_drops_an_engine_routing_of_the_wrong_row_count_not_the_sample():
-    from asyncrl.rollout.groups import _routing
+    from asyncrl.rollout.completions import engine_routing
 
     good = np.zeros((3 + 2 - 1, 3, 2), np.uint8)
-    assert _routing(good, 3, 2) is good
-    assert _routing(None, 3, 2) is None
-    assert _routing(np.zeros((5, 3, 2), np.uint8), 3, 2) is None  # prompt + response rows: not the record's layout
+    assert np.array_equal(engine_routing(good, rows=4), good)
+    assert engine_routing(None, rows=4) is None
+    # prompt + response rows: not the record's layout
+    assert engine_routing(np.zeros((5, 3, 2), np.uint8), rows=4) is None
+    assert engine_routing(np.zeros((4, 3), np.uint8), rows=4) is None  # not [rows, layers, k]
 
 
 def test_routing_replay_with_cpu_engines_is_refused_at_start_up_not_by_each_generator(tmp_path):
