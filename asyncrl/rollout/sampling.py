@@ -80,11 +80,11 @@ def check_routing_replay(
     serve, or context parallelism: refused at start-up (``asyncrl train`` and ``--check``, before
     Ray, learners or engines start) with the reason, rather than by every generator when its
     engine starts or by the learners when they load (ValueError)."""
+    if routing_replay != "rollout":
+        return
     from asyncrl.data.routing import check_replay_model
     from asyncrl.rollout.families import read_config
 
-    if routing_replay != "rollout":
-        return
     if generator_platform(rollout, ray_address) == "cpu":
         raise ValueError(ROUTING_REPLAY_REFUSAL)
     check_replay_model(rollout.model, read_config(rollout.model), context_parallel)
