@@ -64,12 +64,17 @@ def replay_weights(logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob: 
     return weights.to(logits.dtype)
 
 
+def differing(engine: torch.Tensor, learner: torch.Tensor) -> torch.Tensor:
+    """[..., layers] bool: whether two routings [..., layers, k] name different top-k expert SETS
+    (order within the top-k ignored)."""
+    return (engine.sort(dim=-1).values != learner.sort(dim=-1).values).any(dim=-1)
+
+
 def mismatch_fraction(engine: torch.Tensor, learner: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Fraction of (token, layer) pairs whose top-k expert SETS differ between two routings
     [..., layers, k] (order within the top-k ignored); ``valid`` [...] selects the tokens
     counted (e.g. the response tokens). 0 when no token is counted."""
-    same = (engine.sort(dim=-1).values == learner.sort(dim=-1).values).all(dim=-1)  # [..., layers]
-    differ = (~same).to(torch.float64)
+    differ = differing(engine, learner).to(torch.float64)
     if valid is not None:
         differ = differ[valid.to(torch.bool)]
     return differ.mean() if differ.numel() else torch.zeros((), dtype=torch.float64)
@@ -206,13 +211,9 @@ def model_routing_shape(model: nn.Module) -> tuple[int, int, int]:
 def setup_replay(model: nn.Module, *, context_parallel: int) -> None:
     """algo.routing_replay='rollout' on a learner rank, at start-up: patch the policy's routers,
     or refuse a model (or a layout) replay cannot serve."""
-    from asyncrl.data.routing import check_expert_count
+    from asyncrl.data.routing import check_expert_count, check_replay_model
 
-    if context_parallel > 1:
-        raise ValueError(
-            "algo.routing_replay='rollout' with learner.context_parallel > 1: a context-parallel "
-            "forward splits the packed row, which the replayed routing does not follow; use one or the other"
-        )
+    check_replay_model("the policy", None, context_parallel)  # the layout: the model is checked below
     install_routing_replay(model)
     check_expert_count(model_routing_shape(model)[0])
 
@@ -313,5 +314,5 @@ def mismatch_metric(model: nn.Module, mb: dict[str, Any]) -> tuple[torch.Tensor,
         return None
     own = learner_routing(model).to(experts.device)
     valid = scored_positions(mb).to(experts.device)
-    same = (experts.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)[valid]  # [n, layers]
-    return (~same).sum().to(torch.float64), torch.tensor(float(same.numel()), dtype=torch.float64)
+    differ = differing(experts, own)[valid]  # [n, layers]
+    return differ.sum().to(torch.float64), torch.tensor(float(differ.numel()), dtype=torch.float64)
