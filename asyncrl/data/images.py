@@ -114,5 +114,5 @@ def check_group_images(metadata: dict[str, Any], limits: ImageLimits) -> list[An
         try:
             out.append(decode_image(data, limits))
         except RecordError as e:
-            raise RecordError("bad_image", f"images[{i}]: {str(e).removeprefix('bad_image: ')}") from None
+            raise RecordError("bad_image", f"images[{i}]: {e.detail}") from None
     return out
