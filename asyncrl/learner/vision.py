@@ -30,6 +30,8 @@ def response_logprobs(model: Any, prompt: VisionPrompt, response_ids: np.ndarray
     (with grad when the model is in training)."""
     import torch
 
+    from asyncrl.algo.logprobs import logprobs_from_logits
+
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
     response = torch.as_tensor(np.asarray(response_ids, np.int64))
@@ -46,5 +48,5 @@ def response_logprobs(model: Any, prompt: VisionPrompt, response_ids: np.ndarray
     logits = model(input_ids=ids.to(next(model.parameters()).device), use_cache=False, **kwargs).logits[0]
     p = int(prompt.input_ids.shape[0])
     # Position t predicts token t+1: the response's tokens are predicted from p-1 .. p+R-2.
-    scores = logits[p - 1 : p - 1 + response.shape[0]].float() / temperature
-    return torch.log_softmax(scores, dim=-1).gather(-1, response.to(scores.device)[:, None])[:, 0]
+    scores = logits[p - 1 : p - 1 + response.shape[0]].float()
+    return logprobs_from_logits(scores, response.to(scores.device), temperature)
