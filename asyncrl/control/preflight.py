@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.config.attention_rules import check_context_parallel
 from asyncrl.config.base import is_hub_id
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.control.preflight_gpu import cuda_devices, gpu_fit
@@ -94,10 +95,7 @@ def preflight(cfg: Config) -> list[str]:
     lines.append(f"engine: {model}, dtype {args.dtype}, weight_transfer_config {transfer or 'none'}")
     lines.append(model_line)
     lines.append(families.describe(r.model))
-    if learner.context_parallel > 1:
-        from asyncrl.learner import attention  # torch: only when context parallelism asks for the check
-
-        attention.check_context_parallel(r.model, families.read_config(r.model), learner.context_parallel)
+    check_context_parallel(repr(r.model), families.read_config(r.model), learner.context_parallel)
 
     cuda = torch.cuda.is_available()
     needs = [

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.config.attention_rules import check_context_parallel
 from asyncrl.config.critic import check_value_model_family
 from asyncrl.control import bringup
 from asyncrl.control.cluster import actor_state, lost_actors
@@ -100,12 +101,9 @@ class Runtime:
         families.check_model(cfg.rollout.model)
         if cfg.algo.critic.enabled:  # its value model's form, before anything starts too
             check_value_model_family(cfg.algo.critic.model or cfg.rollout.model)
-        if cfg.learner.context_parallel > 1:
-            from asyncrl.learner import attention  # torch: only when context parallelism asks for the check
-
-            attention.check_context_parallel(
-                cfg.rollout.model, families.read_config(cfg.rollout.model), cfg.learner.context_parallel
-            )
+        check_context_parallel(
+            repr(cfg.rollout.model), families.read_config(cfg.rollout.model), cfg.learner.context_parallel
+        )
         # Before anything starts: the redis-server and Ray started below keep the umask they start with.
         stack.enter_context(private_files(cfg.control.private_files))
         local_dir.mkdir(parents=True, exist_ok=True)

@@ -21,15 +21,14 @@ implementation it has no mask function for), so a rule the model would express o
 its mask would be lost. The rules that reach the attention call are honoured (causal, a
 sliding window, GQA, dropout, the scale, and attention-logit soft-capping as Gemma 2 applies
 it: ``softcap * tanh(scores / softcap)`` before the mask); a model whose mask carries others
-(chunked attention, a non-causal config) is refused: `supports` says which at load time, and
-the forward raises on the arguments it cannot honour (attention sinks, position biases).
+(chunked attention, a non-causal config) is refused: asyncrl.config.attention_rules says which
+at load time, and the forward raises on the arguments it cannot honour (attention sinks, position biases).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import types
 from typing import Any
 
 import torch
@@ -41,30 +40,6 @@ from asyncrl.learner import context_parallel
 VARLEN_SDPA = "asyncrl_sdpa_varlen"
 """The attention implementation's name (it contains "sdpa": transformers then checks that the
 model supports SDPA before loading it with this)."""
-
-# Config fields whose attention rule lives in the mask, which this function never sees.
-_UNSUPPORTED_CONFIG = ("attention_chunk_size",)
-
-
-def supports(config: Any) -> bool:
-    """Whether a model with this Hugging Face config can run VARLEN_SDPA: a causal decoder
-    whose attention rules all reach the attention call (module docstring)."""
-    if not getattr(config, "is_causal", True):
-        return False
-    return all(getattr(config, name, None) is None for name in _UNSUPPORTED_CONFIG)
-
-
-def check_context_parallel(model: str, config: dict[str, Any] | None, context_parallel: int) -> None:
-    """Refuse, before anything starts, a model whose attention rules the context-parallel
-    attention cannot honour (`supports`); `config` is its config.json (None for a hub id, which
-    is not read at start-up: the learner refuses it when it loads the model)."""
-    from asyncrl.config import ConfigError  # the config package is light; kept with its one use
-
-    if context_parallel > 1 and config is not None and not supports(types.SimpleNamespace(**config)):
-        raise ConfigError(
-            f"learner.context_parallel={context_parallel}: {model!r} has attention rules (a chunked or "
-            "non-causal mask) that the context-parallel attention cannot honour"
-        )
 
 
 def segments(position_ids: torch.Tensor, batch: int) -> list[list[tuple[int, int]]]:

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from asyncrl.config import LoraConfig
+from asyncrl.config.attention_rules import check_context_parallel, supports_varlen
 
 
 def pick_device(gpus_per_rank: float) -> torch.device:
@@ -77,7 +78,7 @@ def attention_implementation(device: torch.device, dtype: str, config: Any = Non
     """flash_attention_2 where it can run (CUDA, bf16 compute, the flash_attn package
     installed), else the varlen SDPA of asyncrl.learner.attention; both run each sequence of a
     packed row alone and compute no attention between sequences. A model whose attention
-    rules the varlen SDPA cannot honour (`attention.supports` on its Hugging Face `config`)
+    rules the varlen SDPA cannot honour (`supports_varlen` on its Hugging Face `config`)
     gets transformers' eager attention, which implements every rule the model's own code
     has (its mask, soft-capping, sinks) and keeps a packed row's sequences apart with a dense
     block-diagonal mask: exact, at the dense mask's cost. Never SDPA there: it drops the
@@ -90,14 +91,10 @@ def attention_implementation(device: torch.device, dtype: str, config: Any = Non
 
     from asyncrl.learner import attention
 
-    if context_parallel > 1 and config is not None and not attention.supports(config):
-        raise ValueError(
-            f"learner.context_parallel={context_parallel}: {type(config).__name__} has attention rules "
-            "(a chunked or non-causal mask) that the context-parallel attention cannot honour"
-        )
+    check_context_parallel(type(config).__name__, config, context_parallel)
     if context_parallel == 1 and device.type == "cuda" and dtype == "bfloat16" and is_flash_attn_2_available():
         return "flash_attention_2"
-    if config is not None and not attention.supports(config):
+    if config is not None and not supports_varlen(config):
         return "eager"
     attention.register()
     return attention.VARLEN_SDPA

@@ -217,3 +217,26 @@ def test_a_model_whose_attention_cp_cannot_honour_stops_a_run_before_anything_st
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "run" / "redis").exists()  # no Redis (nor Ray, started after it)
     preflight(load_config(root / "configs" / "demo.yaml", overrides))  # without CP the model is fine
+
+
+def test_the_start_up_check_reads_a_config_json_without_loading_torch():
+    """Start-up and --check refuse such a model from its config.json alone: the rules' module
+    imports no torch, and its answer on the dict is the learner's on the loaded config."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from asyncrl.config.attention_rules import check_context_parallel, supports_varlen\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert supports_varlen({'model_type': 'llama'}) and not supports_varlen({'is_causal': False})\n"
+        "assert not supports_varlen({'attention_chunk_size': 8})\n"
+        "check_context_parallel('m', {'attention_chunk_size': 8}, 1)\n"
+        "check_context_parallel('m', None, 2)\n"
+        "try:\n"
+        "    check_context_parallel('m', {'attention_chunk_size': 8}, 2)\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().startswith("learner.context_parallel=2: m has attention rules"), out.stdout

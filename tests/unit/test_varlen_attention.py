@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.config.attention_rules import supports_varlen
 from asyncrl.data import microbatch as mbatch
 from asyncrl.learner import attention, fsdp
 from asyncrl.learner.loss import token_logprobs
@@ -156,11 +157,11 @@ def test_unsupported_models_get_transformers_eager_and_the_forward_refuses_what_
     assert fsdp.attention_implementation(CPU, "float32") == attention.VARLEN_SDPA
     assert models.tiny_llama(VOCAB).config._attn_implementation == attention.VARLEN_SDPA
     llama = build("llama", "sdpa").config
-    assert attention.supports(llama)
-    assert attention.supports(types.SimpleNamespace(attn_logit_softcapping=50.0))  # honoured (gemma2 above)
+    assert supports_varlen(llama)
+    assert supports_varlen(types.SimpleNamespace(attn_logit_softcapping=50.0))  # honoured (gemma2 above)
     for field, value in (("attention_chunk_size", 8192), ("is_causal", False)):
         config = types.SimpleNamespace(**{field: value})
-        assert not attention.supports(config), field
+        assert not supports_varlen(config), field
         # eager, never SDPA: SDPA drops what it has no parameter for (soft-caps, sinks) silently
         assert fsdp.attention_implementation(CPU, "float32", config) == "eager"
     module = build("llama", attention.VARLEN_SDPA).model.layers[0].self_attn
