@@ -70,7 +70,7 @@ Workloads:
              (its generator samples exactly the prompt's budget); TRL: generation_kwargs
              min_new_tokens (HF) / min_tokens (vLLM) = max_completion_length (the long
              budget; TRL has one per run), so the reward reads each prompt's budget of it.
-             Throughput only: a step count (20 full, 7 quick), no budget.
+             Throughput only: a step count (20 full, 5 quick), no budget.
 
 The headline (bench/peers_time.py): learning against wall-clock from launch, start-up
 included. Per run: the time to the workload's reward threshold (rolling mean over 5 steps,
@@ -202,7 +202,7 @@ def run(argv: list[str]) -> dict:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="budget 16/96 tokens, 4 prompts x 8; realistic 150 s a run x 2 seeds, realistic_exact 7 steps and "
+        help="budget 16/96 tokens, 4 prompts x 8; realistic 150 s a run x 2 seeds, realistic_exact 5 steps and "
         "demo 20 steps x 1; ~30 min",
     )
     p.add_argument(
