@@ -85,6 +85,8 @@ def test_a_peer_that_never_reaches_it_gives_budget_over_ours_as_a_lower_bound():
     assert swapped["ratio"] == pytest.approx(50 / 100) and swapped["ratio_kind"] == "upper_bound"
     both = pt.time_figures({"trl_vllm": never, "asyncrl_async": never}, threshold=0.5, budget_s=100)
     assert both["ratio"] is None and both["ratio_kind"] == "neither_reached"
+    vs = pt.time_figures({"asyncrl_sync": never, "asyncrl_async": ours}, threshold=0.5, budget_s=100)["vs_sync"]
+    assert vs["ratio"] == pytest.approx(2.0) and vs["kind"] == "lower_bound"
 
 
 def test_best_peer_is_the_fastest_and_ties_of_bounds_go_to_the_higher_reward():
