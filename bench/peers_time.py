@@ -6,17 +6,18 @@ launch, and the step's mean reward):
   rolling reward   at each step, the mean reward of the last ROLL steps (fewer at the start);
   time to threshold  the end of the first step at which a full window's rolling mean (all of
                    the run's steps if it has fewer than ROLL) reaches the threshold, within the
-                   horizon; a run that never does is *censored* at the horizon: its time is
-                   only known to be longer;
+                   horizon; a run that never does is *censored* at the horizon or at its own
+                   last step if that came first: its time is only known to be longer;
   reward at t      the rolling reward at the last step that ended at or before t (no
-                   interpolation: a step's reward is known when it ends, not before); None
-                   while the run has no step yet (still starting up).
+                   interpolation: a step's reward is known when it ends, not before; a run that
+                   ended before t keeps its last); None while the run has no step yet (still
+                   starting up).
 
 The horizon is the workload's wall-clock budget (every trainer stopped at its first step past
-it) or, without one, the shortest finished run's last step: a time every run reached.
+it) or, without one (a fixed step count), the last run's last step.
 
 Per trainer, over its seeds (runs that failed without a step are left out): the time to the
-threshold is the mean over runs with a censored run counted at the horizon, so if any run
+threshold is the mean over runs with a censored run counted at its censoring time, so if any run
 never reached it the mean is a lower bound (`lower_bound: true`). Reward at t: mean, min and
 max over the runs that had a step by t.
 
@@ -86,7 +87,7 @@ def horizon_of(trainers: dict[str, list[dict]], budget_s: float | None) -> float
     if budget_s:
         return float(budget_s)
     ends = [r["step_times_s"][-1] for runs in trainers.values() for r in runs if r["step_times_s"]]
-    return min(ends) if ends else None
+    return max(ends) if ends else None
 
 
 def trainer_figures(runs: list[dict], threshold: float, horizon: float, times: list[float]) -> dict:
@@ -95,7 +96,7 @@ def trainer_figures(runs: list[dict], threshold: float, horizon: float, times: l
     good = [r for r in runs if r["step_times_s"]]
     per_run = [crossing(r["step_times_s"], r["reward_curve"], threshold, horizon) for r in good]
     reached = sum(t is not None for t in per_run)
-    counted = [horizon if t is None else t for t in per_run]
+    counted = [min(horizon, r["step_times_s"][-1]) if t is None else t for t, r in zip(per_run, good, strict=True)]
     return {
         "seeds": [r.get("seed") for r in good],
         "time_to_threshold_s": statistics.fmean(counted) if counted else None,

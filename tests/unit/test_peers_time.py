@@ -58,7 +58,8 @@ def test_reward_at_t_is_the_rolling_reward_of_the_last_step_ended_by_t():
 
 def test_seeds_combine_and_a_never_reaching_seed_makes_the_time_a_lower_bound():
     fast = [run([10, 20, 30, 40, 50], [1] * 5, seed=0), run([10, 20, 30, 40, 60], [1] * 5, seed=1)]
-    half = [run([10, 20, 30, 40, 50], [1] * 5, seed=0), run([10, 20, 30, 40, 50], [-1] * 5, seed=1)]
+    # A budgeted run ends at its first step past the budget (100 s here).
+    half = [run([10, 20, 30, 40, 50], [1] * 5, seed=0), run([30, 60, 90, 120], [-1] * 4, seed=1)]
     fig = pt.time_figures({"asyncrl_async": fast, "trl_hf": half}, threshold=0.5, budget_s=100)
     ours, peer = fig["trainers"]["asyncrl_async"], fig["trainers"]["trl_hf"]
     assert ours["seeds"] == [0, 1]
@@ -99,17 +100,21 @@ def test_best_peer_is_the_fastest_and_ties_of_bounds_go_to_the_higher_reward():
     assert fig["best_peer"] == "trl_hf" and fig["ratio"] == pytest.approx(9 / 50) and fig["ratio_kind"] == "exact"
 
 
-def test_without_a_budget_the_horizon_is_the_shortest_runs_end_and_failed_runs_are_left_out():
+def test_without_a_budget_the_horizon_is_the_last_runs_end_and_failed_runs_are_left_out():
     failed = run([], [])
     fig = pt.time_figures(
         {"asyncrl_async": [run([10, 20, 30], [0, 0, 1]), failed], "trl_hf": [run([10, 40], [0, 0])]},
         threshold=0.5,
         budget_s=None,
     )
-    assert fig["horizon_s"] == 30.0 and fig["budget_s"] is None
-    assert fig["trainers"]["asyncrl_async"]["runs"] == 1
-    assert fig["trainers"]["asyncrl_async"]["time_to_threshold_runs"] == [None]  # 1/3 < 0.5
-    assert fig["trainers"]["trl_hf"]["reward_at"]["30"]["mean"] == 0.0
+    assert fig["horizon_s"] == 40.0 and fig["budget_s"] is None
+    ours = fig["trainers"]["asyncrl_async"]
+    assert ours["runs"] == 1 and ours["time_to_threshold_runs"] == [None]  # 1/3 < 0.5
+    # Censored at its own end (30 s), not at the horizon: it is not known to miss it past 30 s.
+    assert ours["time_to_threshold_s"] == 30.0 and ours["lower_bound"]
+    # A run that ended before t keeps its last rolling reward.
+    assert ours["reward_at"]["40"]["mean"] == pytest.approx(1 / 3)
+    assert fig["trainers"]["trl_hf"]["reward_at"]["40"]["mean"] == 0.0
 
 
 def test_the_headline_names_the_ratio_its_kind_and_each_trainers_reward_at_the_budget():
