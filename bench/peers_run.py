@@ -69,8 +69,8 @@ QUICK = {
     "realistic": dict(QUICK_SHAPE, budget_s=150.0, threshold=THRESHOLD_QUICK, repeats=2),
     "realistic_exact": dict(QUICK_SHAPE, steps=5, repeats=1),
 }
-# Under a budget the step count is only a cap, far past what the budget allows.
-STEP_CAP = 100_000
+# Under a budget the step count is only a cap, far past what the budget allows (~1 step/s at best here).
+STEP_CAP = 5_000
 COMMON = dict(
     n_samples=8, temperature=1.0, lr=2e-3, grad_clip=1.0, eps_clip_low=0.2, eps_clip_high=0.28, tis_cap=2.0, seed=0
 )
@@ -164,6 +164,8 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
         f"control.run_name=peers-{spec['mode']}",
         f"control.run_dir={run_dir}",
         f"control.checkpoint_every={spec['steps']}",
+        # Entries stay queued until a checkpoint acks them, and there is none before the end: room for them all.
+        f"queue.maxlen={max(4096, spec['prompts_per_step'] * (spec['steps'] + 8))}",
         f"control.seed={spec['seed']}",
         "monitor.console=false",
         "monitor.dashboard=false",
