@@ -24,7 +24,8 @@ max over the runs that had a step by t.
 The ratio is the best TRL peer's time over asyncrl async's (> 1: asyncrl is faster). The best
 peer has the shortest time (a censored time counts as its bound; ties go to the peer with
 the higher reward at the horizon). When only the peer's time is a bound the ratio is a lower
-bound; when only asyncrl's is, an upper bound; when both are, there is none. `vs_sync` is the
+bound; when only asyncrl's is, an upper bound; when both are (each missed the threshold in at
+least one seed: kind "neither_reached"), there is none. `vs_sync` is the
 same ratio against asyncrl sync.
 """
 
