@@ -1,7 +1,7 @@
 """Peers: Hugging Face TRL's GRPOTrainer and asyncrl on the same job, one invocation, same machine.
 
-    python bench/peers.py --quick          # ~25 min on a 2-core CPU box (all trainers, all three workloads)
-    python bench/peers.py --out bench/results     # full: demo 60 steps, realistic 20 (hours on 2 cores)
+    python bench/peers.py --quick          # ~30 min on a 2-core CPU box (all trainers, all three workloads)
+    python bench/peers.py --out bench/results     # full: demo 60 steps, realistic 1800 s a run (hours on 2 cores)
     asyncrl bench peers --quick                   # the same through the CLI
     python bench/peers.py --smoke --out /tmp/p    # asyncrl async on the demo, 3 steps, no TRL (the test suite's)
 
@@ -51,8 +51,10 @@ Workloads:
              ~32M params), env copy {alphabet: abcde, min_len: 3, max_len: 8}, and a long tail of
              per-prompt token budgets: 90% of prompts get budget B, 10% get 6B. Full run: B=128
              (long 768), 16 prompts x 8 per step. --quick: B=16 (long 96), 4 prompts x 8 per
-             step, 13 steps (12 measured after the first; 2 CPU cores cannot do the full shape in
-             minutes); the demo runs 20.
+             step (2 CPU cores cannot do the full shape in minutes); the demo runs 20 steps.
+             Each run has a wall-clock budget from its process launch (--budget-s; 150 s quick,
+             1800 s full) and stops at its first optimizer step past it, so every trainer gets
+             the same time and as many steps as it can make in it.
              asyncrl enforces each prompt's budget (metadata "max_tokens", honoured by its
              generator). TRL has one max_completion_length per run: it is set to the long budget,
              so TRL generates (and trains on) up to 6B tokens for every prompt, which is what a
@@ -68,17 +70,32 @@ Workloads:
              (its generator samples exactly the prompt's budget); TRL: generation_kwargs
              min_new_tokens (HF) / min_tokens (vLLM) = max_completion_length (the long
              budget; TRL has one per run), so the reward reads each prompt's budget of it.
+             Throughput only: a step count (20 full, 5 quick), no budget.
 
-Per trainer run: start-up seconds (process launch to the end of the first optimizer step),
-steps/s, completions/s, useful and generated tokens/s (steady: from the end of step 1 to the
+The headline (bench/peers_time.py): learning against wall-clock from launch, start-up
+included. Per run: the time to the workload's reward threshold (rolling mean over 5 steps,
+reached at or before the budget) and the rolling reward at 1/4, 1/2, 3/4 and all of the
+budget (the last step ended by then; no interpolation). Per trainer, over its seeds: the mean
+time with a seed that never reached it counted at the budget, flagged as a lower bound, and
+the reward at each time (mean, min, max). realistic_time_to_threshold_ratio = the best TRL
+peer's time / asyncrl async's, with realistic_time_to_threshold_ratio_kind: exact,
+lower_bound (the peer did not reach it in some seed: at most the budget / ours is known),
+upper_bound (asyncrl did not), neither_reached (no ratio). realistic_reward_at_budget: each
+trainer's rolling reward at the budget, mean over seeds. The quick threshold is fixed in
+bench/peers_run.THRESHOLD_QUICK (how it was chosen: bench/README.md, "Peers").
+
+Secondary, per trainer run: start-up seconds (process launch to the end of the first
+optimizer step), steps/s, completions/s, useful and generated tokens/s (steady: from the end of step 1 to the
 end of the last), mean reward over steps 1-10 and over the last 10, and the wall time (from
-launch) to a reward threshold (rolling mean over 5 steps; None when not reached). Each trainer
-runs --repeats times (2 with --quick), the runs interleaved (all trainers, then all again);
-a trainer's figures are the mean over its finished runs, and every run is reported. A trainer
-whose runs all fail is reported with its error and left out of the best peer.
+launch) to the reward threshold (None when not reached). Each trainer runs --repeats times
+(--quick: 2 on the realistic workload, 1 on the demo and controlled-length ones), each run
+its own seed (the spec's + the repetition: sampling and prompt order; the same model file),
+the runs interleaved (all trainers, then all again); a trainer's figures are the mean over
+its finished runs, and every run is reported. A trainer whose runs all fail is reported with
+its error and left out of the best peer.
 
   <workload>_<metric>_ratio = asyncrl_async's <metric> / the best TRL peer's (by that metric)
-  headline: realistic_useful_tokens_per_s_ratio and realistic_completions_per_s_ratio (learned
+  also:     realistic_useful_tokens_per_s_ratio and realistic_completions_per_s_ratio (learned
             lengths), realistic_exact_useful_tokens_per_s_ratio and
             realistic_exact_completions_per_s_ratio (controlled length: system throughput);
             demo_completions_per_s_ratio is the engine-overhead case
@@ -124,6 +141,7 @@ from bench.peers_report import (  # noqa: E402
     summarize,
 )
 from bench.peers_run import QUICK, VENV, WORKLOADS, asyncrl_child, prepare, run_trainer  # noqa: E402
+from bench.peers_time import lines, time_figures  # noqa: E402
 
 TORCH, TRL = "2.13.0", "1.16.0"
 
@@ -184,18 +202,34 @@ def run(argv: list[str]) -> dict:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="demo 20 steps, realistic (both cases) 13 steps at budget 16/96 and 4 prompts x 8; ~25 min",
+        help="budget 16/96 tokens, 4 prompts x 8; realistic 150 s a run x 2 seeds, realistic_exact 5 steps and "
+        "demo 20 steps x 1; ~30 min",
     )
     p.add_argument(
-        "--steps", type=int, default=None, help="steps per trainer (full run; default: demo 60, realistic 20)"
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per trainer without a budget (full run; default: demo 60, realistic_exact 20)",
     )
     p.add_argument(
         "--smoke",
         action="store_true",
         help="asyncrl async on the demo, 3 steps, once; no TRL, no peers venv (seconds + one job start-up)",
     )
-    p.add_argument("--repeats", type=int, default=None, help="runs of each trainer, interleaved (default: 2 quick, 1)")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs of each trainer, interleaved, each its own seed (default: quick 2 realistic, 1 the others; 1)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the realistic workload's wall-clock budget per trainer run, from launch (default: 150 quick, 1800)",
+    )
+    # The headline workload first: a run cut short still has it.
+    p.add_argument("--workloads", nargs="+", default=["realistic", "realistic_exact", "demo"], choices=list(WORKLOADS))
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
     p.add_argument("--timeout", type=float, default=None, help="seconds per trainer run (default: 600 quick, 3600)")
     p.add_argument(
@@ -223,7 +257,6 @@ def run(argv: list[str]) -> dict:
     # A realistic quick run of TRL + HF generate is ~100 s on a quiet box; other work on two cores
     # (oversubscribed torch threads) can make it several times that.
     timeout = args.timeout or (600.0 if args.quick else 3600.0)
-    repeats = args.repeats or (2 if args.quick else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -249,7 +282,6 @@ def run(argv: list[str]) -> dict:
         "machine": f"{os.cpu_count()} cores (CPU), commit {commit or '?'}",
         "commit": commit,
         "quick": args.quick,
-        "repeats": repeats,
         # The box's 1-minute load average at start (and at the end, below): other work skews figures.
         "loadavg_start": os.getloadavg()[0],
         "venv": venv,
@@ -264,9 +296,13 @@ def run(argv: list[str]) -> dict:
             }
             if args.threshold is not None:
                 wl["threshold"] = args.threshold
+            if args.budget_s is not None and wl.get("budget_s"):
+                wl["budget_s"] = args.budget_s
+            repeats = args.repeats or wl.get("repeats", 1)
             spec = {**prepare(name, wl, Path(tmp)), "asyncrl_set": args.asyncrl_set}
             entry = {
                 "spec": {k: v for k, v in spec.items() if k not in ("workdir", "prompts", "model")},
+                "repeats": repeats,
                 "trainers": {},
             }
             report["workloads"][name] = entry
@@ -275,23 +311,31 @@ def run(argv: list[str]) -> dict:
             # hits every trainer rather than one trainer's both runs.
             for rep in range(repeats):
                 for tr in args.trainers:
-                    s = summarize(run_trainer(tr, spec, out, timeout, rep), spec["threshold"])
+                    # A budgeted run ends at its first step past the budget; the timeout only catches a hang.
+                    limit = spec["budget_s"] + timeout if spec["budget_s"] else timeout
+                    s = summarize(run_trainer(tr, spec, out, limit, rep), spec["threshold"])
                     runs[tr].append(s)
                     log(line(name, f"{tr}#{rep + 1}", s))
             for tr in args.trainers:
                 entry["trainers"][tr] = combine(runs[tr])
+            entry["time"] = time_figures(runs, spec["threshold"], spec["budget_s"])
+            for txt in lines(name, entry["time"]):
+                log(txt)
     add_ratios(report)
+    add_time_headline(report)
     report["total_s"] = time.perf_counter() - t_all
     report["loadavg_end"] = os.getloadavg()[0]
     (out / "peers.json").write_text(json.dumps(report, indent=2))
     plots = [out / "peers.png"] + ([Path(args.plot)] if args.plot else [])
     plot(report, plots)
     summary = {
-        **{k: rnd(v) for k, v in report["headline"].items()},
-        "repeats": repeats,
+        **{k: deep_round(v) for k, v in report["headline"].items()},
         "by_workload": {
             n: {
                 "role": ROLE[n],
+                "repeats": e["repeats"],
+                # The headline: reward against wall-clock from launch, per trainer over its seeds.
+                "time": deep_round({k: v for k, v in e["time"].items()}),
                 "ratios": {
                     m: {"best_peer": r["best_peer"], "ratio": rnd(r["ratio"]), "runs": [rnd(x) for x in r["runs"]]}
                     for m, r in e["ratios"].items()
@@ -299,7 +343,7 @@ def run(argv: list[str]) -> dict:
                 "trainers": {
                     k: {
                         **{m: rnd(v[m]) for m in (*FIGURES[:-1], "error")},
-                        "runs": [{m: rnd(r[m]) for m in ("startup_s", *METRICS, "error")} for r in v["runs"]],
+                        "runs": [{m: rnd(r[m]) for m in ("seed", "startup_s", *METRICS, "error")} for r in v["runs"]],
                         # asyncrl's step profile (steady means, seconds): where its time goes.
                         **(
                             {"profile": {m: rnd(x["mean"]) for m, x in v["profile"].items()}}
@@ -335,6 +379,39 @@ def run(argv: list[str]) -> dict:
         },
     }
     return summary
+
+
+def deep_round(x):
+    if isinstance(x, dict):
+        return {k: deep_round(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [deep_round(v) for v in x]
+    return rnd(x)
+
+
+def add_time_headline(report: dict) -> None:
+    """The headline figures users feel, from the realistic workload's wall-clock figures: asyncrl
+    async's time to the threshold against the best TRL peer's (with whether it is a bound), and
+    each trainer's rolling reward at the budget (mean over seeds)."""
+    e = report["workloads"].get("realistic")
+    if e is None:
+        return
+    fig = e["time"]
+    report["headline"] = {
+        "realistic_time_to_threshold_ratio": fig["ratio"],
+        # exact, lower_bound (the peer never reached the threshold in some seed: budget / ours),
+        # upper_bound (asyncrl did not) or neither_reached (no ratio).
+        "realistic_time_to_threshold_ratio_kind": fig["ratio_kind"],
+        "realistic_time_to_threshold_best_peer": fig["best_peer"],
+        "realistic_threshold": fig["threshold"],
+        "realistic_budget_s": fig["budget_s"],
+        "realistic_time_to_threshold_s": {
+            tr: {"mean": v["time_to_threshold_s"], "lower_bound": v["lower_bound"], "runs": v["time_to_threshold_runs"]}
+            for tr, v in fig["trainers"].items()
+        },
+        "realistic_reward_at_budget": fig.get("reward_at_horizon", {}),
+        **report["headline"],
+    }
 
 
 def exact_checks(report: dict) -> dict:

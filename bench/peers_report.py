@@ -23,6 +23,7 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
     steps, rewards = raw["steps"], raw["rewards"]
     out: dict = {
         "error": raw["error"],
+        "seed": raw.get("seed"),
         "steps": len(steps),
         "wall_s": raw["wall_s"],
         "startup_s": None,
@@ -171,47 +172,55 @@ def add_ratios(report: dict) -> None:
 
 
 def plot(report: dict, paths: list[Path]) -> None:
+    """Top: each trainer's rolling reward against wall-clock from launch, every seed, with the
+    threshold and the budget (the headline); bottom: steady throughput (secondary)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bench.peers_time import rolling
+
     wls = list(report["workloads"])
     fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
     for i, wl in enumerate(wls):
-        trainers = report["workloads"][wl]["trainers"]
+        entry = report["workloads"][wl]
+        trainers = entry["trainers"]
         names = [tr for tr in TRAINERS if tr in trainers]
-        # The realistic workload's headline is useful tokens/s; the demo's (engine overhead) completions/s.
+        ax = axes[0][i]
+        for tr in names:
+            for k, s in enumerate(trainers[tr]["runs"]):
+                if s["reward_curve"]:
+                    ax.plot(
+                        s["step_times_s"],
+                        rolling(s["reward_curve"]),
+                        linestyle=("-", "--", ":", "-.")[k % 4],
+                        color=f"C{TRAINERS.index(tr)}",
+                        label=f"{tr} seed {s.get('seed')}",
+                    )
+        t = entry.get("time", {})
+        ax.axhline(t.get("threshold", entry["spec"]["threshold"]), color="grey", linewidth=0.8, label="threshold")
+        if t.get("budget_s"):
+            ax.axvline(t["budget_s"], color="black", linewidth=0.8, linestyle=":", label="budget")
+        ax.set_title(f"{wl}: reward (rolling mean of 5 steps) vs wall-clock from launch", fontsize=9)
+        ax.set_xlabel("s from launch")
+        ax.legend(fontsize=7)
+        # The realistic workload's throughput is useful tokens/s; the demo's (engine overhead) completions/s.
         metric, unit = (
             ("useful_tokens_per_s", "useful tokens / s")
             if wl.startswith("realistic")
             else ("completions_per_s", "completions / s")
         )
         vals = [trainers[tr].get(metric) or 0.0 for tr in names]
-        bars = axes[0][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
-        axes[0][i].bar_label(
+        bars = axes[1][i].bar(names, vals, color=[f"C{TRAINERS.index(tr)}" for tr in names])
+        axes[1][i].bar_label(
             bars,
             [("failed" if trainers[tr]["error"] and not v else f"{v:.1f}") for tr, v in zip(names, vals, strict=True)],
             fontsize=8,
         )
         role = f" ({ROLE[wl]})" if ROLE[wl] != wl else ""
-        axes[0][i].set_title(f"{wl}{role}: {unit} (steady, mean of runs)")
-        axes[0][i].tick_params(axis="x", labelsize=8)
-        ax = axes[1][i]
-        for tr in names:
-            for k, s in enumerate(trainers[tr]["runs"]):
-                if s["reward_curve"]:
-                    ax.plot(
-                        s["step_times_s"],
-                        s["reward_curve"],
-                        marker=".",
-                        linestyle="-" if k == 0 else "--",
-                        color=f"C{TRAINERS.index(tr)}",
-                        label=f"{tr} #{k + 1}",
-                    )
-        ax.set_title(f"{wl}: reward vs wall time (from launch)")
-        ax.set_xlabel("s")
-        ax.legend(fontsize=8)
+        axes[1][i].set_title(f"{wl}{role}: {unit} (steady, mean of runs)", fontsize=9)
+        axes[1][i].tick_params(axis="x", labelsize=8)
     fig.suptitle(report["machine"], fontsize=9)
     fig.tight_layout()
     for p in paths:

@@ -120,6 +120,9 @@ def run(spec: dict, result: dict) -> None:
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             result["steps"].append(time.time())
+            # A wall-clock budget (from the parent's launch): stop at the first step past it.
+            if spec.get("budget_s") and time.time() - spec["t0"] >= spec["budget_s"]:
+                control.should_training_stop = True
 
     n_gen = spec["n_samples"]
     batch = n_gen * spec["prompts_per_step"]

@@ -229,6 +229,13 @@ def test_peers_smoke(lanes):
     assert ours["error"] is None and ours["completions_per_s"] > 0
     assert ours["useful_tokens_per_s"] == ours["tokens_per_s"] > 0
     assert r["by_workload"]["demo"]["role"] == "engine overhead"
+    # The wall-clock summary ran on the real record: no budget, so the horizon is the run's last
+    # step, where the run has a rolling reward; its one seed is recorded.
+    t = r["by_workload"]["demo"]["time"]
+    ours_t = t["trainers"]["asyncrl_async"]
+    assert t["budget_s"] is None and t["horizon_s"] > 0 and ours_t["runs"] == 1 and ours_t["seeds"] == [0]
+    assert ours_t["reward_at"][f"{t['times_s'][-1]:g}"]["n"] == 1
+    assert ours_t["time_to_threshold_s"] is not None and t["best_peer"] is None and t["ratio"] is None
 
 
 def test_staleness_smoke(lanes):

@@ -1,0 +1,186 @@
+"""bench/peers.py's headline: learning against wall-clock time, as a user feels it.
+
+Per run, from its per-step record (each step's end, in seconds from the trainer's process
+launch, and the step's mean reward):
+
+  rolling reward   at each step, the mean reward of the last ROLL steps (fewer at the start);
+  time to threshold  the end of the first step at which a full window's rolling mean (all of
+                   the run's steps if it has fewer than ROLL) reaches the threshold, within the
+                   horizon; a run that never does is *censored* at the horizon or at its own
+                   last step if that came first: its time is only known to be longer;
+  reward at t      the rolling reward at the last step that ended at or before t (no
+                   interpolation: a step's reward is known when it ends, not before; a run that
+                   ended before t keeps its last); None while the run has no step yet (still
+                   starting up).
+
+The horizon is the workload's wall-clock budget (every trainer stopped at its first step past
+it) or, without one (a fixed step count), the last run's last step.
+
+Per trainer, over its seeds (runs that failed without a step are left out): the time to the
+threshold is the mean over runs with a censored run counted at its censoring time, so if any run
+never reached it the mean is a lower bound (`lower_bound: true`). Reward at t: mean, min and
+max over the runs that had a step by t.
+
+The ratio is the best TRL peer's time over asyncrl async's (> 1: asyncrl is faster). The best
+peer has the shortest time (a censored time counts as its bound; ties go to the peer with
+the higher reward at the horizon). When only the peer's time is a bound the ratio is a lower
+bound; when only asyncrl's is, an upper bound; when both are (each missed the threshold in at
+least one seed: kind "neither_reached"), there is none. `vs_sync` is the
+same ratio against asyncrl sync.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+ROLL = 5
+# Reward at equal wall-clock: these fractions of the horizon.
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+OURS = "asyncrl_async"
+
+
+def rolling(rewards: list[float], n: int = ROLL) -> list[float | None]:
+    """The mean of the last n finite rewards up to each step (None where there is none)."""
+    out: list[float | None] = []
+    for i in range(len(rewards)):
+        window = [r for r in rewards[max(0, i - n + 1) : i + 1] if math.isfinite(r)]
+        out.append(statistics.fmean(window) if window else None)
+    return out
+
+
+def crossing(times: list[float], rewards: list[float], threshold: float, horizon: float, n: int = ROLL) -> float | None:
+    """The end of the first step (at or before the horizon) whose full window's mean reaches
+    the threshold; None when no step does."""
+    roll = rolling(rewards, n)
+    need = min(n, len(rewards))
+    for i, (t, r) in enumerate(zip(times, roll, strict=True)):
+        if t > horizon:
+            break
+        if i + 1 >= need and r is not None and r >= threshold:
+            return t
+    return None
+
+
+def reward_at(times: list[float], rewards: list[float], t: float, n: int = ROLL) -> float | None:
+    """The rolling reward at the last step that ended at or before t; None before the first step."""
+    roll = rolling(rewards, n)
+    last = None
+    for ts, r in zip(times, roll, strict=True):
+        if ts > t:
+            break
+        last = r
+    return last
+
+
+def spread(vals: list[float | None]) -> dict:
+    got = [v for v in vals if v is not None]
+    return {
+        "mean": statistics.fmean(got) if got else None,
+        "min": min(got) if got else None,
+        "max": max(got) if got else None,
+        "n": len(got),
+        "runs": vals,
+    }
+
+
+def horizon_of(trainers: dict[str, list[dict]], budget_s: float | None) -> float | None:
+    if budget_s:
+        return float(budget_s)
+    ends = [r["step_times_s"][-1] for runs in trainers.values() for r in runs if r["step_times_s"]]
+    return max(ends) if ends else None
+
+
+def trainer_figures(runs: list[dict], threshold: float, horizon: float, times: list[float]) -> dict:
+    """One trainer's seeds: time to threshold (a lower bound if any seed never reached it) and
+    the reward at each of `times`."""
+    good = [r for r in runs if r["step_times_s"]]
+    per_run = [crossing(r["step_times_s"], r["reward_curve"], threshold, horizon) for r in good]
+    reached = sum(t is not None for t in per_run)
+    counted = [min(horizon, r["step_times_s"][-1]) if t is None else t for t, r in zip(per_run, good, strict=True)]
+    return {
+        "seeds": [r.get("seed") for r in good],
+        "time_to_threshold_s": statistics.fmean(counted) if counted else None,
+        "lower_bound": reached < len(per_run),
+        "reached_runs": reached,
+        "runs": len(good),
+        "time_to_threshold_runs": per_run,
+        "reward_at": {
+            f"{t:g}": spread([reward_at(r["step_times_s"], r["reward_curve"], t) for r in good]) for t in times
+        },
+    }
+
+
+def ratio(ours: dict | None, peer: dict | None) -> tuple[float | None, str | None]:
+    """(peer's time / ours, kind): kind is "exact", "lower_bound", "upper_bound" or None."""
+    if not ours or not peer or not ours["runs"] or not peer["runs"]:
+        return None, None
+    a, b = ours["time_to_threshold_s"], peer["time_to_threshold_s"]
+    if ours["lower_bound"] and peer["lower_bound"]:
+        return None, "neither_reached"
+    kind = "lower_bound" if peer["lower_bound"] else "upper_bound" if ours["lower_bound"] else "exact"
+    return b / a, kind
+
+
+def time_figures(runs: dict[str, list[dict]], threshold: float, budget_s: float | None) -> dict:
+    """A workload's wall-clock figures: per trainer, and asyncrl async against the best TRL peer."""
+    horizon = horizon_of(runs, budget_s)
+    out: dict = {"threshold": threshold, "budget_s": budget_s, "horizon_s": horizon, "roll": ROLL}
+    if horizon is None:
+        return {**out, "times_s": [], "trainers": {}, "best_peer": None, "ratio": None, "ratio_kind": None}
+    times = [round(f * horizon, 1) for f in FRACTIONS]
+    trainers = {tr: trainer_figures(rs, threshold, horizon, times) for tr, rs in runs.items()}
+    end = f"{times[-1]:g}"
+    peers = [tr for tr, v in trainers.items() if tr.startswith("trl") and v["runs"]]
+    best = min(
+        peers,
+        key=lambda tr: (
+            trainers[tr]["time_to_threshold_s"],
+            trainers[tr]["lower_bound"],
+            -(trainers[tr]["reward_at"][end]["mean"] or -math.inf),
+        ),
+        default=None,
+    )
+    value, kind = ratio(trainers.get(OURS), trainers.get(best) if best else None)
+    return {
+        **out,
+        "times_s": times,
+        "trainers": trainers,
+        "best_peer": best,
+        "ratio": value,
+        "ratio_kind": kind,
+        # asyncrl's own baseline: sync's time over async's, the same bounds.
+        "vs_sync": dict(zip(("ratio", "kind"), ratio(trainers.get(OURS), trainers.get("asyncrl_sync")), strict=True)),
+        "reward_at_horizon": {tr: v["reward_at"][end]["mean"] for tr, v in trainers.items()},
+    }
+
+
+def fmt_time(v: dict) -> str:
+    if v["time_to_threshold_s"] is None:
+        return "-"
+    bound = ">= " if v["lower_bound"] else ""
+    return f"{bound}{v['time_to_threshold_s']:.0f} s ({v['reached_runs']}/{v['runs']} reached)"
+
+
+def fmt_ratio(value: float | None, kind: str | None) -> str:
+    if value is None:
+        return "none (neither reached the threshold)" if kind == "neither_reached" else "-"
+    sign = {"lower_bound": ">= ", "upper_bound": "<= "}.get(kind or "", "")
+    return f"{sign}{value:.2f}x" + (f" ({kind.replace('_', ' ')})" if kind != "exact" else "")
+
+
+def lines(wl: str, fig: dict) -> list[str]:
+    """The log's summary of a workload's wall-clock figures."""
+    if not fig["trainers"]:
+        return [f"{wl:>9} wall-clock: no run had a step"]
+    head = f"{wl:>9} to reward {fig['threshold']} (rolling {fig['roll']}), horizon {fig['horizon_s']:.0f} s:"
+    out = [head]
+    for tr, v in fig["trainers"].items():
+        at = "  ".join(
+            f"@{t}s {'-' if s['mean'] is None else format(s['mean'], '.3f')}" for t, s in v["reward_at"].items()
+        )
+        out.append(f"{'':>9} {tr:<13} {fmt_time(v):<28} reward {at}  seeds {v['seeds']}")
+    out.append(f"{'':>9} asyncrl_async vs {fig['best_peer']}: {fmt_ratio(fig['ratio'], fig['ratio_kind'])} faster")
+    vs = fig["vs_sync"]
+    out.append(f"{'':>9} asyncrl_async vs asyncrl_sync: {fmt_ratio(vs['ratio'], vs['kind'])} faster")
+    return out

@@ -1,0 +1,135 @@
+"""bench/peers_time.py, the peers bench's headline: time to a reward threshold and reward at
+equal wall-clock, per trainer over seeds, with bounds where a run never reached the threshold.
+
+    .venv/bin/python -m pytest tests/unit/test_peers_time.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import peers_time as pt
+from bench.peers import add_time_headline
+from bench.peers_report import summarize
+
+
+def run(times: list[float], rewards: list[float], seed: int = 0) -> dict:
+    """One run's summary as bench/peers.py makes it: per-step ends relative to launch at t0 = 100."""
+    raw = {
+        "t0": 100.0,
+        "seed": seed,
+        "wall_s": times[-1] if times else 0.0,
+        "error": None,
+        "log": "",
+        "steps": [100.0 + t for t in times],
+        "rewards": rewards,
+        "completions": [8] * len(times),
+        "tokens": [16] * len(times),
+        "useful_tokens": [16] * len(times),
+    }
+    return summarize(raw, threshold=0.0)
+
+
+def test_rolling_mean_covers_fewer_steps_at_the_start_and_skips_missing_rewards():
+    assert pt.rolling([1.0, 3.0, math.nan, 5.0], n=2) == [1.0, 2.0, 3.0, 5.0]
+    assert pt.rolling([math.nan]) == [None]
+
+
+def test_crossing_needs_a_full_window_and_stops_at_the_horizon():
+    times = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+    # The first step alone is 1.0 >= 0.5, but the window of 5 is full only at step 5 (mean 0.6).
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    assert pt.crossing(times, rewards, 0.5, horizon=100) == 50.0
+    assert pt.crossing(times, rewards, 0.5, horizon=45) is None  # crossed only after the horizon
+    assert pt.crossing(times, rewards, 0.7, horizon=100) is None  # (0+1+0+1+1)/5 = 0.6 at step 6
+    # A run shorter than the window counts all of its steps.
+    assert pt.crossing([5.0, 6.0], [1.0, 1.0], 0.5, horizon=100) == 6.0
+
+
+def test_reward_at_t_is_the_rolling_reward_of_the_last_step_ended_by_t():
+    times, rewards = [10.0, 20.0, 30.0], [0.0, 1.0, 2.0]
+    assert pt.reward_at(times, rewards, 5.0) is None  # still starting up
+    assert pt.reward_at(times, rewards, 10.0) == 0.0
+    assert pt.reward_at(times, rewards, 29.9) == 0.5  # no interpolation towards step 3
+    assert pt.reward_at(times, rewards, 1e9) == 1.0
+
+
+def test_seeds_combine_and_a_never_reaching_seed_makes_the_time_a_lower_bound():
+    fast = [run([10, 20, 30, 40, 50], [1] * 5, seed=0), run([10, 20, 30, 40, 60], [1] * 5, seed=1)]
+    # A budgeted run ends at its first step past the budget (100 s here).
+    half = [run([10, 20, 30, 40, 50], [1] * 5, seed=0), run([30, 60, 90, 120], [-1] * 4, seed=1)]
+    fig = pt.time_figures({"asyncrl_async": fast, "trl_hf": half}, threshold=0.5, budget_s=100)
+    ours, peer = fig["trainers"]["asyncrl_async"], fig["trainers"]["trl_hf"]
+    assert ours["seeds"] == [0, 1]
+    assert ours["time_to_threshold_s"] == 55.0 and not ours["lower_bound"] and ours["reached_runs"] == 2
+    # Seed 1 never reached it: counted at the budget (100), so the mean (75) is only a lower bound.
+    assert peer["time_to_threshold_s"] == 75.0 and peer["lower_bound"] and peer["time_to_threshold_runs"] == [50, None]
+    assert fig["best_peer"] == "trl_hf"
+    assert fig["ratio"] == pytest.approx(75 / 55) and fig["ratio_kind"] == "lower_bound"
+    # Reward at equal wall-clock: fractions of the budget, mean and spread over the seeds.
+    assert fig["times_s"] == [25.0, 50.0, 75.0, 100.0]
+    at_end = peer["reward_at"]["100"]
+    assert (at_end["mean"], at_end["min"], at_end["max"], at_end["n"]) == (0.0, -1.0, 1.0, 2)
+    assert fig["reward_at_horizon"] == {"asyncrl_async": 1.0, "trl_hf": 0.0}
+
+
+def test_a_peer_that_never_reaches_it_gives_budget_over_ours_as_a_lower_bound():
+    ours = [run([10, 20, 30, 40, 50], [1] * 5, seed=s) for s in (0, 1)]
+    never = [run([30, 60, 90, 120], [-1] * 4, seed=s) for s in (0, 1)]
+    fig = pt.time_figures({"trl_vllm": never, "asyncrl_async": ours}, threshold=0.5, budget_s=100)
+    assert fig["ratio"] == pytest.approx(100 / 50) and fig["ratio_kind"] == "lower_bound"
+    assert pt.fmt_ratio(fig["ratio"], fig["ratio_kind"]).startswith(">= 2.00x")
+    # The other way round: only asyncrl never reached it, an upper bound; neither: no ratio at all.
+    swapped = pt.time_figures({"trl_vllm": ours, "asyncrl_async": never}, threshold=0.5, budget_s=100)
+    assert swapped["ratio"] == pytest.approx(50 / 100) and swapped["ratio_kind"] == "upper_bound"
+    both = pt.time_figures({"trl_vllm": never, "asyncrl_async": never}, threshold=0.5, budget_s=100)
+    assert both["ratio"] is None and both["ratio_kind"] == "neither_reached"
+    vs = pt.time_figures({"asyncrl_sync": never, "asyncrl_async": ours}, threshold=0.5, budget_s=100)["vs_sync"]
+    assert vs["ratio"] == pytest.approx(2.0) and vs["kind"] == "lower_bound"
+
+
+def test_best_peer_is_the_fastest_and_ties_of_bounds_go_to_the_higher_reward():
+    ours = [run([10, 20, 30, 40, 50], [1] * 5)]
+    low, lower = [run([10, 20, 30, 40, 50], [-1] * 5)], [run([10, 20, 30, 40, 50], [-0.5] * 5)]
+    fig = pt.time_figures({"asyncrl_async": ours, "trl_hf": low, "trl_vllm": lower}, threshold=0.5, budget_s=100)
+    assert fig["best_peer"] == "trl_vllm"
+    quick = [run([5, 6, 7, 8, 9], [1] * 5)]
+    fig = pt.time_figures({"asyncrl_async": ours, "trl_hf": quick, "trl_vllm": lower}, threshold=0.5, budget_s=100)
+    assert fig["best_peer"] == "trl_hf" and fig["ratio"] == pytest.approx(9 / 50) and fig["ratio_kind"] == "exact"
+
+
+def test_without_a_budget_the_horizon_is_the_last_runs_end_and_failed_runs_are_left_out():
+    failed = run([], [])
+    fig = pt.time_figures(
+        {"asyncrl_async": [run([10, 20, 30], [0, 0, 1]), failed], "trl_hf": [run([10, 40], [0, 0])]},
+        threshold=0.5,
+        budget_s=None,
+    )
+    assert fig["horizon_s"] == 40.0 and fig["budget_s"] is None
+    ours = fig["trainers"]["asyncrl_async"]
+    assert ours["runs"] == 1 and ours["time_to_threshold_runs"] == [None]  # 1/3 < 0.5
+    # Censored at its own end (30 s), not at the horizon: it is not known to miss it past 30 s.
+    assert ours["time_to_threshold_s"] == 30.0 and ours["lower_bound"]
+    # A run that ended before t keeps its last rolling reward.
+    assert ours["reward_at"]["40"]["mean"] == pytest.approx(1 / 3)
+    assert fig["trainers"]["trl_hf"]["reward_at"]["40"]["mean"] == 0.0
+
+
+def test_the_headline_names_the_ratio_its_kind_and_each_trainers_reward_at_the_budget():
+    ours = [run([10, 20, 30, 40, 50], [1] * 5)]
+    never = [run([30, 60, 90, 120], [-1] * 4)]
+    report = {
+        "workloads": {
+            "realistic": {"time": pt.time_figures({"asyncrl_async": ours, "trl_hf": never}, 0.5, budget_s=100)}
+        },
+        "headline": {"realistic_completions_per_s_ratio": 2.0},
+    }
+    add_time_headline(report)
+    h = report["headline"]
+    assert h["realistic_time_to_threshold_ratio"] == pytest.approx(2.0)
+    assert h["realistic_time_to_threshold_ratio_kind"] == "lower_bound"
+    assert h["realistic_reward_at_budget"] == {"asyncrl_async": 1.0, "trl_hf": -1.0}
+    assert h["realistic_time_to_threshold_s"]["trl_hf"] == {"mean": 100.0, "lower_bound": True, "runs": [None]}
+    assert h["realistic_completions_per_s_ratio"] == 2.0  # the throughput ratios stay, after it
