@@ -182,10 +182,14 @@ class RolloutEngine(WeightUpdates):
         max_tokens: int | None = None,
         temperature: float | None = None,
         ignore_eos: bool = False,
+        images: list | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions of ``prompt_ids``; returns them in sample order.
 
-        ``ignore_eos`` samples exactly ``max_tokens`` tokens (tests and benchmarks)."""
+        ``ignore_eos`` samples exactly ``max_tokens`` tokens (tests and benchmarks). ``images``:
+        the prompt's decoded images, one per placeholder token in ``prompt_ids``, checked by
+        asyncrl.rollout.vision_prompts; vLLM expands each placeholder to the image's tokens and
+        each Completion's ``prompt_ids`` holds the expanded prompt."""
         params = self.sampling_params(n, request_id, max_tokens, temperature, ignore_eos)
         await self._open.wait()  # an update in progress, or a rebuilt engine without weights
         submitted = self.version
@@ -193,7 +197,9 @@ class RolloutEngine(WeightUpdates):
         # blocks that other weights computed (the salt enters the first block's hash, and every
         # later block's hash chains on it). A vllm.inputs.TokensPrompt, written as the dict it is:
         # its NotRequired keys need Python 3.11 typing, so type-checked for 3.10 it demands them all.
-        prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": f"asyncrl-v{submitted}"}
+        prompt: dict[str, object] = {"prompt_token_ids": list(prompt_ids), "cache_salt": f"asyncrl-v{submitted}"}
+        if images:  # vLLM hashes each image into its prefix-cache keys, beside the salt
+            prompt["multi_modal_data"] = {"image": list(images)}
         final = None
         llm = self.llm
         self._requests.add(request_id)

@@ -63,3 +63,158 @@ def test_a_shape_that_does_not_divide_is_refused(tmp_path):
     with pytest.raises(ValueError, match="patch grid"):
         write_tiny_idefics3(tmp_path / "m", image_size=48, patch_size=16, scale_factor=2)
     assert not (tmp_path / "m").exists()
+
+
+# --- the engine side's checks, before any engine: prompts with images through the chat template ---
+
+
+@pytest.fixture(scope="module")
+def encode(tiny_idefics3):
+    from transformers import AutoTokenizer
+
+    from asyncrl.data.images import ImageLimits
+    from asyncrl.rollout.prompts import prompt_encoder
+    from asyncrl.rollout.vision_prompts import VisionModel, with_images
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_idefics3))
+    return with_images(prompt_encoder(tok, True), VisionModel.of(str(tiny_idefics3)), ImageLimits())
+
+
+def test_a_colour_prompt_is_the_chat_templates_placeholder_and_its_image(tiny_idefics3, encode):
+    import random
+
+    from transformers import AutoProcessor
+
+    from asyncrl.data.images import ImageLimits, check_group_images
+    from asyncrl.rollout.envs.colour import ColourEnv
+    from asyncrl.rollout.vision_prompts import VisionModel
+
+    vision = VisionModel.of(str(tiny_idefics3))
+    processor = AutoProcessor.from_pretrained(str(tiny_idefics3))
+    assert vision == VisionModel("idefics3", processor.tokenizer.convert_tokens_to_ids("<image>"), 4)
+    text, meta = ColourEnv().make_prompt(random.Random(0))
+    ids = encode(text, meta)
+    assert processor.tokenizer.convert_ids_to_tokens(ids) == ["<image>", *"colour?"]
+    # the length the engine's expansion gives, as the processor expands it
+    (image,) = check_group_images(meta, ImageLimits())
+    expanded = processor(text=["<image>colour?"], images=[[image]])["input_ids"][0]
+    assert vision.expanded_length(ids, 1) == len(expanded) == 14
+    assert VisionModel.of("owner/name") is None  # a hub id: not read
+
+
+def _png(size=(56, 56)) -> bytes:
+    from PIL import Image
+
+    from asyncrl.data.images import ImageLimits, encode_image
+
+    return encode_image(Image.new("RGB", size, (220, 30, 30)), ImageLimits(max_pixels=1 << 24, max_bytes=1 << 24))
+
+
+def _meta(images, parts: int = 1):
+    from asyncrl.data.images import IMAGES_KEY
+    from asyncrl.rollout.prompts import MESSAGES_KEY
+
+    content = [{"type": "image"}] * parts + [{"type": "text", "text": "colour?"}]
+    meta = {MESSAGES_KEY: [{"role": "user", "content": content}]}
+    if images is not None:
+        meta[IMAGES_KEY] = images
+    return meta
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        (lambda: _meta([_png((600, 600))]), r"the prompt's images\[0\]: image 600x600 > max_pixels 262144"),
+        (lambda: _meta([_png()[:60]]), r"the prompt's images\[0\]: PNG does not decode"),
+        (lambda: _meta([_png(), _png()]), r"1 image placeholder\(s\) for 2 image\(s\)"),
+        (lambda: _meta(None), r"1 image placeholder\(s\) but no images"),
+        (lambda: _meta([]), r"1 image placeholder\(s\) for 0 image\(s\)"),
+        (lambda: _meta(["a red square"]), r"images\[0\] is str, expected PNG bytes"),
+        (lambda: _meta([_png()] * 5, parts=5), r"5 images > max_images 4"),
+        (lambda: _meta(_png()), r"expected a list"),
+    ],
+    ids=[
+        "past-max-pixels",
+        "corrupt-png",
+        "more-images",
+        "no-image",
+        "empty-images",
+        "not-an-image",
+        "too-many",
+        "bare",
+    ],
+)
+def test_a_prompt_whose_images_the_engine_cannot_take_is_refused_before_it(encode, meta, why):
+    from asyncrl.rollout.vision_prompts import PromptImageError
+
+    with pytest.raises(PromptImageError, match=why):
+        encode("colour?", meta())
+
+
+def test_images_for_a_text_model_or_without_the_chat_template_are_refused(tiny_idefics3, tmp_path):
+    from transformers import AutoTokenizer
+
+    from asyncrl.data.images import ImageLimits
+    from asyncrl.rollout.prompts import PromptSourceError, prompt_encoder
+    from asyncrl.rollout.vision_prompts import PromptImageError, VisionModel, with_images
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_idefics3))
+    text_model = with_images(prompt_encoder(tok, True), None, ImageLimits())
+    with pytest.raises(PromptImageError, match=r"1 image\(s\), but rollout.model is not a vision-language model"):
+        text_model("colour?", _meta([_png()]))
+    no_template = with_images(prompt_encoder(tok, False), VisionModel.of(str(tiny_idefics3)), ImageLimits())
+    with pytest.raises(PromptSourceError, match=r"rollout\.chat_template=true"):
+        no_template("colour?", _meta([_png()]))
+    assert text_model("abc", {}) == tok.encode("abc")  # a text prompt passes as before
+
+
+def test_the_engine_prompt_ids_must_hold_each_images_tokens(tiny_idefics3):
+    from asyncrl.rollout.vision_prompts import PromptImageError, VisionModel, engine_prompt_ids
+
+    vision = VisionModel.of(str(tiny_idefics3))
+    img, fake, glob = vision.image_token_id, vision.image_token_id - 1, vision.image_token_id + 1
+    ran = [fake, glob, img, img, img, img, fake, 16]
+    assert engine_prompt_ids([img, 16], ran, 1, vision) == ran
+    assert engine_prompt_ids([5, 16], [5, 16], 0, vision) == [5, 16]  # no image: the ids given
+    with pytest.raises(PromptImageError, match=r"4 image tokens for 2 image\(s\) \(expected 8\)"):
+        engine_prompt_ids([img, img], ran, 2, vision)
+    with pytest.raises(PromptImageError, match="no prompt ids"):
+        engine_prompt_ids([img], None, 1, vision)
+
+
+def test_idefics3_is_refused_until_the_learner_takes_images_qwen2_vl_for_torchvision(tiny_idefics3, monkeypatch):
+    from asyncrl.rollout import families
+
+    with pytest.raises(families.ModelRefused, match=r"model_type idefics3\): the generators hand .* but the learner"):
+        families.check_model(str(tiny_idefics3))
+    for model_type in ("qwen2_vl", "qwen2_5_vl"):
+        with pytest.raises(families.ModelRefused, match=r"cannot load without torchvision.*Idefics3 \(SmolVLM\)"):
+            families.check_config("m", {"model_type": model_type, "vision_config": {}})
+    with pytest.raises(families.ModelRefused, match="the generators do not hand prompt images to"):
+        families.check_config("m", {"model_type": "llava", "vision_config": {}})
+    monkeypatch.setattr(families, "LEARNER_TAKES_IMAGES", True)
+    assert families.check_model(str(tiny_idefics3)) is families.IDEFICS3
+
+
+def test_check_says_what_the_engine_gets(tiny_idefics3):
+    import random
+
+    from asyncrl.config import ConfigError, RolloutConfig
+    from asyncrl.rollout.envs.colour import ColourEnv
+    from asyncrl.rollout.sampling import engine_args
+    from asyncrl.rollout.vision_prompts import describe_images
+
+    text, meta = ColourEnv().make_prompt(random.Random(0))
+    (line,) = describe_images(str(tiny_idefics3), True, text, meta, "rollout.env=colour")
+    assert line == (
+        "rollout.env=colour: a drawn prompt's 1 image(s) read and decoded (56x56); the engine gets them as "
+        "multi_modal_data beside the prompt's 1 placeholder token(s) (id 60), each expanded to 4 image tokens "
+        "(8 prompt tokens as given, 14 after)"
+    )
+    with pytest.raises(ConfigError, match=r"rollout\.env=colour: .*rollout\.chat_template=true"):
+        describe_images(str(tiny_idefics3), False, text, meta, "rollout.env=colour")
+    (line,) = describe_images("owner/smolvlm", True, text, meta, "e")
+    assert line.endswith("what the engine gets not checked ('owner/smolvlm' is not a local model directory)")
+    # the engine is built for at most max_images a prompt (vLLM's default, 999, is profiled at start-up)
+    args = engine_args(RolloutConfig(), str(tiny_idefics3), 0, platform="cpu")
+    assert args.limit_mm_per_prompt == {"image": 4}
