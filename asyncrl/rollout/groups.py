@@ -112,9 +112,7 @@ class GroupMaker:
             images = prompt_images(item.metadata, item.ids, self.vision, self.image_limits)
             if images and self.teacher is not None and teacher:
                 raise PromptImageError("rollout.teacher scores prompts without their images: not with image prompts")
-            prompt_len = len(item.ids)
-            if images and self.vision is not None:
-                prompt_len = self.vision.expanded_length(item.ids, len(images)) or prompt_len
+            prompt_len = self.prompt_length(item.ids, item.metadata)
             max_tokens = item.metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
             if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
                 max_tokens = max(1, min(max_tokens, self.rollout.engine_max_model_len - prompt_len))
@@ -169,6 +167,14 @@ class GroupMaker:
             env=self.rollout.env,
             metadata=meta,
         )
+
+    def prompt_length(self, ids: list[int], metadata: dict) -> int:
+        """The prompt's length as the engine runs it: a vision-language model's image placeholders
+        expanded to the image tokens (where their count is fixed), else the ids as they are."""
+        images = metadata.get(IMAGES_KEY)
+        if self.vision is None or not isinstance(images, list) or not images:
+            return len(ids)
+        return self.vision.expanded_length(ids, len(images)) or len(ids)
 
     def uniform(self, group: RolloutGroup) -> bool:
         """Whether every reward the advantage estimator will see for ``group`` is the same

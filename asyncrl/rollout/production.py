@@ -180,7 +180,7 @@ class Production:
         else:
             prompt_id, text, metadata = next(self.prompts)
         ids = self.encode(text, metadata)
-        if len(ids) > self.rollout.max_prompt_tokens:
+        if self.groups.prompt_length(ids, metadata) > self.rollout.max_prompt_tokens:  # images expanded
             self.counts.prompts_skipped += 1
             self.run_state.incr("prompts_skipped")
             return None
