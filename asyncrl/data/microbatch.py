@@ -87,10 +87,23 @@ def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
         out["token_rewards"] = np.asarray(seq.token_rewards).astype(np.float32, copy=False)
     if seq.routed_experts is not None:
         out[ROUTED_EXPERTS] = np.asarray(seq.routed_experts, dtype=np.uint8)
-    if seq.pixel_values is not None:
-        out[PIXEL_VALUES] = np.asarray(seq.pixel_values, dtype=np.float32)
-        out[PIXEL_MASK] = np.asarray(seq.pixel_attention_mask, dtype=bool)
-    return out
+    return out | image_fields(seq)
+
+
+def forward_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
+    """What a forward-only pass (the learner's log-probs, the parity gate) needs of a sequence:
+    its ids, and its images if it has any."""
+    return {"input_ids": np.asarray(seq.input_ids, dtype=np.int64)} | image_fields(seq)
+
+
+def image_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
+    """A sequence's images as IMAGE_FIELDS arrays; {} without."""
+    if seq.pixel_values is None:
+        return {}
+    return {
+        PIXEL_VALUES: np.asarray(seq.pixel_values, dtype=np.float32),
+        PIXEL_MASK: np.asarray(seq.pixel_attention_mask, dtype=bool),
+    }
 
 
 def _collate_images(seqs: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:

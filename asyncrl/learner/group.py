@@ -291,7 +291,7 @@ class LearnerGroup:
         (a prompt token often does)."""
         if not sequences:
             return []
-        seqs = [{"input_ids": np.asarray(s.input_ids, dtype=np.int64)} for s in sequences]
+        seqs = [mbatch.forward_fields(s) for s in sequences]  # a vision model's images too
         per_rank, count, origin = self._plan(seqs)
         out = self._call("logprobs", [(p, count, temperature) for p in per_rank])
         result: list[np.ndarray | None] = [None] * len(sequences)

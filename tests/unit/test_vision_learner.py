@@ -204,6 +204,41 @@ def test_one_rank_logprobs_and_gradients_with_images_equal_transformers(model_di
     assert float((moved - want[0]).abs().max()) > 1e-3
 
 
+def test_the_reference_the_parity_path_and_checkpointing_use_the_images(model_dir, pixels, mesh):
+    """The KL reference's pass, the log-probs the parity gate asks for (LearnerGroup.compute_logprobs:
+    forward_fields through the rank's micro-batches, as LearnerActor.logprobs), and a model whose
+    text blocks recompute under activation checkpointing all see the images."""
+    from asyncrl.learner import fsdp, step
+    from asyncrl.learner.loss import token_logprobs
+
+    rng = np.random.default_rng(6)
+    seqs, _ = sequences(
+        model_dir, pixels, [group(model_dir, "g0", ["red"], rng), group(model_dir, "g1", ["blue"], rng)]
+    )
+    hf = load_plain(model_dir)
+    want = [plain_logprobs(hf, s).detach() for s in seqs]
+    cpu = torch.device("cpu")
+
+    reference = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32", trainable=False)
+    mbs = [micro(seqs, True)]
+    mbs.append(padding(mbs[0]))
+    step.add_prepass_logprobs(None, reference, mbs, temperature=TEMP, logprob_fn=token_logprobs, device=cpu)
+    for k, (s, w) in enumerate(zip(seqs, want, strict=True)):
+        assert float((mbs[0]["ref_logprobs"][k][: s.num_tokens] - w).abs().max()) <= TOL, k
+
+    plan = [[0, 1], [2, 3]]
+    gate = mbatch.build_rank_microbatches(
+        [mbatch.forward_fields(s) for s in seqs], plan, 3, {"input_ids": torch.int64}, pad_token_id=0, packing=True
+    )
+    lengths = [[seqs[i].num_tokens for i in mb] for mb in plan] + [[]]
+    got = step.sequence_logprobs(reference, gate, lengths, temperature=TEMP, logprob_fn=token_logprobs, device=cpu)
+    rows = [torch.as_tensor(row) for mb in got for row in mb]
+    assert all(float((r - w).abs().max()) <= TOL for r, w in zip(rows, want, strict=True))
+
+    checkpointed = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32", activation_checkpointing=True)
+    assert_close_grads(run_step(checkpointed, [micro(seqs[:3], True), micro(seqs[3:], False)]), plain_grads(hf, seqs))
+
+
 def test_the_publish_carries_the_checkpoints_names_and_shapes(model_dir, mesh):
     """What vLLM's Idefics3 loader took at start-up (the checkpoint: model.vision_model.*,
     model.connector.*, model.text_model.*, lm_head) is what a publish sends, vision and
