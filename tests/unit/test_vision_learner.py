@@ -1,0 +1,385 @@
+"""The learner trains a vision-language model (a tiny random Idefics3, SmolVLM's architecture)
+on records whose prompts carry images: the group's PNG bytes become pixel values on the driver
+(asyncrl.data.pixels), travel with each sequence through the mini-batches and micro-batches
+(padded and packed), and reach the FSDP2 forward, whose log-probs equal transformers' plain
+forward (1e-5, float32) and whose gradient reaches the vision tower and the connector, on one
+gloo rank and on two (one of them running a padding micro-batch, which gets a stand-in image:
+every rank runs the vision tower's collectives). Records whose images do not decode or whose
+image tokens do not match their images are refused with the reason. The publish carries the
+checkpoint's names and shapes, which vLLM's Idefics3 loader took at start-up.
+
+    .venv/bin/python -m pytest tests/unit/test_vision_learner.py -q    # about 60 s on 2 cores
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from asyncrl.config import AlgoConfig  # noqa: E402
+from asyncrl.data import microbatch as mbatch  # noqa: E402
+from asyncrl.data.batch import build_minibatches  # noqa: E402
+from asyncrl.data.codec import RecordError  # noqa: E402
+from asyncrl.data.images import IMAGES_KEY, ImageLimits, encode_image  # noqa: E402
+from asyncrl.data.pixels import IMAGE_TOKENS, ImagePixels  # noqa: E402
+from asyncrl.types import RolloutGroup, Sample  # noqa: E402
+
+TEMP = 0.7
+TOL = 1e-5
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 40)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from asyncrl.rollout.tiny_vl import write_tiny_idefics3
+
+    return str(write_tiny_idefics3(tmp_path_factory.mktemp("idefics3") / "model"))
+
+
+@pytest.fixture(scope="module")
+def pixels(model_dir):
+    return ImagePixels.of(model_dir)
+
+
+def png(colour: str, size=(40, 56)) -> bytes:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, (128, 128, 128))
+    ImageDraw.Draw(img).rectangle([8, 8, 30, 30], fill=COLOURS[colour])
+    return encode_image(img, ImageLimits())
+
+
+def engine_prompt(model_dir: str, n_images: int) -> np.ndarray:
+    """The prompt ids as the engine returns them: each <image> expanded (the processor does
+    the same expansion, which is what vLLM's Idefics3 processor calls)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    images = [Image.new("RGB", (8, 8))] * n_images
+    enc = processor(text=["<image>" * n_images + "colour:"], images=[images] if images else None)
+    return np.asarray(enc["input_ids"][0], np.int32)
+
+
+def group(model_dir: str, gid: str, colours: list[str], rng, n: int = 2, prompt=None) -> RolloutGroup:
+    samples = []
+    for i in range(n):
+        t = int(rng.integers(3, 7))
+        samples.append(
+            Sample(
+                response_ids=rng.integers(3, 40, t),  # characters: no special or image token
+                rollout_logprobs=-rng.uniform(0.5, 3.0, t),
+                loss_mask=np.ones(t, np.uint8),
+                reward=float(i),
+                behavior_version=0,
+            )
+        )
+    ids = engine_prompt(model_dir, len(colours)) if prompt is None else prompt
+    return RolloutGroup(gid, gid, ids, samples, metadata={IMAGES_KEY: [png(c) for c in colours]})
+
+
+def sequences(model_dir, pixels, groups):
+    minibatches, metrics = build_minibatches(groups, AlgoConfig(), num_minibatches=1, pixels=pixels)
+    return minibatches[0], metrics
+
+
+def plain_logprobs(hf, seq) -> torch.Tensor:
+    """transformers' own forward on one sequence (its default attention), no FSDP, no asyncrl."""
+    ids = torch.as_tensor(seq.input_ids.astype(np.int64))[None]
+    kw = {}
+    if seq.pixel_values is not None and len(seq.pixel_values):
+        kw = {
+            "pixel_values": torch.as_tensor(seq.pixel_values)[None],
+            "pixel_attention_mask": torch.as_tensor(seq.pixel_attention_mask)[None],
+        }
+    logits = hf(input_ids=ids, **kw).logits[0].float()
+    logp = torch.log_softmax(logits[:-1] / TEMP, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return torch.cat([torch.zeros(1), logp])
+
+
+def load_plain(model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train(False)
+
+
+def loss_fn(logits, mb):
+    """-sum of the loss tokens' log-probs: a gradient on every token the model scores."""
+    from asyncrl.learner.loss import token_logprobs
+
+    logp = token_logprobs(logits, mbatch.forward_ids(mb), TEMP)
+    if mbatch.is_packed(mb):
+        logp = mbatch.unpack(logp, mb)
+    return -(logp * mb["loss_mask"]).sum(), {}
+
+
+def micro(seqs, packed: bool):
+    fields = [mbatch.seq_fields(s) for s in seqs]
+    mb = (mbatch.collate_packed if packed else mbatch.collate)(fields, pad_token_id=0)
+    mb[mbatch.PADDING_KEY] = False
+    return mb
+
+
+def padding(mb):
+    return mbatch.padding_microbatch(mbatch.field_dtypes(mb), pad_token_id=0)
+
+
+def sharded_grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = torch.zeros(p.shape) if g is None else g
+    return out
+
+
+def run_step(model, mbs) -> dict[str, torch.Tensor]:
+    from asyncrl.learner import step
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    step.train_step(model, opt, sched, mbs, loss_fn, grad_clip=1e9, device=torch.device("cpu"))
+    return sharded_grads(model)
+
+
+def prepass(model, mbs) -> list[torch.Tensor]:
+    from asyncrl.learner import step
+    from asyncrl.learner.loss import token_logprobs
+
+    step.add_prepass_logprobs(model, None, mbs, temperature=TEMP, logprob_fn=token_logprobs, device=torch.device("cpu"))
+    return [mb["old_logprobs"] for mb in mbs]
+
+
+def plain_grads(hf, seqs) -> dict[str, torch.Tensor]:
+    hf.zero_grad(set_to_none=True)
+    loss = sum(-(plain_logprobs(hf, s) * torch.as_tensor(s.loss_mask)).sum() for s in seqs)
+    loss.backward()
+    return {n: torch.zeros(p.shape) if p.grad is None else p.grad.clone() for n, p in hf.named_parameters()}
+
+
+def assert_close_grads(got, want):
+    assert got.keys() == want.keys()
+    scale = max(float(g.abs().max()) for g in want.values())
+    for name in want:
+        assert float((got[name] - want[name]).abs().max()) <= TOL * scale, name
+    for part in ("model.vision_model.encoder.layers.0.", "model.vision_model.embeddings.", "model.connector."):
+        assert any(float(g.abs().max()) > 1e-6 * scale for n, g in got.items() if n.startswith(part)), part
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def test_one_rank_logprobs_and_gradients_with_images_equal_transformers(model_dir, pixels, mesh):
+    from asyncrl.learner import fsdp
+
+    rng = np.random.default_rng(0)
+    groups = [
+        group(model_dir, "g0", ["red"], rng),
+        group(model_dir, "g1", ["blue", "green"], rng),  # two images in one prompt
+        group(model_dir, "g2", [], rng),  # a text prompt in the same run
+    ]
+    seqs, metrics = sequences(model_dir, pixels, groups)
+    assert metrics["vision/refused_samples"] == 0
+    assert [len(s.pixel_values) for s in seqs] == [1, 1, 2, 2, 0, 0]
+    hf = load_plain(model_dir)
+    want = [plain_logprobs(hf, s).detach() for s in seqs]
+
+    model = fsdp.load_sharded_model(model_dir, mesh, device=torch.device("cpu"), dtype="float32")
+    assert len(fsdp.vision_units(model)) == 3  # the encoder layer, the tower, the connector
+    for packed in (False, True):
+        mbs = [micro(seqs[:3], packed), micro(seqs[3:], packed)]
+        mbs.append(padding(mbs[0]))  # no images: it runs on a stand-in one
+        got = prepass(model, mbs)
+        rows = [row for lp, mb in zip(got[:2], mbs[:2], strict=True) for row in lp[: len(mb["input_ids"])]]
+        for k, (s, w) in enumerate(zip(seqs, want, strict=True)):
+            assert float((rows[k][: s.num_tokens] - w).abs().max()) <= TOL, (packed, k)
+        assert_close_grads(run_step(model, mbs), plain_grads(hf, seqs))
+
+    # Another image, the same ids: other log-probs.
+    other = group(model_dir, "g0", ["green"], np.random.default_rng(0))
+    (changed, *_), _ = sequences(model_dir, pixels, [other])
+    assert np.array_equal(changed.input_ids, seqs[0].input_ids)
+    moved = prepass(model, [micro([changed], False)])[0][0]
+    assert float((moved - want[0]).abs().max()) > 1e-3
+
+
+def test_the_reference_the_parity_path_and_checkpointing_use_the_images(model_dir, pixels, mesh):
+    """The KL reference's pass, the log-probs the parity gate asks for (LearnerGroup.compute_logprobs:
+    forward_fields through the rank's micro-batches, as LearnerActor.logprobs), and a model whose
+    text blocks recompute under activation checkpointing all see the images."""
+    from asyncrl.learner import fsdp, step
+    from asyncrl.learner.loss import token_logprobs
+
+    rng = np.random.default_rng(6)
+    seqs, _ = sequences(
+        model_dir, pixels, [group(model_dir, "g0", ["red"], rng), group(model_dir, "g1", ["blue"], rng)]
+    )
+    hf = load_plain(model_dir)
+    want = [plain_logprobs(hf, s).detach() for s in seqs]
+    cpu = torch.device("cpu")
+
+    reference = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32", trainable=False)
+    mbs = [micro(seqs, True)]
+    mbs.append(padding(mbs[0]))
+    step.add_prepass_logprobs(None, reference, mbs, temperature=TEMP, logprob_fn=token_logprobs, device=cpu)
+    for k, (s, w) in enumerate(zip(seqs, want, strict=True)):
+        assert float((mbs[0]["ref_logprobs"][k][: s.num_tokens] - w).abs().max()) <= TOL, k
+
+    plan = [[0, 1], [2, 3]]
+    gate = mbatch.build_rank_microbatches(
+        [mbatch.forward_fields(s) for s in seqs], plan, 3, {"input_ids": torch.int64}, pad_token_id=0, packing=True
+    )
+    lengths = [[seqs[i].num_tokens for i in mb] for mb in plan] + [[]]
+    got = step.sequence_logprobs(reference, gate, lengths, temperature=TEMP, logprob_fn=token_logprobs, device=cpu)
+    rows = [torch.as_tensor(row) for mb in got for row in mb]
+    assert all(float((r - w).abs().max()) <= TOL for r, w in zip(rows, want, strict=True))
+
+    checkpointed = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32", activation_checkpointing=True)
+    assert_close_grads(run_step(checkpointed, [micro(seqs[:3], True), micro(seqs[3:], False)]), plain_grads(hf, seqs))
+
+
+def test_the_publish_carries_the_checkpoints_names_and_shapes(model_dir, mesh):
+    """What vLLM's Idefics3 loader took at start-up (the checkpoint: model.vision_model.*,
+    model.connector.*, model.text_model.*, lm_head) is what a publish sends, vision and
+    connector included."""
+    from safetensors.torch import load_file
+
+    from asyncrl.learner import fsdp, hf_format
+
+    model = fsdp.load_sharded_model(model_dir, mesh, device=torch.device("cpu"), dtype="float32")
+    sent = hf_format.engine_format(model, fsdp.full_state_dict(model))
+    on_disk = load_file(f"{model_dir}/model.safetensors")
+    assert {k: tuple(v.shape) for k, v in sent.items()} == {k: tuple(v.shape) for k, v in on_disk.items()}
+    assert all(torch.equal(sent[k], on_disk[k]) for k in on_disk)
+    assert (
+        any(k.startswith("model.vision_model.") for k in sent)
+        and "model.connector.modality_projection.proj.weight" in sent
+    )
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_records_whose_images_do_not_fit_are_refused_with_the_reason(model_dir, pixels):
+    rng = np.random.default_rng(1)
+    one = engine_prompt(model_dir, 1)
+    short = one[one != pixels.image_token_id]  # the image's tokens lost
+    cut = np.delete(one, np.flatnonzero(one == pixels.image_token_id)[0])  # one token short
+    cases = {
+        "two images, one image's tokens": group(model_dir, "a", ["red", "blue"], rng, prompt=one),
+        "no image tokens": group(model_dir, "b", ["red"], rng, prompt=short),
+        "a short run": group(model_dir, "c", ["red"], rng, prompt=cut),
+    }
+    for what, g in cases.items():
+        got = pixels.encode(g.metadata)
+        with pytest.raises(RecordError) as e:
+            pixels.check_tokens(g.prompt_ids, got)
+        assert e.value.reason == IMAGE_TOKENS and "image tile(s) need" in e.value.detail, what
+
+    good = group(model_dir, "ok", ["green"], rng)
+    seqs, metrics = sequences(model_dir, pixels, [*cases.values(), good])
+    assert metrics["vision/refused_samples"] == 6
+    for s in seqs[:6]:  # no loss, no image token left for a forward to look for
+        assert not s.loss_mask.any() and not (s.input_ids == pixels.image_token_id).any()
+        assert len(s.pixel_values) == 0
+    assert seqs[6].loss_mask.any() and len(seqs[6].pixel_values) == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"GIF89a not a png", "not a PNG"),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, "IHDR"),
+        ("a string", "expected PNG bytes"),
+    ],
+)
+def test_garbage_image_bytes_are_refused(model_dir, pixels, data, says):
+    g = group(model_dir, "bad", ["red"], np.random.default_rng(2))
+    g.metadata[IMAGES_KEY] = [data]
+    with pytest.raises(RecordError) as e:
+        pixels.encode(g.metadata)
+    assert e.value.reason == "bad_image" and says in str(e.value)
+    seqs, metrics = sequences(model_dir, pixels, [g])
+    assert metrics["vision/refused_samples"] == 2 and not any(s.loss_mask.any() for s in seqs)
+
+
+def test_a_truncated_png_is_refused(model_dir, pixels):
+    g = group(model_dir, "cut", ["red"], np.random.default_rng(3))
+    g.metadata[IMAGES_KEY] = [g.metadata[IMAGES_KEY][0][:60]]
+    with pytest.raises(RecordError, match="bad_image"):
+        pixels.encode(g.metadata)
+
+
+def test_the_driver_and_the_forward_refuse_images_that_do_not_match_their_tokens(model_dir, pixels):
+    """Past the batch builder, a mismatch is a bug: the driver's check names the sequence
+    before any rank sees it, and the forward refuses before its first collective."""
+    from asyncrl.learner.validate import validate_minibatches
+    from asyncrl.learner.vision import image_inputs
+
+    seqs, _ = sequences(model_dir, pixels, [group(model_dir, "g", ["red"], np.random.default_rng(4))])
+    bad = seqs[0]
+    bad.pixel_values = np.concatenate([bad.pixel_values] * 2)
+    bad.pixel_attention_mask = np.concatenate([bad.pixel_attention_mask] * 2)
+    with pytest.raises(ValueError, match="4 image tokens for 2 tiles x 4"):
+        validate_minibatches([seqs], AlgoConfig(), max_positions=512, vocab_size=None, pixels=pixels)
+    with pytest.raises(ValueError, match="carries images, and the model has no vision tower"):
+        validate_minibatches([seqs], AlgoConfig(), max_positions=512, vocab_size=None, pixels=None)
+
+    hf = load_plain(model_dir)
+    with pytest.raises(ValueError, match="2 tiles x 4 holds 4 image tokens"):
+        image_inputs(hf, micro([bad], False), torch.device("cpu"))
+    no_images = {k: v for k, v in micro([bad], False).items() if k not in mbatch.IMAGE_FIELDS}
+    with pytest.raises(ValueError, match="4 image tokens and no images"):
+        image_inputs(hf, no_images, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- two ranks
+
+
+def _two_rank_worker(rank: int, store: str, model_dir: str, result: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from asyncrl.learner import fsdp
+
+    # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        torch.set_num_threads(1)
+        pixels = ImagePixels.of(model_dir)
+        rng = np.random.default_rng(5)
+        groups = [group(model_dir, f"g{i}", c, rng) for i, c in enumerate([["red"], ["blue", "green"], ["green"]])]
+        seqs, _ = sequences(model_dir, pixels, groups)
+        # Rank 0: two micro-batches (padded, then packed); rank 1: one, then a padding one.
+        mine = [micro(seqs[:2], False), micro(seqs[2:4], True)] if rank == 0 else [micro(seqs[4:], True)]
+        if rank == 1:
+            mine.append(padding(mine[0]))
+        model = fsdp.load_sharded_model(
+            model_dir, fsdp.build_mesh(torch.device("cpu"), 2), device=torch.device("cpu"), dtype="float32"
+        )
+        logp = prepass(model, mine)
+        grads = run_step(model, mine)  # summed over both ranks (the learner's divide factor 1)
+        rows = [row for lp, mb in zip(logp, mine, strict=False) if not mb[mbatch.PADDING_KEY] for row in lp]
+        torch.save({"rows": rows, "grads": grads if rank == 0 else None}, f"{result}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_one_with_a_padding_microbatch_equal_transformers(model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "result")
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "store"), model_dir, out), nprocs=2, join=True)
+    pixels = ImagePixels.of(model_dir)
+    rng = np.random.default_rng(5)
+    groups = [group(model_dir, f"g{i}", c, rng) for i, c in enumerate([["red"], ["blue", "green"], ["green"]])]
+    seqs, _ = sequences(model_dir, pixels, groups)
+    hf = load_plain(model_dir)
+    got = torch.load(f"{out}.0")["rows"] + torch.load(f"{out}.1")["rows"]
+    for k, s in enumerate(seqs):
+        assert float((got[k][: s.num_tokens] - plain_logprobs(hf, s).detach()).abs().max()) <= TOL, k
+    assert_close_grads(torch.load(f"{out}.0")["grads"], plain_grads(hf, seqs))
