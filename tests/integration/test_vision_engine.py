@@ -193,8 +193,9 @@ def test_hostile_prompts_stop_before_the_engine_and_the_engine_goes_on(loop, par
 
     # vLLM's own refusal of more images than placeholders: an error for that request alone
     (image,) = check_group_images(meta, ImageLimits())
-    with pytest.raises(Exception, match=r"(?i)placeholder|image"):
+    with pytest.raises(Exception) as refused:  # vLLM's EngineGenerateError, its reason as the cause
         loop.run_until_complete(engine.generate(ids, 1, "raw:more", images=[image, image]))
+    assert "placeholders" in f"{refused.value} {refused.value.__cause__}"
     assert not engine.llm.errored
     group = loop.run_until_complete(maker.make(PromptItem("vl:after", text, meta, ids)))
     assert len(group.prompt_ids) == len(ids) + 6 and len(group.samples) == N

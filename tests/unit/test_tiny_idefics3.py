@@ -182,18 +182,21 @@ def test_the_engine_prompt_ids_must_hold_each_images_tokens(tiny_idefics3):
         engine_prompt_ids([img], None, 1, vision)
 
 
-def test_idefics3_is_refused_until_the_learner_takes_images_qwen2_vl_for_torchvision(tiny_idefics3, monkeypatch):
+def test_idefics3_is_accepted_with_a_learner_that_takes_images_qwen2_vl_refused_for_torchvision(
+    tiny_idefics3, monkeypatch
+):
     from asyncrl.rollout import families
 
-    with pytest.raises(families.ModelRefused, match=r"model_type idefics3\): the generators hand .* but the learner"):
-        families.check_model(str(tiny_idefics3))
+    assert families.check_model(str(tiny_idefics3)) is families.IDEFICS3
     for model_type in ("qwen2_vl", "qwen2_5_vl"):
         with pytest.raises(families.ModelRefused, match=r"cannot load without torchvision.*Idefics3 \(SmolVLM\)"):
             families.check_config("m", {"model_type": model_type, "vision_config": {}})
     with pytest.raises(families.ModelRefused, match="the generators do not hand prompt images to"):
         families.check_config("m", {"model_type": "llava", "vision_config": {}})
-    monkeypatch.setattr(families, "LEARNER_TAKES_IMAGES", True)
-    assert families.check_model(str(tiny_idefics3)) is families.IDEFICS3
+    # the guard: without a learner that feeds pixel values, an image run would train on text alone
+    monkeypatch.setattr(families, "LEARNER_TAKES_IMAGES", False)
+    with pytest.raises(families.ModelRefused, match=r"model_type idefics3\): the generators hand .* but the learner"):
+        families.check_model(str(tiny_idefics3))
 
 
 def test_check_says_what_the_engine_gets(tiny_idefics3):
