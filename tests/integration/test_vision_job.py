@@ -76,3 +76,7 @@ def test_a_vision_language_run_trains_on_its_images_end_to_end(ray_session, tmp_
     vision = ["model.vision_model.encoder.layers.0.mlp.fc1.weight", "model.connector.modality_projection.proj.weight"]
     for name in vision:
         assert not after[name].equal(before[name]), name
+    # and the export is a vision-language model folder: its processor expands an image as the run's did
+    from transformers import AutoProcessor
+
+    assert AutoProcessor.from_pretrained(str(run_dir / "hf" / "final")).image_seq_len == 4
