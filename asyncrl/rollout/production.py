@@ -42,6 +42,7 @@ from asyncrl.queue.runstate import RunState
 from asyncrl.rollout.engine import RequestAborted, RolloutEngine
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.prompts import PromptItem
+from asyncrl.rollout.vision_prompts import PromptImageError
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.types import RolloutGroup
 
@@ -177,9 +178,16 @@ class Production:
         reissued = self.run_state.pop_reissued()
         if reissued is not None:
             prompt_id, text, metadata = reissued.prompt_id, reissued.text, reissued.metadata
+            try:
+                ids = self.encode(text, metadata)
+            except PromptImageError as e:  # read back from Redis: untrusted, skipped with the reason
+                log.warning("%s: re-issued prompt %r skipped: %s", self.generator_id, prompt_id[:200], e)
+                self.counts.prompts_skipped += 1
+                self.run_state.incr("prompts_skipped")
+                return None
         else:
             prompt_id, text, metadata = next(self.prompts)
-        ids = self.encode(text, metadata)
+            ids = self.encode(text, metadata)  # a bad image from the environment stops the generator
         if self.groups.prompt_length(ids, metadata) > self.rollout.max_prompt_tokens:  # images expanded
             self.counts.prompts_skipped += 1
             self.run_state.incr("prompts_skipped")
