@@ -221,3 +221,61 @@ def test_check_says_what_the_engine_gets(tiny_idefics3):
     # the engine is built for at most max_images a prompt (vLLM's default, 999, is profiled at start-up)
     args = engine_args(RolloutConfig(), str(tiny_idefics3), 0, platform="cpu")
     assert args.limit_mm_per_prompt == {"image": 4}
+
+
+class ExpandingEngine:
+    """What GroupMaker reads of its engine, answering as vLLM does for Idefics3 (each ``<image>``
+    expanded to the image's tokens in the prompt ids it reports): the plumbing between the
+    encoder, GroupMaker and the record. The real engine: tests/integration/test_vision_engine.py."""
+
+    version = 0
+
+    def __init__(self, vision, tok):
+        self.vision, self.tok = vision, tok
+        self.requests: list[tuple[list[int], list]] = []
+
+    async def generate(self, prompt_ids, n, request_id, images=None, **kw):
+        from asyncrl.rollout.completions import Completion
+
+        self.requests.append((list(prompt_ids), list(images or [])))
+        one = self.tok.convert_tokens_to_ids(["<fake_token_around_image>", "<global-img>"])
+        image = [one[0], one[1], *[self.vision.image_token_id] * 4, one[0]]
+        ran = [t for i in prompt_ids for t in (image if i == self.vision.image_token_id else [i])]
+        return [Completion([40, 41], [-1.0, -1.0], [0, 0], "length", prompt_ids=ran) for _ in range(n)]
+
+
+def test_a_group_carries_the_engines_expanded_ids_and_hands_it_the_decoded_images(tiny_idefics3, encode):
+    import asyncio
+    import random
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.config import Config
+    from asyncrl.data.images import IMAGES_KEY
+    from asyncrl.rollout.envs.colour import ColourEnv
+    from asyncrl.rollout.groups import GroupMaker
+    from asyncrl.rollout.prompts import PromptItem
+    from asyncrl.rollout.vision_prompts import PromptImageError, VisionModel
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_idefics3))
+    vision = VisionModel.of(str(tiny_idefics3))
+    engine = ExpandingEngine(vision, tok)
+    cfg = Config()
+    cfg.rollout.n_samples = 2
+    env = ColourEnv()
+    maker = GroupMaker(cfg, env, tok, engine, "g", vision)  # type: ignore[arg-type]
+    text, meta = env.make_prompt(random.Random(0))
+    ids = encode(text, meta)
+    group = asyncio.run(maker.make(PromptItem("p:0", text, meta, ids)))
+    ((given, images),) = engine.requests
+    assert given == ids and [i.size for i in images] == [(56, 56)]  # one placeholder, the decoded image
+    assert len(group.prompt_ids) == 14 == maker.prompt_length(ids, meta)
+    assert int((group.prompt_ids == vision.image_token_id).sum()) == 4
+    assert group.metadata[IMAGES_KEY] == meta[IMAGES_KEY]
+    # a text model's maker refuses the images; a placeholder without one never reaches the engine
+    with pytest.raises(PromptImageError, match="not a vision-language model"):
+        asyncio.run(GroupMaker(cfg, env, tok, engine, "g").make(PromptItem("p:1", text, meta, ids)))  # type: ignore[arg-type]
+    bare = {k: v for k, v in meta.items() if k != IMAGES_KEY}
+    with pytest.raises(PromptImageError, match="but no images"):
+        asyncio.run(maker.make(PromptItem("p:2", text, bare, ids)))
+    assert len(engine.requests) == 1
