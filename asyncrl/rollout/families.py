@@ -166,4 +166,6 @@ def describe(model: str) -> str:
         return f"model family: not checked ({model!r} is not a local model directory)"
     if family is None:
         return f"model family: {config.get('model_type')!r} is not among the tested ones (docs/guide/models.md)"
+    if family is IDEFICS3:  # not in the text families' parity matrix: its own tests (the guide)
+        return f"model family: {family.name}, vision-language (needs: {family.needs}; docs/guide/vision.md)"
     return f"model family: {family.name} (tested at parity; needs: {family.needs})"

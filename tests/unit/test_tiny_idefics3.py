@@ -279,3 +279,10 @@ def test_a_group_carries_the_engines_expanded_ids_and_hands_it_the_decoded_image
     with pytest.raises(PromptImageError, match="but no images"):
         asyncio.run(maker.make(PromptItem("p:2", text, bare, ids)))
     assert len(engine.requests) == 1
+
+
+def test_check_names_the_vision_family_without_claiming_the_text_parity_matrix(tiny_idefics3):
+    from asyncrl.rollout import families
+
+    line = families.describe(str(tiny_idefics3))
+    assert line.startswith("model family: Idefics3 / SmolVLM, vision-language") and "parity" not in line
