@@ -334,6 +334,15 @@ def test_the_driver_and_the_forward_refuse_images_that_do_not_match_their_tokens
         image_inputs(hf, no_images, torch.device("cpu"))
 
 
+def test_a_model_whose_pad_token_is_its_image_token_is_refused(model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.pad_token_id = config.image_token_id
+    with pytest.raises(ValueError, match="pad_token_id is the image token"):
+        ImagePixels.of(model_dir, config=config)
+
+
 # ---------------------------------------------------------------- two ranks
 
 
