@@ -186,7 +186,7 @@ def shard_model(
     blocks = [b for b in decoder_blocks(model) if id(b) not in inside]  # the text model's
     if activation_checkpointing:
         checkpoint_blocks(blocks)
-    for unit in vision:  # before the text blocks: they run first in every forward
+    for unit in vision:  # innermost first: a module is sharded before any module holding it
         fully_shard(unit, **kwargs)
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)

@@ -107,6 +107,8 @@ class LearnerGroup:
         self.vocab_size = int(text.vocab_size)
         # A vision-language model's image processor: build_minibatches makes pixel values with it.
         self.pixels = ImagePixels.of(model_path, config=hf)
+        if self.pixels is not None and cfg.algo.critic.enabled:
+            raise ValueError("algo.critic: not for a vision-language model (the critic is a text model's value head)")
         self._version = 0
         self._broken: str | None = None
         self.actors: list = []

@@ -334,6 +334,25 @@ def test_the_driver_and_the_forward_refuse_images_that_do_not_match_their_tokens
         image_inputs(hf, no_images, torch.device("cpu"))
 
 
+def test_a_model_whose_pad_token_is_its_image_token_is_refused(model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.pad_token_id = config.image_token_id
+    with pytest.raises(ValueError, match="pad_token_id is the image token"):
+        ImagePixels.of(model_dir, config=config)
+
+
+def test_a_critic_is_refused_for_a_vision_model_before_ray(model_dir):
+    from asyncrl.config import Config
+    from asyncrl.learner import LearnerGroup
+
+    cfg = Config()
+    cfg.algo = AlgoConfig(advantage_estimator="gae", critic={"enabled": True})
+    with pytest.raises(ValueError, match=r"algo\.critic: not for a vision-language model"):
+        LearnerGroup(cfg, model_dir, num_ranks=1, sample_special_tokens=False)
+
+
 # ---------------------------------------------------------------- two ranks
 
 
