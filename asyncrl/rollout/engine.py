@@ -220,6 +220,11 @@ class RolloutEngine(WeightUpdates):
             raise RequestAborted(
                 f"request {request_id} was aborted after {max(len(c.token_ids) for c in final.outputs)} tokens"
             )
+        if any(c.finish_reason == "error" for c in final.outputs):
+            # vLLM's retryable request-level error, e.g. a prompt image its engine core no longer
+            # caches after another request with it failed ("P0/P1 cache drift"): no tokens, and
+            # the frontend resends the image on the next try. Never a sample; run it again.
+            raise RequestAborted(f"request {request_id} ended in a retryable engine error (finish_reason 'error')")
         return completions(final, self.version, submitted)
 
     async def warm_up(

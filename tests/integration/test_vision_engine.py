@@ -209,5 +209,17 @@ def test_hostile_prompts_stop_before_the_engine_and_the_engine_goes_on(loop, par
         loop.run_until_complete(engine.generate(ids, 1, "raw:more", images=[image, image]))
     assert "placeholders" in f"{refused.value} {refused.value.__cause__}"
     assert not engine.llm.errored
-    group = loop.run_until_complete(maker.make(PromptItem("vl:after", text, meta, ids)))
+    # The refused request leaves vLLM's front end believing its engine core caches the image
+    # ("P0/P1 cache drift"): the next request with it may end with no tokens and finish_reason
+    # "error", vLLM's retryable error. That is never a sample: RequestAborted, and the generator
+    # runs the prompt again (asyncrl.rollout.production), with the image resent.
+    from asyncrl.rollout.engine import RequestAborted
+
+    item = PromptItem("vl:after", text, meta, ids)
+    try:
+        group = loop.run_until_complete(maker.make(item))
+    except RequestAborted as e:
+        assert "retryable engine error" in str(e)
+        group = loop.run_until_complete(maker.make(item))
     assert len(group.prompt_ids) == len(ids) + 6 and len(group.samples) == N
+    assert all(1 <= s.num_tokens <= 4 for s in group.samples)
