@@ -286,3 +286,47 @@ def test_check_names_the_vision_family_without_claiming_the_text_parity_matrix(t
 
     line = families.describe(str(tiny_idefics3))
     assert line.startswith("model family: Idefics3 / SmolVLM, vision-language") and "parity" not in line
+
+
+class OneAnswerLLM:
+    """vLLM's AsyncLLM as RolloutEngine.generate reads it: one final output per request, whose
+    finish reason is given; the prompts it was handed are kept."""
+
+    errored = False
+
+    def __init__(self, finish_reason: str):
+        self.finish_reason = finish_reason
+        self.prompts: list[dict] = []
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from types import SimpleNamespace
+
+        self.prompts.append(prompt)
+        tokens = [] if self.finish_reason == "error" else [5]
+        out = SimpleNamespace(
+            index=0, token_ids=tokens, logprobs=None, weight_versions=None, finish_reason=self.finish_reason
+        )
+        yield SimpleNamespace(outputs=[out], prompt_token_ids=[7, 7, 7], num_cached_tokens=0)
+
+
+def test_the_engine_hands_vllm_the_images_and_retries_its_retryable_error():
+    """vLLM ends a request whose image its engine core lost (front-end/engine-core cache drift,
+    after another request with that image failed) with no tokens and finish_reason 'error', its
+    retryable error: that is RequestAborted (the generator runs the prompt again), not a sample."""
+    import asyncio
+
+    from PIL import Image
+
+    from asyncrl.config import Config
+    from asyncrl.rollout.engine import RequestAborted, RolloutEngine
+
+    image = Image.new("RGB", (8, 8))
+    engine = RolloutEngine(OneAnswerLLM("length"), Config().rollout, "unused", [], seed=0)
+    (done,) = asyncio.run(engine.generate([60, 16], 1, "r:0", images=[image]))
+    assert engine.llm.prompts[0]["multi_modal_data"] == {"image": [image]}
+    assert engine.llm.prompts[0]["prompt_token_ids"] == [60, 16] and done.prompt_ids == [7, 7, 7]
+    asyncio.run(engine.generate([16], 1, "r:1"))
+    assert "multi_modal_data" not in engine.llm.prompts[1]  # a text prompt as before
+    engine.llm = OneAnswerLLM("error")
+    with pytest.raises(RequestAborted, match="retryable engine error"):
+        asyncio.run(engine.generate([60, 16], 1, "r:2", images=[image]))
