@@ -330,3 +330,37 @@ def test_the_engine_hands_vllm_the_images_and_retries_its_retryable_error():
     engine.llm = OneAnswerLLM("error")
     with pytest.raises(RequestAborted, match="retryable engine error"):
         asyncio.run(engine.generate([60, 16], 1, "r:2", images=[image]))
+
+
+def test_a_group_made_here_is_what_the_learner_takes(tiny_idefics3, encode):
+    """The interface between the halves: a group GroupMaker made (expanded ids as vLLM reports
+    them, the PNG bytes once) becomes learner sequences with one image tile each, none refused."""
+    import asyncio
+    import random
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.config import AlgoConfig, Config
+    from asyncrl.data.batch import build_minibatches
+    from asyncrl.data.pixels import ImagePixels
+    from asyncrl.rollout.envs.colour import ColourEnv
+    from asyncrl.rollout.groups import GroupMaker
+    from asyncrl.rollout.prompts import PromptItem
+    from asyncrl.rollout.vision_prompts import VisionModel
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_idefics3))
+    vision = VisionModel.of(str(tiny_idefics3))
+    cfg = Config()
+    cfg.rollout.n_samples = 2
+    env = ColourEnv()
+    maker = GroupMaker(cfg, env, tok, ExpandingEngine(vision, tok), "g", vision)  # type: ignore[arg-type]
+    groups = []
+    for k in range(2):
+        text, meta = env.make_prompt(random.Random(k))
+        groups.append(asyncio.run(maker.make(PromptItem(f"p:{k}", text, meta, encode(text, meta)))))
+    for g, s in zip(groups, (0.0, 1.0), strict=True):  # rewards with a spread: advantages not all 0
+        g.samples[0].reward, g.samples[1].reward = s, 1.0 - s
+    pixels = ImagePixels.of(str(tiny_idefics3))
+    (seqs,), metrics = build_minibatches(groups, AlgoConfig(), num_minibatches=1, pixels=pixels)
+    assert len(seqs) == 4 and metrics.get("vision/refused_samples", 0) == 0
+    assert all(s.pixel_values is not None and s.pixel_values.shape == (1, 3, 64, 64) for s in seqs)
