@@ -41,6 +41,7 @@ def rollout_config() -> RolloutConfig:
         env_kwargs={},
         chat_template=True,
         engine_max_model_len=128,
+        max_prompt_tokens=64,
         engine_max_num_seqs=8,
         seed=11,
     )
@@ -111,16 +112,17 @@ def hf_logprobs(hf, prompt_ids, images, response) -> torch.Tensor:
     model, processor = hf
     allowed = torch.tensor(sampleable_ids(processor.tokenizer))
     pix = processor.image_processor(images=[images], return_tensors="pt")
-    ids = torch.tensor([list(prompt_ids) + list(response)])
+    prompt, response = [int(t) for t in prompt_ids], [int(t) for t in response]
+    ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(
             input_ids=ids, pixel_values=pix["pixel_values"], pixel_attention_mask=pix["pixel_attention_mask"]
         ).logits
-    logits = logits[0, len(prompt_ids) - 1 : -1].double() / TEMPERATURE
+    logits = logits[0, len(prompt) - 1 : -1].double() / TEMPERATURE
     masked = torch.full_like(logits, float("-inf"))
     masked[:, allowed] = logits[:, allowed]
     lp = torch.log_softmax(masked, -1)
-    return lp.gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+    return lp.gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
 def test_a_colour_group_carries_the_engines_expanded_prompt_and_its_image_once(loop, parts, hf):
