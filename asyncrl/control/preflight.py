@@ -34,12 +34,13 @@ from asyncrl.config.base import is_hub_id
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.control.preflight_gpu import cuda_devices, gpu_fit
 from asyncrl.control.preflight_model import check_model, hub_offline_if_unreachable
+from asyncrl.data.images import IMAGES_KEY
 from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import PromptSourceError, SourceCheck, check_chat_template, check_source
 from asyncrl.rollout.sampling import check_routing_replay, engine_args, transfer_backend
-from asyncrl.rollout.vision_prompts import describe_images
+from asyncrl.rollout.vision_prompts import describe_images, images_refused
 from asyncrl.rundir.store import StorageError, check_writable, is_url, run_path
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.nccl import NcclWeightSync
@@ -192,7 +193,11 @@ def check_imports(cfg: Config) -> list[str]:
         raise ConfigError(str(e)) from e
     lines = [f"rollout.env={r.env}: imported and built" + (" (makes the prompts)" if not r.prompts else "")]
     if drawn is not None:  # read and decoded as a generator will, and what its engine gets
-        lines += describe_images(r.model, r.chat_template, drawn[0], metadata, f"rollout.env={r.env}")
+        where = f"rollout.env={r.env}"
+        refused = images_refused(r.env, env.multi_turn, r.teacher is not None)
+        if refused is not None and IMAGES_KEY in metadata:
+            raise ConfigError(f"{where}: a drawn prompt carries images, but {refused}")
+        lines += describe_images(r.model, r.chat_template, drawn[0], metadata, where)
     lines += [_reward_line(i, spec) for i, spec in enumerate(r.rewards)]
     if r.teacher is not None:
         from asyncrl.rollout.teacher import check_line

@@ -74,7 +74,7 @@ from asyncrl.rollout.recovery import (
 )
 from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.stats import GeneratorStats, TokenRate
-from asyncrl.rollout.vision_prompts import VisionModel, prompt_images, with_images
+from asyncrl.rollout.vision_prompts import VisionModel, images_refused, prompt_images, with_images
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.model_ship import local_model
@@ -178,7 +178,8 @@ class GeneratorActor:
         # One encoding for drawn, re-issued and warm-up prompts (the chat template, if any).
         # A vision-language model's prompts carry images: checked as each prompt is drawn.
         self.vision = VisionModel.of(model_path)
-        self.encode = with_images(prompt_encoder(self.tokenizer, r.chat_template), self.vision, ImageLimits())
+        refused = images_refused(r.env, self.env.multi_turn, r.teacher is not None)
+        self.encode = with_images(prompt_encoder(self.tokenizer, r.chat_template), self.vision, ImageLimits(), refused)
         return model_path
 
     def _start_loop(self) -> None:

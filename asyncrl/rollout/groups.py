@@ -42,7 +42,13 @@ from asyncrl.rollout.envs.multiturn import (
 from asyncrl.rollout.prompts import PromptItem
 from asyncrl.rollout.scoring import RewardLimits, RewardScorer, Score
 from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs
-from asyncrl.rollout.vision_prompts import PromptImageError, VisionModel, engine_prompt_ids, prompt_images
+from asyncrl.rollout.vision_prompts import (
+    PromptImageError,
+    VisionModel,
+    engine_prompt_ids,
+    images_refused,
+    prompt_images,
+)
 from asyncrl.types import RolloutGroup, Sample
 
 REWARD_FAILED_KEY = "reward_failed"
@@ -105,13 +111,14 @@ class GroupMaker:
         failed: list[int] = []
         prompt_ids = item.ids
         if self.env.multi_turn:
-            if IMAGES_KEY in item.metadata:  # every turn would be sampled without the images
-                raise PromptImageError(f"rollout.env={self.rollout.env!r} is multi-turn: it takes no prompt images yet")
+            if IMAGES_KEY in item.metadata:  # the encoder refuses these first (images_refused)
+                why = images_refused(self.rollout.env, True, False)
+                raise PromptImageError(f"the prompt carries images, but {why}")
             samples, counts, failed = await self._multi_turn_samples(item, n, temperature)
         else:
             images = prompt_images(item.metadata, item.ids, self.vision, self.image_limits)
             if images and self.teacher is not None and teacher:
-                raise PromptImageError("rollout.teacher scores prompts without their images: not with image prompts")
+                raise PromptImageError(f"the prompt carries images, but {images_refused('', False, True)}")
             prompt_len = self.prompt_length(item.ids, item.metadata)
             max_tokens = item.metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
             if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):

@@ -122,14 +122,30 @@ def prompt_images(
     return images
 
 
+def images_refused(env_name: str, multi_turn: bool, teacher: bool) -> str | None:
+    """Why this run's prompts may not carry images (None: they may): what would sample or score
+    them without their images."""
+    if multi_turn:
+        return f"rollout.env={env_name!r} is multi-turn: it takes no prompt images yet (its turns would go without)"
+    if teacher:
+        return "rollout.teacher scores prompts without their images: not with image prompts yet"
+    return None
+
+
 def with_images(
-    encode: Callable[[str, dict[str, Any]], list[int]], vision: VisionModel | None, limits: ImageLimits
+    encode: Callable[[str, dict[str, Any]], list[int]],
+    vision: VisionModel | None,
+    limits: ImageLimits,
+    refused: str | None = None,
 ) -> Callable[[str, dict[str, Any]], list[int]]:
     """``encode`` that also checks the prompt's images (``prompt_images``) as each prompt is drawn,
-    so a bad one stops the generator with its reason before it is admitted or sampled."""
+    so a bad one stops the generator with its reason before it is admitted or sampled;
+    ``refused`` (``images_refused``): why this run takes no images at all."""
 
     def checked(text: str, metadata: dict[str, Any]) -> list[int]:
         ids = encode(text, metadata)
+        if refused is not None and IMAGES_KEY in metadata:
+            raise PromptImageError(f"the prompt carries images, but {refused}")
         prompt_images(metadata, ids, vision, limits)
         return ids
 

@@ -364,3 +364,25 @@ def test_a_group_made_here_is_what_the_learner_takes(tiny_idefics3, encode):
     (seqs,), metrics = build_minibatches(groups, AlgoConfig(), num_minibatches=1, pixels=pixels)
     assert len(seqs) == 4 and metrics.get("vision/refused_samples", 0) == 0
     assert all(s.pixel_values is not None and s.pixel_values.shape == (1, 3, 64, 64) for s in seqs)
+
+
+def test_a_run_that_would_sample_or_score_without_the_images_refuses_them_as_drawn(tiny_idefics3):
+    """Multi-turn environments and a teacher take no images yet: refused at the first prompt with
+    images (a generator stops with the reason), not one failed group at a time."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.data.images import ImageLimits
+    from asyncrl.rollout.prompts import prompt_encoder
+    from asyncrl.rollout.vision_prompts import PromptImageError, VisionModel, images_refused, with_images
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_idefics3))
+    vision = VisionModel.of(str(tiny_idefics3))
+    assert images_refused("colour", False, False) is None
+    for refused, why in [
+        (images_refused("countdown_chat", True, False), r"rollout.env='countdown_chat' is multi-turn"),
+        (images_refused("colour", False, True), r"rollout.teacher scores prompts without their images"),
+    ]:
+        encode = with_images(prompt_encoder(tok, True), vision, ImageLimits(), refused)
+        with pytest.raises(PromptImageError, match=rf"the prompt carries images, but {why}"):
+            encode("colour?", _meta([_png()]))
+        assert encode("abc", {}) == tok.encode("abc")  # a text prompt of the same run passes
