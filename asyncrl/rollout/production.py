@@ -218,6 +218,11 @@ class Production:
             group = await self.groups.make(item)
         except asyncio.CancelledError:
             raise
+        except PromptImageError as e:
+            # Checked as drawn, so what is left is the engine's expansion disagreeing with the
+            # model's image tokens: every prompt would fail alike. Stop, with the reason.
+            self.on_fail(f"prompt {item.prompt_id}: its images cannot be sampled", e)
+            return
         except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
             self.counts.group_errors += 1
             if isinstance(e, RequestAborted):  # its partial tokens were never scored nor put
