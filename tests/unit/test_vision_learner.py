@@ -85,8 +85,9 @@ def sequences(model_dir, pixels, groups):
     return minibatches[0], metrics
 
 
-def plain_logprobs(hf, seq) -> torch.Tensor:
-    """transformers' own forward on one sequence (its default attention), no FSDP, no asyncrl."""
+def plain_logprobs(hf, seq, disallowed=None) -> torch.Tensor:
+    """transformers' own forward on one sequence (its default attention), no FSDP, no asyncrl;
+    `disallowed` tokens masked out of the softmax as the engines mask them."""
     ids = torch.as_tensor(seq.input_ids.astype(np.int64))[None]
     kw = {}
     if seq.pixel_values is not None and len(seq.pixel_values):
@@ -95,6 +96,8 @@ def plain_logprobs(hf, seq) -> torch.Tensor:
             "pixel_attention_mask": torch.as_tensor(seq.pixel_attention_mask)[None],
         }
     logits = hf(input_ids=ids, **kw).logits[0].float()
+    if disallowed is not None:
+        logits = logits.masked_fill(disallowed, -1e4)
     logp = torch.log_softmax(logits[:-1] / TEMP, -1).gather(-1, ids[0, 1:, None])[:, 0]
     return torch.cat([torch.zeros(1), logp])
 
@@ -237,6 +240,61 @@ def test_the_reference_the_parity_path_and_checkpointing_use_the_images(model_di
 
     checkpointed = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32", activation_checkpointing=True)
     assert_close_grads(run_step(checkpointed, [micro(seqs[:3], True), micro(seqs[3:], False)]), plain_grads(hf, seqs))
+
+
+def test_a_learner_rank_trains_on_image_records(model_dir, pixels, mesh):
+    """LearnerActor's own endpoints, as LearnerActor.setup builds a rank (no Ray): records through
+    the wire codec, the driver's batch and checks, two mini-batches (the proximal pass stored
+    first), a KL reference, the parity gate's log-probs, a publish. The step moves the vision
+    tower and the connector."""
+    from asyncrl.config import load_config
+    from asyncrl.data.codec import decode_group, encode_group
+    from asyncrl.learner import fsdp, loss, optim
+    from asyncrl.learner.actor import LearnerActor
+    from asyncrl.learner.group import FIELD_DTYPES
+    from asyncrl.learner.validate import validate_minibatches
+
+    cfg = load_config(None, [f"rollout.model={model_dir}", "control.total_steps=4", "learner.lr=1e-2"])
+    cfg.algo.kl_coef, cfg.rollout.temperature = 0.1, TEMP
+    actor = LearnerActor(cfg, model_dir, rank=0, world_size=1, sample_special_tokens=False)
+    cpu = actor.device = torch.device("cpu")
+    actor.model = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32")
+    actor.reference = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32", trainable=False)
+    actor.optimizer = optim.build_optimizer(actor.model.parameters(), cfg.learner)
+    actor.scheduler = optim.build_scheduler(actor.optimizer, cfg.learner, total_steps=4)
+    actor.sampling = loss.Sampling.of(cfg.rollout)
+    actor.logprob_fn = actor.sampling.logprob_fn()
+    actor.disallowed = actor._disallowed_tokens()  # the text config's vocabulary
+    actor.pad_token_id = 0
+    assert actor.disallowed is not None and bool(actor.disallowed[pixels.image_token_id])
+
+    rng = np.random.default_rng(7)
+    records = [group(model_dir, f"g{i}", c, rng) for i, c in enumerate([["red"], ["blue", "green"]])]
+    records = [decode_group(encode_group(g)) for g in records]
+    minibatches, _ = build_minibatches(records, cfg.algo, num_minibatches=2, pixels=pixels)
+    validate_minibatches(minibatches, cfg.algo, max_positions=512, vocab_size=None, pixels=pixels)
+    plans = [[[mbatch.seq_fields(s) for s in mb]] for mb in minibatches]
+    before = {k: v.clone() for k, v in fsdp.full_state_dict(actor.model).items()}
+    actor.store_proximal(1, plans[1], 1, dict(FIELD_DTYPES))
+    for j, plan in enumerate(plans):
+        result = actor.train_minibatch(plan, 1, dict(FIELD_DTYPES), proximal_key=j if j else None)
+        assert np.isfinite(result.grad_norm) and result.grad_norm > 0
+    assert actor.version == 2
+    after = actor._weights(full=False)
+    assert after.keys() == before.keys()
+    for part in (
+        "model.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "model.connector.modality_projection.proj.weight",
+    ):
+        assert float((after[part] - before[part]).abs().max()) > 1e-4, part
+
+    seqs = [s for mb in minibatches for s in mb]
+    got = actor.logprobs([[mbatch.forward_fields(s) for s in seqs]], 1, TEMP)[0]
+    trained = load_plain(model_dir)
+    trained.load_state_dict(after)
+    for row, s in zip(got, seqs, strict=True):  # the response: a prompt's special tokens are masked out
+        want = plain_logprobs(trained, s, actor.disallowed).detach().numpy()
+        assert float(np.abs(row[s.loss_mask > 0] - want[s.loss_mask > 0]).max()) <= TOL
 
 
 def test_the_publish_carries_the_checkpoints_names_and_shapes(model_dir, mesh):
