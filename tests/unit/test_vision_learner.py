@@ -344,6 +344,22 @@ def test_records_whose_images_do_not_fit_are_refused_with_the_reason(model_dir, 
     assert seqs[6].loss_mask.any() and len(seqs[6].pixel_values) == 1
 
 
+def test_a_sampled_image_token_is_refused_with_the_reason(model_dir, pixels, caplog):
+    """A run whose engines may sample special tokens can sample the image token; the model
+    would look for features no image backs. That sample is refused, its group's others train."""
+    from asyncrl.learner.validate import validate_minibatches
+
+    g = group(model_dir, "s", ["red"], np.random.default_rng(8))
+    g.samples[1].response_ids[1] = pixels.image_token_id
+    with caplog.at_level("WARNING"):
+        seqs, metrics = sequences(model_dir, pixels, [g])
+    assert metrics["vision/refused_samples"] == 1
+    assert "image_tokens: the response holds 1 image token(s)" in caplog.text
+    assert seqs[0].loss_mask.any() and len(seqs[0].pixel_values) == 1
+    assert not seqs[1].loss_mask.any() and not (seqs[1].input_ids == pixels.image_token_id).any()
+    validate_minibatches([seqs], AlgoConfig(), max_positions=512, vocab_size=None, pixels=pixels)
+
+
 @pytest.mark.parametrize(
     ("data", "says"),
     [
