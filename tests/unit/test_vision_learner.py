@@ -190,10 +190,18 @@ def test_one_rank_logprobs_and_gradients_with_images_equal_transformers(model_di
 
     model = fsdp.load_sharded_model(model_dir, mesh, device=torch.device("cpu"), dtype="float32")
     assert len(fsdp.vision_units(model)) == 3  # the encoder layer, the tower, the connector
+    encoded = []  # tiles per pass of the vision tower
+    model.model.vision_model.register_forward_pre_hook(
+        lambda _m, _a, kw: encoded.append(len(kw["pixel_values"])), with_kwargs=True
+    )
     for packed in (False, True):
         mbs = [micro(seqs[:3], packed), micro(seqs[3:], packed)]
         mbs.append(padding(mbs[0]))  # no images: it runs on a stand-in one
+        encoded.clear()
         got = prepass(model, mbs)
+        # g0's two samples share their image (1 tile), g1's first sample has 2; then g1's
+        # second sample (2) with g2's text; the padding micro-batch's stand-in.
+        assert encoded == [3, 2, 1]
         rows = [row for lp, mb in zip(got[:2], mbs[:2], strict=True) for row in lp[: len(mb["input_ids"])]]
         for k, (s, w) in enumerate(zip(seqs, want, strict=True)):
             assert float((rows[k][: s.num_tokens] - w).abs().max()) <= TOL, (packed, k)
