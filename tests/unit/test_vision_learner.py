@@ -324,6 +324,18 @@ def test_the_publish_carries_the_checkpoints_names_and_shapes(model_dir, mesh):
     )
 
 
+def test_a_groups_samples_share_one_tile_after_pickling(model_dir, pixels):
+    """A rank's plan arrives pickled (Ray: protocol 5, arrays out of band); the samples of a
+    group still hold one array, so the micro-batch encodes their image once."""
+    import pickle
+
+    seqs, _ = sequences(model_dir, pixels, [group(model_dir, "g", ["red", "blue"], np.random.default_rng(9), n=3)])
+    buffers: list = []
+    data = pickle.dumps([mbatch.seq_fields(s) for s in seqs], protocol=5, buffer_callback=buffers.append)
+    mb = mbatch.collate(pickle.loads(data, buffers=buffers), pad_token_id=0)
+    assert mb[mbatch.PIXEL_VALUES].shape[1] == 2 and mb[mbatch.TILE_INDEX].tolist() == [0, 1] * 3
+
+
 # ---------------------------------------------------------------- refusals
 
 
