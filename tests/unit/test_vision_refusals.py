@@ -145,11 +145,16 @@ def test_a_model_whose_pad_token_is_its_image_token_is_refused(model_dir):
         ImagePixels.of(model_dir, config=config)
 
 
-def test_a_critic_is_refused_for_a_vision_model_before_ray(model_dir):
+def test_a_critic_or_lora_is_refused_for_a_vision_model_before_ray(model_dir):
     from asyncrl.config import Config
+    from asyncrl.config.training import LoraConfig
     from asyncrl.learner import LearnerGroup
 
     cfg = Config()
     cfg.algo = AlgoConfig(advantage_estimator="gae", critic={"enabled": True})
     with pytest.raises(ValueError, match=r"algo\.critic: not for a vision-language model"):
+        LearnerGroup(cfg, model_dir, num_ranks=1, sample_special_tokens=False)
+    cfg = Config()
+    cfg.learner.lora = LoraConfig()
+    with pytest.raises(ValueError, match=r"learner\.lora: not for a vision-language model"):
         LearnerGroup(cfg, model_dir, num_ranks=1, sample_special_tokens=False)
