@@ -33,14 +33,15 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
    pixel values once and every sequence of the group carries them; a group whose images do
    not decode or whose prompt's image tokens do not match them is left out of the loss like a
    failed reward (``vision/refused_samples``, the reason logged), its image tokens replaced by
-   the pad id so that no forward looks for features it does not have.
+   the pad id so that no forward looks for features it does not have; so is a sample whose
+   response holds the image token.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import numpy as np
@@ -123,15 +124,23 @@ def _attach_pixels(rows: list[_Row], groups: list[RolloutGroup], pixels: ImagePi
             if isinstance(got, RecordError):
                 raise got
             pixels.check_tokens(r.prompt, got)
+            pixels.check_response(r.sample.response_ids)
             r.pixels = got
         except RecordError as e:
             g = groups[r.group_index]
             log.warning("group %r sample %d: not trained (%s: %s)", g.group_id, r.sample_index, e.reason, e.detail)
             r.valid = False
-            r.prompt = np.where(r.prompt == pixels.image_token_id, pad_token_id, r.prompt).astype(r.prompt.dtype)
+            r.prompt = _without(r.prompt, pixels.image_token_id, pad_token_id)
+            r.sample = replace(
+                r.sample, response_ids=_without(r.sample.response_ids, pixels.image_token_id, pad_token_id)
+            )
             r.pixels = pixels.empty()
             refused += 1
     return refused
+
+
+def _without(ids: np.ndarray, token: int, pad_token_id: int) -> np.ndarray:
+    return np.where(ids == token, pad_token_id, ids).astype(ids.dtype)
 
 
 def _padded(arrays: list[np.ndarray], dtype=torch.float64) -> torch.Tensor:

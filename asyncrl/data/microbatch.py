@@ -34,10 +34,11 @@ builds it from the real micro-batches' field list, so it cannot drift from them.
 packed (one token: nothing to gain).
 
 Images (a vision-language model's prompts, TrainSequence.pixel_values): a micro-batch carries
-its sequences' tiles concatenated in row order under PIXEL_VALUES [1, tiles, 3, S, S] and
-PIXEL_MASK [1, tiles, S, S], in both layouts. The model places the tiles' features at the
-image tokens in reading order, row after row of the padded layout, sequence after sequence
-of the packed row: the same order, so both layouts are exact. A padding micro-batch has no
+its distinct tiles under PIXEL_VALUES [1, distinct, 3, S, S] and PIXEL_MASK [1, distinct, S, S]
+(a group's samples share theirs) and TILE_INDEX, its sequences' tiles in row order as rows of
+those, in both layouts. The model places the tiles' features at the image tokens in reading
+order, row after row of the padded layout, sequence after sequence of the packed row: the
+same order, so both layouts are exact. A padding micro-batch has no
 images; the learner's forward gives any micro-batch without images a stand-in one
 (asyncrl.learner.vision.image_inputs), because every rank must run the vision tower's FSDP
 collectives in every micro-batch.
@@ -72,9 +73,11 @@ UNPACK_INDEX = "unpack_index"
 PACKING_FIELDS = (PACKED_IDS, POSITION_IDS, UNPACK_INDEX)
 PIXEL_VALUES = "pixel_values"
 PIXEL_MASK = "pixel_attention_mask"
-IMAGE_FIELDS = (PIXEL_VALUES, PIXEL_MASK)
+TILE_INDEX = "tile_index"
+IMAGE_FIELDS = (PIXEL_VALUES, PIXEL_MASK, TILE_INDEX)
 """A sequence's images (TrainSequence.pixel_values / pixel_attention_mask): per tile, not per
-token; a micro-batch holds its sequences' tiles in row order (module docstring)."""
+token. A micro-batch holds each distinct tile once, and TILE_INDEX [tiles], for each tile of
+its sequences in row order, which of them it is (module docstring)."""
 
 
 def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
@@ -107,17 +110,36 @@ def image_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
 
 
 def _collate_images(seqs: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """The sequences' tiles, in row order, as [1, tiles, ...] tensors; {} without any."""
-    values = [s[PIXEL_VALUES] for s in seqs if PIXEL_VALUES in s and len(s[PIXEL_VALUES])]
+    """The sequences' distinct tiles as [1, distinct, ...] tensors and TILE_INDEX; {} without any.
+
+    A group's samples carry the same array (one per group, asyncrl.data.batch; Ray's pickling
+    of a rank's plan keeps one object one object), so tiles are shared by array identity: the
+    vision tower then encodes a group's images once per micro-batch, not once per sample.
+    Equal arrays that are different objects are encoded twice, which is only slower."""
+    first: dict[int, int] = {}  # id(a sequence's tile array) -> its first row among the distinct tiles
+    values: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    index: list[int] = []
+    rows = 0
+    for s in seqs:
+        tiles = s.get(PIXEL_VALUES)
+        if tiles is None or not len(tiles):
+            continue
+        if id(tiles) not in first:  # every array is alive in `seqs` meanwhile: ids are not reused
+            first[id(tiles)] = rows
+            values.append(tiles)
+            masks.append(s[PIXEL_MASK])
+            rows += len(tiles)
+        index.extend(range(first[id(tiles)], first[id(tiles)] + len(tiles)))
     if not values:
         return {}
-    masks = [s[PIXEL_MASK] for s in seqs if PIXEL_VALUES in s and len(s[PIXEL_VALUES])]
     shapes = {v.shape[1:] for v in values}
     if len(shapes) > 1:
         raise ValueError(f"collate: tiles of different shapes {sorted(shapes)} in one micro-batch")
     return {
         PIXEL_VALUES: torch.from_numpy(np.concatenate(values)).unsqueeze(0),
         PIXEL_MASK: torch.from_numpy(np.concatenate(masks)).unsqueeze(0),
+        TILE_INDEX: torch.tensor(index, dtype=torch.long),
     }
 
 

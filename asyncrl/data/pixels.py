@@ -4,6 +4,7 @@ checked against the image tokens of the engine's prompt.
     pixels = ImagePixels.of(model_dir)                 # None for a text model
     inputs = pixels.encode(group.metadata["images"])   # PixelInputs, or RecordError("bad_image", ...)
     pixels.check_tokens(prompt_ids, inputs)            # RecordError("image_tokens", ...) on a mismatch
+    pixels.check_response(response_ids)                # and on a sampled image token
 
 For an Idefics3-style model (SmolVLM): the engine expands each ``<image>`` of a prompt into
 ``image_seq_len`` image tokens per tile (with splitting off, one tile per image), and the
@@ -139,6 +140,13 @@ class ImagePixels:
                 f"the prompt holds {int(is_image.sum())} image tokens in runs of {runs[:8]}; its "
                 f"{inputs.tiles} image tile(s) need {inputs.tiles} run(s) of {n}",
             )
+
+    def check_response(self, response_ids: np.ndarray) -> None:
+        """RecordError(IMAGE_TOKENS) if a sampled token is the image token: the model would look
+        for features it has no image for (a run that lets its engines sample special tokens)."""
+        sampled = int((np.asarray(response_ids) == self.image_token_id).sum())
+        if sampled:
+            raise RecordError(IMAGE_TOKENS, f"the response holds {sampled} image token(s), which no image backs")
 
 
 def _runs(mask: np.ndarray) -> list[int]:

@@ -109,6 +109,9 @@ class LearnerGroup:
         self.pixels = ImagePixels.of(model_path, config=hf)
         if self.pixels is not None and cfg.algo.critic.enabled:
             raise ValueError("algo.critic: not for a vision-language model (the critic is a text model's value head)")
+        if self.pixels is not None and cfg.learner.lora is not None:
+            # Its default targets (q/k/v_proj) match the vision tower's too, where vLLM's LoRA has none.
+            raise ValueError("learner.lora: not for a vision-language model yet (untested with the vision tower)")
         self._version = 0
         self._broken: str | None = None
         self.actors: list = []

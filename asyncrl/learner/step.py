@@ -26,7 +26,7 @@ from asyncrl.data import microbatch as mbatch
 from asyncrl.data.microbatch import PADDING_KEY
 from asyncrl.learner.context_parallel import ContextParallel
 from asyncrl.learner.routing_replay import mismatch_metric, replay_scope
-from asyncrl.learner.vision import image_inputs
+from asyncrl.learner.vision import image_inputs, shared_tiles
 from asyncrl.types import MetricValue, merge_metrics
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, MetricValue]]]
@@ -97,11 +97,12 @@ def forward_logits(model: nn.Module, mb: dict[str, Any], disallowed: torch.Tenso
     own padded row. A vision-language model's images go with either layout (image_inputs).
     """
     images = image_inputs(model, mb, mbatch.forward_ids(mb).device)
-    if mbatch.is_packed(mb):
-        return policy_logits(
-            model, mb[mbatch.PACKED_IDS], disallowed, position_ids=mb[mbatch.POSITION_IDS], images=images
-        )
-    return policy_logits(model, mb["input_ids"], disallowed, images=images)
+    with shared_tiles(model, mb):  # a group's image encoded once, its features for each sample
+        if mbatch.is_packed(mb):
+            return policy_logits(
+                model, mb[mbatch.PACKED_IDS], disallowed, position_ids=mb[mbatch.POSITION_IDS], images=images
+            )
+        return policy_logits(model, mb["input_ids"], disallowed, images=images)
 
 
 def microbatch_logprobs(

@@ -16,6 +16,8 @@ log-probs: log_softmax(logits / T).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -85,8 +87,9 @@ def image_inputs(model: Any, mb: dict[str, Any], device: Any) -> dict[str, Any]:
     per_tile = image_seq_len(config)
     if mbatch.PIXEL_VALUES in mb:
         values = mb[mbatch.PIXEL_VALUES]
-        if tokens != values.shape[1] * per_tile:
-            raise ValueError(f"a micro-batch with {values.shape[1]} tiles x {per_tile} holds {tokens} image tokens")
+        tiles = len(mb[mbatch.TILE_INDEX]) if mbatch.TILE_INDEX in mb else values.shape[1]
+        if tokens != tiles * per_tile:
+            raise ValueError(f"a micro-batch with {tiles} tiles x {per_tile} holds {tokens} image tokens")
         return {"pixel_values": values.to(device), "pixel_attention_mask": mb[mbatch.PIXEL_MASK].to(device)}
     if tokens:
         raise ValueError(f"a micro-batch holds {tokens} image tokens and no images")
@@ -95,3 +98,24 @@ def image_inputs(model: Any, mb: dict[str, Any], device: Any) -> dict[str, Any]:
         "pixel_values": torch.ones(1, 1, int(vision.num_channels), s, s, device=device),
         "pixel_attention_mask": torch.ones(1, 1, s, s, dtype=torch.bool, device=device),
     }
+
+
+@contextlib.contextmanager
+def shared_tiles(model: Any, mb: dict[str, Any]) -> Iterator[None]:
+    """While `model` runs on `mb`: the vision tower encodes the micro-batch's distinct tiles
+    only (asyncrl.data.microbatch.TILE_INDEX: a group's samples share one image), and the
+    connector's output is laid out one row per tile of the sequences, in their order, which is
+    what the model places at the image tokens. The gradient of a shared tile sums over the
+    sequences that use it, as if each had encoded it. A hook on the connector, inside the
+    model's forward (and so inside FSDP's hooks), for the length of the forward."""
+    index = mb.get(mbatch.TILE_INDEX)
+    if index is None:
+        yield
+        return
+    inner = model.model  # an HF model's base model, or a LoRA reference's wrapped HF model
+    connector = getattr(inner, "connector", None) or inner.model.connector
+    handle = connector.register_forward_hook(lambda _module, _args, out: out.index_select(0, index.to(out.device)))
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -4,9 +4,9 @@ on records whose prompts carry images: the group's PNG bytes become pixel values
 (padded and packed), and reach the FSDP2 forward, whose log-probs equal transformers' plain
 forward (1e-5, float32) and whose gradient reaches the vision tower and the connector, on one
 gloo rank and on two (one of them running a padding micro-batch, which gets a stand-in image:
-every rank runs the vision tower's collectives). Records whose images do not decode or whose
-image tokens do not match their images are refused with the reason. The publish carries the
-checkpoint's names and shapes, which vLLM's Idefics3 loader took at start-up.
+every rank runs the vision tower's collectives); a group's image is encoded once per
+micro-batch. The publish carries the checkpoint's names and shapes, which vLLM's Idefics3
+loader took at start-up. Refusals: tests/unit/test_vision_refusals.py.
 
     .venv/bin/python -m pytest tests/unit/test_vision_learner.py -q    # about 60 s on 2 cores
 """
@@ -18,17 +18,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncrl.config import AlgoConfig  # noqa: E402
 from asyncrl.data import microbatch as mbatch  # noqa: E402
 from asyncrl.data.batch import build_minibatches  # noqa: E402
-from asyncrl.data.codec import RecordError  # noqa: E402
-from asyncrl.data.images import IMAGES_KEY, ImageLimits, encode_image  # noqa: E402
-from asyncrl.data.pixels import IMAGE_TOKENS, ImagePixels  # noqa: E402
-from asyncrl.types import RolloutGroup, Sample  # noqa: E402
+from asyncrl.data.pixels import ImagePixels  # noqa: E402
+from tests.support.vision_records import (  # noqa: E402
+    TEMP,
+    group,
+    load_plain,
+    micro,
+    padding,
+    plain_logprobs,
+    sequences,
+)
 
-TEMP = 0.7
 TOL = 1e-5
-COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 40)}
 
 
 @pytest.fixture(scope="module")
@@ -43,68 +46,6 @@ def pixels(model_dir):
     return ImagePixels.of(model_dir)
 
 
-def png(colour: str, size=(40, 56)) -> bytes:
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", size, (128, 128, 128))
-    ImageDraw.Draw(img).rectangle([8, 8, 30, 30], fill=COLOURS[colour])
-    return encode_image(img, ImageLimits())
-
-
-def engine_prompt(model_dir: str, n_images: int) -> np.ndarray:
-    """The prompt ids as the engine returns them: each <image> expanded (the processor does
-    the same expansion, which is what vLLM's Idefics3 processor calls)."""
-    from PIL import Image
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(model_dir)
-    images = [Image.new("RGB", (8, 8))] * n_images
-    enc = processor(text=["<image>" * n_images + "colour:"], images=[images] if images else None)
-    return np.asarray(enc["input_ids"][0], np.int32)
-
-
-def group(model_dir: str, gid: str, colours: list[str], rng, n: int = 2, prompt=None) -> RolloutGroup:
-    samples = []
-    for i in range(n):
-        t = int(rng.integers(3, 7))
-        samples.append(
-            Sample(
-                response_ids=rng.integers(3, 40, t),  # characters: no special or image token
-                rollout_logprobs=-rng.uniform(0.5, 3.0, t),
-                loss_mask=np.ones(t, np.uint8),
-                reward=float(i),
-                behavior_version=0,
-            )
-        )
-    ids = engine_prompt(model_dir, len(colours)) if prompt is None else prompt
-    return RolloutGroup(gid, gid, ids, samples, metadata={IMAGES_KEY: [png(c) for c in colours]})
-
-
-def sequences(model_dir, pixels, groups):
-    minibatches, metrics = build_minibatches(groups, AlgoConfig(), num_minibatches=1, pixels=pixels)
-    return minibatches[0], metrics
-
-
-def plain_logprobs(hf, seq) -> torch.Tensor:
-    """transformers' own forward on one sequence (its default attention), no FSDP, no asyncrl."""
-    ids = torch.as_tensor(seq.input_ids.astype(np.int64))[None]
-    kw = {}
-    if seq.pixel_values is not None and len(seq.pixel_values):
-        kw = {
-            "pixel_values": torch.as_tensor(seq.pixel_values)[None],
-            "pixel_attention_mask": torch.as_tensor(seq.pixel_attention_mask)[None],
-        }
-    logits = hf(input_ids=ids, **kw).logits[0].float()
-    logp = torch.log_softmax(logits[:-1] / TEMP, -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return torch.cat([torch.zeros(1), logp])
-
-
-def load_plain(model_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train(False)
-
-
 def loss_fn(logits, mb):
     """-sum of the loss tokens' log-probs: a gradient on every token the model scores."""
     from asyncrl.learner.loss import token_logprobs
@@ -113,17 +54,6 @@ def loss_fn(logits, mb):
     if mbatch.is_packed(mb):
         logp = mbatch.unpack(logp, mb)
     return -(logp * mb["loss_mask"]).sum(), {}
-
-
-def micro(seqs, packed: bool):
-    fields = [mbatch.seq_fields(s) for s in seqs]
-    mb = (mbatch.collate_packed if packed else mbatch.collate)(fields, pad_token_id=0)
-    mb[mbatch.PADDING_KEY] = False
-    return mb
-
-
-def padding(mb):
-    return mbatch.padding_microbatch(mbatch.field_dtypes(mb), pad_token_id=0)
 
 
 def sharded_grads(model) -> dict[str, torch.Tensor]:
@@ -187,10 +117,18 @@ def test_one_rank_logprobs_and_gradients_with_images_equal_transformers(model_di
 
     model = fsdp.load_sharded_model(model_dir, mesh, device=torch.device("cpu"), dtype="float32")
     assert len(fsdp.vision_units(model)) == 3  # the encoder layer, the tower, the connector
+    encoded = []  # tiles per pass of the vision tower
+    model.model.vision_model.register_forward_pre_hook(
+        lambda _m, _a, kw: encoded.append(len(kw["pixel_values"])), with_kwargs=True
+    )
     for packed in (False, True):
         mbs = [micro(seqs[:3], packed), micro(seqs[3:], packed)]
         mbs.append(padding(mbs[0]))  # no images: it runs on a stand-in one
+        encoded.clear()
         got = prepass(model, mbs)
+        # g0's two samples share their image (1 tile), g1's first sample has 2; then g1's
+        # second sample (2) with g2's text; the padding micro-batch's stand-in.
+        assert encoded == [3, 2, 1]
         rows = [row for lp, mb in zip(got[:2], mbs[:2], strict=True) for row in lp[: len(mb["input_ids"])]]
         for k, (s, w) in enumerate(zip(seqs, want, strict=True)):
             assert float((rows[k][: s.num_tokens] - w).abs().max()) <= TOL, (packed, k)
@@ -239,6 +177,61 @@ def test_the_reference_the_parity_path_and_checkpointing_use_the_images(model_di
     assert_close_grads(run_step(checkpointed, [micro(seqs[:3], True), micro(seqs[3:], False)]), plain_grads(hf, seqs))
 
 
+def test_a_learner_rank_trains_on_image_records(model_dir, pixels, mesh):
+    """LearnerActor's own endpoints, as LearnerActor.setup builds a rank (no Ray): records through
+    the wire codec, the driver's batch and checks, two mini-batches (the proximal pass stored
+    first), a KL reference, the parity gate's log-probs, a publish. The step moves the vision
+    tower and the connector."""
+    from asyncrl.config import load_config
+    from asyncrl.data.codec import decode_group, encode_group
+    from asyncrl.learner import fsdp, loss, optim
+    from asyncrl.learner.actor import LearnerActor
+    from asyncrl.learner.group import FIELD_DTYPES
+    from asyncrl.learner.validate import validate_minibatches
+
+    cfg = load_config(None, [f"rollout.model={model_dir}", "control.total_steps=4", "learner.lr=1e-2"])
+    cfg.algo.kl_coef, cfg.rollout.temperature = 0.1, TEMP
+    actor = LearnerActor(cfg, model_dir, rank=0, world_size=1, sample_special_tokens=False)
+    cpu = actor.device = torch.device("cpu")
+    actor.model = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32")
+    actor.reference = fsdp.load_sharded_model(model_dir, mesh, device=cpu, dtype="float32", trainable=False)
+    actor.optimizer = optim.build_optimizer(actor.model.parameters(), cfg.learner)
+    actor.scheduler = optim.build_scheduler(actor.optimizer, cfg.learner, total_steps=4)
+    actor.sampling = loss.Sampling.of(cfg.rollout)
+    actor.logprob_fn = actor.sampling.logprob_fn()
+    actor.disallowed = actor._disallowed_tokens()  # the text config's vocabulary
+    actor.pad_token_id = 0
+    assert actor.disallowed is not None and bool(actor.disallowed[pixels.image_token_id])
+
+    rng = np.random.default_rng(7)
+    records = [group(model_dir, f"g{i}", c, rng) for i, c in enumerate([["red"], ["blue", "green"]])]
+    records = [decode_group(encode_group(g)) for g in records]
+    minibatches, _ = build_minibatches(records, cfg.algo, num_minibatches=2, pixels=pixels)
+    validate_minibatches(minibatches, cfg.algo, max_positions=512, vocab_size=None, pixels=pixels)
+    plans = [[[mbatch.seq_fields(s) for s in mb]] for mb in minibatches]
+    before = {k: v.clone() for k, v in fsdp.full_state_dict(actor.model).items()}
+    actor.store_proximal(1, plans[1], 1, dict(FIELD_DTYPES))
+    for j, plan in enumerate(plans):
+        result = actor.train_minibatch(plan, 1, dict(FIELD_DTYPES), proximal_key=j if j else None)
+        assert np.isfinite(result.grad_norm) and result.grad_norm > 0
+    assert actor.version == 2
+    after = actor._weights(full=False)
+    assert after.keys() == before.keys()
+    for part in (
+        "model.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "model.connector.modality_projection.proj.weight",
+    ):
+        assert float((after[part] - before[part]).abs().max()) > 1e-4, part
+
+    seqs = [s for mb in minibatches for s in mb]
+    got = actor.logprobs([[mbatch.forward_fields(s) for s in seqs]], 1, TEMP)[0]
+    trained = load_plain(model_dir)
+    trained.load_state_dict(after)
+    for row, s in zip(got, seqs, strict=True):  # the response: a prompt's special tokens are masked out
+        want = plain_logprobs(trained, s, actor.disallowed).detach().numpy()
+        assert float(np.abs(row[s.loss_mask > 0] - want[s.loss_mask > 0]).max()) <= TOL
+
+
 def test_the_publish_carries_the_checkpoints_names_and_shapes(model_dir, mesh):
     """What vLLM's Idefics3 loader took at start-up (the checkpoint: model.vision_model.*,
     model.connector.*, model.text_model.*, lm_head) is what a publish sends, vision and
@@ -256,101 +249,6 @@ def test_the_publish_carries_the_checkpoints_names_and_shapes(model_dir, mesh):
         any(k.startswith("model.vision_model.") for k in sent)
         and "model.connector.modality_projection.proj.weight" in sent
     )
-
-
-# ---------------------------------------------------------------- refusals
-
-
-def test_records_whose_images_do_not_fit_are_refused_with_the_reason(model_dir, pixels):
-    rng = np.random.default_rng(1)
-    one = engine_prompt(model_dir, 1)
-    short = one[one != pixels.image_token_id]  # the image's tokens lost
-    cut = np.delete(one, np.flatnonzero(one == pixels.image_token_id)[0])  # one token short
-    cases = {
-        "two images, one image's tokens": group(model_dir, "a", ["red", "blue"], rng, prompt=one),
-        "no image tokens": group(model_dir, "b", ["red"], rng, prompt=short),
-        "a short run": group(model_dir, "c", ["red"], rng, prompt=cut),
-    }
-    for what, g in cases.items():
-        got = pixels.encode(g.metadata)
-        with pytest.raises(RecordError) as e:
-            pixels.check_tokens(g.prompt_ids, got)
-        assert e.value.reason == IMAGE_TOKENS and "image tile(s) need" in e.value.detail, what
-
-    good = group(model_dir, "ok", ["green"], rng)
-    seqs, metrics = sequences(model_dir, pixels, [*cases.values(), good])
-    assert metrics["vision/refused_samples"] == 6
-    for s in seqs[:6]:  # no loss, no image token left for a forward to look for
-        assert not s.loss_mask.any() and not (s.input_ids == pixels.image_token_id).any()
-        assert len(s.pixel_values) == 0
-    assert seqs[6].loss_mask.any() and len(seqs[6].pixel_values) == 1
-
-
-@pytest.mark.parametrize(
-    ("data", "says"),
-    [
-        (b"GIF89a not a png", "not a PNG"),
-        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, "IHDR"),
-        ("a string", "expected PNG bytes"),
-    ],
-)
-def test_garbage_image_bytes_are_refused(model_dir, pixels, data, says):
-    g = group(model_dir, "bad", ["red"], np.random.default_rng(2))
-    g.metadata[IMAGES_KEY] = [data]
-    with pytest.raises(RecordError) as e:
-        pixels.encode(g.metadata)
-    assert e.value.reason == "bad_image" and says in str(e.value)
-    seqs, metrics = sequences(model_dir, pixels, [g])
-    assert metrics["vision/refused_samples"] == 2 and not any(s.loss_mask.any() for s in seqs)
-
-
-def test_a_truncated_png_is_refused(model_dir, pixels):
-    g = group(model_dir, "cut", ["red"], np.random.default_rng(3))
-    g.metadata[IMAGES_KEY] = [g.metadata[IMAGES_KEY][0][:60]]
-    with pytest.raises(RecordError, match="bad_image"):
-        pixels.encode(g.metadata)
-
-
-def test_the_driver_and_the_forward_refuse_images_that_do_not_match_their_tokens(model_dir, pixels):
-    """Past the batch builder, a mismatch is a bug: the driver's check names the sequence
-    before any rank sees it, and the forward refuses before its first collective."""
-    from asyncrl.learner.validate import validate_minibatches
-    from asyncrl.learner.vision import image_inputs
-
-    seqs, _ = sequences(model_dir, pixels, [group(model_dir, "g", ["red"], np.random.default_rng(4))])
-    bad = seqs[0]
-    bad.pixel_values = np.concatenate([bad.pixel_values] * 2)
-    bad.pixel_attention_mask = np.concatenate([bad.pixel_attention_mask] * 2)
-    with pytest.raises(ValueError, match="4 image tokens for 2 tiles x 4"):
-        validate_minibatches([seqs], AlgoConfig(), max_positions=512, vocab_size=None, pixels=pixels)
-    with pytest.raises(ValueError, match="carries images, and the model has no vision tower"):
-        validate_minibatches([seqs], AlgoConfig(), max_positions=512, vocab_size=None, pixels=None)
-
-    hf = load_plain(model_dir)
-    with pytest.raises(ValueError, match="2 tiles x 4 holds 4 image tokens"):
-        image_inputs(hf, micro([bad], False), torch.device("cpu"))
-    no_images = {k: v for k, v in micro([bad], False).items() if k not in mbatch.IMAGE_FIELDS}
-    with pytest.raises(ValueError, match="4 image tokens and no images"):
-        image_inputs(hf, no_images, torch.device("cpu"))
-
-
-def test_a_model_whose_pad_token_is_its_image_token_is_refused(model_dir):
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.pad_token_id = config.image_token_id
-    with pytest.raises(ValueError, match="pad_token_id is the image token"):
-        ImagePixels.of(model_dir, config=config)
-
-
-def test_a_critic_is_refused_for_a_vision_model_before_ray(model_dir):
-    from asyncrl.config import Config
-    from asyncrl.learner import LearnerGroup
-
-    cfg = Config()
-    cfg.algo = AlgoConfig(advantage_estimator="gae", critic={"enabled": True})
-    with pytest.raises(ValueError, match=r"algo\.critic: not for a vision-language model"):
-        LearnerGroup(cfg, model_dir, num_ranks=1, sample_special_tokens=False)
 
 
 # ---------------------------------------------------------------- two ranks
