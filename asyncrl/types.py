@@ -153,6 +153,12 @@ class TrainSequence:
     """uint8 [L - 1, layers, k], only with algo.routing_replay='rollout' and a sample that
     carries the engine's routing (Sample.routed_experts, rows = L - 1): the learner's forward
     routes position t to these experts (asyncrl.learner.routing_replay)."""
+    pixel_values: np.ndarray | None = None
+    """float32 [tiles, 3, size, size], only for a prompt with images (a vision-language model):
+    its images' tiles in prompt order, whose features the model places at the prompt's image
+    tokens (asyncrl.data.pixels)."""
+    pixel_attention_mask: np.ndarray | None = None
+    """bool [tiles, size, size], with pixel_values: each tile's real pixels."""
 
     @property
     def num_tokens(self) -> int:

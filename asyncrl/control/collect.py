@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from asyncrl.config import Config
 from asyncrl.control.state import StopFlag
 from asyncrl.data.contract import RecordContract
+from asyncrl.data.images import ImageLimits
 
 if TYPE_CHECKING:
     from asyncrl.control.watchdog import GeneratorWatchdog
@@ -53,6 +54,8 @@ def record_contract(cfg: Config, learner: LearnerGroup) -> RecordContract:
         stepwise=cfg.algo.stepwise,
         max_version=learner.version,
         teacher=cfg.rollout.teacher is not None,
+        # A vision-language learner: each group's images are checked (limits, decoding) at intake.
+        images=ImageLimits() if learner.pixels is not None else None,
     )
 
 

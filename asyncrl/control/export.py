@@ -29,6 +29,10 @@ from asyncrl.rundir.store import ObjectPath, RunPath, local_dir_for, remove_tree
 
 HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.jinja")
+"""A vision-language model's processor (image size, image tokens per image, the chat template
+with its image placeholder), copied as the base model has them: without them transformers and
+vLLM would build the processor's defaults, which expand an image into another number of tokens."""
 
 
 def _stage(out: RunPath, fill) -> RunPath:
@@ -72,6 +76,9 @@ def _assemble(out: RunPath, model_path: str, write_weights) -> RunPath:
         except OSError:  # the base model has none: the one its config implies
             generation = GenerationConfig.from_model_config(config)
         generation.save_pretrained(stage)
+        for name in PROCESSOR_FILES:
+            if (Path(model_path) / name).is_file() and not (stage / name).exists():
+                shutil.copyfile(Path(model_path) / name, stage / name)
 
     return _stage(out, fill)
 

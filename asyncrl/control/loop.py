@@ -240,6 +240,7 @@ class TrainLoop:
             pad_token_id=self.learner.pad_token_id,
             max_new_tokens=self.cfg.rollout.max_tokens,
             teacher=self.cfg.rollout.teacher,
+            pixels=self.learner.pixels,
         )
         if self.gate.pending:
             batch_metrics.update(self._gate([seq for mb in minibatches for seq in mb]))

@@ -35,11 +35,13 @@ from asyncrl.config.base import is_hub_id
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.control.preflight_gpu import cuda_devices, gpu_fit
 from asyncrl.control.preflight_model import check_model, hub_offline_if_unreachable
+from asyncrl.data.images import IMAGES_KEY
 from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
 from asyncrl.rollout.prompts import PromptSourceError, SourceCheck, check_chat_template, check_source
 from asyncrl.rollout.sampling import check_routing_replay, engine_args, transfer_backend
+from asyncrl.rollout.vision_prompts import describe_images, images_refused
 from asyncrl.rundir.store import StorageError, check_writable, is_url, run_path
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.nccl import NcclWeightSync
@@ -165,32 +167,14 @@ def _drawn_metadata(env: str, drawn: object) -> dict:
     return drawn[1]
 
 
-def _image_lines(env: str, metadata: dict) -> list[str]:
-    """A drawn prompt's images (group metadata ``images``), read and decoded as the intake will."""
-    from asyncrl.data.codec import RecordError
-    from asyncrl.data.images import IMAGES_KEY, ImageLimits, check_group_images
-
-    if IMAGES_KEY not in metadata:
-        return []
-    try:
-        images = check_group_images(metadata, ImageLimits())
-    except RecordError as e:
-        raise ConfigError(f"rollout.env={env!r}: a drawn prompt's images: {e}") from None
-    sizes = ", ".join(f"{i.size[0]}x{i.size[1]}" for i in images)
-    return [
-        f"rollout.env={env}: a drawn prompt's {len(images)} image(s) read and decoded ({sizes}); note: no "
-        "generator hands images to the engine yet, so a run samples and trains on the prompt's text alone "
-        "(docs/guide/vision.md)"
-    ]
-
-
 def check_imports(cfg: Config) -> list[str]:
     """Import and resolve every import path the config names, as generators and learners do."""
     r, algo = cfg.rollout, cfg.algo
     try:
         try:
             env = make_rollout_env(r)
-            metadata = {} if r.prompts else _drawn_metadata(r.env, env.make_prompt(random.Random(0)))
+            drawn = None if r.prompts else env.make_prompt(random.Random(0))
+            metadata = {} if drawn is None else _drawn_metadata(r.env, drawn)
         except (ValueError, NotImplementedError):
             raise
         except Exception as e:  # the user's constructor or make_prompt: a generator would die of it
@@ -206,7 +190,12 @@ def check_imports(cfg: Config) -> list[str]:
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from e
     lines = [f"rollout.env={r.env}: imported and built" + (" (makes the prompts)" if not r.prompts else "")]
-    lines += _image_lines(r.env, metadata)
+    if drawn is not None:  # read and decoded as a generator will, and what its engine gets
+        where = f"rollout.env={r.env}"
+        refused = images_refused(r.env, env.multi_turn, r.teacher is not None)
+        if refused is not None and IMAGES_KEY in metadata:
+            raise ConfigError(f"{where}: a drawn prompt carries images, but {refused}")
+        lines += describe_images(r.model, r.chat_template, drawn[0], metadata, where)
     lines += [_reward_line(i, spec) for i, spec in enumerate(r.rewards)]
     if r.teacher is not None:
         from asyncrl.rollout.teacher import check_line

@@ -29,12 +29,19 @@ Steps, all on the driver so that every number that spans the mini-batch is compu
    from the sample's token_versions, else its behavior_version. With ``algo.critic``
    (estimator gae) the advantages are left 0 and each sequence carries its per-token rewards
    (``token_rewards``): the learner computes GAE with its critic's values at train time.
+   With ``pixels`` (a vision-language model, asyncrl.data.pixels) each group's images become
+   pixel values once and every sequence of the group carries them; a group whose images do
+   not decode or whose prompt's image tokens do not match them is left out of the loss like a
+   failed reward (``vision/refused_samples``, the reason logged), its image tokens replaced by
+   the pad id so that no forward looks for features it does not have; so is a sample whose
+   response holds the image token.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import numpy as np
@@ -47,6 +54,8 @@ from asyncrl.algo.reduction import reduction_weights
 from asyncrl.algo.stepwise import broadcast_trajectory_advantages, merge_prefix_steps
 from asyncrl.config import AlgoConfig
 from asyncrl.config.teacher import TeacherConfig
+from asyncrl.data.codec import RecordError
+from asyncrl.data.pixels import ImagePixels, PixelInputs
 from asyncrl.types import PER_TOKEN_ARRAYS, RolloutGroup, Sample, TrainSequence
 
 
@@ -63,6 +72,11 @@ class _Row:
     """What the estimator sees: the sample's reward plus algo.overlong's soft penalty, if on."""
     overlong_masked: bool = False
     """Truncated and algo.overlong.mask is on: no loss, no reduction weight (still in the baseline)."""
+    pixels: PixelInputs | None = None
+    """The prompt's images, for a vision-language model."""
+
+
+log = logging.getLogger(__name__)
 
 
 def _check_sample(g: RolloutGroup, i: int, s: Sample) -> None:
@@ -92,6 +106,41 @@ def _rows(groups: list[RolloutGroup], algo: AlgoConfig, max_new_tokens: int | No
             masked = mask and is_truncated(s.stop_reason)
             rows.append(_Row(gi, si, s, prompt, _is_valid(s), float(rewards[si]), masked))
     return rows
+
+
+def _attach_pixels(rows: list[_Row], groups: list[RolloutGroup], pixels: ImagePixels, pad_token_id: int) -> int:
+    """Each row's pixel inputs (one encoding per group); a refused row is left out of the loss
+    and loses its image tokens (module docstring). Returns the number refused."""
+    encoded: dict[int, PixelInputs | RecordError] = {}
+    refused = 0
+    for r in rows:
+        if r.group_index not in encoded:
+            try:
+                encoded[r.group_index] = pixels.encode(groups[r.group_index].metadata)
+            except RecordError as e:
+                encoded[r.group_index] = e
+        got = encoded[r.group_index]
+        try:
+            if isinstance(got, RecordError):
+                raise got
+            pixels.check_tokens(r.prompt, got)
+            pixels.check_response(r.sample.response_ids)
+            r.pixels = got
+        except RecordError as e:
+            g = groups[r.group_index]
+            log.warning("group %r sample %d: not trained (%s: %s)", g.group_id, r.sample_index, e.reason, e.detail)
+            r.valid = False
+            r.prompt = _without(r.prompt, pixels.image_token_id, pad_token_id)
+            r.sample = replace(
+                r.sample, response_ids=_without(r.sample.response_ids, pixels.image_token_id, pad_token_id)
+            )
+            r.pixels = pixels.empty()
+            refused += 1
+    return refused
+
+
+def _without(ids: np.ndarray, token: int, pad_token_id: int) -> np.ndarray:
+    return np.where(ids == token, pad_token_id, ids).astype(ids.dtype)
 
 
 def _padded(arrays: list[np.ndarray], dtype=torch.float64) -> torch.Tensor:
@@ -251,6 +300,7 @@ def build_minibatches(
     pad_token_id: int = 0,
     max_new_tokens: int | None = None,
     teacher: TeacherConfig | None = None,
+    pixels: ImagePixels | None = None,
 ) -> tuple[list[list[TrainSequence]], dict[str, float]]:
     """Advantages, step-wise merge, whole-group mini-batches and their reduction weights.
 
@@ -258,12 +308,14 @@ def build_minibatches(
         groups: the rollout groups of one trainer step.
         algo: the algo branch of the config.
         num_minibatches: optimizer steps this data is split into (whole groups each).
-        pad_token_id: not needed here (TrainSequences are unpadded; ``asyncrl.data.microbatch``
-            pads); accepted so callers can pass one tokenizer setting through.
+        pad_token_id: what a refused image prompt's image tokens become (``pixels``);
+            TrainSequences are otherwise unpadded (``asyncrl.data.microbatch`` pads).
         max_new_tokens: rollout.max_tokens, the soft overlong penalty's L_max for groups that
             did not record their own budget.
         teacher: rollout.teacher: add its per-token term to the advantages (every trained
             sample must carry teacher_logprobs).
+        pixels: a vision-language model's image processor and token counts: each sequence
+            carries its group's pixel values (module docstring).
 
     Returns:
         (mini-batches, metrics) with metrics ``reward/mean``, ``reward/std`` (left out when
@@ -280,6 +332,7 @@ def build_minibatches(
     if len(groups) < num_minibatches:
         raise ValueError(f"{len(groups)} groups cannot fill num_minibatches={num_minibatches} (groups are never split)")
     rows = _rows(groups, algo, max_new_tokens)
+    refused = _attach_pixels(rows, groups, pixels, pad_token_id) if pixels is not None else None
     advs = _stepwise_advantages(rows, algo) if algo.stepwise else _outcome_advantages(rows, algo)
     teacher_metrics = _add_teacher(rows, advs, teacher) if teacher is not None else {}
     fields = [_sequence_fields(r, a) for r, a in zip(rows, advs, strict=True)]
@@ -287,6 +340,8 @@ def build_minibatches(
         for r, f in zip(rows, fields, strict=True):
             f["token_rewards"] = torch.as_tensor(np.concatenate([np.zeros(r.prompt.shape[0]), _critic_rewards(r)]))
     metrics = _metrics(rows, advs) | teacher_metrics
+    if refused is not None:
+        metrics["vision/refused_samples"] = float(refused)
     if algo.critic.enabled:  # the driver's advantages are all 0 there: the learner's critic/advantage_mean says
         metrics = {k: v for k, v in metrics.items() if not k.startswith("advantages/")}
     if algo.overlong.mask or algo.overlong.soft_penalty is not None:
@@ -339,6 +394,7 @@ def _train_sequence(
     f: dict, w: torch.Tensor, src: list[_Row], groups: list[RolloutGroup], algo: AlgoConfig
 ) -> TrainSequence:
     n = f["input_ids"].shape[0]
+    image = src[0].pixels  # a group's images: every step of a trajectory has the same
     return TrainSequence(
         input_ids=f["input_ids"].numpy().astype(np.int32),
         loss_mask=f["loss_mask"].numpy().astype(np.float32),
@@ -351,6 +407,8 @@ def _train_sequence(
         sample_index=src[0].sample_index,
         token_rewards=f["token_rewards"].numpy().astype(np.float32) if "token_rewards" in f else None,
         routed_experts=_routing(src, n, algo),
+        pixel_values=image.pixel_values if image is not None else None,
+        pixel_attention_mask=image.pixel_attention_mask if image is not None else None,
     )
 
 

@@ -32,6 +32,16 @@ with loss_mask = reduction_weights = 0. Dropping an optional field there is what
 loss raise inside the collective in SkyRL (PR #1811); `padding_microbatch`
 builds it from the real micro-batches' field list, so it cannot drift from them. It is never
 packed (one token: nothing to gain).
+
+Images (a vision-language model's prompts, TrainSequence.pixel_values): a micro-batch carries
+its distinct tiles under PIXEL_VALUES [1, distinct, 3, S, S] and PIXEL_MASK [1, distinct, S, S]
+(a group's samples share theirs) and TILE_INDEX, its sequences' tiles in row order as rows of
+those, in both layouts. The model places the tiles' features at the image tokens in reading
+order, row after row of the padded layout, sequence after sequence of the packed row: the
+same order, so both layouts are exact. A padding micro-batch has no
+images; the learner's forward gives any micro-batch without images a stand-in one
+(asyncrl.learner.vision.image_inputs), because every rank must run the vision tower's FSDP
+collectives in every micro-batch.
 """
 
 from __future__ import annotations
@@ -61,6 +71,13 @@ PACKED_IDS = "packed_input_ids"
 POSITION_IDS = "position_ids"
 UNPACK_INDEX = "unpack_index"
 PACKING_FIELDS = (PACKED_IDS, POSITION_IDS, UNPACK_INDEX)
+PIXEL_VALUES = "pixel_values"
+PIXEL_MASK = "pixel_attention_mask"
+TILE_INDEX = "tile_index"
+IMAGE_FIELDS = (PIXEL_VALUES, PIXEL_MASK, TILE_INDEX)
+"""A sequence's images (TrainSequence.pixel_values / pixel_attention_mask): per tile, not per
+token. A micro-batch holds each distinct tile once, and TILE_INDEX [tiles], for each tile of
+its sequences in row order, which of them it is (module docstring)."""
 
 
 def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
@@ -73,7 +90,57 @@ def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
         out["token_rewards"] = np.asarray(seq.token_rewards).astype(np.float32, copy=False)
     if seq.routed_experts is not None:
         out[ROUTED_EXPERTS] = np.asarray(seq.routed_experts, dtype=np.uint8)
-    return out
+    return out | image_fields(seq)
+
+
+def forward_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
+    """What a forward-only pass (the learner's log-probs, the parity gate) needs of a sequence:
+    its ids, and its images if it has any."""
+    return {"input_ids": np.asarray(seq.input_ids, dtype=np.int64)} | image_fields(seq)
+
+
+def image_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
+    """A sequence's images as IMAGE_FIELDS arrays; {} without."""
+    if seq.pixel_values is None:
+        return {}
+    return {
+        PIXEL_VALUES: np.asarray(seq.pixel_values, dtype=np.float32),
+        PIXEL_MASK: np.asarray(seq.pixel_attention_mask, dtype=bool),
+    }
+
+
+def _collate_images(seqs: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """The sequences' distinct tiles as [1, distinct, ...] tensors and TILE_INDEX; {} without any.
+
+    A group's samples carry the same array (one per group, asyncrl.data.batch; Ray's pickling
+    of a rank's plan keeps one object one object), so tiles are shared by array identity: the
+    vision tower then encodes a group's images once per micro-batch, not once per sample.
+    Equal arrays that are different objects are encoded twice, which is only slower."""
+    first: dict[int, int] = {}  # id(a sequence's tile array) -> its first row among the distinct tiles
+    values: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    index: list[int] = []
+    rows = 0
+    for s in seqs:
+        tiles = s.get(PIXEL_VALUES)
+        if tiles is None or not len(tiles):
+            continue
+        if id(tiles) not in first:  # every array is alive in `seqs` meanwhile: ids are not reused
+            first[id(tiles)] = rows
+            values.append(tiles)
+            masks.append(s[PIXEL_MASK])
+            rows += len(tiles)
+        index.extend(range(first[id(tiles)], first[id(tiles)] + len(tiles)))
+    if not values:
+        return {}
+    shapes = {v.shape[1:] for v in values}
+    if len(shapes) > 1:
+        raise ValueError(f"collate: tiles of different shapes {sorted(shapes)} in one micro-batch")
+    return {
+        PIXEL_VALUES: torch.from_numpy(np.concatenate(values)).unsqueeze(0),
+        PIXEL_MASK: torch.from_numpy(np.concatenate(masks)).unsqueeze(0),
+        TILE_INDEX: torch.tensor(index, dtype=torch.long),
+    }
 
 
 def deal_to_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
@@ -172,7 +239,8 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
     if not seqs:
         raise ValueError("collate: a micro-batch needs at least one sequence (use padding_microbatch)")
     routings = [s.get(ROUTED_EXPERTS) for s in seqs]
-    seqs = [{n: a for n, a in s.items() if n != ROUTED_EXPERTS} for s in seqs]
+    images = _collate_images(seqs)
+    seqs = [{n: a for n, a in s.items() if n != ROUTED_EXPERTS and n not in IMAGE_FIELDS} for s in seqs]
     names = list(seqs[0])
     for k, s in enumerate(seqs):
         if list(s) != names:
@@ -194,7 +262,7 @@ def collate(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str
         out[name] = torch.from_numpy(rows)
     if any(r is not None for r in routings):  # a list (not a tensor): the learner lays it out
         out[ROUTED_EXPERTS] = routings  # type: ignore[assignment]
-    return out
+    return out | images
 
 
 def collate_packed(seqs: list[dict[str, np.ndarray]], *, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -245,7 +313,7 @@ def computed_tokens(mb: dict[str, Any]) -> int:
 
 def field_dtypes(mb: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
     """The field list of a collated micro-batch, which a padding micro-batch must reproduce."""
-    return {name: t.dtype for name, t in mb.items() if isinstance(t, torch.Tensor)}
+    return {name: t.dtype for name, t in mb.items() if isinstance(t, torch.Tensor) and name not in IMAGE_FIELDS}
 
 
 def padding_microbatch(fields: dict[str, torch.dtype], *, pad_token_id: int, length: int = 1) -> dict[str, Any]:
@@ -300,7 +368,7 @@ def build_rank_microbatches(
             if packing
             else collate(members, pad_token_id=pad_token_id)
         )
-        if set(mb) - {*PACKING_FIELDS, ROUTED_EXPERTS} != set(fields):
+        if set(mb) - {*PACKING_FIELDS, *IMAGE_FIELDS, ROUTED_EXPERTS} != set(fields):
             raise ValueError(f"micro-batch fields {sorted(mb)} differ from the mini-batch's {sorted(fields)}")
         mb[PADDING_KEY] = False
         mbs.append(mb)

@@ -161,7 +161,8 @@ class LearnerActor:
         if self.sample_special_tokens:  # most tasks: no tokenizer to load
             return None
         allowed = sampleable_ids(AutoTokenizer.from_pretrained(self.model_path))
-        vocab_size: int = self.model.config.vocab_size  # type: ignore[union-attr,assignment]  # a HF PreTrainedModel's config
+        # a HF PreTrainedModel's config; a vision-language model's vocabulary is its text config's
+        vocab_size: int = self.model.config.get_text_config().vocab_size  # type: ignore[union-attr,operator]
         return step.disallowed_mask(allowed, vocab_size, self.device)
 
     def _microbatches(

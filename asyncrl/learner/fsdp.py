@@ -9,8 +9,12 @@ FSDP2 (`fully_shard`) runs on CPU with gloo; FSDP1 does not (it needs a device_i
 segfaults gathering a full state dict with cpu_offload on torch 2.13 CPU), so only FSDP2 is
 used. As in torchtitan, each decoder block is sharded as its own unit (its parameters are
 all-gathered just before it runs and freed after), then the root picks up the rest
-(embeddings, final norm, lm_head). Parameter names stay Hugging Face's, so the gathered
-state dict loads into a plain HF model and into vLLM's reload_weights.
+(embeddings, final norm, lm_head). A vision-language model (Idefics3 / SmolVLM) adds its
+vision tower's encoder layers, the tower itself (patch and position embeddings, final norm)
+and the connector as units of their own (`vision_units`); its vision tower keeps
+transformers' SDPA (bidirectional), the text blocks get the varlen attention.
+Parameter names stay Hugging Face's, so the gathered state dict loads into a plain HF model
+and into vLLM's reload_weights.
 """
 
 from __future__ import annotations
@@ -100,6 +104,22 @@ def attention_implementation(device: torch.device, dtype: str, config: Any = Non
     return attention.VARLEN_SDPA
 
 
+def vision_units(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision side as FSDP units, innermost first: each encoder layer
+    of the vision tower, the tower (its embeddings and final norm), the connector. [] for a text
+    model. Idefics3's layout (``model.vision_model``, ``model.connector``); another vision
+    model is refused rather than sharded as one root unit with its vision side left unwrapped."""
+    from asyncrl.data.pixels import vision_config  # kept next to its only use
+
+    if vision_config(getattr(model, "config", None)) is None:
+        return []
+    inner = getattr(model, "model", None)
+    tower, connector = getattr(inner, "vision_model", None), getattr(inner, "connector", None)
+    if tower is None or connector is None:
+        raise ValueError(f"{type(model).__name__}: no model.vision_model and model.connector to shard")
+    return [*tower.encoder.layers, tower, connector]
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: modules whose class HF lists as never-split (_no_split_modules)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -158,9 +178,13 @@ def shard_model(
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    blocks = decoder_blocks(model)
+    vision = vision_units(model)
+    inside = {id(m) for unit in vision for m in unit.modules()}
+    blocks = [b for b in decoder_blocks(model) if id(b) not in inside]  # the text model's
     if activation_checkpointing:
         checkpoint_blocks(blocks)
+    for unit in vision:  # innermost first: a module is sharded before any module holding it
+        fully_shard(unit, **kwargs)
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
@@ -206,13 +230,28 @@ def load_sharded_model(
     checkpoints its blocks itself, see CheckpointedForward, and only a trainable model's:
     a frozen one keeps no activations for a backward.)
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from asyncrl.data.pixels import vision_config
 
     config = AutoConfig.from_pretrained(model_path)  # read once: it picks the attention, then builds the model
-    attn = attention_implementation(device, dtype, config, context_parallel)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, config=config, dtype=torch.float32, attn_implementation=attn
-    )
+    if vision_config(config) is None:
+        attn: Any = attention_implementation(device, dtype, config, context_parallel)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, config=config, dtype=torch.float32, attn_implementation=attn
+        )
+    else:
+        if context_parallel > 1:
+            raise ValueError(
+                f"learner.context_parallel={context_parallel}: not for a vision-language model "
+                "(its image features are placed over the whole row)"
+            )
+        # The text model's attention as for a text model; the vision tower attends both ways (SDPA).
+        text = attention_implementation(device, dtype, config.get_text_config(), context_parallel)
+        attn = {"text_config": text, "vision_config": "sdpa", "": "sdpa"}
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_path, config=config, dtype=torch.float32, attn_implementation=attn
+        )
     model.config.use_cache = False
     model.requires_grad_(trainable)
     model.train(False)

@@ -28,6 +28,7 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
+from asyncrl.data.pixels import ImagePixels
 from asyncrl.infra import actor_state
 from asyncrl.learner import checkpoint, placement
 from asyncrl.learner.actor import LearnerActor
@@ -101,8 +102,16 @@ class LearnerGroup:
         self.collective_timeout_s = collective_timeout_s
         hf = AutoConfig.from_pretrained(model_path)
         self.pad_token_id = int(hf.pad_token_id if hf.pad_token_id is not None else 0)
-        self.max_positions = int(hf.max_position_embeddings)
-        self.vocab_size = int(hf.vocab_size)
+        text = hf.get_text_config()  # a vision-language model's language model; a text model's own config
+        self.max_positions = int(text.max_position_embeddings)
+        self.vocab_size = int(text.vocab_size)
+        # A vision-language model's image processor: build_minibatches makes pixel values with it.
+        self.pixels = ImagePixels.of(model_path, config=hf)
+        if self.pixels is not None and cfg.algo.critic.enabled:
+            raise ValueError("algo.critic: not for a vision-language model (the critic is a text model's value head)")
+        if self.pixels is not None and cfg.learner.lora is not None:
+            # Its default targets (q/k/v_proj) match the vision tower's too, where vLLM's LoRA has none.
+            raise ValueError("learner.lora: not for a vision-language model yet (untested with the vision tower)")
         self._version = 0
         self._broken: str | None = None
         self.actors: list = []
@@ -239,7 +248,9 @@ class LearnerGroup:
     def train_step(self, minibatches: list[list[TrainSequence]]) -> StepResult:
         """One optimizer step (one policy version) per mini-batch; the version reached and the
         merged metrics as floats."""
-        validate_minibatches(minibatches, self.cfg.algo, max_positions=self.max_positions, vocab_size=self.vocab_size)
+        validate_minibatches(
+            minibatches, self.cfg.algo, max_positions=self.max_positions, vocab_size=self.vocab_size, pixels=self.pixels
+        )
         t0 = time.perf_counter()
         results: list[list[RankStepResult]] = []
         plans = [self._plan([mbatch.seq_fields(s) for s in mb])[:2] for mb in minibatches]
@@ -285,7 +296,7 @@ class LearnerGroup:
         (a prompt token often does)."""
         if not sequences:
             return []
-        seqs = [{"input_ids": np.asarray(s.input_ids, dtype=np.int64)} for s in sequences]
+        seqs = [mbatch.forward_fields(s) for s in sequences]  # a vision model's images too
         per_rank, count, origin = self._plan(seqs)
         out = self._call("logprobs", [(p, count, temperature) for p in per_rank])
         result: list[np.ndarray | None] = [None] * len(sequences)

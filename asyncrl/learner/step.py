@@ -26,6 +26,7 @@ from asyncrl.data import microbatch as mbatch
 from asyncrl.data.microbatch import PADDING_KEY
 from asyncrl.learner.context_parallel import ContextParallel
 from asyncrl.learner.routing_replay import mismatch_metric, replay_scope
+from asyncrl.learner.vision import image_inputs, shared_tiles
 from asyncrl.types import MetricValue, merge_metrics
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, MetricValue]]]
@@ -70,14 +71,16 @@ def policy_logits(
     disallowed: torch.Tensor | None = None,
     *,
     position_ids: torch.Tensor | None = None,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[B, L, V] logits, float32 (float64 from a float64 model). No attention mask: padding
     is on the right and attention is causal, so real positions never see a pad (see
     asyncrl.data.microbatch); a packed row passes `position_ids` instead (forward_logits).
     Tokens the engines may not sample are masked as the engines mask them, so every logprob
-    and the entropy are those of the policy that sampled."""
+    and the entropy are those of the policy that sampled. A vision-language model takes its
+    pixel arguments in `images` (asyncrl.learner.vision.image_inputs)."""
     extra = {} if position_ids is None else {"position_ids": position_ids}
-    logits = model(input_ids=input_ids, use_cache=False, **extra).logits
+    logits = model(input_ids=input_ids, use_cache=False, **extra, **(images or {})).logits
     logits = logits if logits.dtype == torch.float64 else logits.float()
     return logits if disallowed is None else logits.masked_fill(disallowed, MASKED_LOGIT)
 
@@ -91,11 +94,15 @@ def forward_logits(model: nn.Module, mb: dict[str, Any], disallowed: torch.Tenso
     kernel on CUDA (cu_seqlens from the positions), asyncrl.learner.attention's per-sequence
     SDPA elsewhere; neither computes attention between sequences. Rotary (or learned)
     positions come from the same `position_ids`, so each sequence's logits are those of its
-    own padded row.
+    own padded row. A vision-language model's images go with either layout (image_inputs).
     """
-    if mbatch.is_packed(mb):
-        return policy_logits(model, mb[mbatch.PACKED_IDS], disallowed, position_ids=mb[mbatch.POSITION_IDS])
-    return policy_logits(model, mb["input_ids"], disallowed)
+    images = image_inputs(model, mb, mbatch.forward_ids(mb).device)
+    with shared_tiles(model, mb):  # a group's image encoded once, its features for each sample
+        if mbatch.is_packed(mb):
+            return policy_logits(
+                model, mb[mbatch.PACKED_IDS], disallowed, position_ids=mb[mbatch.POSITION_IDS], images=images
+            )
+        return policy_logits(model, mb["input_ids"], disallowed, images=images)
 
 
 def microbatch_logprobs(
@@ -110,7 +117,7 @@ def microbatch_logprobs(
 ) -> torch.Tensor:
     """[B, L] token logprobs of the micro-batch's rows (position 0 is 0), packed or not; with
     `cp`, a packed row is split over the CP group (asyncrl.learner.context_parallel)."""
-    fwd = {k: v.to(device) for k, v in mb.items() if k in ("input_ids", *mbatch.PACKING_FIELDS)}
+    fwd = {k: v.to(device) for k, v in mb.items() if k in ("input_ids", *mbatch.PACKING_FIELDS, *mbatch.IMAGE_FIELDS)}
     if cp is not None and mbatch.is_packed(fwd):
         cp = cp.at(temperature)
         with cp.scope(fwd) as layout:

@@ -15,6 +15,7 @@ import numpy as np
 
 from asyncrl.config import AlgoConfig
 from asyncrl.data.contract import LOGPROB_TOLERANCE
+from asyncrl.data.pixels import ImagePixels
 from asyncrl.types import TrainSequence
 
 PER_TOKEN_FIELDS = ("loss_mask", "rollout_logprobs", "advantages", "reduction_weights", "token_versions")
@@ -78,10 +79,39 @@ def _check_sequence(
             )
 
 
+def _check_images(where: str, seq: TrainSequence, pixels: ImagePixels | None) -> None:
+    """A sequence's tiles against its image tokens (asyncrl.data.pixels): the forward places one
+    tile's features at each run of image tokens, and fails inside the collective otherwise."""
+    values = seq.pixel_values
+    if pixels is None:
+        if values is not None:
+            raise ValueError(f"{where}: carries images, and the model has no vision tower")
+        return
+    s = pixels.image_size
+    tiles = 0 if values is None else int(np.asarray(values).shape[0])
+    if values is not None:
+        mask = seq.pixel_attention_mask
+        if np.asarray(values).shape[1:] != (3, s, s) or mask is None or np.asarray(mask).shape != (tiles, s, s):
+            got = None if mask is None else np.asarray(mask).shape
+            raise ValueError(
+                f"{where}: pixel_values {np.asarray(values).shape} / mask {got}: expected [tiles, 3, {s}, {s}]"
+            )
+    tokens = int((np.asarray(seq.input_ids) == pixels.image_token_id).sum())
+    if tokens != tiles * pixels.image_seq_len:
+        raise ValueError(f"{where}: {tokens} image tokens for {tiles} tiles x {pixels.image_seq_len}")
+
+
 def validate_minibatches(
-    minibatches: list[list[TrainSequence]], algo: AlgoConfig, *, max_positions: int, vocab_size: int | None = None
+    minibatches: list[list[TrainSequence]],
+    algo: AlgoConfig,
+    *,
+    max_positions: int,
+    vocab_size: int | None = None,
+    pixels: ImagePixels | None = None,
 ) -> None:
-    """Raise ValueError naming the field and sequence of the first problem; return None if fine."""
+    """Raise ValueError naming the field and sequence of the first problem; return None if fine.
+    `pixels`: the model's image token counts (a vision-language model), checked against each
+    sequence's tiles."""
     if not isinstance(minibatches, (list, tuple)) or not minibatches:
         raise ValueError("train_step needs a non-empty list of mini-batches (each a list of TrainSequence)")
     for j, mb in enumerate(minibatches):
@@ -91,3 +121,4 @@ def validate_minibatches(
             raise ValueError(f"mini-batch {j} is empty: every mini-batch needs at least one sequence")
         for i, seq in enumerate(mb):
             _check_sequence(j, i, seq, algo, max_positions, vocab_size)
+            _check_images(_where(j, i, seq), seq, pixels)

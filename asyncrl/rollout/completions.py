@@ -34,6 +34,9 @@ class Completion:
     """The engine's version when the request was submitted, which salts its prefix-cache lookups.
     A token labelled later ran after an update: in "keep" mode it may attend to the older
     weights' KV (a request queued at the update may even have had its whole prompt from the cache)."""
+    prompt_ids: list[int] | None = None
+    """The prompt ids the engine ran (vLLM's ``prompt_token_ids``): for a prompt with images,
+    its placeholders expanded to the image tokens (asyncrl.rollout.vision_prompts)."""
     routed_experts: np.ndarray | None = None
     """uint8 [prompt + response - 1, layers, k]: the experts the engine routed each forwarded
     position to, from an engine started with enable_return_routed_experts (algo.routing_replay);
@@ -53,6 +56,7 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
     """vLLM's last output of a finished request, in sample order; ``version`` labels tokens
     without a span, ``submitted`` is the version the request was submitted at."""
     cached = final.num_cached_tokens or 0
+    ran = None if final.prompt_token_ids is None else list(final.prompt_token_ids)  # one list, shared
     out = []
     for c in sorted(final.outputs, key=lambda c: c.index):
         ids = list(c.token_ids)
@@ -64,7 +68,7 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
         else:
             logps = [0.0] * len(ids)
         routed = getattr(c, "routed_experts", None)  # set only by an engine asked for it
-        rows = None if final.prompt_token_ids is None else routed_rows(len(final.prompt_token_ids), len(ids))
+        rows = None if ran is None else routed_rows(len(ran), len(ids))
         out.append(
             Completion(
                 ids,
@@ -73,6 +77,7 @@ def completions(final: Any, version: int, submitted: int) -> list[Completion]:
                 c.finish_reason,
                 cached,
                 submitted,
+                prompt_ids=ran,
                 routed_experts=engine_routing(routed, rows),
             )
         )

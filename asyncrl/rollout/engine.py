@@ -182,10 +182,14 @@ class RolloutEngine(WeightUpdates):
         max_tokens: int | None = None,
         temperature: float | None = None,
         ignore_eos: bool = False,
+        images: list | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions of ``prompt_ids``; returns them in sample order.
 
-        ``ignore_eos`` samples exactly ``max_tokens`` tokens (tests and benchmarks)."""
+        ``ignore_eos`` samples exactly ``max_tokens`` tokens (tests and benchmarks). ``images``:
+        the prompt's decoded images, one per placeholder token in ``prompt_ids``, checked by
+        asyncrl.rollout.vision_prompts; vLLM expands each placeholder to the image's tokens and
+        each Completion's ``prompt_ids`` holds the expanded prompt."""
         params = self.sampling_params(n, request_id, max_tokens, temperature, ignore_eos)
         await self._open.wait()  # an update in progress, or a rebuilt engine without weights
         submitted = self.version
@@ -193,7 +197,9 @@ class RolloutEngine(WeightUpdates):
         # blocks that other weights computed (the salt enters the first block's hash, and every
         # later block's hash chains on it). A vllm.inputs.TokensPrompt, written as the dict it is:
         # its NotRequired keys need Python 3.11 typing, so type-checked for 3.10 it demands them all.
-        prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": f"asyncrl-v{submitted}"}
+        prompt: dict[str, object] = {"prompt_token_ids": list(prompt_ids), "cache_salt": f"asyncrl-v{submitted}"}
+        if images:  # vLLM hashes each image into its prefix-cache keys, beside the salt
+            prompt["multi_modal_data"] = {"image": list(images)}
         final = None
         llm = self.llm
         self._requests.add(request_id)
@@ -214,19 +220,32 @@ class RolloutEngine(WeightUpdates):
             raise RequestAborted(
                 f"request {request_id} was aborted after {max(len(c.token_ids) for c in final.outputs)} tokens"
             )
+        if any(c.finish_reason == "error" for c in final.outputs):
+            # vLLM's retryable request-level error, e.g. a prompt image its engine core no longer
+            # caches after another request with it failed ("P0/P1 cache drift"): no tokens, and
+            # the frontend resends the image on the next try. Never a sample; run it again.
+            raise RequestAborted(f"request {request_id} ended in a retryable engine error (finish_reason 'error')")
         return completions(final, self.version, submitted)
 
-    async def warm_up(self, prompt_ids: list[int], requests: int, request_prefix: str) -> None:
+    async def warm_up(
+        self, prompt_ids: list[int], requests: int, request_prefix: str, images: list | None = None
+    ) -> None:
         """``requests`` throw-away requests of full length at once. A cold vLLM-CPU engine takes
         seconds over its first batch (measured: 2.6 s for 16 groups of the demo, then 0.2 s): a
         generator joining a running job would spend them on admitted groups, which a trainer
-        doing several steps a second has then moved past the staleness bound."""
+        doing several steps a second has then moved past the staleness bound. ``images``: the
+        prompt's, so a vision model's tower warms up too (and no placeholder goes without one)."""
         t0 = time.perf_counter()
         r = self.rollout
         await asyncio.gather(
             *(
                 self.generate(
-                    prompt_ids, r.n_samples, f"{request_prefix}:{k}", max_tokens=r.max_tokens, ignore_eos=True
+                    prompt_ids,
+                    r.n_samples,
+                    f"{request_prefix}:{k}",
+                    max_tokens=r.max_tokens,
+                    ignore_eos=True,
+                    images=images,
                 )
                 for k in range(requests)
             )

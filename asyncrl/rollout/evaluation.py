@@ -32,6 +32,7 @@ from asyncrl.config import Config
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.prompts import PromptItem
+from asyncrl.rollout.vision_prompts import VisionModel
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,8 @@ class HeldOut:
             log.warning("%s: %d evaluation prompts not run: %s", self.generator_id, len(prompts), self.engine.closed)
             return EvalOutcome(version=version, not_run=len(prompts))
         if self.maker is None:
-            self.maker = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id)
+            vision = VisionModel.of(self.engine.model_path)  # held-out prompts may carry images too
+            self.maker = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id, vision)
         if version is None:
             return await evaluate_items(self.maker, self.items(prompts), temperature, timeout_s)
         waited = await self.reach(version, timeout_s)

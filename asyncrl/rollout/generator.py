@@ -50,6 +50,7 @@ import time
 import zlib
 
 from asyncrl.config import Config
+from asyncrl.data.images import ImageLimits
 from asyncrl.queue.replay import RolloutQueue
 from asyncrl.queue.runstate import RunState
 from asyncrl.rollout import transfer
@@ -73,6 +74,7 @@ from asyncrl.rollout.recovery import (
 )
 from asyncrl.rollout.sampling import transfer_backend
 from asyncrl.rollout.stats import GeneratorStats, TokenRate
+from asyncrl.rollout.vision_prompts import VisionModel, images_refused, prompt_images, with_images
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.seeding import rollout_seed
 from asyncrl.sync.model_ship import local_model
@@ -174,7 +176,10 @@ class GeneratorActor:
             answer_field=r.answer_field,
         )
         # One encoding for drawn, re-issued and warm-up prompts (the chat template, if any).
-        self.encode = prompt_encoder(self.tokenizer, r.chat_template)
+        # A vision-language model's prompts carry images: checked as each prompt is drawn.
+        self.vision = VisionModel.of(model_path)
+        refused = images_refused(r.env, self.env.multi_turn, r.teacher is not None)
+        self.encode = with_images(prompt_encoder(self.tokenizer, r.chat_template), self.vision, ImageLimits(), refused)
         return model_path
 
     def _start_loop(self) -> None:
@@ -208,7 +213,7 @@ class GeneratorActor:
 
     def _build_parts(self) -> None:
         self.weights = WeightWatcher(self.engine, self.run_state, self.cfg, self.generator_id, self.run)
-        self.groups = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id)
+        self.groups = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id, self.vision)
         self.held_out = HeldOut(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id, self.encode)
         self.production = Production(
             self.cfg,
@@ -234,9 +239,11 @@ class GeneratorActor:
         except (WeightLoadError, OSError) as e:  # the heartbeat poll tries again later
             self.weights.note_failed(location, version)
             log.warning("%s: could not load published weights v%d: %s", self.generator_id, version, e)
-        warm = self.encode(*next(self.prompts)[1:])
+        _, text, metadata = next(self.prompts)
+        warm = self.encode(text, metadata)
+        images = prompt_images(metadata, warm, self.vision, ImageLimits()) or None  # checked by encode
         prefix = f"{self.generator_id}.{self.incarnation}:warmup"
-        self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, prefix))
+        self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, prefix, images))
 
     def _take_over_predecessor(self) -> int:
         """Queue the prompts a crashed predecessor admitted but never put; how many."""

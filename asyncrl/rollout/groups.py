@@ -27,6 +27,7 @@ import numpy as np
 
 from asyncrl.algo.overlong import MAX_NEW_TOKENS_KEY, penalised_rewards, rewards_tie
 from asyncrl.config import Config, ConfigError
+from asyncrl.data.images import IMAGES_KEY, ImageLimits
 from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.rollout.envs import RewardError, make_env
 from asyncrl.rollout.envs.multiturn import (
@@ -41,6 +42,13 @@ from asyncrl.rollout.envs.multiturn import (
 from asyncrl.rollout.prompts import PromptItem
 from asyncrl.rollout.scoring import RewardLimits, RewardScorer, Score
 from asyncrl.rollout.teacher import TeacherClient, attach_teacher_logprobs
+from asyncrl.rollout.vision_prompts import (
+    PromptImageError,
+    VisionModel,
+    engine_prompt_ids,
+    images_refused,
+    prompt_images,
+)
 from asyncrl.types import RolloutGroup, Sample
 
 REWARD_FAILED_KEY = "reward_failed"
@@ -62,9 +70,20 @@ class GroupMaker:
     """Rolls prompts out on one engine and scores them off the loop (``scorer`` counts the
     rewards that failed)."""
 
-    def __init__(self, cfg: Config, env, tokenizer, engine: RolloutEngine, generator_id: str):
+    def __init__(
+        self,
+        cfg: Config,
+        env,
+        tokenizer,
+        engine: RolloutEngine,
+        generator_id: str,
+        vision: VisionModel | None = None,
+        image_limits: ImageLimits | None = None,
+    ):
         self.cfg, self.rollout, self.env, self.tokenizer = cfg, cfg.rollout, env, tokenizer
         self.engine, self.generator_id = engine, generator_id
+        # A vision-language model's placeholder, and the limits a prompt's images are held to.
+        self.vision, self.image_limits = vision, image_limits or ImageLimits()
         # Multi-turn rewards come from env.step() inside the trajectory, not from a scorer.
         self.scorer = RewardScorer(env, RewardLimits.from_rollout(cfg.rollout))
         teacher = cfg.rollout.teacher
@@ -90,12 +109,20 @@ class GroupMaker:
         n = self.rollout.n_samples if n is None else n
         counts: dict[str, int] = {}
         failed: list[int] = []
+        prompt_ids = item.ids
         if self.env.multi_turn:
+            if IMAGES_KEY in item.metadata:  # the encoder refuses these first (images_refused)
+                why = images_refused(self.rollout.env, True, False)
+                raise PromptImageError(f"the prompt carries images, but {why}")
             samples, counts, failed = await self._multi_turn_samples(item, n, temperature)
         else:
+            images = prompt_images(item.metadata, item.ids, self.vision, self.image_limits)
+            if images and self.teacher is not None and teacher:
+                raise PromptImageError(f"the prompt carries images, but {images_refused('', False, True)}")
+            prompt_len = self.prompt_length(item.ids, item.metadata)
             max_tokens = item.metadata.get("max_tokens")  # per-prompt budget (long-tailed workloads)
             if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-                max_tokens = max(1, min(max_tokens, self.rollout.engine_max_model_len - len(item.ids)))
+                max_tokens = max(1, min(max_tokens, self.rollout.engine_max_model_len - prompt_len))
             else:
                 max_tokens = None
             # metadata "ignore_eos": true runs every sample to the budget (EOS sampled or not), so
@@ -107,7 +134,11 @@ class GroupMaker:
                 max_tokens=max_tokens,
                 temperature=temperature,
                 ignore_eos=item.metadata.get("ignore_eos") is True,
+                images=images or None,
             )
+            # With images, the prompt the engine ran: its placeholders expanded to image tokens.
+            ran = completions[0].prompt_ids if completions else None
+            prompt_ids = engine_prompt_ids(item.ids, ran, len(images), self.vision)
             # Scored concurrently: one slow reward holds up its own group only, never the loop.
             scored = await asyncio.gather(*(self._sample(item.text, item.metadata, c, t0) for c in completions))
             samples = [s for s, _ in scored]
@@ -138,11 +169,19 @@ class GroupMaker:
         return RolloutGroup(
             group_id=item.prompt_id,
             prompt_id=item.prompt_id,
-            prompt_ids=np.asarray(item.ids, np.int32),
+            prompt_ids=np.asarray(prompt_ids, np.int32),
             samples=samples,
             env=self.rollout.env,
             metadata=meta,
         )
+
+    def prompt_length(self, ids: list[int], metadata: dict) -> int:
+        """The prompt's length as the engine runs it: a vision-language model's image placeholders
+        expanded to the image tokens (where their count is fixed), else the ids as they are."""
+        images = metadata.get(IMAGES_KEY)
+        if self.vision is None or not isinstance(images, list) or not images:
+            return len(ids)
+        return self.vision.expanded_length(ids, len(images)) or len(ids)
 
     def uniform(self, group: RolloutGroup) -> bool:
         """Whether every reward the advantage estimator will see for ``group`` is the same

@@ -42,6 +42,7 @@ from asyncrl.queue.runstate import RunState
 from asyncrl.rollout.engine import RequestAborted, RolloutEngine
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.prompts import PromptItem
+from asyncrl.rollout.vision_prompts import PromptImageError
 from asyncrl.rollout.watcher import WeightWatcher
 from asyncrl.types import RolloutGroup
 
@@ -177,10 +178,17 @@ class Production:
         reissued = self.run_state.pop_reissued()
         if reissued is not None:
             prompt_id, text, metadata = reissued.prompt_id, reissued.text, reissued.metadata
+            try:
+                ids = self.encode(text, metadata)
+            except PromptImageError as e:  # read back from Redis: untrusted, skipped with the reason
+                log.warning("%s: re-issued prompt %r skipped: %s", self.generator_id, prompt_id[:200], e)
+                self.counts.prompts_skipped += 1
+                self.run_state.incr("prompts_skipped")
+                return None
         else:
             prompt_id, text, metadata = next(self.prompts)
-        ids = self.encode(text, metadata)
-        if len(ids) > self.rollout.max_prompt_tokens:
+            ids = self.encode(text, metadata)  # a bad image from the environment stops the generator
+        if self.groups.prompt_length(ids, metadata) > self.rollout.max_prompt_tokens:  # images expanded
             self.counts.prompts_skipped += 1
             self.run_state.incr("prompts_skipped")
             return None
@@ -210,6 +218,11 @@ class Production:
             group = await self.groups.make(item)
         except asyncio.CancelledError:
             raise
+        except PromptImageError as e:
+            # Checked as drawn, so what is left is the engine's expansion disagreeing with the
+            # model's image tokens: every prompt would fail alike. Stop, with the reason.
+            self.on_fail(f"prompt {item.prompt_id}: its images cannot be sampled", e)
+            return
         except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
             self.counts.group_errors += 1
             if isinstance(e, RequestAborted):  # its partial tokens were never scored nor put

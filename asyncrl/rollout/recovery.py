@@ -250,11 +250,13 @@ def predecessor_prompts(
     for prompt_id, raw in run_state.inflight_prompts(generator_id).items():
         try:
             note = parse_note(unpack_small(raw))
+            # A note's images are read back from Redis: checked (asyncrl.rollout.vision_prompts) as any.
+            ids = encode(note.text, note.metadata)
         except Exception as e:
             # Not a note a generator wrote: nothing to run. Its admission was counted for a
             # successor to use; give it back (and count it) so the budget stays balanced.
             log.warning("%s: in-flight note %r unreadable (%s); dropped", generator_id, prompt_id[:200], e)
             run_state.drop_admitted(generator_id, prompt_id, counter="notes_unreadable")
             continue
-        items.append(PromptItem(prompt_id, note.text, note.metadata, encode(note.text, note.metadata)))
+        items.append(PromptItem(prompt_id, note.text, note.metadata, ids))
     return items

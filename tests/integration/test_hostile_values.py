@@ -25,9 +25,11 @@ from asyncrl.control.step_metrics import StepTimes, step_metrics
 from asyncrl.control.watchdog import GeneratorWatchdog
 from asyncrl.data.codec import encode_group
 from asyncrl.data.contract import RecordContract
+from asyncrl.data.images import ImageLimits
 from asyncrl.monitor.dashboard.data import list_runs, run_snapshot
 from asyncrl.queue import RolloutQueue, RunState, keys
 from asyncrl.rollout.recovery import predecessor_prompts, reap_predecessor
+from asyncrl.rollout.vision_prompts import VisionModel, with_images
 from asyncrl.types import RolloutGroup, Sample
 
 RUN = "hostile"
@@ -153,12 +155,16 @@ def test_garbage_read_back_from_redis_is_skipped_by_every_reader(redis_url):
     assert rs.engine_record("gen-0") is None
     assert rs.admit_prompt("gen-0", "p-good", msgpack.packb({"text": "abc=", "metadata": {"target": "abc"}}))
     started = rs.counters()["groups_started"]
-    raw.hset(keys.inflight(RUN, "gen-0"), mapping={"p-bad": b"\xc1", "p-list": msgpack.packb([1])})
-    raw.hincrby(keys.counters(RUN), "groups_started", 2)  # as a resume counts every note
-    items = predecessor_prompts(rs, "gen-0", lambda text, meta: [1, 2])
+    # a note's images are read back too: a forged one is dropped like an unreadable note
+    forged = msgpack.packb({"text": "x", "metadata": {"images": [b"\x89PNG\r\n\x1a\nforged"]}})
+    raw.hset(keys.inflight(RUN, "gen-0"), mapping={"p-bad": b"\xc1", "p-list": msgpack.packb([1]), "p-img": forged})
+    raw.hincrby(keys.counters(RUN), "groups_started", 3)  # as a resume counts every note
+    vision = VisionModel("idefics3", image_token_id=60, tokens_per_image=4)
+    encode = with_images(lambda text, meta: [60] if "images" in meta else [1, 2], vision, ImageLimits())
+    items = predecessor_prompts(rs, "gen-0", encode)
     assert [i.prompt_id for i in items] == ["p-good"]
     c = rs.counters()
-    assert c["groups_started"] == started and c["notes_unreadable"] == 2  # their admission given back
+    assert c["groups_started"] == started and c["notes_unreadable"] == 3  # their admission given back
 
     # A trainer starting on this run renumbers past what was announced: text is not a version.
     raw.hset(state, mapping={"policy_version": 3, "weights_version": "1e999", "versions_retired_upto": "inf"})

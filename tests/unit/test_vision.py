@@ -218,16 +218,16 @@ def test_intake_dead_letters_a_group_with_a_bad_image_and_hands_out_the_good_one
 
 def test_check_reads_and_decodes_a_drawn_prompts_images():
     from asyncrl.config import ConfigError, load_config
-    from asyncrl.control.preflight import _image_lines, check_imports
+    from asyncrl.control.preflight import check_imports
+    from asyncrl.rollout.vision_prompts import describe_images
 
     cfg = load_config(None, ["rollout.env=asyncrl.rollout.envs.colour:ColourEnv", "rollout.env_kwargs={}"])
-    lines = check_imports(cfg)
-    (line,) = [line for line in lines if "a drawn prompt's 1 image(s) read and decoded (56x56)" in line]
-    # --check does not let a user believe the images reach the model: no generator hands them on yet
-    assert "a run samples and trains on the prompt's text alone" in line
-    assert _image_lines("copy", {"target": "abc"}) == []  # a text task: no image line
+    # --check does not let a user believe a text model sees the images: a generator would refuse them
+    with pytest.raises(ConfigError, match=r"1 prompt image\(s\), but rollout.model=tiny is a text model"):
+        check_imports(cfg)
+    assert describe_images("tiny", False, "abc", {"target": "abc"}, "copy") == []  # a text task: no image line
     with pytest.raises(ConfigError, match=r"images: bad_image: images\[0\]: not a PNG"):
-        _image_lines("mine", {IMAGES_KEY: [b"BM not a png"]})
+        describe_images("tiny", False, "x", {IMAGES_KEY: [b"BM not a png"]}, "mine")
 
 
 class NoMetadataEnv(ColourEnv):

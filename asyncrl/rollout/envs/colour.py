@@ -5,8 +5,11 @@
     env.reward(prompt, "red", meta)                    # 1.0
 
 Each prompt is one image, drawn at run time (a filled square of one of a few colours on a grey
-background, at a random place and size), and the question in text. The image travels in the
-group's metadata once (asyncrl.data.images), not per sample. The reward is positional credit
+background, at a random place and size), and the question in text, as a chat message of two
+content parts, ``{"type": "image"}`` then the text: the model's chat template writes its own
+image placeholder (so it needs rollout.chat_template=true), and the generator hands the image to
+the engine with it (asyncrl.rollout.vision_prompts). The image travels in the group's metadata
+once (asyncrl.data.images), not per sample. The reward is positional credit
 against the colour's name (asyncrl.rollout.envs.synthetic), so a random policy sees a signal;
 the text is the same for every prompt, so only the image tells the colours apart.
 """
@@ -19,10 +22,12 @@ from typing import Any
 from asyncrl.data.images import IMAGES_KEY, ImageLimits, encode_image
 from asyncrl.rollout.envs.base import Environment
 from asyncrl.rollout.envs.synthetic import positional_credit
+from asyncrl.rollout.prompts import MESSAGES_KEY
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
-IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
 QUESTION = "colour?"
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+"""The prompt as the chat template renders it: the image, then the question."""
 
 
 class ColourEnv(Environment):
@@ -38,7 +43,7 @@ class ColourEnv(Environment):
         if not 28 <= size <= 512:
             raise ValueError(f"size={size}: between 28 and 512 pixels")
         self.names, self.size, self.length_penalty = names, size, length_penalty
-        self.limits = ImageLimits(max_pixels=max(size * size, ImageLimits.max_pixels))
+        self.limits = ImageLimits()  # the run's limits (the largest square, 512x512, is within them)
 
     def target_length(self) -> float:
         return sum(len(n) for n in self.names) / len(self.names)
@@ -54,7 +59,8 @@ class ColourEnv(Environment):
 
     def make_prompt(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
         name = rng.choice(self.names)
-        return IMAGE_PART + QUESTION, {"target": name, IMAGES_KEY: [encode_image(self.draw(name, rng), self.limits)]}
+        image = encode_image(self.draw(name, rng), self.limits)
+        return QUESTION, {"target": name, MESSAGES_KEY: MESSAGES, IMAGES_KEY: [image]}
 
     def reward(self, prompt: str, response: str, metadata: dict[str, Any]) -> float:
         target = metadata.get("target")
