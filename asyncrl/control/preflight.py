@@ -98,6 +98,13 @@ def preflight(cfg: Config) -> list[str]:
     lines.append(model_line)
     lines.append(families.describe(r.model))
     check_context_parallel(repr(r.model), families.read_config(r.model), learner.context_parallel)
+    families.check_vision_learner(
+        r.model,
+        families.read_config(r.model),
+        critic=cfg.algo.critic.enabled,
+        lora=learner.lora is not None,
+        context_parallel=learner.context_parallel,
+    )
 
     cuda = torch.cuda.is_available()
     needs = [

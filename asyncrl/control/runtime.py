@@ -104,6 +104,13 @@ class Runtime:
         check_context_parallel(
             repr(cfg.rollout.model), families.read_config(cfg.rollout.model), cfg.learner.context_parallel
         )
+        families.check_vision_learner(
+            cfg.rollout.model,
+            families.read_config(cfg.rollout.model),
+            critic=cfg.algo.critic.enabled,
+            lora=cfg.learner.lora is not None,
+            context_parallel=cfg.learner.context_parallel,
+        )
         # Before anything starts: the redis-server and Ray started below keep the umask they start with.
         stack.enter_context(private_files(cfg.control.private_files))
         local_dir.mkdir(parents=True, exist_ok=True)

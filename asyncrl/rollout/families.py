@@ -169,3 +169,24 @@ def describe(model: str) -> str:
     if family is IDEFICS3:  # not in the text families' parity matrix: its own tests (the guide)
         return f"model family: {family.name}, vision-language (needs: {family.needs}; docs/guide/vision.md)"
     return f"model family: {family.name} (tested at parity; needs: {family.needs})"
+
+
+def check_vision_learner(model: str, config: dict | None, *, critic: bool, lora: bool, context_parallel: int) -> None:
+    """ModelRefused for what the learner does not take with a vision-language model yet, read from
+    its config.json before anything starts (start-up and ``--check``), rather than when the
+    learner group or its ranks load it: a critic (a text model's value head), LoRA (its default
+    targets reach the vision tower), context parallelism (the image features are placed over
+    the whole row). A text model, or a directory not read (a hub id), passes."""
+    if config is None or not isinstance(config.get("vision_config"), dict):
+        return
+    why = (
+        "algo.critic (the critic is a text model's value head)"
+        if critic
+        else "learner.lora (its default targets reach the vision tower; untested)"
+        if lora
+        else f"learner.context_parallel={context_parallel} (the image features are placed over the whole row)"
+        if context_parallel > 1
+        else None
+    )
+    if why is not None:
+        raise ModelRefused(f"rollout.model={model!r} is a vision-language model: not with {why} yet")

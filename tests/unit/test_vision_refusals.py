@@ -145,6 +145,25 @@ def test_a_model_whose_pad_token_is_its_image_token_is_refused(model_dir):
         ImagePixels.of(model_dir, config=config)
 
 
+def test_vision_learner_limits_are_refused_from_the_config_before_anything_starts(model_dir):
+    """Start-up and --check read config.json: context parallelism (refused otherwise only inside
+    each rank, after Ray is up), LoRA and a separate critic are refused with one line each."""
+    from asyncrl.rollout.families import ModelRefused, check_vision_learner, read_config
+
+    config = read_config(model_dir)
+    for kwargs, what in (
+        ({"critic": True, "lora": False, "context_parallel": 1}, r"algo\.critic"),
+        ({"critic": False, "lora": True, "context_parallel": 1}, r"learner\.lora"),
+        ({"critic": False, "lora": False, "context_parallel": 2}, r"learner\.context_parallel=2"),
+    ):
+        with pytest.raises(ModelRefused, match=rf"is a vision-language model: not with {what}"):
+            check_vision_learner(model_dir, config, **kwargs)
+    check_vision_learner(model_dir, config, critic=False, lora=False, context_parallel=1)
+    text = {k: v for k, v in config.items() if k != "vision_config"}
+    check_vision_learner("text", text, critic=True, lora=True, context_parallel=2)  # checked elsewhere
+    check_vision_learner("hub/id", None, critic=True, lora=True, context_parallel=2)  # not read: the loaders check
+
+
 def test_a_critic_or_lora_is_refused_for_a_vision_model_before_ray(model_dir):
     from asyncrl.config import Config
     from asyncrl.config.training import LoraConfig
