@@ -37,8 +37,10 @@ Rules, each a `RecordError.reason`:
   are computed in float32 as the learner's are; non-finite ones are the codec's).
 - ``bad_image``: the run takes images (``images`` set) and the group's prompt images
   (metadata ``images``, asyncrl.data.images) are not a list of at most ``max_images`` PNGs, each
-  within ``max_bytes`` and ``max_pixels`` and decodable. Images are checked once per group:
-  they travel once per group, not per sample.
+  within ``max_bytes`` and ``max_pixels`` and decodable; or the run is a text run and the group
+  carries prompt images (its generators refuse them: it was sampled elsewhere, and would be
+  trained on its text alone). Images are checked once per group: they travel once per group,
+  not per sample.
 - ``logprob_out_of_range``: a rollout or teacher log-prob of a policy token below ``types.MIN_LOGPROB`` (finite,
   yet under rollout.teacher it is the token's reward, and its advantage would swamp the batch's).
 """
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncrl.data.codec import RecordError
-from asyncrl.data.images import ImageLimits, check_group_images
+from asyncrl.data.images import IMAGES_KEY, ImageLimits, check_group_images
 from asyncrl.types import MAX_ABS_REWARD, MIN_LOGPROB, RolloutGroup, Sample
 
 LOGPROB_TOLERANCE = 1e-4
@@ -176,5 +178,9 @@ def check_group(group: RolloutGroup, contract: RecordContract) -> None:
     _check_ids(group.prompt_ids, contract.vocab_size, "group.prompt_ids")
     if contract.images is not None:
         check_group_images(group.metadata, contract.images)
+    elif group.metadata.get(IMAGES_KEY, []) != []:
+        # A text run's generators refuse prompt images (asyncrl.rollout.vision_prompts): a group
+        # with some was sampled elsewhere, and its learner would train on the text alone.
+        raise RecordError("bad_image", "the group carries prompt images, but the run's model is a text model")
     for i, s in enumerate(group.samples):
         _check_sample(group, s, contract, f"samples[{i}]")

@@ -211,9 +211,14 @@ def test_intake_dead_letters_a_group_with_a_bad_image_and_hands_out_the_good_one
     assert [g.group_id for _, g in intake.out] == ["good"]
     assert [(d["group_id"], d["reason"]) for d in intake.dead] == [("bomb", "bad_image"), ("not-png", "bad_image")]
     assert "max_pixels" in str(intake.dead[0]["detail"])
-    # a text run's contract does not look at images (main's behaviour)
+    # a text run's generators refuse prompt images: a group that has some was sampled elsewhere and
+    # would train on its text alone, so it is dead-lettered; a text group (no images, or none listed) is not
     text = RecordContract(vocab_size=16, max_len=12, group_size=2, stepwise=False, max_version=5)
-    assert len(sort_entries(entries, 0, set(), 1 << 20, 0, contract=text).out) == 3
+    entries += [("1-4", {keys.RECORD_FIELD: group("none", [])})]
+    intake = sort_entries(entries, 0, set(), 1 << 20, 0, contract=text)
+    assert [g.group_id for _, g in intake.out] == ["none"]
+    assert {d["reason"] for d in intake.dead} == {"bad_image"} and len(intake.dead) == 3
+    assert "text model" in str(intake.dead[0]["detail"])
 
 
 def test_check_reads_and_decodes_a_drawn_prompts_images():
