@@ -80,6 +80,22 @@ token. A micro-batch holds each distinct tile once, and TILE_INDEX [tiles], for 
 its sequences in row order, which of them it is (module docstring)."""
 
 
+def model_pad_token_id(config: Any) -> int:
+    """The id a model's micro-batches are padded with, from its Hugging Face config: its
+    ``pad_token_id`` if that is an id of its vocabulary, else its text config's, else 0. A
+    vision-language config without a pad id of its own gets its class's default, which need not
+    be in the vocabulary (Idefics3's is 128002, past SmolVLM's 49,280 ids): every embedding
+    lookup of a padded micro-batch would then fail."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    for candidate in (getattr(config, "pad_token_id", None), getattr(text, "pad_token_id", None)):
+        if not isinstance(candidate, int) or isinstance(candidate, bool):
+            continue
+        if candidate >= 0 and (not isinstance(vocab, int) or candidate < vocab):
+            return candidate
+    return 0
+
+
 def seq_fields(seq: TrainSequence) -> dict[str, np.ndarray]:
     """The per-token arrays of one TrainSequence, as int64 / float32 numpy (msgpack/Ray friendly)."""
     out = {}

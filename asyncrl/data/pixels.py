@@ -87,7 +87,9 @@ class ImagePixels:
             raise ValueError(
                 f"{config.model_type}: the learner builds pixel inputs for {', '.join(SUPPORTED)} models only"
             )
-        if int(config.pad_token_id or 0) == int(config.image_token_id):
+        from asyncrl.data.microbatch import model_pad_token_id  # torch: only for a vision model
+
+        if model_pad_token_id(config) == int(config.image_token_id):
             # The learner pads micro-batches with it: padding would read as image tokens.
             raise ValueError(f"{model_dir}: pad_token_id is the image token ({config.image_token_id})")
         return cls(

@@ -140,7 +140,7 @@ class LearnerActor:
         self.scheduler = optim.build_scheduler(self.optimizer, lc, total_steps=total)
         self.logprob_fn = self.sampling.logprob_fn()
         self.disallowed = self._disallowed_tokens()
-        self.pad_token_id = int(cast(Any, self.model).config.pad_token_id or 0)  # an HF model under FSDP
+        self.pad_token_id = mbatch.model_pad_token_id(cast(Any, self.model).config)  # an HF model under FSDP
         return {
             "rank": self.rank,
             "device": str(self.device),

@@ -101,7 +101,7 @@ class LearnerGroup:
         self.micro_batch_tokens = cfg.learner.micro_batch_tokens
         self.collective_timeout_s = collective_timeout_s
         hf = AutoConfig.from_pretrained(model_path)
-        self.pad_token_id = int(hf.pad_token_id if hf.pad_token_id is not None else 0)
+        self.pad_token_id = mbatch.model_pad_token_id(hf)  # in the vocabulary (a VL config's default need not be)
         text = hf.get_text_config()  # a vision-language model's language model; a text model's own config
         self.max_positions = int(text.max_position_embeddings)
         self.vocab_size = int(text.vocab_size)

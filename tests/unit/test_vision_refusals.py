@@ -10,6 +10,8 @@ critic, and a model whose pad token is its image token.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -143,6 +145,33 @@ def test_a_model_whose_pad_token_is_its_image_token_is_refused(model_dir):
     config.pad_token_id = config.image_token_id
     with pytest.raises(ValueError, match="pad_token_id is the image token"):
         ImagePixels.of(model_dir, config=config)
+
+
+def test_a_vision_config_without_its_own_pad_id_pads_inside_the_vocabulary(model_dir):
+    """An Idefics3 config.json with no top-level pad_token_id reads as the class default 128002,
+    past the tiny vocabulary (and SmolVLM's): the learner (driver and ranks) pads with the text
+    config's id instead, so an embedding lookup of a padded micro-batch, or of a refused prompt
+    whose image tokens became the pad id, stays in range."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from asyncrl.data.microbatch import model_pad_token_id
+
+    bare = model_dir + "-no-pad"
+    shutil.copytree(model_dir, bare, dirs_exist_ok=True)
+    data = json.loads((Path(bare) / "config.json").read_text())
+    data.pop("pad_token_id")
+    (Path(bare) / "config.json").write_text(json.dumps(data))
+    config = AutoConfig.from_pretrained(bare)
+    text = config.get_text_config()
+    assert config.pad_token_id >= text.vocab_size  # what the old `config.pad_token_id` padded with
+    assert model_pad_token_id(config) == text.pad_token_id < text.vocab_size
+    assert ImagePixels.of(bare, config=config) is not None
+    assert model_pad_token_id(AutoConfig.from_pretrained(model_dir)) == text.pad_token_id  # its own, in range
+    text.pad_token_id = None
+    assert model_pad_token_id(config) == 0
 
 
 def test_vision_learner_limits_are_refused_from_the_config_before_anything_starts(model_dir):
