@@ -29,10 +29,12 @@ from asyncrl.rundir.store import ObjectPath, RunPath, local_dir_for, remove_tree
 
 HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.jinja")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.jinja", "chat_template.json")
 """A vision-language model's processor (image size, image tokens per image, the chat template
 with its image placeholder), copied as the base model has them: without them transformers and
-vLLM would build the processor's defaults, which expand an image into another number of tokens."""
+vLLM would build the processor's defaults, which expand an image into another number of tokens.
+``chat_template.json`` is where checkpoints saved by older transformers (SmolVLM's) keep the
+processor's chat template, the one that writes the image placeholder."""
 
 
 def _stage(out: RunPath, fill) -> RunPath:

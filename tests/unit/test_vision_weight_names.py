@@ -102,3 +102,21 @@ def _load_into_vllm(model_dir: str, weights: str, out: str) -> None:
 
 if __name__ == "__main__":
     _load_into_vllm(*sys.argv[1:4])
+
+
+def test_an_export_carries_the_base_models_processor_files(tmp_path):
+    """The exported folder expands images as the run did: the base model's processor files are
+    copied, the legacy chat_template.json of older checkpoints (SmolVLM's) included."""
+    import json
+    import shutil
+
+    from asyncrl.control.export import _assemble
+    from asyncrl.rollout.tiny_vl import write_tiny_idefics3
+
+    base = write_tiny_idefics3(tmp_path / "base")
+    legacy = {"chat_template": "{% for m in messages %}<image>{% endfor %}"}
+    (base / "chat_template.json").write_text(json.dumps(legacy))
+    out = _assemble(tmp_path / "hf", str(base), lambda file: shutil.copyfile(base / "model.safetensors", file))
+    for name in ("processor_config.json", "chat_template.json"):
+        assert (out / name).read_bytes() == (base / name).read_bytes(), name
+    assert json.loads((out / "processor_config.json").read_text())["image_seq_len"] == 4
