@@ -48,11 +48,27 @@ from asyncrl.rollout.sampling import engine_args, sampling_params
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RequestAborted", "RolloutEngine", "WeightLoadError"]  # WeightLoadError: engine_weights.py's
+# WeightLoadError: engine_weights.py's
+__all__ = ["PromptRefused", "RequestAborted", "RolloutEngine", "WeightLoadError"]
 
 
 class RequestAborted(RuntimeError):
     """A request ended without finishing (aborted by a rebuild or a stop): run it again or drop it."""
+
+
+class PromptRefused(ValueError):
+    """The engine refused the request's input (vLLM's request validation), e.g. a prompt longer
+    than its max_model_len once its images are expanded, which the generator cannot count
+    beforehand for an image processor that splits images: the same prompt would be refused
+    again, so it is skipped, not run again."""
+
+
+def _refused_input(error: Exception) -> bool:
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # a vLLM without it: every failure is run again, as before
+        return False
+    return isinstance(error, VLLMValidationError)
 
 
 class RolloutEngine(WeightUpdates):
@@ -209,6 +225,8 @@ class RolloutEngine(WeightUpdates):
                 final = out
         except Exception as e:
             if not llm.errored:
+                if _refused_input(e):
+                    raise PromptRefused(f"request {request_id}: the engine refuses its input: {e}") from e
                 raise
             await self._replace_dead(llm, e)
             raise RequestAborted(f"request {request_id}: the engine died ({type(e).__name__}: {e})") from e

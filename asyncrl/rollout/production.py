@@ -39,7 +39,7 @@ import msgpack
 from asyncrl.config import Config
 from asyncrl.queue.replay import QueueFull, RolloutQueue
 from asyncrl.queue.runstate import RunState
-from asyncrl.rollout.engine import RequestAborted, RolloutEngine
+from asyncrl.rollout.engine import PromptRefused, RequestAborted, RolloutEngine
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.prompts import PromptItem
 from asyncrl.rollout.vision_prompts import PromptImageError
@@ -222,6 +222,13 @@ class Production:
             # Checked as drawn, so what is left is the engine's expansion disagreeing with the
             # model's image tokens: every prompt would fail alike. Stop, with the reason.
             self.on_fail(f"prompt {item.prompt_id}: its images cannot be sampled", e)
+            return
+        except PromptRefused as e:
+            # Refused as it is (e.g. too long once its images are expanded): run again, it would
+            # be refused again, forever. Skipped with the reason; its admission goes back.
+            log.warning("%s: prompt %s skipped: %s", self.generator_id, item.prompt_id[:200], e)
+            self.counts.prompts_skipped += 1
+            await asyncio.to_thread(self.run_state.drop_admitted, self.generator_id, item.prompt_id, "prompts_skipped")
             return
         except Exception as e:  # engine trouble (e.g. rebuilt mid-request): run the prompt again
             self.counts.group_errors += 1

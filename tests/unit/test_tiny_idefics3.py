@@ -332,6 +332,37 @@ def test_the_engine_hands_vllm_the_images_and_retries_its_retryable_error():
         asyncio.run(engine.generate([60, 16], 1, "r:2", images=[image]))
 
 
+class RefusingLLM(OneAnswerLLM):
+    """An AsyncLLM whose request validation refuses every input, as vLLM's input processor
+    refuses a prompt longer than max_model_len once its images are expanded."""
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from vllm.exceptions import VLLMValidationError
+
+        self.prompts.append(prompt)
+        raise VLLMValidationError("The decoder prompt (length 1100) is longer than the maximum model length of 1024.")
+        yield  # an async generator, as vLLM's
+
+
+def test_an_input_the_engine_refuses_is_skipped_not_run_again():
+    """A prompt vLLM's validation refuses (an image processor that splits images makes the
+    expanded length unknowable beforehand) would be refused on every retry: PromptRefused, which
+    the generator skips with the reason, not the generic failure it re-issues forever."""
+    import asyncio
+
+    pytest.importorskip("vllm")
+    from asyncrl.config import Config
+    from asyncrl.rollout.engine import PromptRefused, RequestAborted, RolloutEngine
+
+    engine = RolloutEngine(RefusingLLM("length"), Config().rollout, "unused", [], seed=0)
+    with pytest.raises(PromptRefused, match="longer than the maximum model length") as caught:
+        asyncio.run(engine.generate([60, 16], 1, "r:0"))
+    assert not isinstance(caught.value, RequestAborted)
+    engine.llm = OneAnswerLLM("length")  # any other outcome as before
+    (done,) = asyncio.run(engine.generate([16], 1, "r:1"))
+    assert done.token_ids == [5]
+
+
 def test_a_group_made_here_is_what_the_learner_takes(tiny_idefics3, encode):
     """The interface between the halves: a group GroupMaker made (expanded ids as vLLM reports
     them, the PNG bytes once) becomes learner sequences with one image tile each, none refused."""
