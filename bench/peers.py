@@ -313,7 +313,8 @@ def run(argv: list[str]) -> dict:
                 for tr in args.trainers:
                     # A budgeted run ends at its first step past the budget; the timeout only catches a hang.
                     limit = spec["budget_s"] + timeout if spec["budget_s"] else timeout
-                    s = summarize(run_trainer(tr, spec, out, limit, rep), spec["threshold"])
+                    raw = run_trainer(tr, spec, out, limit, rep)
+                    s = summarize(raw, spec["threshold"], budget_s=spec["budget_s"])
                     runs[tr].append(s)
                     log(line(name, f"{tr}#{rep + 1}", s))
             for tr in args.trainers:

@@ -13,6 +13,9 @@ launch, and the step's mean reward):
                    ended before t keeps its last); None while the run has no step yet (still
                    starting up).
 
+A run's record pairs each step's end with its reward up to the last step that has both (a
+reward whose step never ended is left out); a reward that is not a finite number is missing.
+
 The horizon is the workload's wall-clock budget (every trainer stopped at its first step past
 it) or, without one (a fixed step count), the last run's last step.
 
@@ -40,11 +43,23 @@ FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 OURS = "asyncrl_async"
 
 
+def finite(x: object) -> bool:
+    """A reward to count: a finite number (a child's record is JSON: null, NaN or a string is missing)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def record(run: dict) -> tuple[list[float], list[float]]:
+    """A run's step ends and rewards, paired up to the last step that has both: a TRL run that
+    died after scoring a step's completions has a reward whose step never ended."""
+    n = min(len(run["step_times_s"]), len(run["reward_curve"]))
+    return run["step_times_s"][:n], run["reward_curve"][:n]
+
+
 def rolling(rewards: list[float], n: int = ROLL) -> list[float | None]:
     """The mean of the last n finite rewards up to each step (None where there is none)."""
     out: list[float | None] = []
     for i in range(len(rewards)):
-        window = [r for r in rewards[max(0, i - n + 1) : i + 1] if math.isfinite(r)]
+        window = [r for r in rewards[max(0, i - n + 1) : i + 1] if finite(r)]
         out.append(statistics.fmean(window) if window else None)
     return out
 
@@ -87,27 +102,26 @@ def spread(vals: list[float | None]) -> dict:
 def horizon_of(trainers: dict[str, list[dict]], budget_s: float | None) -> float | None:
     if budget_s:
         return float(budget_s)
-    ends = [r["step_times_s"][-1] for runs in trainers.values() for r in runs if r["step_times_s"]]
+    ends = [t[-1] for runs in trainers.values() for r in runs if (t := record(r)[0])]
     return max(ends) if ends else None
 
 
 def trainer_figures(runs: list[dict], threshold: float, horizon: float, times: list[float]) -> dict:
     """One trainer's seeds: time to threshold (a lower bound if any seed never reached it) and
-    the reward at each of `times`."""
-    good = [r for r in runs if r["step_times_s"]]
-    per_run = [crossing(r["step_times_s"], r["reward_curve"], threshold, horizon) for r in good]
+    the reward at each of `times` (seconds; keyed by `label`)."""
+    good = [rec for r in runs if (rec := record(r))[0]]
+    seeds = [r.get("seed") for r in runs if record(r)[0]]
+    per_run = [crossing(ts, rs, threshold, horizon) for ts, rs in good]
     reached = sum(t is not None for t in per_run)
-    counted = [min(horizon, r["step_times_s"][-1]) if t is None else t for t, r in zip(per_run, good, strict=True)]
+    counted = [min(horizon, ts[-1]) if t is None else t for t, (ts, _) in zip(per_run, good, strict=True)]
     return {
-        "seeds": [r.get("seed") for r in good],
+        "seeds": seeds,
         "time_to_threshold_s": statistics.fmean(counted) if counted else None,
         "lower_bound": reached < len(per_run),
         "reached_runs": reached,
         "runs": len(good),
         "time_to_threshold_runs": per_run,
-        "reward_at": {
-            f"{t:g}": spread([reward_at(r["step_times_s"], r["reward_curve"], t) for r in good]) for t in times
-        },
+        "reward_at": {label(t): spread([reward_at(ts, rs, t) for ts, rs in good]) for t in times},
     }
 
 
@@ -116,6 +130,8 @@ def ratio(ours: dict | None, peer: dict | None) -> tuple[float | None, str | Non
     if not ours or not peer or not ours["runs"] or not peer["runs"]:
         return None, None
     a, b = ours["time_to_threshold_s"], peer["time_to_threshold_s"]
+    if not (finite(a) and finite(b) and a > 0):  # no launch-relative time is 0: a broken record
+        return None, None
     if ours["lower_bound"] and peer["lower_bound"]:
         return None, "neither_reached"
     kind = "lower_bound" if peer["lower_bound"] else "upper_bound" if ours["lower_bound"] else "exact"
@@ -127,24 +143,35 @@ def time_figures(runs: dict[str, list[dict]], threshold: float, budget_s: float 
     horizon = horizon_of(runs, budget_s)
     out: dict = {"threshold": threshold, "budget_s": budget_s, "horizon_s": horizon, "roll": ROLL}
     if horizon is None:
-        return {**out, "times_s": [], "trainers": {}, "best_peer": None, "ratio": None, "ratio_kind": None}
-    times = [round(f * horizon, 1) for f in FRACTIONS]
+        return {
+            **out,
+            "times_s": [],
+            "trainers": {},
+            "best_peer": None,
+            "ratio": None,
+            "ratio_kind": None,
+            "vs_sync": {"ratio": None, "kind": None},
+            "reward_at_horizon": {},
+        }
+    # Evaluated at the exact fractions (the last is the horizon itself, so the step that ends a
+    # horizon without a budget counts), labelled to 0.1 s.
+    times = [f * horizon for f in FRACTIONS]
     trainers = {tr: trainer_figures(rs, threshold, horizon, times) for tr, rs in runs.items()}
-    end = f"{times[-1]:g}"
+    end = label(times[-1])
     peers = [tr for tr, v in trainers.items() if tr.startswith("trl") and v["runs"]]
     best = min(
         peers,
         key=lambda tr: (
             trainers[tr]["time_to_threshold_s"],
             trainers[tr]["lower_bound"],
-            -(trainers[tr]["reward_at"][end]["mean"] or -math.inf),
+            -(m if (m := trainers[tr]["reward_at"][end]["mean"]) is not None else -math.inf),
         ),
         default=None,
     )
     value, kind = ratio(trainers.get(OURS), trainers.get(best) if best else None)
     return {
         **out,
-        "times_s": times,
+        "times_s": [round(t, 1) for t in times],
         "trainers": trainers,
         "best_peer": best,
         "ratio": value,
@@ -153,6 +180,11 @@ def time_figures(runs: dict[str, list[dict]], threshold: float, budget_s: float 
         "vs_sync": dict(zip(("ratio", "kind"), ratio(trainers.get(OURS), trainers.get("asyncrl_sync")), strict=True)),
         "reward_at_horizon": {tr: v["reward_at"][end]["mean"] for tr, v in trainers.items()},
     }
+
+
+def label(t: float) -> str:
+    """A time's key in `reward_at`: seconds to 0.1."""
+    return f"{round(t, 1):g}"
 
 
 def fmt_time(v: dict) -> str:

@@ -133,3 +133,97 @@ def test_the_headline_names_the_ratio_its_kind_and_each_trainers_reward_at_the_b
     assert h["realistic_reward_at_budget"] == {"asyncrl_async": 1.0, "trl_hf": -1.0}
     assert h["realistic_time_to_threshold_s"]["trl_hf"] == {"mean": 100.0, "lower_bound": True, "runs": [None]}
     assert h["realistic_completions_per_s_ratio"] == 2.0  # the throughput ratios stay, after it
+
+
+def raw_run(steps: list[float], rewards: list, seed: int = 0) -> dict:
+    """A child's raw record, where the step ends and the rewards need not pair up (a TRL run that
+    died after scoring a step's completions and before that step ended)."""
+    return {
+        "t0": 100.0,
+        "seed": seed,
+        "wall_s": 0.0,
+        "error": "RuntimeError: died (log: x)",
+        "log": "",
+        "steps": [100.0 + t for t in steps],
+        "rewards": rewards,
+        "completions": [8] * len(steps),
+        "tokens": [16] * len(steps),
+        "useful_tokens": [16] * len(steps),
+    }
+
+
+def test_a_reward_whose_step_never_ended_is_left_out_not_a_crash_at_the_end():
+    # Three steps ended; a fourth step's completions were scored, then the run died.
+    died = summarize(raw_run([10, 20, 30], [0.0, 0.0, 0.0, 1.0]), threshold=0.5)
+    fine = run([10, 20, 30, 40, 50], [1] * 5)
+    fig = pt.time_figures({"asyncrl_async": [fine], "trl_hf": [died]}, threshold=0.5, budget_s=100)
+    peer = fig["trainers"]["trl_hf"]
+    # Paired up to the last step that ended: never reached, censored at its own end (30 s).
+    assert peer["time_to_threshold_runs"] == [None] and peer["time_to_threshold_s"] == 30.0
+    assert peer["reward_at"]["100"]["mean"] == 0.0
+    assert died["time_to_threshold_s"] is None
+    # A step's end without its reward (the other way round) pairs up the same way.
+    fig = pt.time_figures({"asyncrl_async": [summarize(raw_run([10, 20], [1.0]), 0.5)]}, threshold=0.5, budget_s=None)
+    assert fig["horizon_s"] == 10.0 and fig["trainers"]["asyncrl_async"]["time_to_threshold_runs"] == [10.0]
+
+
+def test_rewards_that_are_not_finite_numbers_are_missing_not_a_crash():
+    assert pt.rolling([None, 1.0, math.inf, "x", 3.0], n=5) == [None, 1.0, 1.0, 1.0, 2.0]
+
+
+def test_a_mean_reward_of_zero_wins_a_tie_of_bounds_over_a_negative_one():
+    ours = [run([10, 20, 30, 40, 50], [1] * 5)]
+    zero, negative = [run([10, 20, 30, 40, 50], [0.0] * 5)], [run([10, 20, 30, 40, 50], [-0.5] * 5)]
+    fig = pt.time_figures({"asyncrl_async": ours, "trl_hf": zero, "trl_vllm": negative}, threshold=0.5, budget_s=100)
+    assert fig["trainers"]["trl_hf"]["reward_at"]["100"]["mean"] == 0.0
+    assert fig["best_peer"] == "trl_hf"
+
+
+def test_the_reward_at_the_horizon_includes_the_step_that_ends_it():
+    # No budget: the horizon is the last step's end, 40.04 s; its label rounds to 40.
+    fig = pt.time_figures({"asyncrl_async": [run([10, 20, 40.04], [0.0, 0.0, 3.0])]}, threshold=5.0, budget_s=None)
+    assert fig["times_s"][-1] == 40.0
+    assert fig["reward_at_horizon"]["asyncrl_async"] == pytest.approx(1.0)  # (0 + 0 + 3) / 3
+
+
+def test_no_ratio_from_a_time_of_zero_and_the_same_keys_when_no_run_had_a_step():
+    zero = {"runs": 1, "time_to_threshold_s": 0.0, "lower_bound": False}
+    assert pt.ratio(zero, {"runs": 1, "time_to_threshold_s": 10.0, "lower_bound": False}) == (None, None)
+    fig = pt.time_figures({"asyncrl_async": [run([], [])]}, threshold=0.5, budget_s=None)
+    assert fig["horizon_s"] is None and fig["ratio"] is None
+    assert fig["vs_sync"] == {"ratio": None, "kind": None} and fig["reward_at_horizon"] == {}
+    report = {"workloads": {"realistic": {"time": fig}}, "headline": {}}
+    add_time_headline(report)
+    assert report["headline"]["realistic_time_to_threshold_ratio"] is None
+
+
+def test_the_per_run_time_to_threshold_stops_at_the_budget_and_a_trainer_mean_is_not_survivors_only():
+    from bench.peers_report import combine
+
+    # Reached only at the step past the budget (100 s): not within it.
+    late = summarize(raw_run([30, 60, 90, 120, 130], [1] * 5) | {"error": None}, threshold=0.5, budget_s=100)
+    assert late["time_to_threshold_s"] is None
+    early = summarize(raw_run([10, 20, 30, 40, 50, 110], [1] * 6) | {"error": None}, threshold=0.5, budget_s=100)
+    assert early["time_to_threshold_s"] == 50.0
+    # One seed reached it, one did not: the trainer's time is not the reaching seed's alone.
+    assert combine([early, late])["time_to_threshold_s"] is None
+    assert combine([early, early])["time_to_threshold_s"] == 50.0
+
+
+def test_the_plot_draws_a_run_whose_record_does_not_pair_up(tmp_path):
+    from bench.peers_report import combine, plot
+
+    died = summarize(raw_run([10, 20, 30], [math.nan, 0.0, 0.0, 1.0]), threshold=0.5)
+    runs = {"trl_hf": [died], "asyncrl_async": [run([10, 20], [0.0, 1.0])]}
+    report = {
+        "machine": "test",
+        "workloads": {
+            "realistic": {
+                "spec": {"threshold": 0.5},
+                "trainers": {tr: combine(rs) for tr, rs in runs.items()},
+                "time": pt.time_figures(runs, 0.5, budget_s=100),
+            }
+        },
+    }
+    plot(report, [tmp_path / "peers.png"])
+    assert (tmp_path / "peers.png").stat().st_size > 0
