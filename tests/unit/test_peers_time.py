@@ -227,3 +227,23 @@ def test_the_plot_draws_a_run_whose_record_does_not_pair_up(tmp_path):
     }
     plot(report, [tmp_path / "peers.png"])
     assert (tmp_path / "peers.png").stat().st_size > 0
+
+
+def test_a_budgeted_run_that_crashed_is_reported_with_its_own_error_and_one_that_stopped_early_is_flagged(tmp_path):
+    from bench.peers_run import read_result, run_error
+
+    spec = {"budget_s": 150.0, "steps": 5000, "t0": 100.0}
+    # The child's own error, not "no step within the budget", when it crashed before a step.
+    assert run_error({"error": "OSError: no such model", "steps": []}, 1, spec) == "OSError: no such model"
+    assert run_error({"steps": []}, 0, spec) == "no step within the budget"
+    # Ended at its first step past the budget: no error. Ended cleanly before it: it had less time.
+    assert run_error({"steps": [200.0, 251.0]}, 0, spec) is None
+    assert "before the 150 s budget" in run_error({"steps": [200.0, 230.0]}, 0, spec)
+    assert run_error({"steps": [101.0] * 3}, 0, {**spec, "steps": 3}) is None  # the step cap
+    assert run_error({"steps": [1.0, 2.0]}, 0, {"budget_s": None, "steps": 3, "t0": 0.0}) == "2 of 3 steps"
+    assert run_error({}, 0, spec, "timed out after 750 s") == "timed out after 750 s"
+    # A result file cut short by a kill reads as no result, not a crash of the bench.
+    (tmp_path / "cut.json").write_text('{"steps": [1.0, 2')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert read_result(tmp_path / "cut.json") == {} == read_result(tmp_path / "list.json")
+    assert read_result(tmp_path / "missing.json") == {}
