@@ -152,6 +152,7 @@ def time_figures(runs: dict[str, list[dict]], threshold: float, budget_s: float 
             "ratio_kind": None,
             "vs_sync": {"ratio": None, "kind": None},
             "reward_at_horizon": {},
+            "reward_at_horizon_seeds": {},
         }
     # Evaluated at the exact fractions (the last is the horizon itself, so the step that ends a
     # horizon without a budget counts), labelled to 0.1 s.
@@ -179,6 +180,8 @@ def time_figures(runs: dict[str, list[dict]], threshold: float, budget_s: float 
         # asyncrl's own baseline: sync's time over async's, the same bounds.
         "vs_sync": dict(zip(("ratio", "kind"), ratio(trainers.get(OURS), trainers.get("asyncrl_sync")), strict=True)),
         "reward_at_horizon": {tr: v["reward_at"][end]["mean"] for tr, v in trainers.items()},
+        # How many seeds each of those means is over: a seed with no step by the horizon has none.
+        "reward_at_horizon_seeds": {tr: v["reward_at"][end]["n"] for tr, v in trainers.items()},
     }
 
 
@@ -209,7 +212,9 @@ def lines(wl: str, fig: dict) -> list[str]:
     out = [head]
     for tr, v in fig["trainers"].items():
         at = "  ".join(
-            f"@{t}s {'-' if s['mean'] is None else format(s['mean'], '.3f')}" for t, s in v["reward_at"].items()
+            f"@{t}s {'-' if s['mean'] is None else format(s['mean'], '.3f')}"
+            + (f" [{s['n']} of {v['runs']}]" if s["mean"] is not None and s["n"] < v["runs"] else "")
+            for t, s in v["reward_at"].items()
         )
         out.append(f"{'':>9} {tr:<13} {fmt_time(v):<28} reward {at}  seeds {v['seeds']}")
     out.append(f"{'':>9} asyncrl_async vs {fig['best_peer']}: {fmt_ratio(fig['ratio'], fig['ratio_kind'])} faster")

@@ -135,6 +135,22 @@ def test_the_headline_names_the_ratio_its_kind_and_each_trainers_reward_at_the_b
     assert h["realistic_completions_per_s_ratio"] == 2.0  # the throughput ratios stay, after it
 
 
+def test_the_reward_at_the_budget_says_how_many_seeds_it_is_over():
+    ours = [run([10, 20, 30, 40, 50], [1] * 5, seed=s) for s in (0, 1)]
+    # Seed 0 still starting up at the budget (its first step past it), seed 1 with three steps.
+    slow = [run([130], [-1.0], seed=0), run([40, 60, 90, 120], [-0.5] * 4, seed=1)]
+    report = {
+        "workloads": {"realistic": {"time": pt.time_figures({"asyncrl_async": ours, "trl_vllm": slow}, 0.5, 100)}},
+        "headline": {},
+    }
+    add_time_headline(report)
+    h = report["headline"]
+    assert h["realistic_reward_at_budget"] == {"asyncrl_async": 1.0, "trl_vllm": -0.5}
+    assert h["realistic_reward_at_budget_seeds"] == {"asyncrl_async": 2, "trl_vllm": 1}
+    log = "\n".join(pt.lines("realistic", report["workloads"]["realistic"]["time"]))
+    assert "@100s -0.500 [1 of 2]" in log and "@100s 1.000  " in log
+
+
 def raw_run(steps: list[float], rewards: list, seed: int = 0) -> dict:
     """A child's raw record, where the step ends and the rewards need not pair up (a TRL run that
     died after scoring a step's completions and before that step ended)."""
