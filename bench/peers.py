@@ -116,6 +116,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -227,7 +228,7 @@ def run(argv: list[str]) -> dict:
     )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=seconds,
         default=None,
         help="the realistic workload's wall-clock budget per trainer run, from launch (default: 150 quick, 1800)",
     )
@@ -383,6 +384,15 @@ def run(argv: list[str]) -> dict:
         },
     }
     return summary
+
+
+def seconds(text: str) -> float:
+    """A wall-clock budget: a finite number of seconds above 0 (0, a negative or inf would stop
+    every trainer at its first step, or never)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
 
 
 def deep_round(x):

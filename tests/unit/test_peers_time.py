@@ -263,3 +263,12 @@ def test_a_budgeted_run_that_crashed_is_reported_with_its_own_error_and_one_that
     (tmp_path / "list.json").write_text("[1, 2]")
     assert read_result(tmp_path / "cut.json") == {} == read_result(tmp_path / "list.json")
     assert read_result(tmp_path / "missing.json") == {}
+
+
+@pytest.mark.parametrize("budget", ["-5", "0", "nan", "inf"])
+def test_a_budget_that_is_not_seconds_above_zero_is_refused_before_anything_runs(tmp_path, budget, capsys):
+    from bench.peers import run as bench
+
+    with pytest.raises(SystemExit):
+        bench(["--budget-s", budget, "--out", str(tmp_path / "out")])
+    assert "--budget-s" in capsys.readouterr().err and not (tmp_path / "out").exists()
