@@ -4,10 +4,12 @@ Per run, from its per-step record (each step's end, in seconds from the trainer'
 launch, and the step's mean reward):
 
   rolling reward   at each step, the mean reward of the last ROLL steps (fewer at the start);
-  time to threshold  the end of the first step at which a full window's rolling mean (all of
-                   the run's steps if it has fewer than ROLL) reaches the threshold, within the
-                   horizon; a run that never does is *censored* at the horizon or at its own
-                   last step if that came first: its time is only known to be longer;
+  time to threshold  the end of the first step at which a full window's rolling mean (ROLL
+                   steps) reaches the threshold, within the horizon; a run that never does is
+                   *censored* at the horizon or at its own last step if that came first: its
+                   time is only known to be longer. Never a shorter window: a run that ended
+                   normally has one past the horizon, so a short window would only ever count
+                   for a run that crashed early (or one too short for the window at all);
   reward at t      the rolling reward at the last step that ended at or before t (no
                    interpolation: a step's reward is known when it ends, not before; a run that
                    ended before t keeps its last); None while the run has no step yet (still
@@ -68,11 +70,10 @@ def crossing(times: list[float], rewards: list[float], threshold: float, horizon
     """The end of the first step (at or before the horizon) whose full window's mean reaches
     the threshold; None when no step does."""
     roll = rolling(rewards, n)
-    need = min(n, len(rewards))
     for i, (t, r) in enumerate(zip(times, roll, strict=True)):
         if t > horizon:
             break
-        if i + 1 >= need and r is not None and r >= threshold:
+        if i + 1 >= n and r is not None and r >= threshold:
             return t
     return None
 

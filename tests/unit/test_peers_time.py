@@ -44,8 +44,8 @@ def test_crossing_needs_a_full_window_and_stops_at_the_horizon():
     assert pt.crossing(times, rewards, 0.5, horizon=100) == 50.0
     assert pt.crossing(times, rewards, 0.5, horizon=45) is None  # crossed only after the horizon
     assert pt.crossing(times, rewards, 0.7, horizon=100) is None  # (0+1+0+1+1)/5 = 0.6 at step 6
-    # A run shorter than the window counts all of its steps.
-    assert pt.crossing([5.0, 6.0], [1.0, 1.0], 0.5, horizon=100) == 6.0
+    # A run shorter than the window (one that crashed after two lucky steps) never reaches it.
+    assert pt.crossing([5.0, 6.0], [1.0, 1.0], 0.5, horizon=100) is None
 
 
 def test_reward_at_t_is_the_rolling_reward_of_the_last_step_ended_by_t():
@@ -180,7 +180,8 @@ def test_a_reward_whose_step_never_ended_is_left_out_not_a_crash_at_the_end():
     assert died["time_to_threshold_s"] is None
     # A step's end without its reward (the other way round) pairs up the same way.
     fig = pt.time_figures({"asyncrl_async": [summarize(raw_run([10, 20], [1.0]), 0.5)]}, threshold=0.5, budget_s=None)
-    assert fig["horizon_s"] == 10.0 and fig["trainers"]["asyncrl_async"]["time_to_threshold_runs"] == [10.0]
+    ours = fig["trainers"]["asyncrl_async"]
+    assert fig["horizon_s"] == 10.0 and ours["reward_at"]["10"]["mean"] == 1.0 and ours["time_to_threshold_s"] == 10.0
 
 
 def test_rewards_that_are_not_finite_numbers_are_missing_not_a_crash():
@@ -272,3 +273,14 @@ def test_a_budget_that_is_not_seconds_above_zero_is_refused_before_anything_runs
     with pytest.raises(SystemExit):
         bench(["--budget-s", budget, "--out", str(tmp_path / "out")])
     assert "--budget-s" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_run_that_crashed_after_a_few_lucky_steps_has_not_reached_the_threshold():
+    ours = [run([10, 20, 30, 40, 50], [1] * 5)]
+    crashed = [summarize(raw_run([20, 25], [1.0, 1.0]), threshold=0.5, budget_s=100)]
+    assert crashed[0]["time_to_threshold_s"] is None
+    fig = pt.time_figures({"asyncrl_async": ours, "trl_hf": crashed}, threshold=0.5, budget_s=100)
+    peer = fig["trainers"]["trl_hf"]
+    # Censored at its own end: a bound, not a time of 25 s that would make it 2x faster than ours.
+    assert peer["time_to_threshold_runs"] == [None] and peer["lower_bound"] and peer["time_to_threshold_s"] == 25.0
+    assert fig["ratio_kind"] == "lower_bound"
