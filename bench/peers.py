@@ -326,13 +326,17 @@ def run(argv: list[str]) -> dict:
             entry["time"] = time_figures(runs, spec["threshold"], spec["budget_s"])
             for txt in lines(name, entry["time"]):
                 log(txt)
-    add_ratios(report)
-    add_time_headline(report)
+            # After each workload: a bench killed later (or one whose later workload fails) still
+            # leaves the figures of those done, the headline workload first.
+            save(report, out, partial=True)
     report["total_s"] = time.perf_counter() - t_all
     report["loadavg_end"] = os.getloadavg()[0]
-    (out / "peers.json").write_text(json.dumps(report, indent=2))
+    save(report, out, partial=False)
     plots = [out / "peers.png"] + ([Path(args.plot)] if args.plot else [])
-    plot(report, plots)
+    try:
+        plot(report, plots)
+    except Exception as e:  # the figures are saved: a plot is not worth losing the summary for
+        log(f"plot: FAILED ({type(e).__name__}: {e})")
     summary = {
         **{k: deep_round(v) for k, v in report["headline"].items()},
         "by_workload": {
@@ -384,6 +388,14 @@ def run(argv: list[str]) -> dict:
         },
     }
     return summary
+
+
+def save(report: dict, out: Path, partial: bool) -> None:
+    """peers.json with the ratios and the headline of the workloads done so far."""
+    add_ratios(report)
+    add_time_headline(report)
+    report["partial"] = partial
+    (out / "peers.json").write_text(json.dumps(report, indent=2))
 
 
 def seconds(text: str) -> float:

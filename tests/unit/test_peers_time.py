@@ -284,3 +284,40 @@ def test_a_run_that_crashed_after_a_few_lucky_steps_has_not_reached_the_threshol
     # Censored at its own end: a bound, not a time of 25 s that would make it 2x faster than ours.
     assert peer["time_to_threshold_runs"] == [None] and peer["lower_bound"] and peer["time_to_threshold_s"] == 25.0
     assert fig["ratio_kind"] == "lower_bound"
+
+
+def test_a_bench_that_dies_in_a_later_workload_leaves_the_headline_and_a_failed_plot_loses_nothing(
+    tmp_path, monkeypatch
+):
+    """bench/peers.py's own loop on canned trainer records (no trainer starts): peers.json is
+    written after each workload, and a plot that fails at the end still gives the summary."""
+    import json
+
+    import bench.peers as peers
+
+    def prepare(name, wl, tmp):
+        return {"threshold": 0.5, "budget_s": wl.get("budget_s"), "seed": 0, "steps": 5, "workdir": str(tmp)}
+
+    def run_trainer(tr, spec, out, limit, rep):
+        if spec["budget_s"] is None:  # the second workload: the bench is killed here
+            raise KeyboardInterrupt
+        times = [10.0, 20.0, 30.0, 40.0, 50.0, 160.0]
+        return raw_run(times, [1.0] * 6, seed=spec["seed"] + rep) | {"error": None, "profile": []}
+
+    monkeypatch.setattr(peers, "prepare", prepare)
+    monkeypatch.setattr(peers, "run_trainer", run_trainer)
+    argv = ["--quick", "--trainers", "asyncrl_async", "asyncrl_sync", "--out", str(tmp_path), "--plot", ""]
+    with pytest.raises(KeyboardInterrupt):
+        peers.run([*argv, "--workloads", "realistic", "demo"])
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    assert saved["partial"] and list(saved["workloads"]) == ["realistic", "demo"][: len(saved["workloads"])]
+    assert saved["headline"]["realistic_time_to_threshold_s"]["asyncrl_async"]["mean"] == 50.0
+    assert saved["headline"]["realistic_budget_s"] == 150.0
+
+    def broken_plot(report, paths):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(peers, "plot", broken_plot)
+    summary = peers.run([*argv, "--workloads", "realistic"])
+    assert summary["realistic_time_to_threshold_s"]["asyncrl_sync"]["runs"] == [50.0, 50.0]
+    assert not json.loads((tmp_path / "peers.json").read_text())["partial"]
