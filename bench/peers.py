@@ -399,8 +399,8 @@ def save(report: dict, out: Path, partial: bool) -> None:
 
 
 def seconds(text: str) -> float:
-    """A wall-clock budget: a finite number of seconds above 0 (0, a negative or inf would stop
-    every trainer at its first step, or never)."""
+    """A wall-clock budget: a finite number of seconds above 0 (0 read as no budget at all, a
+    negative one stopped every trainer at its first step, inf never)."""
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
