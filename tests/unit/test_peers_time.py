@@ -321,3 +321,37 @@ def test_a_bench_that_dies_in_a_later_workload_leaves_the_headline_and_a_failed_
     summary = peers.run([*argv, "--workloads", "realistic"])
     assert summary["realistic_time_to_threshold_s"]["asyncrl_sync"]["runs"] == [50.0, 50.0]
     assert not json.loads((tmp_path / "peers.json").read_text())["partial"]
+
+
+def test_a_trl_run_stopped_by_the_parents_timeout_keeps_the_steps_it_made(tmp_path):
+    """bench/peers_trl.py's main, with its run (TRL itself is not in this venv) replaced by one
+    that made a step and hangs: SIGTERM, the parent's timeout, still leaves the record."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys, time\n"
+        "import bench.peers_trl as m\n"
+        "def run(spec, result):\n"
+        "    result['steps'].append(1.0); result['rewards'].append(0.5)\n"
+        "    print('stepped', flush=True); time.sleep(60)\n"
+        "m.run = run\n"
+        "m.main(sys.argv[1], sys.argv[2])\n"
+    )
+    (tmp_path / "spec.json").write_text("{}")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "spec.json"), str(tmp_path / "result.json")],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "stepped"
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert rc != 0 and result["steps"] == [1.0] and result["rewards"] == [0.5]
+    assert result["error"].startswith("SystemExit")
