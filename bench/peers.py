@@ -76,23 +76,26 @@ The headline (bench/peers_time.py): learning against wall-clock from launch, sta
 included. Per run: the time to the workload's reward threshold (rolling mean over 5 steps,
 reached at or before the budget) and the rolling reward at 1/4, 1/2, 3/4 and all of the
 budget (the last step ended by then; no interpolation). Per trainer, over its seeds: the mean
-time with a seed that never reached it counted at the budget, flagged as a lower bound, and
-the reward at each time (mean, min, max). realistic_time_to_threshold_ratio = the best TRL
+time with a seed that never reached it counted at the budget (at its own last step if it ended
+before), flagged as a lower bound, and the reward at each time (mean, min, max over the seeds
+that had a step by then). realistic_time_to_threshold_ratio = the best TRL
 peer's time / asyncrl async's, with realistic_time_to_threshold_ratio_kind: exact,
-lower_bound (the peer did not reach it in some seed: at most the budget / ours is known),
-upper_bound (asyncrl did not), neither_reached (no ratio). realistic_reward_at_budget: each
-trainer's rolling reward at the budget, mean over seeds. The quick threshold is fixed in
+lower_bound (the peer did not reach it in some seed: the ratio is at least this), upper_bound
+(asyncrl did not: at most this), neither_reached (no ratio). realistic_reward_at_budget: each
+trainer's rolling reward at the budget, mean over the seeds that had a step by then
+(realistic_reward_at_budget_seeds: how many). The quick threshold is fixed in
 bench/peers_run.THRESHOLD_QUICK (how it was chosen: bench/README.md, "Peers").
 
-Secondary, per trainer run: start-up seconds (process launch to the end of the first
-optimizer step), steps/s, completions/s, useful and generated tokens/s (steady: from the end of step 1 to the
-end of the last), mean reward over steps 1-10 and over the last 10, and the wall time (from
-launch) to the reward threshold (None when not reached). Each trainer runs --repeats times
-(--quick: 2 on the realistic workload, 1 on the demo and controlled-length ones), each run
-its own seed (the spec's + the repetition: sampling and prompt order; the same model file),
-the runs interleaved (all trainers, then all again); a trainer's figures are the mean over
-its finished runs, and every run is reported. A trainer whose runs all fail is reported with
-its error and left out of the best peer.
+Secondary, per trainer run: start-up seconds (process launch to the end of the first optimizer
+step), steps/s, completions/s, useful and generated tokens/s (steady: from the end of step 1 to
+the end of the last), mean reward over steps 1-10 and over the last 10, and the wall time (from
+launch) to the reward threshold within the budget (None when not reached; a trainer's is the
+mean only when every finished run reached it, else None: the bounded figure is the headline's).
+Each trainer runs --repeats times (--quick: 2 on the realistic workload, 1 on the demo and
+controlled-length ones), each run its own seed (the spec's + the repetition: sampling and
+prompt order; the same model file), the runs interleaved (all trainers, then all again); a
+trainer's figures are the mean over its finished runs, and every run is reported. A trainer
+whose runs all fail is reported with its error and left out of the best peer.
 
   <workload>_<metric>_ratio = asyncrl_async's <metric> / the best TRL peer's (by that metric)
   also:     realistic_useful_tokens_per_s_ratio and realistic_completions_per_s_ratio (learned
@@ -113,6 +116,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -224,7 +228,7 @@ def run(argv: list[str]) -> dict:
     )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=seconds,
         default=None,
         help="the realistic workload's wall-clock budget per trainer run, from launch (default: 150 quick, 1800)",
     )
@@ -313,7 +317,8 @@ def run(argv: list[str]) -> dict:
                 for tr in args.trainers:
                     # A budgeted run ends at its first step past the budget; the timeout only catches a hang.
                     limit = spec["budget_s"] + timeout if spec["budget_s"] else timeout
-                    s = summarize(run_trainer(tr, spec, out, limit, rep), spec["threshold"])
+                    raw = run_trainer(tr, spec, out, limit, rep)
+                    s = summarize(raw, spec["threshold"], budget_s=spec["budget_s"])
                     runs[tr].append(s)
                     log(line(name, f"{tr}#{rep + 1}", s))
             for tr in args.trainers:
@@ -321,13 +326,17 @@ def run(argv: list[str]) -> dict:
             entry["time"] = time_figures(runs, spec["threshold"], spec["budget_s"])
             for txt in lines(name, entry["time"]):
                 log(txt)
-    add_ratios(report)
-    add_time_headline(report)
+            # After each workload: a bench killed later (or one whose later workload fails) still
+            # leaves the figures of those done, the headline workload first.
+            save(report, out, partial=True)
     report["total_s"] = time.perf_counter() - t_all
     report["loadavg_end"] = os.getloadavg()[0]
-    (out / "peers.json").write_text(json.dumps(report, indent=2))
+    save(report, out, partial=False)
     plots = [out / "peers.png"] + ([Path(args.plot)] if args.plot else [])
-    plot(report, plots)
+    try:
+        plot(report, plots)
+    except Exception as e:  # the figures are saved: a plot is not worth losing the summary for
+        log(f"plot: FAILED ({type(e).__name__}: {e})")
     summary = {
         **{k: deep_round(v) for k, v in report["headline"].items()},
         "by_workload": {
@@ -381,6 +390,23 @@ def run(argv: list[str]) -> dict:
     return summary
 
 
+def save(report: dict, out: Path, partial: bool) -> None:
+    """peers.json with the ratios and the headline of the workloads done so far."""
+    add_ratios(report)
+    add_time_headline(report)
+    report["partial"] = partial
+    (out / "peers.json").write_text(json.dumps(report, indent=2))
+
+
+def seconds(text: str) -> float:
+    """A wall-clock budget: a finite number of seconds above 0 (0 read as no budget at all, a
+    negative one stopped every trainer at its first step, inf never)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
 def deep_round(x):
     if isinstance(x, dict):
         return {k: deep_round(v) for k, v in x.items()}
@@ -392,15 +418,14 @@ def deep_round(x):
 def add_time_headline(report: dict) -> None:
     """The headline figures users feel, from the realistic workload's wall-clock figures: asyncrl
     async's time to the threshold against the best TRL peer's (with whether it is a bound), and
-    each trainer's rolling reward at the budget (mean over seeds)."""
-    e = report["workloads"].get("realistic")
-    if e is None:
+    each trainer's rolling reward at the budget (mean over the seeds that had a step by then)."""
+    fig = report["workloads"].get("realistic", {}).get("time")
+    if fig is None:
         return
-    fig = e["time"]
     report["headline"] = {
         "realistic_time_to_threshold_ratio": fig["ratio"],
-        # exact, lower_bound (the peer never reached the threshold in some seed: budget / ours),
-        # upper_bound (asyncrl did not) or neither_reached (no ratio).
+        # exact, lower_bound (the peer never reached the threshold in some seed: the ratio is at
+        # least this), upper_bound (asyncrl did not: at most this) or neither_reached (no ratio).
         "realistic_time_to_threshold_ratio_kind": fig["ratio_kind"],
         "realistic_time_to_threshold_best_peer": fig["best_peer"],
         "realistic_threshold": fig["threshold"],
@@ -410,6 +435,8 @@ def add_time_headline(report: dict) -> None:
             for tr, v in fig["trainers"].items()
         },
         "realistic_reward_at_budget": fig.get("reward_at_horizon", {}),
+        # How many seeds each mean is over (a seed still starting up at the budget has no reward).
+        "realistic_reward_at_budget_seeds": fig.get("reward_at_horizon_seeds", {}),
         **report["headline"],
     }
 

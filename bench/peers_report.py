@@ -3,9 +3,12 @@ runs combined, the ratios against the best TRL peer per metric, the log line and
 
 from __future__ import annotations
 
+import math
 import statistics
 from itertools import pairwise
 from pathlib import Path
+
+from bench.peers_time import crossing, finite, record, rolling
 
 TRAINERS = ("trl_hf", "trl_vllm", "asyncrl_async", "asyncrl_sync")
 # What each workload stands for in the report: the demo's step is mostly the engine's fixed cost.
@@ -19,7 +22,9 @@ HEADLINE = {
 }
 
 
-def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
+def summarize(raw: dict, threshold: float, window: int = 10, budget_s: float | None = None) -> dict:
+    """One run's figures; its time to the threshold is bench/peers_time's (a full window, at or
+    before the budget: a step past it is not within the budget)."""
     steps, rewards = raw["steps"], raw["rewards"]
     out: dict = {
         "error": raw["error"],
@@ -43,8 +48,10 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
     }
     if steps:
         out["startup_s"] = steps[0] - raw["t0"]
-        out["reward_first"] = statistics.fmean(rewards[:window])
-        out["reward_last"] = statistics.fmean(rewards[-window:])
+        # A missing reward (NaN or null in the child's record) is left out, never a crash here.
+        first, last = [r for r in rewards[:window] if finite(r)], [r for r in rewards[-window:] if finite(r)]
+        out["reward_first"] = statistics.fmean(first) if first else None
+        out["reward_last"] = statistics.fmean(last) if last else None
     if len(steps) >= 2:  # steady: from the end of step 1 to the end of the last
         span = steps[-1] - steps[0]
         out["steps_per_s"] = (len(steps) - 1) / span
@@ -61,11 +68,7 @@ def summarize(raw: dict, threshold: float, window: int = 10) -> dict:
     padding = [p for p in raw.get("padding", []) if p is not None]  # asyncrl's learner/padding_frac
     if padding:
         out["learner_padding"] = statistics.fmean(padding)
-    for i in range(len(rewards)):
-        roll = rewards[max(0, i - 4) : i + 1]
-        if len(roll) == min(5, len(rewards)) and statistics.fmean(roll) >= threshold:
-            out["time_to_threshold_s"] = steps[i] - raw["t0"]
-            break
+    out["time_to_threshold_s"] = crossing(*record(out), threshold, budget_s or float("inf"))
     return out
 
 
@@ -134,6 +137,10 @@ def combine(runs: list[dict]) -> dict:
     for k in FIGURES:
         vals = [r[k] for r in good if r[k] is not None]
         out[k] = statistics.fmean(vals) if vals else None
+    # A mean over the runs that reached the threshold alone would hide the ones that did not
+    # (bench/peers_time has the bounded figure): only when every finished run reached it.
+    if any(r["time_to_threshold_s"] is None for r in good):
+        out["time_to_threshold_s"] = None
     keys = {k for r in good for k in r.get("profile", {})}
     out["profile"] = {
         k: {s: statistics.fmean(r["profile"][k][s] for r in good if k in r["profile"]) for s in ("mean", "median")}
@@ -179,8 +186,6 @@ def plot(report: dict, paths: list[Path]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.peers_time import rolling
-
     wls = list(report["workloads"])
     fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
     for i, wl in enumerate(wls):
@@ -190,10 +195,11 @@ def plot(report: dict, paths: list[Path]) -> None:
         ax = axes[0][i]
         for tr in names:
             for k, s in enumerate(trainers[tr]["runs"]):
-                if s["reward_curve"]:
+                times, rewards = record(s)  # paired: a reward whose step never ended is not plotted
+                if times:
                     ax.plot(
-                        s["step_times_s"],
-                        rolling(s["reward_curve"]),
+                        times,
+                        [math.nan if r is None else r for r in rolling(rewards)],
                         linestyle=("-", "--", ":", "-.")[k % 4],
                         color=f"C{TRAINERS.index(tr)}",
                         label=f"{tr} seed {s.get('seed')}",

@@ -211,6 +211,34 @@ def asyncrl_child(spec_path: str, result_path: str) -> None:
 # ---------------------------------------------------------------- running one trainer
 
 
+def read_result(path: Path) -> dict:
+    """A child's result file; {} when there is none or it is not a JSON object (a child killed
+    while writing it): the run is then reported failed, the bench goes on."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def run_error(raw: dict, rc: int, spec: dict, error: str | None = None) -> str | None:
+    """Why a run failed, None if it did not; `error` is the parent's own (a timeout). A child's
+    crash is named by its own error first. Under a wall-clock budget a run ends at its first step
+    past it: one that ended before it (without reaching the step cap) did not get the same time
+    as the others and is reported; without a budget, a run short of its steps."""
+    steps = raw.get("steps") or []
+    if error is None and rc != 0:
+        error = raw.get("error") or f"exit code {rc}"
+    if error is None and spec.get("budget_s"):
+        if not steps:
+            error = "no step within the budget"
+        elif len(steps) < spec["steps"] and steps[-1] - spec["t0"] < spec["budget_s"]:
+            error = f"stopped {steps[-1] - spec['t0']:.0f} s after launch, before the {spec['budget_s']:g} s budget"
+    if error is None and not spec.get("budget_s") and len(steps) < spec["steps"]:
+        error = f"{len(steps)} of {spec['steps']} steps"
+    return error
+
+
 def run_trainer(trainer: str, spec: dict, out: Path, timeout: float, rep: int = 0) -> dict:
     """Launch one trainer's subprocess, wait (at most `timeout`), return its raw result + launch time.
     Each repetition gets its own work dir: an asyncrl run dir left by the first would be resumed."""
@@ -272,14 +300,8 @@ def run_trainer(trainer: str, spec: dict, out: Path, timeout: float, rep: int = 
                 os.killpg(proc.pid, signal.SIGKILL)
                 rc = proc.wait()
     wall = time.time() - t0
-    raw = json.loads(result_path.read_text()) if result_path.exists() else {}
-    if error is None and spec.get("budget_s") and not raw.get("steps"):
-        error = "no step within the budget"
-    if error is None and rc != 0:
-        error = raw.get("error") or f"exit code {rc}"
-    # Under a wall-clock budget the run ends at the first step past it: fewer steps than the cap is its end.
-    if error is None and not spec.get("budget_s") and len(raw.get("steps", [])) < spec["steps"]:
-        error = f"{len(raw.get('steps', []))} of {spec['steps']} steps"
+    raw = read_result(result_path)
+    error = run_error(raw, rc, spec, error)
     if error:
         error += f" (log: {log_path})"
     return {

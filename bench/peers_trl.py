@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,11 @@ def main(spec_path: str, result_path: str) -> None:
     def dump() -> None:
         Path(result_path).write_text(json.dumps(result))
 
+    def stop(signum, frame):  # the parent's timeout: end as asyncrl's side does, with the steps made
+        raise SystemExit(128 + signum)
+
+    # Without it SIGTERM ends the process where it stands and every step made so far is lost.
+    signal.signal(signal.SIGTERM, stop)
     try:
         run(spec, result)
     except BaseException as e:  # reported to the parent, which keeps going with the other peers

@@ -240,3 +240,33 @@ def test_the_start_up_check_reads_a_config_json_without_loading_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().startswith("learner.context_parallel=2: m has attention rules"), out.stdout
+
+
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("llama", {}),
+        ("llama4_text", {}),  # chunked attention by its class's default
+        ("gemma4_text", {"use_bidirectional_attention": "all"}),  # non-causal, set when loaded
+        ("gemma4_text", {}),
+    ],
+)
+def test_a_config_json_gets_the_answer_the_learner_gives_on_the_config_it_loads(tmp_path, model_type, fields):
+    """A config.json that leaves a rule to its config class's default (a hand-written one), and
+    one as save_pretrained writes it: the start-up check on the file answers as the learner does
+    on the config transformers loads from it."""
+    import json
+
+    from transformers import AutoConfig
+
+    from asyncrl.config.attention_rules import supports_varlen
+    from asyncrl.rollout.families import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **fields}))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert supports_varlen(read_config(str(tmp_path))) == supports_varlen(loaded), supports_varlen(loaded)
+    loaded.save_pretrained(tmp_path / "saved")
+    assert supports_varlen(read_config(str(tmp_path / "saved"))) == supports_varlen(loaded)
+    # A config.json that names the field itself is read as it says.
+    assert not supports_varlen({"model_type": "llama4_text", "attention_chunk_size": 4})
+    assert supports_varlen({"model_type": "llama4_text", "attention_chunk_size": None})
