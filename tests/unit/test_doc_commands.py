@@ -141,6 +141,18 @@ HEAVY: list[tuple[str, tuple[str, str | None], str]] = [
         ("tests/parity/test_model_matrix.py", "test_gemma2_job_trains_at_parity_resumes_and_exports"),
         "the demo config on a tiny model of another family",
     ),
+    (
+        r"python -m asyncrl\.rollout\.tiny_vl \S+$",
+        ("tests/integration/test_vision_job.py", "test_a_vision_language_run_trains_on_its_images_end_to_end"),
+        "the tiny Idefics3 the vision job writes (write_tiny_idefics3, what the module's main calls)",
+    ),
+    (
+        r"asyncrl train configs/demo\.yaml --check rollout\.model=\S+ "
+        r"rollout\.env=asyncrl\.rollout\.envs\.colour:ColourEnv ",
+        ("tests/integration/test_vision_job.py", "test_a_vision_language_run_trains_on_its_images_end_to_end"),
+        "the colour task on the tiny Idefics3, run as a job with these settings; its --check image line is "
+        "tests/unit/test_tiny_idefics3.py's",
+    ),
 ]
 
 
