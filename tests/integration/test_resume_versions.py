@@ -65,7 +65,8 @@ def _engine_matches_learner(loop, gen) -> float:
 
     prompt = [5, 6, 7, 5, 6]
     out = ray.get(gen.sample.remote(prompt, 1, 6, 1.0, True))[0]
-    seq = SimpleNamespace(input_ids=np.asarray(prompt + out["token_ids"], dtype=np.int64))
+    # What compute_logprobs reads of a TrainSequence: its ids, and its images (a text model has none).
+    seq = SimpleNamespace(input_ids=np.asarray(prompt + out["token_ids"], dtype=np.int64), pixel_values=None)
     learner = loop.learner.compute_logprobs([seq], 1.0)[0][len(prompt) :]
     return float(np.max(np.abs(np.asarray(out["logprobs"]) - learner)))
 
