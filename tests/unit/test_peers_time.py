@@ -17,19 +17,25 @@ from bench.peers_report import summarize
 
 def run(times: list[float], rewards: list[float], seed: int = 0) -> dict:
     """One run's summary as bench/peers.py makes it: per-step ends relative to launch at t0 = 100."""
-    raw = {
+    raw = raw_run(times, rewards, seed)
+    return summarize({**raw, "wall_s": times[-1] if times else 0.0, "error": None}, threshold=0.0)
+
+
+def raw_run(steps: list[float], rewards: list, seed: int = 0) -> dict:
+    """A child's raw record, where the step ends and the rewards need not pair up (a TRL run that
+    died after scoring a step's completions and before that step ended)."""
+    return {
         "t0": 100.0,
         "seed": seed,
-        "wall_s": times[-1] if times else 0.0,
-        "error": None,
+        "wall_s": 0.0,
+        "error": "RuntimeError: died (log: x)",
         "log": "",
-        "steps": [100.0 + t for t in times],
+        "steps": [100.0 + t for t in steps],
         "rewards": rewards,
-        "completions": [8] * len(times),
-        "tokens": [16] * len(times),
-        "useful_tokens": [16] * len(times),
+        "completions": [8] * len(steps),
+        "tokens": [16] * len(steps),
+        "useful_tokens": [16] * len(steps),
     }
-    return summarize(raw, threshold=0.0)
 
 
 def test_rolling_mean_covers_fewer_steps_at_the_start_and_skips_missing_rewards():
@@ -149,23 +155,6 @@ def test_the_reward_at_the_budget_says_how_many_seeds_it_is_over():
     assert h["realistic_reward_at_budget_seeds"] == {"asyncrl_async": 2, "trl_vllm": 1}
     log = "\n".join(pt.lines("realistic", report["workloads"]["realistic"]["time"]))
     assert "@100s -0.500 [1 of 2]" in log and "@100s 1.000  " in log
-
-
-def raw_run(steps: list[float], rewards: list, seed: int = 0) -> dict:
-    """A child's raw record, where the step ends and the rewards need not pair up (a TRL run that
-    died after scoring a step's completions and before that step ended)."""
-    return {
-        "t0": 100.0,
-        "seed": seed,
-        "wall_s": 0.0,
-        "error": "RuntimeError: died (log: x)",
-        "log": "",
-        "steps": [100.0 + t for t in steps],
-        "rewards": rewards,
-        "completions": [8] * len(steps),
-        "tokens": [16] * len(steps),
-        "useful_tokens": [16] * len(steps),
-    }
 
 
 def test_a_reward_whose_step_never_ended_is_left_out_not_a_crash_at_the_end():
