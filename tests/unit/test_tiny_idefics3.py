@@ -189,7 +189,10 @@ def test_idefics3_is_accepted_with_a_learner_that_takes_images_qwen2_vl_refused_
 
     assert families.check_model(str(tiny_idefics3)) is families.IDEFICS3
     for model_type in ("qwen2_vl", "qwen2_5_vl"):
-        with pytest.raises(families.ModelRefused, match=r"cannot load without torchvision.*Idefics3 \(SmolVLM\)"):
+        with pytest.raises(
+            families.ModelRefused,
+            match=r"learner builds Idefics3.s image inputs only.*torchvision.*Idefics3 \(SmolVLM\)",
+        ):
             families.check_config("m", {"model_type": model_type, "vision_config": {}})
     with pytest.raises(families.ModelRefused, match="the generators do not hand prompt images to"):
         families.check_config("m", {"model_type": "llava", "vision_config": {}})
