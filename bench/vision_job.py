@@ -7,6 +7,11 @@ engines, asynchronous (the config's max_staleness).
 
     .venv/bin/python bench/vision_job.py                       # red/blue, 100 steps (~3 min on 2 cores)
     .venv/bin/python bench/vision_job.py --colours red,green,blue --steps 200
+    .venv/bin/python bench/vision_job.py --smoke               # 3 on-policy steps: the suite's job
+
+`--smoke` is the suite's vision-language job (tests/integration/test_vision_job.py): 3 steps at
+max_staleness 0, so every step's data was sampled by the weights the learner holds, and each
+step's learner-vs-engine drift (as the parity gate's) must stay within 1e-3 at every version.
 
 Reported: the mean reward of the first and last 10 steps, the parity gate's figure, and per
 colour on held-out images (a seed the run never drew), the greedy answers of the model before
@@ -73,14 +78,45 @@ def greedy_answers(model_dir: Path, colours: str, per_colour: int) -> dict[str, 
     }
 
 
+VISION_WEIGHTS = (
+    "model.vision_model.encoder.layers.0.mlp.fc1.weight",
+    "model.connector.modality_projection.proj.weight",
+)
+
+
+def vision_weights_moved(base: Path, exported: Path) -> dict[str, bool]:
+    """Per vision-tower / connector weight: did the run change it (the final export, by the
+    names the engine loads, against the model it started from)? {} if the names differ."""
+    from safetensors.torch import load_file
+
+    before, after = load_file(str(base / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    if sorted(before) != sorted(after):
+        return {}
+    return {name: not after[name].equal(before[name]) for name in VISION_WEIGHTS}
+
+
+def processor_image_seq_len(model_dir: Path) -> int:
+    """Image tokens per image of a model folder's own processor."""
+    from transformers import AutoProcessor
+
+    return int(AutoProcessor.from_pretrained(str(model_dir)).image_seq_len)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--colours", default="red,blue")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--groups-per-step", type=int, default=8)
+    parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--held-out", type=int, default=8, help="held-out images per colour")
+    parser.add_argument("--max-staleness", type=int, default=None, help="default: the demo config's")
     parser.add_argument("--out", default=None, help="run directory (default: a new temporary one)")
+    parser.add_argument("--smoke", action="store_true", help="3 on-policy steps, 2 held-out images a colour")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.held_out, args.max_staleness, args.lr = 3, 2, 0, 1e-2
+        args.groups_per_step = args.n_samples = 4
 
     from asyncrl.rollout.tiny_vl import write_tiny_idefics3
 
@@ -92,17 +128,19 @@ def main(argv: list[str] | None = None) -> dict:
         "rollout.env=asyncrl.rollout.envs.colour:ColourEnv",
         f"rollout.env_kwargs={{colours: '{args.colours}'}}",
         "rollout.chat_template=true",
-        "rollout.n_samples=8",
+        f"rollout.n_samples={args.n_samples}",
         "rollout.max_tokens=4",
         "rollout.engine_max_model_len=64",
         "rollout.max_prompt_tokens=32",
         f"learner.lr={args.lr}",
-        "control.groups_per_step=8",
+        f"control.groups_per_step={args.groups_per_step}",
         f"control.total_steps={args.steps}",
         "control.checkpoint_every=200",
         f"control.run_dir={run_dir}",
         "control.run_name=vision-job",
         "monitor.dashboard=false",
+        "queue.ledger=true",
+        *([f"control.max_staleness={args.max_staleness}"] if args.max_staleness is not None else []),
     ]
     cmd = [str(Path(sys.executable).parent / "asyncrl"), "train", str(ROOT / "configs" / "demo.yaml"), *overrides]
     print(f"[vision_job] asyncrl train ... ({args.steps} steps; its progress lines follow on stderr)", file=sys.stderr)
@@ -114,6 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
+    gate = summary.get("parity_gate", {})
+    drift = [r.get("drift/logprob_abs_diff_max") for r in rows if "drift/logprob_abs_diff_max" in r]
+    moved = vision_weights_moved(model, run_dir / "hf" / "final")
     print("[vision_job] greedy answers on held-out images, before and after", file=sys.stderr)
     result = {
         "colours": args.colours,
@@ -122,10 +163,26 @@ def main(argv: list[str] | None = None) -> dict:
         "startup_s": summary.get("startup_s"),
         "reward_first10": round(sum(rewards[:10]) / max(1, len(rewards[:10])), 3),
         "reward_last10": round(sum(rewards[-10:]) / max(1, len(rewards[-10:])), 3),
-        "parity_max_abs_diff": summary.get("parity_gate", {}).get("max_abs_diff"),
+        "parity_max_abs_diff": gate.get("max_abs_diff"),
         "max_staleness_seen": max((r.get("staleness/max", 0) for r in rows), default=0),
+        "drift_max_per_step": drift,
+        "vision_weights_moved": moved,
         "before": greedy_answers(model, args.colours, args.held_out),
         "after": greedy_answers(run_dir / "hf" / "final", args.colours, args.held_out),
+    }
+    on_policy = args.max_staleness == 0
+    result["checks"] = {
+        "trained_every_step": summary.get("status") == "finished" and summary.get("step") == args.steps,
+        "parity_gate_passed": gate.get("passed") is True and (gate.get("max_abs_diff") or 0) <= 1e-3,
+        # On-policy, each step's data came from the engine at the learner's version: the two
+        # compute one function, images included, after every publish. Off-policy drift is staleness.
+        "drift_within_1e-3": len(drift) == args.steps and (not on_policy or max(drift) <= 1e-3),
+        "nothing_dead_lettered": summary["counters"].get("dead_lettered", 0) == 0,
+        "no_refused_samples": all(r.get("vision/refused_samples", 0) == 0 for r in rows),
+        # the update reached the vision tower and the connector, not the text model alone
+        "vision_weights_moved": bool(moved) and all(moved.values()),
+        # the exported folder expands an image as the run did (its processor files went along)
+        "export_expands_images": processor_image_seq_len(run_dir / "hf" / "final") == processor_image_seq_len(model),
     }
     return result
 
