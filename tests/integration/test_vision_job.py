@@ -7,7 +7,9 @@ expanded prompt ids and the images once per group -> the learner's forward with 
 rebuilt from those images -> the weights (vision tower, connector and text model) published back
 to the engine. On-policy (max_staleness 0), so every step's data was sampled by the weights the
 learner holds: the parity gate at v0 and every step's learner-vs-engine log-prob drift say the two
-compute the same function, with the images, at every version.
+compute the same function, with the images, at every version. The run is also the parity suite's
+vision-language variant: the suite's rules (tests.support.parity: every trained token within the
+float32 tolerance, every step's mean, no mask fired, no TIS weight capped) hold on its metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.parity import parity_of_run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -43,3 +47,7 @@ def test_a_vision_language_run_trains_on_its_images_end_to_end(tmp_path):
         assert all(sum(n for _, n in row["answers"]) == 2 for row in result[when].values()), result[when]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["counters"]["groups_trained"] == 3 * 4, summary["counters"]
+
+    # The parity suite's rules on every step of the run (on-policy at lr 1e-2, as its LoRA variants).
+    parity = parity_of_run("vision", tmp_path / "run", covers="Idefics3, images in prompts, async staleness 0")
+    assert parity.ok and parity.steps == 3, parity.why()

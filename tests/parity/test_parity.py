@@ -19,6 +19,10 @@ so the matrix is folded):
 | D | the tools env (tool results in context, some cut by the context), LoRA adapter publishes, async on-policy |
 | E | a verifiers env (multi-turn), LoRA with merged publishes, sync mode |
 
+The vision-language variant (Idefics3, images in prompts) is `tests/integration/test_vision_job.py`:
+the same rules (`tests.support.parity.parity_of_run`) on the suite's vision job, which shares its
+start-up with `bench/vision_job.py --smoke`.
+
 D and E train (lr 1e-2) on-policy instead of running at lr=0: a LoRA adapter starts as the
 base model, so at lr=0 an engine without the adapter would pass too (see `LORA` below).
 
