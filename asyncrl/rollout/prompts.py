@@ -283,7 +283,8 @@ def check_source(
         if MESSAGES_KEY in meta:
             chat += 1
             if not chat_template:
-                raise PromptSourceError(f"{place}: {_NEEDS_TEMPLATE}")
+                also = " (a prompt with images is one: its image parts)" if IMAGES_KEY in meta else ""
+                raise PromptSourceError(f"{place}: {_NEEDS_TEMPLATE}{also}")
         if IMAGES_KEY in meta:
             images += 1
             first = first or (place, text, meta)

@@ -119,6 +119,28 @@ def test_a_saved_dataset_with_an_image_column(tmp_path):
     assert got["b?"][MESSAGES_KEY][0]["content"][0] == {"type": "image"}
 
 
+def test_a_saved_dataset_with_a_list_of_images_column(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    a, b = picture((9, 9, 9)), picture((90, 90, 90), fmt="BMP")
+    data = datasets.Dataset.from_dict(
+        {"prompt": ["two?"], "images": [[{"bytes": a, "path": None}, {"bytes": b, "path": None}]]}
+    )
+    data.cast_column("images", datasets.Sequence(datasets.Image())).save_to_disk(str(tmp_path / "ds"))
+    _, meta = first(tmp_path / "ds")
+    assert meta[IMAGES_KEY][0] == a and pixels(meta[IMAGES_KEY][1])[0] == (90, 90, 90)
+    assert [p["type"] for p in meta[MESSAGES_KEY][0]["content"]] == ["image", "image", "text"]
+
+
+def test_a_decoded_image_value_is_written_as_png_within_the_limits():
+    """A dataset that decodes its Image column hands over PIL images."""
+    from asyncrl.rollout.prompt_images import PromptRecordError, to_png
+
+    data = to_png(Image.new("RGB", (7, 5), (1, 2, 3)), "row 0: image", ImageLimits())
+    assert pixels(data) == [(1, 2, 3)] * 35
+    with pytest.raises(PromptRecordError, match="row 0: image: image 600x600 = 360000 pixels > max_pixels"):
+        to_png(Image.new("RGB", (600, 600)), "row 0: image", ImageLimits())
+
+
 def test_a_dataset_image_that_is_only_a_path_is_refused(tmp_path):
     """An Image column's value as a parquet file stores it ({bytes, path}) with the path alone: the
     file it names (which exists) is never read. (save_to_disk embeds the bytes of a path.)"""
@@ -224,7 +246,7 @@ def test_a_plain_prompt_with_images_needs_the_chat_template(tmp_path):
         check_source(str(path), chat_template=True).describe()
         == "1 records read and valid (1 chat conversations, 1 with images)"
     )
-    with pytest.raises(PromptSourceError, match=r"rollout\.chat_template=true"):
+    with pytest.raises(PromptSourceError, match=r"rollout\.chat_template=true \(a prompt with images is one"):
         check_source(str(path))
 
 
