@@ -15,15 +15,18 @@ A source is
 
 A record's text is its ``prompt_field`` column (with the default "prompt", GSM8K's "question"
 and then "messages" are taken when there is no "prompt"). A prompt column holding a list is a
-chat conversation, ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``
-(TRL's conversational format): it is rendered whole by the tokenizer's chat template (so it
-needs ``rollout.chat_template=true``), travels as ``metadata["prompt_messages"]``, and the
-reward's prompt text is its last user turn. Every other column is metadata handed to the reward
-(TRL-style reward functions get each as a keyword); the ``answer_field`` column is handed
-over as ``metadata["answer"]``, the reference answer the gsm8k reward reads. Prompt ids are
-stable ("<id_prefix>:<name>:<epoch>:<row>", or "<id_prefix>:<n>" for env-made prompts), so a
-re-issued prompt is recognisably the same one; the generator's prefix "<generator id>.<incarnation>"
-keeps two generators (or two lives of one) reading the same dataset from sharing ids.
+chat conversation, ``[{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]``
+(TRL's conversational format; content a string or a list of text and image parts): it is
+rendered whole by the tokenizer's chat template (so it needs ``rollout.chat_template=true``),
+travels as ``metadata["prompt_messages"]``, and the reward's prompt text is its last user turn.
+A record's ``images`` (or ``image``) column travels as ``metadata["images"]``, PNG bytes, one
+per image part (asyncrl.rollout.prompt_images: what is read, the limits, the inserted parts).
+Every other column is metadata handed to the reward (TRL-style reward functions get each as a
+keyword); the ``answer_field`` column is handed over as ``metadata["answer"]``, the reference
+answer the gsm8k reward reads. Prompt ids are stable ("<id_prefix>:<name>:<epoch>:<row>", or
+"<id_prefix>:<n>" for env-made prompts), so a re-issued prompt is recognisably the same one;
+the generator's prefix "<generator id>.<incarnation>" keeps two generators (or two lives of
+one) reading the same dataset from sharing ids.
 ``datasets`` is imported only for a dataset directory or a hub id.
 """
 
