@@ -7,7 +7,7 @@
 A message's content is a string or a list of parts, as Hugging Face chat templates take them:
 ``{"type": "text", "text": str}`` and ``{"type": "image"}`` (the template writes the model's own
 placeholder for an image part). A record's images are its ``images`` column (a list) or its
-``image`` column (one image); each is
+``image`` column (one image; null or an empty list: none); each is
 - bytes: a PNG, or a JPEG / WebP / GIF / BMP that is re-encoded to PNG (no other decoder runs);
 - a Hugging Face ``datasets`` Image value: ``{"bytes": ..., "path": ...}`` (its bytes are
   read, never its path), or a PIL image when the dataset decodes;
@@ -120,7 +120,9 @@ def record_images(
         return messages, []
     column = columns[0]
     raw = record[column]
-    if column == "images":
+    if raw is None:  # a dataset's row without an image (its column is nullable)
+        values = []
+    elif column == "images":
         if not isinstance(raw, list):
             raise PromptRecordError(f"{where}: column 'images' is {type(raw).__name__}, expected a list of images")
         values = raw

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import random
 from pathlib import Path
@@ -108,15 +109,20 @@ def test_a_saved_dataset_with_an_image_column(tmp_path):
     data.save_to_disk(str(tmp_path / "ds"))
     found = check_source(str(tmp_path / "ds"), chat_template=True)
     assert found.describe() == "2 records read and valid (2 chat conversations, 2 with images)"
-    got = {
-        t: m
-        for _, t, m in __import__("itertools").islice(
-            open_prompts(str(tmp_path / "ds"), None, seed=0, id_prefix="g"), 2
-        )
-    }
+    got = {t: m for _, t, m in itertools.islice(open_prompts(str(tmp_path / "ds"), None, seed=0, id_prefix="g"), 2)}
     assert got["a?"][IMAGES_KEY] == [red]
     assert pixels(got["b?"][IMAGES_KEY][0])[0] == pytest.approx((20, 200, 20), abs=8)
     assert got["b?"][MESSAGES_KEY][0]["content"][0] == {"type": "image"}
+
+
+def test_a_dataset_row_without_an_image_is_a_text_prompt(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_dict({"prompt": ["a?", "b?"], "image": [{"bytes": picture(), "path": None}, None]})
+    data.cast_column("image", datasets.Image()).save_to_disk(str(tmp_path / "ds"))
+    found = check_source(str(tmp_path / "ds"), chat_template=True)
+    assert found.describe() == "2 records read and valid (1 chat conversations, 1 with images)"
+    got = {t: m for _, t, m in itertools.islice(open_prompts(str(tmp_path / "ds"), None, seed=0, id_prefix="g"), 2)}
+    assert got["b?"] == {}  # no images, no conversation, no image column
 
 
 def test_a_saved_dataset_with_a_list_of_images_column(tmp_path):
