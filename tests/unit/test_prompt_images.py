@@ -296,3 +296,6 @@ def test_check_reads_renders_and_refuses_a_prompt_file_with_images(tmp_path, vl_
     assert "beside the prompt's 1 placeholder token(s)" in out
     assert main(run) == 2  # rollout.model=tiny: a text model
     assert "1 prompt image(s), but rollout.model=tiny is a text model" in capsys.readouterr().err
+    assert main([*run, *vl, "rollout.env=countdown_chat", "rollout.env_kwargs={}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:1: the record carries images, but rollout.env='countdown_chat' is multi-turn" in err
