@@ -80,13 +80,14 @@ def content_text(content: Any, where: str) -> str:
         at = f"{where}: part {j}"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise PromptRecordError(f"{at} is {_short(part)}, expected {{'type': 'text' | 'image', ...}}")
+        keys = {k for k, v in part.items() if v is not None}  # a dataset's parts share one struct's keys
         if part["type"] == "text":
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            if keys != {"type", "text"} or not isinstance(part["text"], str):
                 raise PromptRecordError(f"{at}: a text part is {{'type': 'text', 'text': str}}, got {_short(part)}")
             texts.append(part["text"])
         elif part["type"] == "image":
-            if set(part) != {"type"}:
-                extra = sorted(set(part) - {"type"})
+            if keys != {"type"}:
+                extra = sorted(keys - {"type"})
                 raise PromptRecordError(
                     f"{at}: an image part is {{'type': 'image'}} alone, got keys {extra}: "
                     f"the images go in the record's 'images' (or 'image') column"
@@ -111,6 +112,8 @@ def record_images(
     columns = [c for c in IMAGE_COLUMNS if c in record]
     if len(columns) > 1:
         raise PromptRecordError(f"{where}: both an 'images' and an 'image' column: one of them")
+    if messages is not None:
+        messages = [_clean(m) for m in messages]
     parts = image_parts(messages) if messages is not None else 0
     if not columns:
         if parts:
@@ -147,9 +150,17 @@ def record_images(
     return messages, images
 
 
+def _clean(message: dict[str, Any]) -> dict[str, Any]:
+    """A (checked) message whose parts hold only their own keys: a dataset stores every part as
+    one struct, so an image part arrives as {"type": "image", "text": None}."""
+    if not isinstance(message["content"], list):
+        return message
+    return {**message, "content": [{k: v for k, v in p.items() if v is not None} for p in message["content"]]}
+
+
 def _with_parts(messages: list[dict[str, Any]], n: int, where: str) -> list[dict[str, Any]]:
     """The conversation with ``n`` image parts at the start of its first user turn (a copy)."""
-    out = [dict(m) for m in messages]
+    out = [dict(m) for m in messages]  # the record's own dicts are not changed
     first = next((m for m in out if m["role"] == "user"), None)
     if first is None:  # chat_text refuses this first; kept for a direct caller
         raise PromptRecordError(f"{where}: the conversation has no user turn for its images")

@@ -147,6 +147,20 @@ def test_a_decoded_image_value_is_written_as_png_within_the_limits():
         to_png(Image.new("RGB", (600, 600)), "row 0: image", ImageLimits())
 
 
+def test_a_saved_dataset_of_content_parts_reads_its_parts_as_they_were_written(tmp_path):
+    """Arrow stores every part as one struct, so an image part comes back {type, text: None}."""
+    datasets = pytest.importorskip("datasets")
+    content = [{"type": "image"}, {"type": "text", "text": "which?"}]
+    data = datasets.Dataset.from_dict(
+        {"messages": [[{"role": "user", "content": content}]], "images": [[{"bytes": picture(), "path": None}]]}
+    )
+    data.cast_column("images", datasets.Sequence(datasets.Image())).save_to_disk(str(tmp_path / "ds"))
+    assert data.to_list()[0]["messages"][0]["content"][0] == {"type": "image", "text": None}
+    text, meta = first(tmp_path / "ds")
+    assert text == "which?" and meta[MESSAGES_KEY] == [{"role": "user", "content": content}]
+    assert len(meta[IMAGES_KEY]) == 1
+
+
 def test_a_dataset_image_that_is_only_a_path_is_refused(tmp_path):
     """An Image column's value as a parquet file stores it ({bytes, path}) with the path alone: the
     file it names (which exists) is never read. (save_to_disk embeds the bytes of a path.)"""
