@@ -266,6 +266,23 @@ def check_prompt_source(cfg: Config, where: str, source: str, split: str, hub_sa
     )
 
 
+def _source_image_lines(cfg: Config, found: SourceCheck) -> list[str]:
+    """A prompt source's first record with images, rendered for rollout.model as a generator
+    would (describe_images): refused for a text model, a multi-turn env or a teacher."""
+    if found.first_with_images is None:
+        return []
+    r = cfg.rollout
+    place, text, metadata = found.first_with_images
+    try:
+        multi_turn = make_rollout_env(r).multi_turn
+    except Exception:  # the env's own failure: check_imports reports it with its reason
+        multi_turn = False
+    refused = images_refused(r.env, multi_turn, r.teacher is not None)
+    if refused is not None:
+        raise ConfigError(f"{place}: the record carries images, but {refused}")
+    return describe_images(r.model, r.chat_template, text, metadata, place)
+
+
 def check_prompt_sources(cfg: Config) -> list[str]:
     """Read every prompt source a run reads (evaluation's only when it evaluates) and check each
     record; with rollout.chat_template and a local model, check its tokenizer has a template."""
@@ -282,6 +299,7 @@ def check_prompt_sources(cfg: Config) -> list[str]:
                 lines.append(f"{where}={source}: not read, the hub is unreachable from this host ({e.__cause__})")
                 continue
             lines.append(f"{where}={source}: {found.describe()}")
+            lines += _source_image_lines(cfg, found)
         if r.chat_template and Path(r.model).is_dir():
             # transformers only here: --check must start without it, and only a local model's
             # tokenizer can be read without a download.

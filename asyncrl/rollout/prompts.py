@@ -15,15 +15,18 @@ A source is
 
 A record's text is its ``prompt_field`` column (with the default "prompt", GSM8K's "question"
 and then "messages" are taken when there is no "prompt"). A prompt column holding a list is a
-chat conversation, ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``
-(TRL's conversational format): it is rendered whole by the tokenizer's chat template (so it
-needs ``rollout.chat_template=true``), travels as ``metadata["prompt_messages"]``, and the
-reward's prompt text is its last user turn. Every other column is metadata handed to the reward
-(TRL-style reward functions get each as a keyword); the ``answer_field`` column is handed
-over as ``metadata["answer"]``, the reference answer the gsm8k reward reads. Prompt ids are
-stable ("<id_prefix>:<name>:<epoch>:<row>", or "<id_prefix>:<n>" for env-made prompts), so a
-re-issued prompt is recognisably the same one; the generator's prefix "<generator id>.<incarnation>"
-keeps two generators (or two lives of one) reading the same dataset from sharing ids.
+chat conversation, ``[{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]``
+(TRL's conversational format; content a string or a list of text and image parts): it is
+rendered whole by the tokenizer's chat template (so it needs ``rollout.chat_template=true``),
+travels as ``metadata["prompt_messages"]``, and the reward's prompt text is its last user turn.
+A record's ``images`` (or ``image``) column travels as ``metadata["images"]``, PNG bytes, one
+per image part (asyncrl.rollout.prompt_images: what is read, the limits, the inserted parts).
+Every other column is metadata handed to the reward (TRL-style reward functions get each as a
+keyword); the ``answer_field`` column is handed over as ``metadata["answer"]``, the reference
+answer the gsm8k reward reads. Prompt ids are stable ("<id_prefix>:<name>:<epoch>:<row>", or
+"<id_prefix>:<n>" for env-made prompts), so a re-issued prompt is recognisably the same one;
+the generator's prefix "<generator id>.<incarnation>" keeps two generators (or two lives of
+one) reading the same dataset from sharing ids.
 ``datasets`` is imported only for a dataset directory or a hub id.
 """
 
@@ -37,14 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.base import is_hub_id
+from asyncrl.data.images import IMAGES_KEY, ImageLimits
 from asyncrl.infra import ExpectedFailure
+from asyncrl.rollout.prompt_images import IMAGE_COLUMNS, PromptRecordError, chat_text, record_images
 
 DEFAULT_PROMPT_FIELD = "prompt"
 FALLBACK_PROMPT_FIELDS = ("question", "messages")
 """GSM8K's name for its prompt, then the usual chat column, taken when there is no "prompt"."""
 MESSAGES_KEY = "prompt_messages"
 """The metadata key a chat prompt's conversation travels under (to the encoder and the reward)."""
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 _NEEDS_TEMPLATE = "a chat conversation is rendered with the tokenizer's chat template: set rollout.chat_template=true"
 ANSWER_KEY = "answer"
 """The metadata key the reference answer is handed to the reward under."""
@@ -193,14 +197,6 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-def _json_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}.get(
-        type(value), type(value).__name__
-    )
-
-
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -220,17 +216,21 @@ def split_record(
     value = record[field]
     if MESSAGES_KEY in record and field != MESSAGES_KEY:
         raise PromptSourceError(f"{where}: column {MESSAGES_KEY!r} is reserved for a chat prompt's conversation")
-    meta = {k: v for k, v in record.items() if k != field}
-    if isinstance(value, list):
-        text = chat_text(value, f"{where}: column {field!r}")
-        meta[MESSAGES_KEY] = value
-    elif isinstance(value, str):
-        text = value
-    else:
+    meta = {k: v for k, v in record.items() if k != field and k not in IMAGE_COLUMNS}
+    if not isinstance(value, (list, str)):
         raise PromptSourceError(
             f"{where}: prompt column {field!r} holds a {type(value).__name__}, expected a string "
             f"or a chat conversation (a list of {{role, content}} messages)"
         )
+    try:  # the conversation's parts, the record's images as PNG bytes: asyncrl.rollout.prompt_images
+        text = chat_text(value, f"{where}: column {field!r}") if isinstance(value, list) else value
+        messages, images = record_images(record, value if isinstance(value, list) else None, text, where, ImageLimits())
+    except PromptRecordError as e:
+        raise PromptSourceError(str(e)) from None
+    if messages is not None:
+        meta[MESSAGES_KEY] = messages
+    if images:
+        meta[IMAGES_KEY] = images
     if answer_field != ANSWER_KEY:
         if answer_field not in record:
             raise PromptSourceError(
@@ -238,28 +238,6 @@ def split_record(
             )
         meta[ANSWER_KEY] = meta.pop(answer_field)
     return text, meta
-
-
-def chat_text(messages: list[Any], where: str) -> str:
-    """The reward's prompt text of a chat conversation (its last user turn), after checking
-    every message is {role: one of CHAT_ROLES, content: str}."""
-    if not messages:
-        raise PromptSourceError(f"{where}: an empty conversation")
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise PromptSourceError(f"{where}: message {k} is {_short(m)}, expected {{role, content}}")
-        if m["role"] not in CHAT_ROLES:
-            raise PromptSourceError(f"{where}: message {k}: role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(m["content"], str):
-            raise PromptSourceError(
-                f"{where}: message {k}: content holds {_json_kind(m['content'])}, expected a string"
-            )
-    if messages[-1]["role"] == "assistant":
-        raise PromptSourceError(f"{where}: the conversation ends with an assistant turn (the engine writes that one)")
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    if not users:
-        raise PromptSourceError(f"{where}: the conversation has no user turn")
-    return users[-1]
 
 
 @dataclass(frozen=True)
@@ -270,6 +248,10 @@ class SourceCheck:
     total: int
     chat: int
     """Records holding a chat conversation."""
+    images: int = 0
+    """Records with images (each read and decoded)."""
+    first_with_images: tuple[str, str, dict[str, Any]] | None = None
+    """(where, text, metadata) of the first record with images: --check renders it for the model."""
 
     def describe(self) -> str:
         rows = (
@@ -277,7 +259,9 @@ class SourceCheck:
             if self.checked == self.total
             else f"the first {self.checked} of {self.total} records"
         )
-        return f"{rows} read and valid" + (f" ({self.chat} chat conversations)" if self.chat else "")
+        kinds = [f"{self.chat} chat conversations"] if self.chat else []
+        kinds += [f"{self.images} with images"] if self.images else []
+        return f"{rows} read and valid" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
 def check_source(
@@ -296,14 +280,18 @@ def check_source(
     rows, total = located_records(source, split, where, limit)
     if not rows:
         raise PromptSourceError(f"{where}={str(source)!r} holds no records")
-    chat = 0
+    chat, images, first = 0, 0, None
     for place, record in rows:
-        _, meta = split_record(record, place, prompt_field, answer_field)
+        text, meta = split_record(record, place, prompt_field, answer_field)
         if MESSAGES_KEY in meta:
             chat += 1
             if not chat_template:
-                raise PromptSourceError(f"{place}: {_NEEDS_TEMPLATE}")
-    return SourceCheck(len(rows), total, chat)
+                also = " (a prompt with images is one: its image parts)" if IMAGES_KEY in meta else ""
+                raise PromptSourceError(f"{place}: {_NEEDS_TEMPLATE}{also}")
+        if IMAGES_KEY in meta:
+            images += 1
+            first = first or (place, text, meta)
+    return SourceCheck(len(rows), total, chat, images, first)
 
 
 def _name(source: str) -> str:

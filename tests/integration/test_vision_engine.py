@@ -175,6 +175,36 @@ def test_two_images_in_one_prompt_each_expand_in_order(loop, parts):
     assert len(group.samples) == N and all(1 <= s.num_tokens <= 4 for s in group.samples)
 
 
+def test_a_prompt_file_with_images_rolls_out_as_an_environments_prompt(loop, parts, tmp_path):
+    """A JSONL record (a JPEG as a data URI, a conversation without image parts) drawn as a
+    generator draws it: the image part inserted, the JPEG re-encoded to PNG, one group with the
+    expanded prompt and the PNG bytes once. (No new engine: this module's.)"""
+    import base64
+    import io
+    import json
+
+    from asyncrl.rollout.prompts import open_prompts
+
+    env, tok, encode, maker = parts.env, parts.tok, parts.encode, parts.maker
+    buf = io.BytesIO()
+    env.draw("blue", random.Random(2)).save(buf, format="JPEG")
+    record = {
+        "messages": [{"role": "user", "content": "colour?"}],
+        "image": "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode(),
+        "target": "blue",
+    }
+    (tmp_path / "p.jsonl").write_text(json.dumps(record) + "\n")
+    pid, text, meta = next(open_prompts(str(tmp_path / "p.jsonl"), env, seed=0, id_prefix="g"))
+    ids = encode(text, meta)
+    assert tok.convert_ids_to_tokens(ids) == ["<image>", *"colour?"]
+    group = loop.run_until_complete(maker.make(PromptItem(pid, text, meta, ids)))
+    one = ["<fake_token_around_image>", "<global-img>", *["<image>"] * 4, "<fake_token_around_image>"]
+    assert tok.convert_ids_to_tokens(group.prompt_ids.tolist()) == [*one, *"colour?"]
+    (png,) = group.metadata[IMAGES_KEY]
+    assert png.startswith(b"\x89PNG") and png == meta[IMAGES_KEY][0]
+    assert len(group.samples) == N and all(1 <= s.num_tokens <= 4 for s in group.samples)
+
+
 def test_hostile_prompts_stop_before_the_engine_and_the_engine_goes_on(loop, parts, engine):
     """A bad image or count is refused before any request (vLLM would take a placeholder without
     an image as a plain token); what vLLM itself refuses leaves it serving."""

@@ -42,9 +42,15 @@ CHAT_ROW = {"role": "user", "content": "hi"}
         ),
         (
             "content.jsonl",
+            GOOD + json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(),
+            2,
+            "message 0: content holds a number, expected a string or a list of parts",
+        ),
+        (
+            "part.jsonl",
             GOOD + json.dumps({"messages": [{"role": "user", "content": ["x"]}]}).encode(),
             2,
-            "message 0: content holds an array, expected a string",
+            "column 'messages': message 0: part 0 is \"x\", expected {'type': 'text' | 'image', ...}",
         ),
         (
             "shape.jsonl",
