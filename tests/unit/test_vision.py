@@ -297,3 +297,46 @@ def test_any_model_with_a_vision_tower_is_refused_not_only_qwen2_vl():
             families.check_config("m", config)
     # the text model of the same family is not
     assert families.check_config("m", {"model_type": "gemma3_text"}).name == "Gemma 3 (text)"
+
+
+def _png_with_chunk_after_pixels(kind: bytes, body: bytes) -> bytes:
+    """An 8x8 RGB PNG, CRCs right, with one more chunk between its pixels and IEND: PIL parses
+    such a chunk in load(), with its own parser (an empty iCCP: IndexError, not OSError)."""
+
+    def chunk(k: bytes, b: bytes) -> bytes:
+        return struct.pack(">I", len(b)) + k + b + struct.pack(">I", zlib.crc32(k + b))
+
+    ihdr = struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"".join(b"\x00" + b"\x10\x20\x30" * 8 for _ in range(8)))
+    return PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", pixels) + chunk(kind, body) + chunk(b"IEND", b"")
+
+
+def test_a_png_whose_ancillary_chunk_breaks_pils_parser_is_dead_lettered_not_a_consumer_crash():
+    """PIL raises what its chunk parsers raise (IndexError for an empty iCCP after the pixels):
+    any failure to decode untrusted bytes is the record's bad_image, so the trainer's intake
+    dead-letters it and goes on, instead of ending the run on one forged record."""
+    from asyncrl.data.codec import encode_group
+    from asyncrl.data.contract import RecordContract
+    from asyncrl.queue import keys
+    from asyncrl.queue.intake import sort_entries
+    from asyncrl.types import RolloutGroup, Sample
+
+    forged = _png_with_chunk_after_pixels(b"iCCP", b"")
+    with pytest.raises(RecordError, match="does not decode") as e:
+        decode_image(forged, ImageLimits())
+    assert e.value.reason == "bad_image"
+    limits = ImageLimits()
+    contract = RecordContract(vocab_size=16, max_len=12, group_size=1, stepwise=False, max_version=5, images=limits)
+    _, meta = ColourEnv().make_prompt(random.Random(0))
+
+    def group(gid: str, images) -> bytes:
+        samples = [Sample([3] * 4, [-0.5] * 4, [1] * 4, 1.0, 3, generator_id="gen-0")]
+        return encode_group(RolloutGroup(gid, gid, [1, 2, 3], samples, env="colour", metadata={IMAGES_KEY: images}))
+
+    entries = [
+        ("1-1", {keys.RECORD_FIELD: group("forged", [forged])}),
+        ("1-2", {keys.RECORD_FIELD: group("good", meta[IMAGES_KEY])}),
+    ]
+    intake = sort_entries(entries, 0, set(), 1 << 20, 0, contract=contract)
+    assert [g.group_id for _, g in intake.out] == ["good"]
+    assert [(d["group_id"], d["reason"]) for d in intake.dead] == [("forged", "bad_image")]
