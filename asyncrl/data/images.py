@@ -8,7 +8,8 @@
 Every image read back (from Redis, a prompt file, a published record) is untrusted: the bytes
 must be a PNG (the signature is checked before PIL sees them, so no other decoder runs), at
 most ``max_bytes`` long, and its header must declare at most ``max_pixels`` pixels before any
-pixel is decompressed (a small PNG can inflate to gigabytes). A failure is a RecordError, the
+pixel is decompressed (a small PNG can inflate to gigabytes); only the chunks its pixels come
+from reach PIL (``PIXEL_CHUNKS``: no text or ICC profile is ever inflated). A failure is a RecordError, the
 reason the intake dead-letters a record with; never pickle, never a crash.
 """
 
@@ -66,7 +67,7 @@ def decode_image(data: Any, limits: ImageLimits) -> Any:
     if width * height > limits.max_pixels:
         raise RecordError("bad_image", f"image {width}x{height} > max_pixels {limits.max_pixels}")
     try:
-        image = Image.open(io.BytesIO(data), formats=["PNG"])  # reads the header only
+        image = Image.open(io.BytesIO(_pixel_chunks(data)), formats=["PNG"])  # reads the header only
         if image.size != (width, height):  # PIL read another header than the first chunk's
             raise RecordError("bad_image", f"image header {width}x{height}, PIL read {image.size}")
         image.load()
@@ -78,8 +79,34 @@ def decode_image(data: Any, limits: ImageLimits) -> Any:
         raise RecordError(
             "bad_image", f"PNG header {width}x{height} does not parse (bit depth, colour type or method)"
         ) from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except Exception as e:  # PIL's chunk parsers raise what they raise (IndexError, struct.error, ...)
         raise RecordError("bad_image", f"PNG does not decode: {type(e).__name__}: {e}") from None
+
+
+PIXEL_CHUNKS = (b"IHDR", b"PLTE", b"tRNS", b"IDAT", b"IEND")
+"""The chunks an image's RGB pixels are decoded from. The others (text, ICC profile, animation)
+never change them, and PIL inflates the compressed ones before any pixel (zTXt, iTXt: up to 64 MiB
+of text an image, from a few KiB): they are left out before PIL sees the bytes."""
+
+
+def _pixel_chunks(data: bytes) -> bytes:
+    """The PNG with its PIXEL_CHUNKS alone, in order (bytes past IEND dropped); RecordError for a
+    chunk that runs past the end."""
+    out = [PNG_SIGNATURE]
+    pos = len(PNG_SIGNATURE)
+    while pos < len(data):
+        kind = data[pos + 4 : pos + 8]
+        end = pos + 12 + int.from_bytes(data[pos : pos + 4], "big")  # length, type, data, CRC
+        if end > len(data):
+            raise RecordError(
+                "bad_image", f"PNG does not decode: truncated (chunk {kind!r} at byte {pos} runs past the end)"
+            )
+        if kind in PIXEL_CHUNKS:
+            out.append(data[pos:end])
+        if kind == b"IEND":
+            break
+        pos = end
+    return b"".join(out)
 
 
 def _declared_size(data: bytes) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
     beat = parse_heartbeat(unpack_small(raw))        # Heartbeat, or ValueError naming the field
     pids = parse_engine_pids(unpack_small(raw))      # EnginePids, or ValueError
-    note = parse_note(unpack_small(raw))             # PromptNote, or ValueError
+    note = parse_note(unpack_note(raw))              # PromptNote, or ValueError
     say = LogOnce(log); say(("heartbeat", gid), "...%s", why)   # a warning said once per key
 
 Anyone holding the queue's password can write any key of the run: a generator with a bug, an

@@ -1,6 +1,7 @@
 """How the run's small records are written in Redis and read back.
 
-    unpack_small(raw)                    # a heartbeat, metrics record or prompt note -> plain Python
+    unpack_small(raw)                    # a heartbeat or metrics record -> plain Python
+    unpack_note(raw)                     # a prompt's note (its images too) -> plain Python
     to_text("max_staleness", 2)          # "2": a state hash value, readable by the Lua scripts
     from_text("2")                       # 2: int, then float, else the text itself
 
@@ -14,25 +15,35 @@ from typing import Any
 
 import msgpack
 
+from asyncrl.data.images import ImageLimits
+
 MAX_SMALL_RECORD = 1 << 20
 """Bound on a heartbeat or metrics record (bytes): they are small by design."""
+MAX_NOTE_RECORD = MAX_SMALL_RECORD + ImageLimits().max_images * ImageLimits().max_bytes
+"""Bound on a prompt's note (in-flight, re-issued): its text and metadata, plus the largest
+images a prompt may carry (asyncrl.data.images), which alone reach MAX_SMALL_RECORD."""
 
 
-def unpack_small(data: bytes) -> Any:
+def unpack_note(data: bytes) -> Any:
+    """A prompt's note (asyncrl.rollout.production writes it) -> plain Python, as unpack_small."""
+    return unpack_small(data, max_bytes=MAX_NOTE_RECORD)
+
+
+def unpack_small(data: bytes, *, max_bytes: int = MAX_SMALL_RECORD) -> Any:
     """msgpack -> plain Python for small trusted-shape records; ext types refused."""
 
     def no_ext(code: int, _data: bytes) -> Any:
         raise ValueError(f"msgpack ext type {code} is not allowed")
 
-    if len(data) > MAX_SMALL_RECORD:
-        raise ValueError(f"record of {len(data)} bytes > {MAX_SMALL_RECORD}")
+    if len(data) > max_bytes:
+        raise ValueError(f"record of {len(data)} bytes > {max_bytes}")
     return msgpack.unpackb(
         data,
         raw=False,
         strict_map_key=True,
         ext_hook=no_ext,
-        max_bin_len=MAX_SMALL_RECORD,
-        max_str_len=MAX_SMALL_RECORD,
+        max_bin_len=max_bytes,
+        max_str_len=MAX_SMALL_RECORD,  # a note's images are bins: its text keeps the bound
         max_array_len=65536,
         max_map_len=65536,
         max_ext_len=0,

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.queue.records import unpack_small
+from asyncrl.queue.records import unpack_note
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger("asyncrl.queue")
@@ -103,7 +103,7 @@ def note_of(entry_id: str, raw: bytes | None) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
-        note = unpack_small(raw)
+        note = unpack_note(raw)
     except Exception as e:  # a bad note costs the re-issue, never the drop
         log.warning("rollout entry %s: unreadable prompt note (%s); not re-issued", entry_id, e)
         return None

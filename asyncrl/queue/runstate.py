@@ -38,7 +38,7 @@ from asyncrl.queue.readback import (
     LogOnce,
     int_text,
 )
-from asyncrl.queue.records import from_text, to_text, unpack_small
+from asyncrl.queue.records import from_text, to_text, unpack_note, unpack_small
 from asyncrl.queue.reissue import ReissuedPrompt, parse_reissued
 from asyncrl.queue.scripts import (
     DROP_ADMITTED,
@@ -248,7 +248,7 @@ class RunState(GeneratorRecords):
             if raw is None:
                 return None
             try:
-                prompt = parse_reissued(unpack_small(raw))
+                prompt = parse_reissued(unpack_note(raw))
             except Exception as e:
                 prompt = None
                 log.warning("re-issue entry unreadable (%s); skipped", e)

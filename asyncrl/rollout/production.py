@@ -180,7 +180,7 @@ class Production:
             prompt_id, text, metadata = reissued.prompt_id, reissued.text, reissued.metadata
             try:
                 ids = self.encode(text, metadata)
-            except PromptImageError as e:  # read back from Redis: untrusted, skipped with the reason
+            except Exception as e:  # read back from Redis: untrusted (its images, its conversation), skipped
                 log.warning("%s: re-issued prompt %r skipped: %s", self.generator_id, prompt_id[:200], e)
                 self.counts.prompts_skipped += 1
                 self.run_state.incr("prompts_skipped")

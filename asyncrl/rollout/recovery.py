@@ -35,7 +35,8 @@ from typing import Protocol
 
 from asyncrl.infra import shm_segments_of, stop_processes
 from asyncrl.queue.readback import SHM_SEGMENT, parse_note
-from asyncrl.queue.runstate import RunState, unpack_small
+from asyncrl.queue.records import unpack_note
+from asyncrl.queue.runstate import RunState
 from asyncrl.rollout.prompts import PromptItem
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ def predecessor_prompts(
     items = []
     for prompt_id, raw in run_state.inflight_prompts(generator_id).items():
         try:
-            note = parse_note(unpack_small(raw))
+            note = parse_note(unpack_note(raw))
             # A note's images are read back from Redis: checked (asyncrl.rollout.vision_prompts) as any.
             ids = encode(note.text, note.metadata)
         except Exception as e:

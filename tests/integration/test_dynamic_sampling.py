@@ -148,3 +148,48 @@ def test_tie_groups_are_dropped_their_slots_reused_and_their_prompts_consumed(re
     Ledger(produced=q.produced_ids(), trained=[], dropped=q.dropped_ids(), dead_lettered=set(), queued=queued).check()
     assert q.produced_ids() == {"p1", "p4", "p5", "p6"}
     q.close()
+
+
+def test_a_reissued_prompt_that_does_not_encode_is_skipped_with_the_reason(redis_url, tmp_path):
+    """A re-issue entry is read back from Redis: untrusted. One whose metadata the encoder refuses
+    (a chat conversation in a run without the chat template, images that do not decode) is
+    skipped and counted, never the end of the generator; the next entry runs."""
+    import msgpack
+
+    from asyncrl.data.images import IMAGES_KEY, ImageLimits
+    from asyncrl.queue import keys
+    from asyncrl.rollout.prompts import MESSAGES_KEY, prompt_encoder
+    from asyncrl.rollout.tiny import write_tokenizer
+    from asyncrl.rollout.vision_prompts import with_images
+
+    run = "reissue-hostile"
+    q = RolloutQueue.connect(redis_url, run, maxlen=64)
+    rs = RunState.of(q)
+    encode = with_images(prompt_encoder(write_tokenizer(tmp_path / "tok"), False), None, ImageLimits())
+    cfg = Config()
+    env = make_env("copy", {})
+    line = Production(
+        cfg,
+        q,
+        rs,
+        Engine(),  # type: ignore[arg-type]
+        Loaded(),  # type: ignore[arg-type]
+        CannedRollouts(cfg, env, None, None, GEN),  # type: ignore[arg-type]
+        iter([]),
+        encode,
+        GEN,
+        on_fail=lambda why, e: None,
+    )
+    entries = [
+        ("chat", {MESSAGES_KEY: [{"role": "user", "content": "ab"}]}),  # the run has no chat template
+        ("image", {IMAGES_KEY: [b"\x89PNG\r\n\x1a\n garbage"]}),
+        ("plain", {"target": "ab"}),
+    ]
+    for pid, meta in entries:
+        entry = {"prompt_id": pid, "text": "ab=", "metadata": meta}
+        rs._r.rpush(keys.reissue(run), msgpack.packb(entry, use_bin_type=True))
+    assert line._next_prompt() is None and line._next_prompt() is None
+    item = line._next_prompt()
+    assert item is not None and item.prompt_id == "plain" and item.ids == encode("ab=", {})
+    assert line.counts.prompts_skipped == 2 and rs.counters()["prompts_skipped"] == 2
+    q.close()

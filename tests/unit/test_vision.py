@@ -297,3 +297,75 @@ def test_any_model_with_a_vision_tower_is_refused_not_only_qwen2_vl():
             families.check_config("m", config)
     # the text model of the same family is not
     assert families.check_config("m", {"model_type": "gemma3_text"}).name == "Gemma 3 (text)"
+
+
+def _png_with_chunk_after_pixels(kind: bytes, body: bytes) -> bytes:
+    """An 8x8 RGB PNG, CRCs right, with one more chunk between its pixels and IEND: PIL parses
+    such a chunk in load(), with its own parser (an empty iCCP: IndexError, not OSError)."""
+
+    def chunk(k: bytes, b: bytes) -> bytes:
+        return struct.pack(">I", len(b)) + k + b + struct.pack(">I", zlib.crc32(k + b))
+
+    ihdr = struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"".join(b"\x00" + b"\x10\x20\x30" * 8 for _ in range(8)))
+    return PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", pixels) + chunk(kind, body) + chunk(b"IEND", b"")
+
+
+def test_a_png_whose_ancillary_chunk_breaks_pils_parser_is_not_a_consumer_crash():
+    """PIL's chunk parsers raise what they raise (an empty iCCP after the pixels: IndexError, which
+    once ended the trainer's intake). Such a chunk never reaches PIL now (only the chunks pixels
+    come from do), and any other decoding failure is the record's bad_image: the intake goes on."""
+    from asyncrl.data.codec import encode_group
+    from asyncrl.data.contract import RecordContract
+    from asyncrl.queue import keys
+    from asyncrl.queue.intake import sort_entries
+    from asyncrl.types import RolloutGroup, Sample
+
+    forged = _png_with_chunk_after_pixels(b"iCCP", b"")
+    assert decode_image(forged, ImageLimits()).getpixel((3, 3)) == (16, 32, 48)
+    limits = ImageLimits()
+    contract = RecordContract(vocab_size=16, max_len=12, group_size=1, stepwise=False, max_version=5, images=limits)
+    _, meta = ColourEnv().make_prompt(random.Random(0))
+
+    def group(gid: str, images) -> bytes:
+        samples = [Sample([3] * 4, [-0.5] * 4, [1] * 4, 1.0, 3, generator_id="gen-0")]
+        return encode_group(RolloutGroup(gid, gid, [1, 2, 3], samples, env="colour", metadata={IMAGES_KEY: images}))
+
+    plain = _png_with_chunk_after_pixels(b"tEXt", b"k\x00v")
+    start = plain.index(b"IDAT") - 4
+    broken = plain[:start] + b"\x00\x00\x00\x08IDATnot zlib" + struct.pack(">I", zlib.crc32(b"IDATnot zlib"))
+    broken += plain[plain.index(b"tEXt") - 4 :]  # its pixels' chunk is not a zlib stream
+    entries = [
+        ("1-1", {keys.RECORD_FIELD: group("forged", [forged])}),
+        ("1-2", {keys.RECORD_FIELD: group("broken", [broken])}),
+        ("1-3", {keys.RECORD_FIELD: group("good", meta[IMAGES_KEY])}),
+    ]
+    intake = sort_entries(entries, 0, set(), 1 << 20, 0, contract=contract)
+    assert [g.group_id for _, g in intake.out] == ["forged", "good"]
+    assert [(d["group_id"], d["reason"]) for d in intake.dead] == [("broken", "bad_image")]
+
+
+def test_text_and_icc_chunks_are_never_inflated():
+    """A few KiB of zTXt / iTXt / iCCP chunks inflate to up to 64 MiB of text an image, in PIL,
+    before any pixel (and again for every reader of the record: intake, the learner's driver, a
+    generator): they are left out before PIL sees the bytes, so none of it is inflated or kept."""
+    text = zlib.compress(b"a" * (1 << 20), 9)  # 1 MiB from about 1 KiB
+    chunks = [
+        (b"zTXt", b"k%d\x00\x00" % k + text) if k % 2 else (b"iTXt", b"k%d\x00\x01\x00\x00\x00" % k + text)
+        for k in range(70)  # 70 MiB of text: past PIL's own 64 MiB cap, which refused the image
+    ]
+
+    def chunk(k: bytes, b: bytes) -> bytes:
+        return struct.pack(">I", len(b)) + k + b + struct.pack(">I", zlib.crc32(k + b))
+
+    plain = _png_with_chunk_after_pixels(b"tIME", b"\x07\xea\x0b\x1d\x08\x00\x00")
+    ihdr_end = len(PNG_SIGNATURE) + 25
+    bomb = (
+        plain[:ihdr_end] + chunk(b"iCCP", b"p\x00\x00" + text) + b"".join(chunk(*c) for c in chunks) + plain[ihdr_end:]
+    )
+    assert len(bomb) < ImageLimits().max_bytes
+    image = decode_image(bomb, ImageLimits())
+    assert image.size == (8, 8) and image.getpixel((0, 0)) == (16, 32, 48)
+    assert not any(isinstance(v, (str, bytes)) and len(v) > 1000 for v in image.info.values()), list(image.info)
+    with pytest.raises(RecordError, match="truncated"):
+        decode_image(bomb[:-20], ImageLimits())
