@@ -55,6 +55,20 @@ RewardSpec = Annotated[
 ]
 
 
+class ImagesConfig(Section):
+    """Prompt images of a vision-language run (docs/guide/vision.md): the limits every image is
+    checked against where it is read (a prompt file, an environment's prompt, a record at the
+    learner's intake, the learner's pixel values); past one, a prompt file's record is refused
+    at start-up, and a record read back from Redis is dead-lettered (bad_image)."""
+
+    max_bytes: int = Field(256 << 10, ge=1 << 10, le=64 << 20)
+    """One image as PNG, in bytes (photos re-encoded from JPEG grow: ~1-3 bytes a pixel)."""
+    max_pixels: int = Field(512 * 512, ge=1, le=8192 * 8192)
+    """One image's width x height, as its header declares it (checked before any pixel is decoded)."""
+    max_images: int = Field(4, ge=1, le=64)
+    """Images per prompt (the engine is built for this many)."""
+
+
 class RolloutConfig(Section):
     """Generators: the vLLM engines, sampling, environment and prompts."""
 
@@ -78,6 +92,8 @@ class RolloutConfig(Section):
     environment's own reward (its prompts stay): [{fn: pkg.mod:fn, weight: 1.0}, ...].
     TRL's signature: fn(prompts, completions, **columns) -> list[float | None]; `async def` too.
     An entry {model: DIR, ...} is a sequence-classification reward model (RewardModelConfig)."""
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
+    """Limits on prompt images (a vision-language model's)."""
     teacher: TeacherConfig | None = None
     """On-policy distillation: a causal LM that scores the student's sampled tokens; its per-token
     reverse KL joins the advantage (asyncrl.algo.distill). None: no teacher."""

@@ -55,7 +55,7 @@ def record_contract(cfg: Config, learner: LearnerGroup) -> RecordContract:
         max_version=learner.version,
         teacher=cfg.rollout.teacher is not None,
         # A vision-language learner: each group's images are checked (limits, decoding) at intake.
-        images=ImageLimits() if learner.pixels is not None else None,
+        images=ImageLimits.of(cfg.rollout.images) if learner.pixels is not None else None,
     )
 
 

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.config import Config
+from asyncrl.data.images import ImageLimits
 from asyncrl.rollout.envs import make_env
 from asyncrl.rollout.evaluation import EvalOutcome
 from asyncrl.rollout.prompts import open_prompts
@@ -74,6 +75,7 @@ class Evaluator:
             prompt_field=r.prompt_field,
             answer_field=r.answer_field,
             where="control.eval_prompts",
+            image_limits=ImageLimits.of(r.images),
         )
         self.prompts: list[tuple[str, str, dict]] = list(itertools.islice(stream, c.eval_size))
 

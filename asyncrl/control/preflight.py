@@ -35,7 +35,7 @@ from asyncrl.config.base import is_hub_id
 from asyncrl.config.reward_model import RewardModelConfig, read_reward_model
 from asyncrl.control.preflight_gpu import cuda_devices, gpu_fit
 from asyncrl.control.preflight_model import check_model, hub_offline_if_unreachable
-from asyncrl.data.images import IMAGES_KEY
+from asyncrl.data.images import IMAGES_KEY, ImageLimits
 from asyncrl.rollout import families
 from asyncrl.rollout.envs.chat import check_turn_template
 from asyncrl.rollout.envs.reward_fns import make_rollout_env
@@ -202,7 +202,7 @@ def check_imports(cfg: Config) -> list[str]:
         refused = images_refused(r.env, env.multi_turn, r.teacher is not None)
         if refused is not None and IMAGES_KEY in metadata:
             raise ConfigError(f"{where}: a drawn prompt carries images, but {refused}")
-        lines += describe_images(r.model, r.chat_template, drawn[0], metadata, where)
+        lines += describe_images(r.model, r.chat_template, drawn[0], metadata, where, ImageLimits.of(r.images))
     lines += [_reward_line(i, spec) for i, spec in enumerate(r.rewards)]
     if r.teacher is not None:
         from asyncrl.rollout.teacher import check_line
@@ -263,6 +263,7 @@ def check_prompt_source(cfg: Config, where: str, source: str, split: str, hub_sa
         chat_template=r.chat_template,
         where=where,
         hub_sample=hub_sample,
+        image_limits=ImageLimits.of(r.images),
     )
 
 
@@ -280,7 +281,7 @@ def _source_image_lines(cfg: Config, found: SourceCheck) -> list[str]:
     refused = images_refused(r.env, multi_turn, r.teacher is not None)
     if refused is not None:
         raise ConfigError(f"{place}: the record carries images, but {refused}")
-    return describe_images(r.model, r.chat_template, text, metadata, place)
+    return describe_images(r.model, r.chat_template, text, metadata, place, ImageLimits.of(r.images))
 
 
 def check_prompt_sources(cfg: Config) -> list[str]:

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.data.codec import RecordError
+
+if TYPE_CHECKING:
+    from asyncrl.config.rollout import ImagesConfig
 
 IMAGES_KEY = "images"
 """Group metadata key: the prompt's images, a list of PNG bytes, in prompt order."""
@@ -35,6 +38,11 @@ class ImageLimits:
     max_images: int = 4
     """Images per prompt."""
 
+    @classmethod
+    def of(cls, section: ImagesConfig) -> ImageLimits:
+        """The run's limits (rollout.images)."""
+        return cls(max_bytes=section.max_bytes, max_pixels=section.max_pixels, max_images=section.max_images)
+
 
 class ImageTooLarge(ValueError):
     """A prompt image past the limits, on the writing side: the message says which limit."""
@@ -44,12 +52,16 @@ def encode_image(image: Any, limits: ImageLimits) -> bytes:
     """A PIL image as PNG bytes; ImageTooLarge past ``limits``."""
     width, height = image.size
     if width * height > limits.max_pixels:
-        raise ImageTooLarge(f"image {width}x{height} = {width * height} pixels > max_pixels {limits.max_pixels}")
+        raise ImageTooLarge(
+            f"image {width}x{height} = {width * height} pixels > rollout.images.max_pixels {limits.max_pixels}"
+        )
     buf = io.BytesIO()
     image.convert("RGB").save(buf, format="PNG")
     data = buf.getvalue()
     if len(data) > limits.max_bytes:
-        raise ImageTooLarge(f"image {width}x{height} is {len(data)} bytes as PNG > max_bytes {limits.max_bytes}")
+        raise ImageTooLarge(
+            f"image {width}x{height} is {len(data)} bytes as PNG > rollout.images.max_bytes {limits.max_bytes}"
+        )
     return data
 
 
@@ -60,12 +72,12 @@ def decode_image(data: Any, limits: ImageLimits) -> Any:
     if not isinstance(data, bytes):
         raise RecordError("bad_image", f"an image is {type(data).__name__}, expected PNG bytes")
     if len(data) > limits.max_bytes:
-        raise RecordError("bad_image", f"image of {len(data)} bytes > max_bytes {limits.max_bytes}")
+        raise RecordError("bad_image", f"image of {len(data)} bytes > rollout.images.max_bytes {limits.max_bytes}")
     if not data.startswith(PNG_SIGNATURE):
         raise RecordError("bad_image", "not a PNG (signature missing)")
     width, height = _declared_size(data)
     if width * height > limits.max_pixels:
-        raise RecordError("bad_image", f"image {width}x{height} > max_pixels {limits.max_pixels}")
+        raise RecordError("bad_image", f"image {width}x{height} > rollout.images.max_pixels {limits.max_pixels}")
     try:
         image = Image.open(io.BytesIO(_pixel_chunks(data)), formats=["PNG"])  # reads the header only
         if image.size != (width, height):  # PIL read another header than the first chunk's
@@ -127,7 +139,7 @@ def images_of(metadata: dict[str, Any], limits: ImageLimits) -> list[bytes]:
     if not isinstance(images, list):
         raise RecordError("bad_image", f"metadata[{IMAGES_KEY!r}] is {type(images).__name__}, expected a list")
     if len(images) > limits.max_images:
-        raise RecordError("bad_image", f"{len(images)} images > max_images {limits.max_images}")
+        raise RecordError("bad_image", f"{len(images)} images > rollout.images.max_images {limits.max_images}")
     for i, data in enumerate(images):
         if not isinstance(data, bytes):
             raise RecordError("bad_image", f"images[{i}] is {type(data).__name__}, expected PNG bytes")

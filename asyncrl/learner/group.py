@@ -28,6 +28,7 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.data import microbatch as mbatch
+from asyncrl.data.images import ImageLimits
 from asyncrl.data.pixels import ImagePixels
 from asyncrl.infra import actor_state
 from asyncrl.learner import checkpoint, placement
@@ -106,7 +107,7 @@ class LearnerGroup:
         self.max_positions = int(text.max_position_embeddings)
         self.vocab_size = int(text.vocab_size)
         # A vision-language model's image processor: build_minibatches makes pixel values with it.
-        self.pixels = ImagePixels.of(model_path, config=hf)
+        self.pixels = ImagePixels.of(model_path, ImageLimits.of(cfg.rollout.images), config=hf)
         if self.pixels is not None and cfg.algo.critic.enabled:
             raise ValueError("algo.critic: not for a vision-language model (the critic is a text model's value head)")
         if self.pixels is not None and cfg.learner.lora is not None:

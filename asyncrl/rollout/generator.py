@@ -166,6 +166,7 @@ class GeneratorActor:
         # and group ids never repeat within a run.
         self.incarnation = self.run_state.next_incarnation(self.generator_id)
         prefix = f"{self.generator_id}.{self.incarnation}"
+        self.image_limits = ImageLimits.of(r.images)  # a prompt file's images and every drawn prompt's
         self.prompts = open_prompts(
             r.prompts,
             self.env,
@@ -174,12 +175,15 @@ class GeneratorActor:
             split=r.prompt_split,
             prompt_field=r.prompt_field,
             answer_field=r.answer_field,
+            image_limits=self.image_limits,
         )
         # One encoding for drawn, re-issued and warm-up prompts (the chat template, if any).
         # A vision-language model's prompts carry images: checked as each prompt is drawn.
         self.vision = VisionModel.of(model_path)
         refused = images_refused(r.env, self.env.multi_turn, r.teacher is not None)
-        self.encode = with_images(prompt_encoder(self.tokenizer, r.chat_template), self.vision, ImageLimits(), refused)
+        self.encode = with_images(
+            prompt_encoder(self.tokenizer, r.chat_template), self.vision, self.image_limits, refused
+        )
         return model_path
 
     def _start_loop(self) -> None:
@@ -213,7 +217,9 @@ class GeneratorActor:
 
     def _build_parts(self) -> None:
         self.weights = WeightWatcher(self.engine, self.run_state, self.cfg, self.generator_id, self.run)
-        self.groups = GroupMaker(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id, self.vision)
+        self.groups = GroupMaker(
+            self.cfg, self.env, self.tokenizer, self.engine, self.generator_id, self.vision, self.image_limits
+        )
         self.held_out = HeldOut(self.cfg, self.env, self.tokenizer, self.engine, self.generator_id, self.encode)
         self.production = Production(
             self.cfg,
@@ -241,7 +247,7 @@ class GeneratorActor:
             log.warning("%s: could not load published weights v%d: %s", self.generator_id, version, e)
         _, text, metadata = next(self.prompts)
         warm = self.encode(text, metadata)
-        images = prompt_images(metadata, warm, self.vision, ImageLimits()) or None  # checked by encode
+        images = prompt_images(metadata, warm, self.vision, self.image_limits) or None  # checked by encode
         prefix = f"{self.generator_id}.{self.incarnation}:warmup"
         self._call(self.engine.warm_up(warm, self.rollout.max_inflight_groups, prefix, images))
 

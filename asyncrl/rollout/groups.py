@@ -83,7 +83,7 @@ class GroupMaker:
         self.cfg, self.rollout, self.env, self.tokenizer = cfg, cfg.rollout, env, tokenizer
         self.engine, self.generator_id = engine, generator_id
         # A vision-language model's placeholder, and the limits a prompt's images are held to.
-        self.vision, self.image_limits = vision, image_limits or ImageLimits()
+        self.vision, self.image_limits = vision, image_limits or ImageLimits.of(cfg.rollout.images)
         # Multi-turn rewards come from env.step() inside the trajectory, not from a scorer.
         self.scorer = RewardScorer(env, RewardLimits.from_rollout(cfg.rollout))
         teacher = cfg.rollout.teacher

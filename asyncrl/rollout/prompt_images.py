@@ -132,7 +132,7 @@ def record_images(
     else:
         values = [raw]
     if len(values) > limits.max_images:
-        raise PromptRecordError(f"{where}: {len(values)} images > max_images {limits.max_images}")
+        raise PromptRecordError(f"{where}: {len(values)} images > rollout.images.max_images {limits.max_images}")
     images = [
         to_png(v, f"{where}: {column}" + (f"[{i}]" if column == "images" else ""), limits) for i, v in enumerate(values)
     ]
@@ -205,7 +205,8 @@ def _data_uri(value: str, where: str, limits: ImageLimits) -> bytes:
         )
     payload = value[m.end() :]
     if len(payload) * 3 // 4 > limits.max_bytes + 2:  # refused before decoding it
-        raise PromptRecordError(f"{where}: image of about {len(payload) * 3 // 4} bytes > max_bytes {limits.max_bytes}")
+        size = len(payload) * 3 // 4
+        raise PromptRecordError(f"{where}: image of about {size} bytes > rollout.images.max_bytes {limits.max_bytes}")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -216,7 +217,7 @@ def _bytes_png(data: bytes, where: str, limits: ImageLimits) -> bytes:
     """Encoded image bytes -> checked PNG bytes: a PNG through decode_image (kept as it is),
     another format's declared size checked from its header before any pixel is decoded."""
     if len(data) > limits.max_bytes:
-        raise PromptRecordError(f"{where}: image of {len(data)} bytes > max_bytes {limits.max_bytes}")
+        raise PromptRecordError(f"{where}: image of {len(data)} bytes > rollout.images.max_bytes {limits.max_bytes}")
     if data.startswith(PNG_SIGNATURE):
         try:
             decode_image(data, limits)
@@ -234,8 +235,8 @@ def _bytes_png(data: bytes, where: str, limits: ImageLimits) -> bytes:
     width, height = image.size
     if width * height > limits.max_pixels or width * height == 0:
         raise PromptRecordError(
-            f"{where}: {image.format} image {width}x{height} (as its header declares) is not within 1..max_pixels "
-            f"{limits.max_pixels}"
+            f"{where}: {image.format} image {width}x{height} (as its header declares) is not within "
+            f"1..rollout.images.max_pixels {limits.max_pixels}"
         )
     try:
         image.load()

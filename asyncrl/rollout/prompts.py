@@ -203,9 +203,14 @@ def _short(value: Any) -> str:
 
 
 def split_record(
-    record: dict[str, Any], where: str, prompt_field: str = DEFAULT_PROMPT_FIELD, answer_field: str = ANSWER_KEY
+    record: dict[str, Any],
+    where: str,
+    prompt_field: str = DEFAULT_PROMPT_FIELD,
+    answer_field: str = ANSWER_KEY,
+    image_limits: ImageLimits | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """(prompt text, metadata) of one record; ValueError naming the field, the columns and ``where``."""
+    """(prompt text, metadata) of one record; ValueError naming the field, the columns and ``where``.
+    Its images are held to ``image_limits`` (the run's rollout.images; the defaults without)."""
     field = prompt_field
     if field not in record and field == DEFAULT_PROMPT_FIELD:
         field = next((f for f in FALLBACK_PROMPT_FIELDS if f in record), field)
@@ -224,7 +229,9 @@ def split_record(
         )
     try:  # the conversation's parts, the record's images as PNG bytes: asyncrl.rollout.prompt_images
         text = chat_text(value, f"{where}: column {field!r}") if isinstance(value, list) else value
-        messages, images = record_images(record, value if isinstance(value, list) else None, text, where, ImageLimits())
+        messages, images = record_images(
+            record, value if isinstance(value, list) else None, text, where, image_limits or ImageLimits()
+        )
     except PromptRecordError as e:
         raise PromptSourceError(str(e)) from None
     if messages is not None:
@@ -273,6 +280,7 @@ def check_source(
     chat_template: bool = False,
     where: str = "rollout.prompts",
     hub_sample: int | None = None,
+    image_limits: ImageLimits | None = None,
 ) -> SourceCheck:
     """Read a prompt source through and check every record as a generator would split and
     encode it (a hub dataset's first ``hub_sample`` records when given); PromptSourceError otherwise."""
@@ -282,7 +290,7 @@ def check_source(
         raise PromptSourceError(f"{where}={str(source)!r} holds no records")
     chat, images, first = 0, 0, None
     for place, record in rows:
-        text, meta = split_record(record, place, prompt_field, answer_field)
+        text, meta = split_record(record, place, prompt_field, answer_field, image_limits)
         if MESSAGES_KEY in meta:
             chat += 1
             if not chat_template:
@@ -308,13 +316,14 @@ def file_prompts(
     prompt_field: str = DEFAULT_PROMPT_FIELD,
     answer_field: str = ANSWER_KEY,
     where: str = "rollout.prompts",
+    image_limits: ImageLimits | None = None,
 ) -> Iterator[tuple[str, str, dict[str, Any]]]:
     rows, _ = located_records(source, split, where)
     if not rows:
         raise PromptSourceError(f"{where}={str(source)!r} holds no records")
     name = _name(str(source))
     stem = f"{id_prefix}:{name}" if id_prefix else name
-    parsed = [split_record(r, place, prompt_field, answer_field) for place, r in rows]
+    parsed = [split_record(r, place, prompt_field, answer_field, image_limits) for place, r in rows]
     epoch = 0
     while True:
         order = list(range(len(parsed)))
@@ -343,12 +352,20 @@ def open_prompts(
     prompt_field: str = DEFAULT_PROMPT_FIELD,
     answer_field: str = ANSWER_KEY,
     where: str = "rollout.prompts",
+    image_limits: ImageLimits | None = None,
 ):
     """The endless prompt stream a generator (or the evaluator) draws from."""
     if not source:
         return env_prompts(env, seed, id_prefix)
     return file_prompts(
-        source, seed, id_prefix, split=split, prompt_field=prompt_field, answer_field=answer_field, where=where
+        source,
+        seed,
+        id_prefix,
+        split=split,
+        prompt_field=prompt_field,
+        answer_field=answer_field,
+        where=where,
+        image_limits=image_limits,
     )
 
 

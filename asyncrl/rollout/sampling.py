@@ -16,7 +16,6 @@ import zlib
 
 from asyncrl.config import LoraConfig, RolloutConfig, SyncConfig
 from asyncrl.config.algo import ROUTING_REPLAY_REFUSAL
-from asyncrl.data.images import ImageLimits
 from asyncrl.rollout.adapters import lora_engine_args
 from asyncrl.rollout.vision_prompts import VisionModel
 from asyncrl.rollout.worker_ext import WORKER_EXTENSION
@@ -146,8 +145,8 @@ def engine_args(
         kwargs.update(lora_engine_args(lora))
     if VisionModel.of(model_path) is not None:
         # vLLM's default is 999 images a prompt, which its start-up profiles memory for; a prompt
-        # holds at most max_images (asyncrl.data.images), checked before the engine sees it.
-        kwargs["limit_mm_per_prompt"] = {"image": ImageLimits().max_images}
+        # holds at most rollout.images.max_images, checked before the engine sees it.
+        kwargs["limit_mm_per_prompt"] = {"image": rollout.images.max_images}
     if routing_replay:
         if platform == "cpu":
             raise ValueError(ROUTING_REPLAY_REFUSAL)

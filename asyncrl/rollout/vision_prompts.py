@@ -169,7 +169,9 @@ def engine_prompt_ids(given: list[int], ran: list[int] | None, images: int, visi
     return list(ran)
 
 
-def describe_images(model: str, chat_template: bool, text: str, metadata: dict[str, Any], where: str) -> list[str]:
+def describe_images(
+    model: str, chat_template: bool, text: str, metadata: dict[str, Any], where: str, limits: ImageLimits
+) -> list[str]:
     """``--check``'s lines for a drawn prompt's images: read and decoded as the generator reads
     them, and what the engine will get; PromptImageError (a ConfigError) where a generator would
     stop. ``where`` names the prompt's source in messages."""
@@ -177,7 +179,6 @@ def describe_images(model: str, chat_template: bool, text: str, metadata: dict[s
 
     if IMAGES_KEY not in metadata:
         return []
-    limits = ImageLimits()
     try:
         images = check_group_images(metadata, limits)
     except RecordError as e:

@@ -143,7 +143,9 @@ def test_a_decoded_image_value_is_written_as_png_within_the_limits():
 
     data = to_png(Image.new("RGB", (7, 5), (1, 2, 3)), "row 0: image", ImageLimits())
     assert pixels(data) == [(1, 2, 3)] * 35
-    with pytest.raises(PromptRecordError, match="row 0: image: image 600x600 = 360000 pixels > max_pixels"):
+    with pytest.raises(
+        PromptRecordError, match=r"row 0: image: image 600x600 = 360000 pixels > rollout\.images\.max_pixels"
+    ):
         to_png(Image.new("RGB", (600, 600)), "row 0: image", ImageLimits())
 
 
@@ -196,8 +198,12 @@ REFUSED = [
     ("not an image", {"prompt": "p", "image": uri(b"hello there")}, "image: not an image (none of PNG, JPEG"),
     ("a path", {"prompt": "p", "image": "/etc/hostname"}, 'image: the string "/etc/hostname" is not a \'data:image'),
     ("a url", {"prompt": "p", "image": "https://x/y.png"}, "a file path or URL is not read"),
-    ("too many bytes", {"prompt": "p", "image": uri(b"\x89PNG" + bytes(300 << 10))}, "bytes > max_bytes 262144"),
-    ("PNG header past max_pixels", {"prompt": "p", "image": uri(huge("PNG"))}, "image 1000x1000 > max_pixels"),
+    (
+        "too many bytes",
+        {"prompt": "p", "image": uri(b"\x89PNG" + bytes(300 << 10))},
+        "> rollout.images.max_bytes 262144",
+    ),
+    ("PNG header past max_pixels", {"prompt": "p", "image": uri(huge("PNG"))}, "1000x1000 > rollout.images.max_pixels"),
     ("JPEG header past max_pixels", {"prompt": "p", "image": uri(huge("JPEG"), "jpeg")}, "JPEG image 1000x1000"),
     ("a truncated PNG", {"prompt": "p", "image": uri(noise()[:-400])}, "image: PNG does not decode"),
     ("a truncated JPEG", {"prompt": "p", "image": uri(noise("JPEG")[:-400], "jpeg")}, "the JPEG image does not decode"),
@@ -208,7 +214,7 @@ REFUSED = [
     ),
     ("images not a list", {"prompt": "p", "images": uri(picture())}, "column 'images' is str, expected a list"),
     ("both columns", {"prompt": "p", "images": [], "image": uri(picture())}, "both an 'images' and an 'image'"),
-    ("five images", {"prompt": "p", "images": [uri(picture())] * 5}, "5 images > max_images 4"),
+    ("five images", {"prompt": "p", "images": [uri(picture())] * 5}, "5 images > rollout.images.max_images 4"),
     (
         "more parts than images",
         {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}], "image": uri(picture())},
@@ -313,3 +319,44 @@ def test_check_reads_renders_and_refuses_a_prompt_file_with_images(tmp_path, vl_
     assert main([*run, *vl, "rollout.env=countdown_chat", "rollout.env_kwargs={}"]) == 2
     err = capsys.readouterr().err
     assert f"{path}:1: the record carries images, but rollout.env='countdown_chat' is multi-turn" in err
+
+
+def test_the_runs_image_limits_are_rollout_images(tmp_path, vl_model, capsys, monkeypatch):
+    """A photo past the default max_bytes is refused naming the setting, and taken once the run
+    raises it: the prompt file, --check, the generator's encoder and the learner's intake all read
+    rollout.images."""
+    from asyncrl.cli import main
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.control.preflight import check_prompt_source
+    from asyncrl.data.codec import RecordError
+    from asyncrl.data.images import check_group_images
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    noise = random.Random(0).randbytes(300 * 300 * 3)
+    photo = Image.frombytes("RGB", (300, 300), noise)  # ~270 KB as PNG: past the default 256 KiB
+    buf = io.BytesIO()
+    photo.save(buf, format="JPEG", quality=95)
+    path = jsonl(tmp_path, {"prompt": "colour?", "image": uri(buf.getvalue(), "jpeg")})
+    base = ["configs/demo.yaml"]
+    over = [f"rollout.prompts={path}", "rollout.chat_template=true", f"rollout.model={vl_model}"]
+    cfg = load_config(base[0], over)
+    with pytest.raises(PromptSourceError, match=r"bytes as PNG > rollout\.images\.max_bytes 262144"):
+        check_prompt_source(cfg, "rollout.prompts", str(path), "train")
+    big = load_config(base[0], [*over, "rollout.images.max_bytes=1048576"])
+    assert big.rollout.images.max_bytes == 1 << 20 and ImageLimits.of(big.rollout.images).max_bytes == 1 << 20
+    assert check_prompt_source(big, "rollout.prompts", str(path), "train").images == 1
+    limits = ImageLimits.of(big.rollout.images)
+    _, _, meta = next(open_prompts(str(path), None, seed=0, id_prefix="g", image_limits=limits))
+    (png,) = meta[IMAGES_KEY]
+    assert 256 << 10 < len(png) <= 1 << 20
+    # the learner's intake holds a record to the same limits: the default would dead-letter it
+    with pytest.raises(RecordError, match="max_bytes"):
+        check_group_images(meta, ImageLimits())
+    assert len(check_group_images(meta, ImageLimits.of(big.rollout.images))) == 1
+    # --check reads them with the run's limits
+    assert main(["train", *base, *over, "rollout.images.max_bytes=1048576", "rollout.max_tokens=4", "--check"]) == 0
+    assert "1 with images" in capsys.readouterr().out
+    # and the section's bounds: a published config cannot ask a host to take a 1 GiB image
+    for bad in ("rollout.images.max_bytes=1073741824", "rollout.images.max_images=0", "rollout.images.max_pixels=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
+            load_config(base[0], [bad])

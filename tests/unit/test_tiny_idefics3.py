@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from asyncrl.data.images import ImageLimits
+
 torch = pytest.importorskip("torch")
 
 
@@ -124,13 +126,13 @@ def _meta(images, parts: int = 1):
 @pytest.mark.parametrize(
     ("meta", "why"),
     [
-        (lambda: _meta([_png((600, 600))]), r"the prompt's images\[0\]: image 600x600 > max_pixels 262144"),
+        (lambda: _meta([_png((600, 600))]), r"the prompt's images\[0\]: image 600x600 > rollout\.images\.max_pixels"),
         (lambda: _meta([_png()[:60]]), r"the prompt's images\[0\]: PNG does not decode"),
         (lambda: _meta([_png(), _png()]), r"1 image placeholder\(s\) for 2 image\(s\)"),
         (lambda: _meta(None), r"1 image placeholder\(s\) but no images"),
         (lambda: _meta([]), r"1 image placeholder\(s\) for 0 image\(s\)"),
         (lambda: _meta(["a red square"]), r"images\[0\] is str, expected PNG bytes"),
-        (lambda: _meta([_png()] * 5, parts=5), r"5 images > max_images 4"),
+        (lambda: _meta([_png()] * 5, parts=5), r"5 images > rollout.images.max_images 4"),
         (lambda: _meta(_png()), r"expected a list"),
     ],
     ids=[
@@ -211,19 +213,22 @@ def test_check_says_what_the_engine_gets(tiny_idefics3):
     from asyncrl.rollout.vision_prompts import describe_images
 
     text, meta = ColourEnv().make_prompt(random.Random(0))
-    (line,) = describe_images(str(tiny_idefics3), True, text, meta, "rollout.env=colour")
+    (line,) = describe_images(str(tiny_idefics3), True, text, meta, "rollout.env=colour", ImageLimits())
     assert line == (
         "rollout.env=colour: a drawn prompt's 1 image(s) read and decoded (56x56); the engine gets them as "
         "multi_modal_data beside the prompt's 1 placeholder token(s) (id 60), each expanded to 4 image tokens "
         "(8 prompt tokens as given, 14 after)"
     )
     with pytest.raises(ConfigError, match=r"rollout\.env=colour: .*rollout\.chat_template=true"):
-        describe_images(str(tiny_idefics3), False, text, meta, "rollout.env=colour")
-    (line,) = describe_images("owner/smolvlm", True, text, meta, "e")
+        describe_images(str(tiny_idefics3), False, text, meta, "rollout.env=colour", ImageLimits())
+    (line,) = describe_images("owner/smolvlm", True, text, meta, "e", ImageLimits())
     assert line.endswith("what the engine gets not checked ('owner/smolvlm' is not a local model directory)")
     # the engine is built for at most max_images a prompt (vLLM's default, 999, is profiled at start-up)
     args = engine_args(RolloutConfig(), str(tiny_idefics3), 0, platform="cpu")
     assert args.limit_mm_per_prompt == {"image": 4}
+    # ... the run's rollout.images.max_images, which every prompt is checked against first
+    args = engine_args(RolloutConfig(images={"max_images": 7}), str(tiny_idefics3), 0, platform="cpu")
+    assert args.limit_mm_per_prompt == {"image": 7}
 
 
 class ExpandingEngine:

@@ -177,7 +177,7 @@ def test_group_image_checks_name_the_bad_one():
     assert len(check_group_images({IMAGES_KEY: [good, good]}, limits)) == 2
     assert check_group_images({}, limits) == []
     for meta, why in [
-        ({IMAGES_KEY: [good] * 3}, "3 images > max_images 2"),
+        ({IMAGES_KEY: [good] * 3}, "3 images > rollout.images.max_images 2"),
         ({IMAGES_KEY: good}, "expected a list"),
         ({IMAGES_KEY: [good, b"nope"]}, r"images\[1\]: not a PNG"),
     ]:
@@ -230,9 +230,11 @@ def test_check_reads_and_decodes_a_drawn_prompts_images():
     # --check does not let a user believe a text model sees the images: a generator would refuse them
     with pytest.raises(ConfigError, match=r"1 prompt image\(s\), but rollout.model=tiny is a text model"):
         check_imports(cfg)
-    assert describe_images("tiny", False, "abc", {"target": "abc"}, "copy") == []  # a text task: no image line
+    assert (
+        describe_images("tiny", False, "abc", {"target": "abc"}, "copy", ImageLimits()) == []
+    )  # a text task: no image line
     with pytest.raises(ConfigError, match=r"images: bad_image: images\[0\]: not a PNG"):
-        describe_images("tiny", False, "x", {IMAGES_KEY: [b"BM not a png"]}, "mine")
+        describe_images("tiny", False, "x", {IMAGES_KEY: [b"BM not a png"]}, "mine", ImageLimits())
 
 
 class NoMetadataEnv(ColourEnv):
