@@ -170,7 +170,8 @@ def sort_entries(
         elif group.behavior_version < min_version:
             intake.dropped.append(group.group_id)
             intake.finished.append(entry_id)
-            intake.stale.add(group, note_of(entry_id, fields.get(keys.NOTE_FIELD)))
+            limits = contract.images if contract is not None else None
+            intake.stale.add(group, note_of(entry_id, fields.get(keys.NOTE_FIELD), limits))
         else:
             intake.out.append((entry_id, group))
             batch_groups.add(group.group_id)

@@ -19,14 +19,20 @@ from asyncrl.data.images import ImageLimits
 
 MAX_SMALL_RECORD = 1 << 20
 """Bound on a heartbeat or metrics record (bytes): they are small by design."""
-MAX_NOTE_RECORD = MAX_SMALL_RECORD + ImageLimits().max_images * ImageLimits().max_bytes
-"""Bound on a prompt's note (in-flight, re-issued): its text and metadata, plus the largest
-images a prompt may carry (asyncrl.data.images), which alone reach MAX_SMALL_RECORD."""
 
 
-def unpack_note(data: bytes) -> Any:
-    """A prompt's note (asyncrl.rollout.production writes it) -> plain Python, as unpack_small."""
-    return unpack_small(data, max_bytes=MAX_NOTE_RECORD)
+def note_bound(limits: ImageLimits | None = None) -> int:
+    """Bound on a prompt's note (in-flight, re-issued): its text and metadata, plus the largest
+    images a prompt may carry under the run's limits (rollout.images; the defaults alone reach
+    MAX_SMALL_RECORD)."""
+    limits = limits or ImageLimits()
+    return MAX_SMALL_RECORD + limits.max_images * limits.max_bytes
+
+
+def unpack_note(data: bytes, limits: ImageLimits | None = None) -> Any:
+    """A prompt's note (asyncrl.rollout.production writes it) -> plain Python, as unpack_small,
+    bounded by note_bound(limits)."""
+    return unpack_small(data, max_bytes=note_bound(limits))
 
 
 def unpack_small(data: bytes, *, max_bytes: int = MAX_SMALL_RECORD) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgpack
 
+from asyncrl.data.images import ImageLimits
 from asyncrl.queue.records import unpack_note
 from asyncrl.types import RolloutGroup
 
@@ -98,12 +99,13 @@ def parse_reissued(record: Any) -> ReissuedPrompt | None:
     return ReissuedPrompt(prompt_id, text, metadata)
 
 
-def note_of(entry_id: str, raw: bytes | None) -> dict[str, Any] | None:
-    """The prompt's in-flight note a stream entry carries; None if absent or unreadable."""
+def note_of(entry_id: str, raw: bytes | None, limits: ImageLimits | None = None) -> dict[str, Any] | None:
+    """The prompt's in-flight note a stream entry carries (its images within ``limits``, the
+    run's rollout.images); None if absent or unreadable."""
     if raw is None:
         return None
     try:
-        note = unpack_note(raw)
+        note = unpack_note(raw, limits)
     except Exception as e:  # a bad note costs the re-issue, never the drop
         log.warning("rollout entry %s: unreadable prompt note (%s); not re-issued", entry_id, e)
         return None

@@ -31,6 +31,7 @@ import msgpack
 import redis
 from redis.typing import EncodableT, FieldT
 
+from asyncrl.data.images import ImageLimits
 from asyncrl.queue import keys
 from asyncrl.queue.connection import Retrier, open_client, redact_url, transaction
 from asyncrl.queue.generator_records import GeneratorRecords
@@ -240,15 +241,16 @@ class RunState(GeneratorRecords):
             args = [x for name, n in counts.items() for x in (name, n)]
             self._retry(self._incr_many, keys=[self._k_counters], args=args)
 
-    def pop_reissued(self) -> ReissuedPrompt | None:
+    def pop_reissued(self, limits: ImageLimits | None = None) -> ReissuedPrompt | None:
         """A prompt whose group was dropped as stale, to run again (asyncrl.queue.reissue);
-        None when there is none. Each is handed to one generator only (LPOP)."""
+        None when there is none. Each is handed to one generator only (LPOP). ``limits``: the
+        run's rollout.images, which bound the note's size."""
         while True:
             raw = self._retry(self._r.lpop, keys.reissue(self.run))
             if raw is None:
                 return None
             try:
-                prompt = parse_reissued(unpack_note(raw))
+                prompt = parse_reissued(unpack_note(raw, limits))
             except Exception as e:
                 prompt = None
                 log.warning("re-issue entry unreadable (%s); skipped", e)

@@ -253,7 +253,7 @@ class GeneratorActor:
 
     def _take_over_predecessor(self) -> int:
         """Queue the prompts a crashed predecessor admitted but never put; how many."""
-        items = predecessor_prompts(self.run_state, self.generator_id, self.encode)
+        items = predecessor_prompts(self.run_state, self.generator_id, self.encode, self.image_limits)
         self.production.take_over(items)
         gid, n = self.generator_id, len(items)
         log.info("%s: incarnation %d, %d prompts re-issued from a predecessor", gid, self.incarnation, n)

@@ -175,7 +175,7 @@ class Production:
 
     def _next_prompt(self) -> PromptItem | None:
         # A prompt whose group the trainer dropped as stale comes first (asyncrl.queue.reissue).
-        reissued = self.run_state.pop_reissued()
+        reissued = self.run_state.pop_reissued(self.groups.image_limits)
         if reissued is not None:
             prompt_id, text, metadata = reissued.prompt_id, reissued.text, reissued.metadata
             try:

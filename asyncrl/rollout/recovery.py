@@ -33,6 +33,7 @@ import socket
 from collections.abc import Callable
 from typing import Protocol
 
+from asyncrl.data.images import ImageLimits
 from asyncrl.infra import shm_segments_of, stop_processes
 from asyncrl.queue.readback import SHM_SEGMENT, parse_note
 from asyncrl.queue.records import unpack_note
@@ -243,14 +244,18 @@ class EngineRecord:
 
 
 def predecessor_prompts(
-    run_state: RunState, generator_id: str, encode: Callable[[str, dict], list[int]]
+    run_state: RunState,
+    generator_id: str,
+    encode: Callable[[str, dict], list[int]],
+    limits: ImageLimits | None = None,
 ) -> list[PromptItem]:
     """The prompts a predecessor admitted (noted in its in-flight hash) but never put: they are
-    run again under their own ids, without a second admission."""
+    run again under their own ids, without a second admission. ``limits``: the run's
+    rollout.images, which bound a note's size."""
     items = []
     for prompt_id, raw in run_state.inflight_prompts(generator_id).items():
         try:
-            note = parse_note(unpack_note(raw))
+            note = parse_note(unpack_note(raw, limits))
             # A note's images are read back from Redis: checked (asyncrl.rollout.vision_prompts) as any.
             ids = encode(note.text, note.metadata)
         except Exception as e:

@@ -10,7 +10,7 @@ import numpy as np
 
 from asyncrl.data.images import IMAGES_KEY, ImageLimits, check_group_images
 from asyncrl.queue.readback import parse_note
-from asyncrl.queue.records import unpack_note
+from asyncrl.queue.records import note_bound, unpack_note
 from asyncrl.queue.reissue import note_of, parse_reissued, reissue_of
 
 
@@ -50,3 +50,22 @@ def test_a_note_of_a_prompt_with_the_largest_images_allowed_reads_back():
     )
     popped = parse_reissued(unpack_note(entry))  # a generator's pop_reissued
     assert popped is not None and popped.metadata[IMAGES_KEY] == images
+
+
+def test_a_run_with_larger_image_limits_reads_back_its_larger_notes():
+    """rollout.images raised: a note past the default bound is read whole under the run's limits,
+    and still refused past them (a forged note cannot claim more than the run allows)."""
+    import pytest
+
+    limits = ImageLimits(max_bytes=1 << 20, max_pixels=1024 * 1024, max_images=3)
+    images = _largest_images(limits)
+    raw = msgpack.packb({"text": "<image><image><image>colours?", "metadata": {IMAGES_KEY: images}}, use_bin_type=True)
+    assert len(raw) > note_bound()  # past what the default limits' bound takes
+    with pytest.raises(ValueError, match="bytes >"):
+        unpack_note(raw)
+    assert note_of("1-1", raw) is None  # the default bound: unreadable, not re-issued
+    assert parse_note(unpack_note(raw, limits)).metadata[IMAGES_KEY] == images
+    read = note_of("1-1", raw, limits)
+    assert read is not None and read["metadata"][IMAGES_KEY] == images
+    with pytest.raises(ValueError, match="bytes >"):
+        unpack_note(raw + bytes(4 << 20), limits)
