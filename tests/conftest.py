@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,16 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from asyncrl.rollout.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3(tmp_path_factory) -> Path:
+    """A tiny random Idefics3 (SmolVLM's architecture), its processor files and chat template,
+    written once for the session (asyncrl.rollout.tiny_vl; nothing is downloaded). Read-only:
+    a test that changes one copies it first."""
+    from asyncrl.rollout.tiny_vl import write_tiny_idefics3
+
+    return write_tiny_idefics3(tmp_path_factory.mktemp("idefics3") / "model")
 
 
 @pytest.fixture(scope="session")

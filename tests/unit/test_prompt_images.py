@@ -279,11 +279,9 @@ def test_a_plain_prompt_with_images_needs_the_chat_template(tmp_path):
 # ------------------------------------------------------------------ the generator's path, --check
 
 
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory) -> str:
-    from asyncrl.rollout.tiny_vl import write_tiny_idefics3
-
-    return str(write_tiny_idefics3(tmp_path_factory.mktemp("idefics3") / "model"))
+@pytest.fixture
+def vl_model(tiny_idefics3) -> str:
+    return str(tiny_idefics3)
 
 
 def test_the_generator_encodes_a_file_prompt_with_one_placeholder_per_image(tmp_path, vl_model):

@@ -11,13 +11,6 @@ from asyncrl.data.images import ImageLimits
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module")
-def tiny_idefics3(tmp_path_factory):
-    from asyncrl.rollout.tiny_vl import write_tiny_idefics3
-
-    return write_tiny_idefics3(tmp_path_factory.mktemp("idefics3") / "model")
-
-
 def _messages():
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
 

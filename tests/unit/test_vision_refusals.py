@@ -26,10 +26,8 @@ from tests.support.vision_records import engine_prompt, group, load_plain, micro
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from asyncrl.rollout.tiny_vl import write_tiny_idefics3
-
-    return str(write_tiny_idefics3(tmp_path_factory.mktemp("idefics3") / "model"))
+def model_dir(tiny_idefics3) -> str:
+    return str(tiny_idefics3)
 
 
 @pytest.fixture(scope="module")
