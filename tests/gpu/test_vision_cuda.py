@@ -59,6 +59,7 @@ import torch
 
 from asyncrl.data.images import IMAGES_KEY, ImageLimits, encode_image
 from asyncrl.rollout.prompts import MESSAGES_KEY, PromptItem
+from tests.support.vision_records import COLOUR_ENV, colour_rollout
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,30 +68,14 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-TEMPERATURE = 0.7
 N = 4
 TOL = 2e-3  # float32 on GPU kernels (module docstring)
-ENV = "asyncrl.rollout.envs.colour:ColourEnv"
 ONE_IMAGE = ["<fake_token_around_image>", "<global-img>", *["<image>"] * 4, "<fake_token_around_image>"]
 
 
 def rollout_config():
-    from asyncrl.config import RolloutConfig
-
-    return RolloutConfig(
-        n_samples=N,
-        max_tokens=4,
-        temperature=TEMPERATURE,
-        env=ENV,
-        env_kwargs={},
-        chat_template=True,
-        engine_max_model_len=128,
-        max_prompt_tokens=64,
-        engine_max_num_seqs=8,
-        seed=11,
-        # a small engine beside the learner on one GPU; eager: nothing here is about CUDA graphs
-        engine_kwargs={"enforce_eager": True, "gpu_memory_utilization": 0.2},
-    )
+    # a small engine beside the learner on one GPU; eager: nothing here is about CUDA graphs
+    return colour_rollout(N, engine_kwargs={"enforce_eager": True, "gpu_memory_utilization": 0.2})
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +116,7 @@ def rolled(model_dir):
     try:
         engine = loop.run_until_complete(RolloutEngine.start(cfg.rollout, model_dir, seed=11, learner_dtype="float32"))
         try:
-            engine.allowed_token_ids = allowed_token_ids(ENV, tok)  # as a generator sets it
+            engine.allowed_token_ids = allowed_token_ids(COLOUR_ENV, tok)  # as a generator sets it
             config = engine.llm.model_config
             ran_as = (config.dtype, config.enforce_eager)
             maker = GroupMaker(cfg, env, tok, engine, "gpu-0", vision)

@@ -26,26 +26,16 @@ from asyncrl.config import Config, RolloutConfig
 from asyncrl.data.images import IMAGES_KEY, ImageLimits, check_group_images, encode_image
 from asyncrl.rollout.envs.colour import ColourEnv
 from asyncrl.rollout.prompts import MESSAGES_KEY, PromptItem
+from tests.support.vision_records import TEMP as TEMPERATURE
+from tests.support.vision_records import colour_rollout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-TEMPERATURE = 0.7
 N = 2
 
 
 def rollout_config() -> RolloutConfig:
-    return RolloutConfig(
-        n_samples=N,
-        max_tokens=4,
-        temperature=TEMPERATURE,
-        env="asyncrl.rollout.envs.colour:ColourEnv",
-        env_kwargs={},
-        chat_template=True,
-        engine_max_model_len=128,
-        max_prompt_tokens=64,
-        engine_max_num_seqs=8,
-        seed=11,
-    )
+    return colour_rollout(N)
 
 
 @pytest.fixture(scope="module")

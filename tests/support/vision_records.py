@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncrl.config import AlgoConfig
+from asyncrl.config import AlgoConfig, RolloutConfig
 from asyncrl.data import microbatch as mbatch
 from asyncrl.data.batch import build_minibatches
 from asyncrl.data.images import IMAGES_KEY, ImageLimits, encode_image
@@ -15,6 +15,25 @@ from asyncrl.types import RolloutGroup, Sample
 
 TEMP = 0.7
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 40)}
+COLOUR_ENV = "asyncrl.rollout.envs.colour:ColourEnv"
+
+
+def colour_rollout(n_samples: int, **extra) -> RolloutConfig:
+    """The rollout section of the engine tests' colour task on the tiny Idefics3 (``extra``: the
+    platform's own settings, e.g. a CUDA engine's engine_kwargs)."""
+    return RolloutConfig(
+        n_samples=n_samples,
+        max_tokens=4,
+        temperature=TEMP,
+        env=COLOUR_ENV,
+        env_kwargs={},
+        chat_template=True,
+        engine_max_model_len=128,
+        max_prompt_tokens=64,
+        engine_max_num_seqs=8,
+        seed=11,
+        **extra,
+    )
 
 
 def png(colour: str, size=(40, 56)) -> bytes:
