@@ -54,7 +54,7 @@ def chat_text(messages: list[Any], where: str) -> str:
         raise PromptRecordError(f"{where}: an empty conversation")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise PromptRecordError(f"{where}: message {k} is {_short(m)}, expected {{role, content}}")
+            raise PromptRecordError(f"{where}: message {k} is {short_json(m)}, expected {{role, content}}")
         if m["role"] not in CHAT_ROLES:
             raise PromptRecordError(f"{where}: message {k}: role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
         if not isinstance(m["content"], (str, list)):
@@ -79,11 +79,11 @@ def content_text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         at = f"{where}: part {j}"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise PromptRecordError(f"{at} is {_short(part)}, expected {{'type': 'text' | 'image', ...}}")
+            raise PromptRecordError(f"{at} is {short_json(part)}, expected {{'type': 'text' | 'image', ...}}")
         keys = {k for k, v in part.items() if v is not None}  # a dataset's parts share one struct's keys
         if part["type"] == "text":
             if keys != {"type", "text"} or not isinstance(part["text"], str):
-                raise PromptRecordError(f"{at}: a text part is {{'type': 'text', 'text': str}}, got {_short(part)}")
+                raise PromptRecordError(f"{at}: a text part is {{'type': 'text', 'text': str}}, got {short_json(part)}")
             texts.append(part["text"])
         elif part["type"] == "image":
             if keys != {"type"}:
@@ -184,7 +184,7 @@ def to_png(value: Any, where: str, limits: ImageLimits) -> bytes:
             )
         if set(value) - {"bytes", "path"} or not isinstance(raw, bytes):
             raise PromptRecordError(
-                f"{where}: expected an image value {{'bytes': bytes, 'path': ...}}, got {_short(value)}"
+                f"{where}: expected an image value {{'bytes': bytes, 'path': ...}}, got {short_json(value)}"
             )
         data = raw
     elif isinstance(value, bytes):
@@ -200,7 +200,7 @@ def _data_uri(value: str, where: str, limits: ImageLimits) -> bytes:
     m = _DATA_URI.match(value)
     if m is None:
         raise PromptRecordError(
-            f"{where}: the string {_short(value)} is not a 'data:image/<format>;base64,...' URI "
+            f"{where}: the string {short_json(value)} is not a 'data:image/<format>;base64,...' URI "
             f"(a file path or URL is not read: data must not make a host read files)"
         )
     payload = value[m.end() :]
@@ -260,9 +260,10 @@ def _is_pil(value: Any) -> bool:
     return isinstance(value, Image.Image)
 
 
-def _short(value: Any) -> str:
+def short_json(value: Any, width: int = 60) -> str:
+    """``value`` as JSON for an error message (a non-JSON value as ``<type>``), cut to ``width``."""
     text = json.dumps(value, default=lambda v: f"<{type(v).__name__}>")
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _json_kind(value: Any) -> str:

@@ -42,7 +42,7 @@ from typing import Any
 from asyncrl.config.base import is_hub_id
 from asyncrl.data.images import IMAGES_KEY, ImageLimits
 from asyncrl.infra import ExpectedFailure
-from asyncrl.rollout.prompt_images import IMAGE_COLUMNS, PromptRecordError, chat_text, record_images
+from asyncrl.rollout.prompt_images import IMAGE_COLUMNS, PromptRecordError, chat_text, record_images, short_json
 
 DEFAULT_PROMPT_FIELD = "prompt"
 FALLBACK_PROMPT_FIELDS = ("question", "messages")
@@ -159,7 +159,8 @@ def _json_rows(path: Path, where: str) -> list[tuple[str, dict[str, Any]]]:
     rows = []
     for line_no, item in items:
         if not isinstance(item, dict):
-            raise PromptSourceError(f"{where}: {path}:{line_no}: expected a JSON object (a record), got {_short(item)}")
+            got = short_json(item, 40)
+            raise PromptSourceError(f"{where}: {path}:{line_no}: expected a JSON object (a record), got {got}")
         rows.append((f"{where}: {path}:{line_no}", item))
     return rows
 
@@ -195,11 +196,6 @@ def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos] in " \t\r\n":
         pos += 1
     return pos
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def split_record(
